@@ -1,0 +1,113 @@
+"""Environment variables read by otel-hicache.
+
+One constant per variable, each with its default, in the style of
+``opentelemetry.sdk.environment_variables``. The standard ``OTEL_*`` variables
+(``OTEL_SDK_DISABLED``, ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``,
+``OTEL_EXPORTER_OTLP_*``, ``OTEL_TRACES_SAMPLER(_ARG)``, ``OTEL_TRACES_EXPORTER``,
+``OTEL_METRICS_EXPORTER``, ``OTEL_METRIC_EXPORT_INTERVAL``...) keep their
+specified meaning; see :mod:`otel_hicache.configuration`.
+
+A malformed value never crashes the host: a one-time warning names the
+variable and the documented default is used instead.
+"""
+
+OTEL_HICACHE_ENABLED = "OTEL_HICACHE_ENABLED"
+"""
+.. envvar:: OTEL_HICACHE_ENABLED
+
+``true`` (default) or ``false``. ``false`` turns every ``submit()`` into an
+immediate return, as ``OTEL_SDK_DISABLED=true`` does.
+Default: ``true``
+"""
+
+OTEL_HICACHE_STRICT = "OTEL_HICACHE_STRICT"
+"""
+.. envvar:: OTEL_HICACHE_STRICT
+
+``1``/``true`` makes misuse of the API (unknown direction, negative or
+non-integer counts, ``page_size < 1``) raise ``ValueError``/``TypeError`` in the
+caller instead of being counted and warned about. Meant for tests.
+Default: ``false``
+"""
+
+OTEL_HICACHE_MAX_QUEUE_SIZE = "OTEL_HICACHE_MAX_QUEUE_SIZE"
+"""
+.. envvar:: OTEL_HICACHE_MAX_QUEUE_SIZE
+
+Most transfer records held between ``submit()`` and their span being emitted
+(queued, in flight on the device, or waiting for their ack). Beyond it new
+records are dropped and counted in ``otel_hicache.records.dropped{reason=queue_full}``.
+Default: ``16384``
+"""
+
+OTEL_HICACHE_POLL_INTERVAL_MS = "OTEL_HICACHE_POLL_INTERVAL_MS"
+"""
+.. envvar:: OTEL_HICACHE_POLL_INTERVAL_MS
+
+How often the completion worker polls ``finish_event.query()`` while records
+are pending. Device-timed durations do not depend on it; host-clock durations
+(no timing events) are rounded up to it.
+Default: ``1``
+"""
+
+OTEL_HICACHE_ACK_TIMEOUT_S = "OTEL_HICACHE_ACK_TIMEOUT_S"
+"""
+.. envvar:: OTEL_HICACHE_ACK_TIMEOUT_S
+
+How long a completed transfer submitted with ``expect_ack=True`` waits for
+``ack()`` before its span is emitted with ``hicache.acked=false``. Metrics other
+than ``hicache.transfer.ack_delay`` are recorded at completion and never wait.
+Default: ``30``
+"""
+
+OTEL_HICACHE_TRANSFER_TIMEOUT_S = "OTEL_HICACHE_TRANSFER_TIMEOUT_S"
+"""
+.. envvar:: OTEL_HICACHE_TRANSFER_TIMEOUT_S
+
+A transfer whose finish event has not completed after this long is reported
+as an error span (``error.type=transfer_timeout``), counted in
+``otel_hicache.records.failed`` and its slot freed.
+Default: ``60``
+"""
+
+OTEL_HICACHE_ANCHOR_INTERVAL_S = "OTEL_HICACHE_ANCHOR_INTERVAL_S"
+"""
+.. envvar:: OTEL_HICACHE_ANCHOR_INTERVAL_S
+
+How often the worker re-records and synchronizes its wall-clock anchor event
+(on its own side stream, never on the scheduler's thread).
+Default: ``1``
+"""
+
+OTEL_HICACHE_SHUTDOWN_TIMEOUT_S = "OTEL_HICACHE_SHUTDOWN_TIMEOUT_S"
+"""
+.. envvar:: OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
+
+Upper bound for ``shutdown()`` and for the flush at interpreter exit, including
+the exporters' final export, even when the collector is unreachable.
+Default: ``5``
+"""
+
+OTEL_HICACHE_SPAN_FAST_PATH = "OTEL_HICACHE_SPAN_FAST_PATH"
+"""
+.. envvar:: OTEL_HICACHE_SPAN_FAST_PATH
+
+``true`` (default): with an SDK ``TracerProvider``, finished spans are built as
+``ReadableSpan`` objects and handed to the provider's span processors directly
+(same sampler, id generator, resource and processors; about 8x cheaper than the
+``Tracer`` API). ``false`` uses the public ``Tracer`` API.
+Default: ``true``
+"""
+
+DEFAULTS = {
+    OTEL_HICACHE_ENABLED: True,
+    OTEL_HICACHE_STRICT: False,
+    OTEL_HICACHE_MAX_QUEUE_SIZE: 16384,
+    OTEL_HICACHE_POLL_INTERVAL_MS: 1.0,
+    OTEL_HICACHE_ACK_TIMEOUT_S: 30.0,
+    OTEL_HICACHE_TRANSFER_TIMEOUT_S: 60.0,
+    OTEL_HICACHE_ANCHOR_INTERVAL_S: 1.0,
+    OTEL_HICACHE_SHUTDOWN_TIMEOUT_S: 5.0,
+    OTEL_HICACHE_SPAN_FAST_PATH: True,
+}
+"""The documented default of every ``OTEL_HICACHE_*`` variable."""

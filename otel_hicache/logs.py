@@ -1,0 +1,85 @@
+"""The two DEBUG log lines per completed op (per-op and cumulative).
+
+Same fields as the SGLang seed's lines, plus the timing source and the trace
+and span ids of the op's span. Emitted from the completion worker, and only
+when ``otel_hicache`` is enabled for DEBUG: no formatting cost otherwise.
+Cumulative bandwidth is total bytes over the *busy* time (union of intervals),
+not over the sum of durations, so it stays right when ops overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .diagnostics import logger
+from .records import DIRECTIONS, TIERS, TransferRecord
+
+
+class CumulativeTotals:
+    __slots__ = ("events", "blocks", "bytes", "tokens", "busy_ns")
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.blocks = 0
+        self.bytes = 0
+        self.tokens = 0
+        self.busy_ns = 0
+
+
+class TransferLog:
+    def __init__(self) -> None:
+        self.totals = {d: CumulativeTotals() for d in DIRECTIONS}
+
+    @staticmethod
+    def enabled() -> bool:
+        return logger.isEnabledFor(logging.DEBUG)
+
+    def completed(self, record: TransferRecord, busy_added_ns: int) -> None:
+        totals = self.totals[record.direction]
+        totals.events += 1
+        totals.blocks += record.blocks
+        totals.bytes += record.num_bytes
+        totals.tokens += record.tokens
+        totals.busy_ns += busy_added_ns
+        if not logger.isEnabledFor(logging.DEBUG):
+            return
+        src, dst = TIERS[record.direction]
+        context = record.span_context
+        trace_id = f"{context.trace_id:032x}" if context is not None else ""
+        span_id = f"{context.span_id:016x}" if context is not None else ""
+        extra = {"otelTraceID": trace_id, "otelSpanID": span_id}
+        duration_us = record.duration_ns / 1e3
+        bandwidth = record.num_bytes / record.duration_ns if record.duration_ns else 0.0
+        logger.debug(
+            "%s transfer complete ts_us=%d blocks=%d bytes=%d tokens=%d xfer_us=%.1f bandwidth=%.2fGB/s "
+            'src="%s" dst="%s" timing_source=%s trace_id=%s span_id=%s',
+            record.direction.capitalize(),
+            record.end_ns // 1000,
+            record.blocks,
+            record.num_bytes,
+            record.tokens,
+            duration_us,
+            bandwidth,
+            src,
+            dst,
+            record.timing_source,
+            trace_id,
+            span_id,
+            extra=extra,
+        )
+        cumulative_bw = totals.bytes / totals.busy_ns if totals.busy_ns else 0.0
+        logger.debug(
+            '%s transfer cumulative direction="%s" total_events=%d total_blocks=%d total_bytes=%d '
+            "total_tokens=%d total_busy_us=%.1f bandwidth=%.2fGB/s trace_id=%s span_id=%s",
+            record.direction.capitalize(),
+            record.direction,
+            totals.events,
+            totals.blocks,
+            totals.bytes,
+            totals.tokens,
+            totals.busy_ns / 1e3,
+            cumulative_bw,
+            trace_id,
+            span_id,
+            extra=extra,
+        )

@@ -1,0 +1,181 @@
+"""OTel metrics derived from completed transfer records.
+
+Recorded on the completion worker from every record, before and independently
+of trace sampling, so counters are exact whatever the sampler drops.
+
+Cost control: counter increments are summed per attribute set in plain dicts
+and handed to the SDK once per worker cycle (:meth:`TransferMetrics.flush`),
+not once per op. Histograms are recorded per op (the SDK offers no batch
+record), with the span context of the op so trace-based exemplars link a
+bucket to its trace. Attribute dicts are built once per attribute set and
+reused.
+
+Every point carries the static attributes (ranks...), so per-rank series never
+sum by accident. Zero-valued series for both directions (and every drop
+reason) exist from start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from . import semconv as sc
+from .records import DIRECTIONS, TIERS, TransferRecord
+from .version import __version__
+
+
+class TransferMetrics:
+    def __init__(
+        self,
+        meter_provider: Any,
+        static: Mapping[str, Any],
+        queue_size: Callable[[], int] | None = None,
+    ) -> None:
+        meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
+        self._static = dict(static)
+
+        def counter(spec: tuple[str, str, str]) -> Any:
+            return meter.create_counter(spec[0], unit=spec[1], description=spec[2])
+
+        def histogram(spec: tuple[str, str, str], buckets: tuple[float, ...]) -> Any:
+            return meter.create_histogram(
+                spec[0], unit=spec[1], description=spec[2], explicit_bucket_boundaries_advisory=buckets
+            )
+
+        self.duration = histogram(sc.TRANSFER_DURATION, sc.DURATION_BUCKETS_S)
+        self.bandwidth = histogram(sc.TRANSFER_BANDWIDTH, sc.BANDWIDTH_BUCKETS)
+        self.queue_wait = histogram(sc.TRANSFER_QUEUE_WAIT, sc.DURATION_BUCKETS_S)
+        self.ack_delay = histogram(sc.TRANSFER_ACK_DELAY, sc.DURATION_BUCKETS_S)
+        self.bytes = counter(sc.TRANSFER_BYTES)
+        self.blocks = counter(sc.TRANSFER_BLOCKS)
+        self.tokens = counter(sc.TRANSFER_TOKENS)
+        self.busy_time = counter(sc.TRANSFER_BUSY_TIME)
+        self.inflight = meter.create_up_down_counter(
+            sc.TRANSFER_INFLIGHT[0], unit=sc.TRANSFER_INFLIGHT[1], description=sc.TRANSFER_INFLIGHT[2]
+        )
+        self.dropped = counter(sc.RECORDS_DROPPED)
+        self.failed = counter(sc.RECORDS_FAILED)
+        if queue_size is not None:
+            from opentelemetry.metrics import Observation
+
+            static_attrs = self._static
+            meter.create_observable_gauge(
+                sc.QUEUE_SIZE[0],
+                callbacks=[lambda _options: [Observation(queue_size(), static_attrs)]],
+                unit=sc.QUEUE_SIZE[1],
+                description=sc.QUEUE_SIZE[2],
+            )
+
+        # attribute dicts, built once per attribute set
+        self._by_direction = {d: self._attrs({sc.DIRECTION: d}) for d in DIRECTIONS}
+        self._by_tiers = {
+            d: self._attrs({sc.DIRECTION: d, sc.SRC_TIER: TIERS[d][0], sc.DST_TIER: TIERS[d][1]})
+            for d in DIRECTIONS
+        }
+        self._by_pool: dict[tuple[str, str], dict[str, Any]] = {}
+        self._by_duration: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._by_reason: dict[str, dict[str, Any]] = {}
+        self._default_io_backend = str(self._static.get(sc.IO_BACKEND, "unknown"))
+        # pending counter increments: (instrument, attrs id) -> [attrs, amount]
+        self._pending: dict[tuple[int, int], list[Any]] = {}
+        self._zero_series()
+
+    def _attrs(self, extra: Mapping[str, Any]) -> dict[str, Any]:
+        attrs = dict(self._static)
+        attrs.update(extra)
+        return attrs
+
+    def _pool_attrs(self, direction: str, pool: str) -> dict[str, Any]:
+        key = (direction, pool)
+        attrs = self._by_pool.get(key)
+        if attrs is None:
+            attrs = self._by_pool[key] = self._attrs({sc.DIRECTION: direction, sc.POOL: pool})
+        return attrs
+
+    def _duration_attrs(self, record: TransferRecord) -> dict[str, Any]:
+        io_backend = self._default_io_backend if record.io_backend is None else str(record.io_backend)
+        key = (record.direction, io_backend, record.timing_source)
+        attrs = self._by_duration.get(key)
+        if attrs is None:
+            src, dst = TIERS[record.direction]
+            attrs = self._by_duration[key] = self._attrs(
+                {
+                    sc.DIRECTION: record.direction,
+                    sc.SRC_TIER: src,
+                    sc.DST_TIER: dst,
+                    sc.IO_BACKEND: io_backend,
+                    sc.TIMING_SOURCE: record.timing_source,
+                }
+            )
+        return attrs
+
+    def _zero_series(self) -> None:
+        for d in DIRECTIONS:
+            self.bytes.add(0, self._by_tiers[d])
+            self.blocks.add(0, self._by_direction[d])
+            self.busy_time.add(0, self._by_direction[d])
+            self.inflight.add(0, self._by_direction[d])
+            self.tokens.add(0, self._pool_attrs(d, "kv"))
+        for reason in sc.DROP_REASONS:
+            self.dropped.add(0, self._reason_attrs(reason))
+        for reason in sc.FAIL_REASONS:
+            self.failed.add(0, self._reason_attrs(reason))
+
+    # -- batched counters -------------------------------------------------
+    def _add(self, instrument: Any, attrs: dict[str, Any], amount: float) -> None:
+        key = (id(instrument), id(attrs))
+        entry = self._pending.get(key)
+        if entry is None:
+            self._pending[key] = [instrument, attrs, amount]
+        else:
+            entry[2] += amount
+
+    def flush(self) -> None:
+        """Hand the summed counter increments to the SDK (once per worker cycle)."""
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = {}
+        for instrument, attrs, amount in pending.values():
+            if amount:
+                instrument.add(amount, attrs)
+
+    # -- per record ---------------------------------------------------------
+    def submitted(self, direction: str, count: int = 1) -> None:
+        self._add(self.inflight, self._by_direction[direction], count)
+
+    def completed(self, record: TransferRecord, busy_added_ns: int) -> None:
+        """A transfer finished successfully: counters, duration, bandwidth, queue wait."""
+        direction = record.direction
+        by_direction = self._by_direction[direction]
+        context = record.exemplar_context
+        self._add(self.inflight, by_direction, -1)
+        self._add(self.bytes, self._by_tiers[direction], record.num_bytes)
+        self._add(self.blocks, by_direction, record.blocks)
+        for pool, tokens in zip(record.pool_names, record.pool_tokens):
+            self._add(self.tokens, self._pool_attrs(direction, pool), tokens)
+        if busy_added_ns:
+            self._add(self.busy_time, by_direction, busy_added_ns / 1e9)
+        duration_s = record.duration_ns / 1e9
+        self.duration.record(duration_s, self._duration_attrs(record), context=context)
+        if record.duration_ns > 0:
+            self.bandwidth.record(record.num_bytes / duration_s, by_direction, context=context)
+        if record.queue_wait_ns is not None:
+            self.queue_wait.record(record.queue_wait_ns / 1e9, by_direction, context=context)
+
+    def acked(self, record: TransferRecord) -> None:
+        delay_ns = max(0, record.ack_ns - record.end_ns)
+        self.ack_delay.record(delay_ns / 1e9, self._by_direction[record.direction], context=record.exemplar_context)
+
+    def failed_record(self, record: TransferRecord, reason: str) -> None:
+        self._add(self.inflight, self._by_direction[record.direction], -1)
+        self._add(self.failed, self._reason_attrs(reason), 1)
+
+    def dropped_records(self, reason: str, count: int = 1) -> None:
+        self._add(self.dropped, self._reason_attrs(reason), count)
+
+    def _reason_attrs(self, reason: str) -> dict[str, Any]:
+        attrs = self._by_reason.get(reason)
+        if attrs is None:
+            attrs = self._by_reason[reason] = self._attrs({sc.REASON: reason})
+        return attrs

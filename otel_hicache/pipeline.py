@@ -1,0 +1,323 @@
+"""The off-thread completion pipeline.
+
+The caller's thread only appends records to a bounded queue. One daemon
+worker per process (per :class:`CompletionPipeline`) does everything else:
+
+1. intake: validate each record (invalid ones are counted and warned about
+   once, never raised), count it in flight;
+2. completion: poll ``finish_event.query()`` (never ``synchronize()``, never
+   ``elapsed_time()`` before both events completed), time out stuck
+   transfers;
+3. on completion: resolve timing (:mod:`otel_hicache.timing`), add to busy
+   time, begin the span, record metrics and the DEBUG lines;
+4. finish the span once acked (or the ack wait timed out, or no ack expected);
+5. hand the cycle's summed counter increments to the SDK.
+
+After ``fork()`` the child starts with an empty pipeline and a new worker
+(the parent's records stay the parent's), and rebuilds its sinks (see
+:class:`otel_hicache.telemetry.TransferTelemetry`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any, Callable
+
+from . import semconv as sc
+from .busy_time import BusyTimeTracker
+from .clock import WallClockAnchor
+from .device import anchor_factory_for
+from .diagnostics import logger, warn_once
+from .records import DIRECTIONS, TransferRecord, validate
+from .timing import is_complete, resolve
+
+
+class Sinks:
+    """Where resolved records go: spans, metrics, logs. Built per process."""
+
+    __slots__ = ("spans", "metrics", "log")
+
+    def __init__(self, spans: Any, metrics: Any, log: Any) -> None:
+        self.spans = spans
+        self.metrics = metrics
+        self.log = log
+
+
+class PipelineSettings:
+    __slots__ = (
+        "max_queue_size",
+        "poll_interval_s",
+        "ack_timeout_ns",
+        "transfer_timeout_ns",
+        "anchor_interval_s",
+    )
+
+    def __init__(
+        self,
+        max_queue_size: int = 16384,
+        poll_interval_s: float = 0.001,
+        ack_timeout_s: float = 30.0,
+        transfer_timeout_s: float = 60.0,
+        anchor_interval_s: float = 1.0,
+    ) -> None:
+        self.max_queue_size = max_queue_size
+        self.poll_interval_s = poll_interval_s
+        self.ack_timeout_ns = int(ack_timeout_s * 1e9)
+        self.transfer_timeout_ns = int(transfer_timeout_s * 1e9)
+        self.anchor_interval_s = anchor_interval_s
+
+
+_IDLE_WAIT_S = 0.05
+_ACK_SCAN_INTERVAL_NS = 5_000_000
+
+
+class CompletionPipeline:
+    def __init__(
+        self,
+        settings: PipelineSettings,
+        build_sinks: Callable[[], Sinks],
+        clock: Callable[[], int] = time.time_ns,
+        anchor_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._build_sinks = build_sinks
+        self._clock = clock
+        self._anchor_factory = anchor_factory
+        self._init_state()
+        self._start_worker()
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.WeakMethod(self._after_fork_in_child)
+
+            def _child() -> None:
+                method = ref()
+                if method is not None:
+                    method()
+
+            os.register_at_fork(after_in_child=_child)
+
+    # -- state -----------------------------------------------------------
+    def _init_state(self) -> None:
+        self.queue: deque[TransferRecord] = deque()
+        self.held = 0  # records the worker holds (pending + awaiting ack)
+        self._pending: list[TransferRecord] = []
+        self._awaiting: list[tuple[TransferRecord, Any]] = []
+        self._last_ack_scan = 0
+        self._busy = {d: BusyTimeTracker() for d in DIRECTIONS}
+        self._anchor: WallClockAnchor | None = None
+        self._anchor_resolved = False
+        self._sinks: Sinks | None = None
+        self._wake = threading.Event()
+        self.idle = False
+        self._stopping = False
+        self._drain_all = False
+        self._flush_waiters: list[threading.Event] = []
+        self._lock = threading.Lock()
+        self.queue_full_drops = 0
+        self._queue_full_reported = 0
+
+    def _start_worker(self) -> None:
+        self._worker = threading.Thread(target=self._run, name="otel-hicache-completion", daemon=True)
+        self._worker.start()
+
+    def _after_fork_in_child(self) -> None:
+        self._init_state()
+        self._start_worker()
+
+    def size(self) -> int:
+        return len(self.queue) + self.held
+
+    # -- control (any thread) -----------------------------------------------
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued record is processed and every one in flight
+        completed (or ``timeout_s`` passed). Records waiting for an ack stay held."""
+        done = threading.Event()
+        with self._lock:
+            self._flush_waiters.append(done)
+        self._wake.set()
+        return done.wait(timeout_s)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Flush, emit records still waiting for an ack, stop the worker."""
+        flushed = self.flush(timeout_s)
+        self._drain_all = True
+        self._stopping = True
+        self._wake.set()
+        self._worker.join(max(0.1, timeout_s))
+        return flushed and not self._worker.is_alive()
+
+    # -- worker ------------------------------------------------------------
+    def _run(self) -> None:
+        poll = self.settings.poll_interval_s
+        while True:
+            try:
+                self._cycle()
+            except Exception as exc:  # keep the worker alive whatever happens
+                warn_once("worker", "otel-hicache: completion worker error %r (continuing)", exc)
+                logger.debug("otel-hicache worker error", exc_info=True)
+            if self._stopping:
+                self._cycle_final()
+                return
+            busy = bool(self._pending or self._awaiting)
+            if not busy and not self.queue:
+                self.idle = True
+                if self.queue:  # appended between the check and the flag
+                    self.idle = False
+                    continue
+                self._wake.wait(_IDLE_WAIT_S)
+                self.idle = False
+            else:
+                self._wake.wait(poll)
+            self._wake.clear()
+
+    def _sinks_now(self) -> Sinks:
+        sinks = self._sinks
+        if sinks is None:
+            sinks = self._sinks = self._build_sinks()
+        return sinks
+
+    def _cycle(self) -> None:
+        sinks = self._sinks_now()
+        metrics = sinks.metrics
+        queue = self.queue
+        cap = self.settings.max_queue_size
+        # 1. intake
+        while queue:
+            record = queue.popleft()
+            try:
+                validate(record)
+            except (TypeError, ValueError) as exc:
+                metrics.dropped_records(sc.DROP_INVALID_INPUT)
+                warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
+                          "otel-hicache: dropped a transfer record: %s", exc)
+                continue
+            if len(self._pending) + len(self._awaiting) >= cap:
+                self.queue_full_drops += 1
+                continue
+            metrics.submitted(record.direction)
+            self._pending.append(record)
+        self._report_queue_full(metrics)
+        now = self._clock()
+        # 2./3. completion
+        if self._pending:
+            if self._anchor is not None:
+                self._anchor.maybe_refresh(now)
+            still = []
+            timeout = self.settings.transfer_timeout_ns
+            for record in self._pending:
+                try:
+                    done = is_complete(record)
+                except Exception as exc:
+                    self._fail(record, sc.FAIL_EVENT_ERROR, now, exc)
+                    continue
+                if done:
+                    self._complete(record, sinks)
+                elif now - record.submit_ns > timeout:
+                    self._fail(record, sc.FAIL_TRANSFER_TIMEOUT, now, None)
+                else:
+                    still.append(record)
+            self._pending = still
+        # 4. acks
+        if self._awaiting and (self._drain_all or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS
+                               or self._flush_waiters):
+            self._last_ack_scan = now
+            self._scan_acks(sinks, now)
+        self.held = len(self._pending) + len(self._awaiting)
+        # 5. counters
+        metrics.flush()
+        if self._flush_waiters and not self._pending and not self.queue:
+            with self._lock:
+                waiters, self._flush_waiters = self._flush_waiters, []
+            for waiter in waiters:
+                waiter.set()
+
+    def _cycle_final(self) -> None:
+        """On stop: what is still in flight is dropped and counted."""
+        sinks = self._sinks_now()
+        if self._pending:
+            sinks.metrics.dropped_records(sc.DROP_SHUTDOWN, len(self._pending))
+            for record in self._pending:
+                sinks.metrics.submitted(record.direction, -1)
+            warn_once("shutdown", "otel-hicache: %d transfers still in flight at shutdown were not reported",
+                      len(self._pending))
+            self._pending = []
+        self._scan_acks(sinks, self._clock())
+        self.held = 0
+        sinks.metrics.flush()
+
+    def _report_queue_full(self, metrics: Any) -> None:
+        drops = self.queue_full_drops
+        if drops != self._queue_full_reported:
+            metrics.dropped_records(sc.DROP_QUEUE_FULL, drops - self._queue_full_reported)
+            self._queue_full_reported = drops
+            warn_once(
+                "queue_full",
+                "otel-hicache: transfer record queue full (OTEL_HICACHE_MAX_QUEUE_SIZE=%d); dropping "
+                "records, counted in otel_hicache.records.dropped{reason=queue_full}",
+                self.settings.max_queue_size,
+            )
+
+    def _anchor_for(self, record: TransferRecord) -> WallClockAnchor | None:
+        if not self._anchor_resolved:
+            self._anchor_resolved = True
+            factory = self._anchor_factory
+            if factory is None:
+                try:
+                    factory = anchor_factory_for(record.start_event)
+                except Exception:
+                    factory = None
+            if factory is not None:
+                self._anchor = WallClockAnchor(factory, self.settings.anchor_interval_s, self._clock)
+                self._anchor.refresh()
+        return self._anchor
+
+    def _complete(self, record: TransferRecord, sinks: Sinks) -> None:
+        now = self._clock()
+        anchor = self._anchor_for(record) if record.timing_enabled and record.start_event is not None else None
+        resolve(record, now, anchor)
+        busy_added = self._busy[record.direction].add(record.start_ns, record.end_ns)
+        state = sinks.spans.begin(record)
+        sinks.metrics.completed(record, busy_added)
+        sinks.log.completed(record, busy_added)
+        if record.expect_ack and record.ack_ns is None:
+            record.completed_at_ns = now
+            self._awaiting.append((record, state))
+        else:
+            self._finish(record, state, sinks)
+
+    def _finish(self, record: TransferRecord, state: Any, sinks: Sinks) -> None:
+        if record.ack_ns is not None:
+            sinks.metrics.acked(record)
+        sinks.spans.finish(record, state)
+
+    def _scan_acks(self, sinks: Sinks, now: int) -> None:
+        timeout = self.settings.ack_timeout_ns
+        keep = []
+        for record, state in self._awaiting:
+            if record.ack_ns is not None or self._drain_all or now - record.completed_at_ns > timeout:
+                self._finish(record, state, sinks)
+            else:
+                keep.append((record, state))
+        self._awaiting = keep
+
+    def _fail(self, record: TransferRecord, reason: str, now: int, exc: BaseException | None) -> None:
+        sinks = self._sinks_now()
+        record.error = reason
+        resolve_host = record.timing_enabled
+        record.timing_enabled = False  # an event misbehaved or never finished: host clock only
+        resolve(record, now, None)
+        record.timing_enabled = resolve_host
+        record.expect_ack = False
+        state = sinks.spans.begin(record)
+        sinks.metrics.failed_record(record, reason)
+        sinks.spans.finish(record, state)
+        if reason == sc.FAIL_EVENT_ERROR:
+            warn_once(f"event_error:{type(exc).__name__}",
+                      "otel-hicache: a transfer's event raised %r; reported as an error span", exc)
+        else:
+            warn_once("transfer_timeout",
+                      "otel-hicache: a transfer did not complete within OTEL_HICACHE_TRANSFER_TIMEOUT_S=%.0f s; "
+                      "reported as an error span and its slot freed", self.settings.transfer_timeout_ns / 1e9)

@@ -1,0 +1,165 @@
+"""Transfer records: what ``submit()`` captures on the hot path.
+
+A record is a plain slotted object. The caller's thread only fills the
+``submit``-time fields; validation, timing and everything else happens on the
+completion worker (:mod:`otel_hicache.pipeline`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Mapping
+
+OFFLOAD = "offload"
+"""Write-back: device (L1) to host (L2)."""
+ONBOARD = "onboard"
+"""Load-back: host (L2) to device (L1)."""
+
+DIRECTIONS = (OFFLOAD, ONBOARD)
+
+TIERS = {OFFLOAD: ("L1", "L2"), ONBOARD: ("L2", "L1")}
+"""Source and destination tier of each direction."""
+
+DEVICE_EVENT = "device_event"
+"""Duration from ``start_event.elapsed_time(finish_event)``."""
+HOST_CLOCK = "host_clock"
+"""Duration from the host clock (no timing events, or they failed)."""
+
+
+class TransferRecord:
+    """One merged op (or one direct copy), from submit to its emitted span.
+
+    Returned by ``TransferTelemetry.submit()`` as the handle to pass to
+    ``ack()``. Treat it as opaque.
+    """
+
+    __slots__ = (
+        # captured on the caller's thread
+        "direction",
+        "tokens_by_pool",
+        "num_bytes",
+        "page_size",
+        "start_event",
+        "finish_event",
+        "timing_enabled",
+        "io_backend",
+        "attributes",
+        "expect_ack",
+        "submit_ns",
+        "parent_context",
+        "host_start_ns",
+        "host_end_ns",
+        "ack_ns",
+        # filled by the worker
+        "tokens",
+        "blocks",
+        "pool_names",
+        "pool_tokens",
+        "timing_source",
+        "start_ns",
+        "end_ns",
+        "duration_ns",
+        "queue_wait_ns",
+        "error",
+        "span_context",
+        "exemplar_context",
+        "completed_at_ns",
+    )
+
+    def __init__(
+        self,
+        direction: Any,
+        tokens_by_pool: Any,
+        num_bytes: Any,
+        page_size: Any,
+        start_event: Any,
+        finish_event: Any,
+        timing_enabled: bool,
+        io_backend: Any,
+        attributes: Any,
+        expect_ack: bool,
+        submit_ns: int,
+        parent_context: Any,
+        host_start_ns: int | None = None,
+        host_end_ns: int | None = None,
+    ) -> None:
+        self.direction = direction
+        self.tokens_by_pool = tokens_by_pool
+        self.num_bytes = num_bytes
+        self.page_size = page_size
+        self.start_event = start_event
+        self.finish_event = finish_event
+        self.timing_enabled = timing_enabled
+        self.io_backend = io_backend
+        self.attributes = attributes
+        self.expect_ack = expect_ack
+        self.submit_ns = submit_ns
+        self.parent_context = parent_context
+        self.host_start_ns = host_start_ns
+        self.host_end_ns = host_end_ns
+        self.ack_ns = None
+        self.tokens = 0
+        self.blocks = 0
+        self.pool_names: tuple[str, ...] = ()
+        self.pool_tokens: tuple[int, ...] = ()
+        self.timing_source = HOST_CLOCK
+        self.start_ns = 0
+        self.end_ns = 0
+        self.duration_ns = 0
+        self.queue_wait_ns = None
+        self.error = None
+        self.span_context = None
+        self.exemplar_context = None
+        self.completed_at_ns = None
+
+
+def _count(value: Any, what: str) -> int:
+    """A non-negative integer count, or a ValueError/TypeError naming ``what``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, got bool {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+    if number < 0:
+        raise ValueError(f"{what} must be >= 0, got {number}")
+    return number
+
+
+def validate(record: TransferRecord) -> None:
+    """Check and normalize a record's submit-time fields in place.
+
+    Raises ``ValueError``/``TypeError`` with a message naming the problem. On
+    success ``tokens`` (the anchor pool's count, as ``HiCacheAck.num_tokens``),
+    ``blocks = ceil(tokens / page_size)``, ``pool_names``/``pool_tokens`` and an
+    integer ``num_bytes`` are set.
+    """
+    if record.direction not in TIERS:
+        raise ValueError(f"direction must be 'offload' or 'onboard', got {record.direction!r}")
+    page_size = record.page_size
+    if isinstance(page_size, bool):
+        raise TypeError(f"page_size must be an integer, got bool {page_size!r}")
+    try:
+        page_size = operator.index(page_size)
+    except TypeError:
+        raise TypeError(f"page_size must be an integer, got {type(page_size).__name__} {page_size!r}") from None
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    record.page_size = page_size
+    record.num_bytes = _count(record.num_bytes, "num_bytes")
+    pools = record.tokens_by_pool
+    if pools is None:
+        pools = {}
+    if not isinstance(pools, Mapping):
+        raise TypeError(f"tokens_by_pool must be a mapping of pool name to tokens, got {type(pools).__name__}")
+    names = []
+    counts = []
+    for name, count in pools.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"tokens_by_pool keys must be non-empty strings, got {name!r}")
+        names.append(name)
+        counts.append(_count(count, f"tokens_by_pool[{name!r}]"))
+    record.pool_names = tuple(names)
+    record.pool_tokens = tuple(counts)
+    record.tokens = counts[0] if counts else 0
+    record.blocks = -(-record.tokens // page_size)

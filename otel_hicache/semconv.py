@@ -1,0 +1,119 @@
+"""Names of every span, attribute and metric otel-hicache emits.
+
+One source of truth, used by :mod:`otel_hicache.spans`,
+:mod:`otel_hicache.metrics`, the tests and the reference in ``docs/``. No token
+ids, node ids or hashes are ever attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+SCOPE_NAME: Final = "otel_hicache"
+
+# span names
+SPAN_OFFLOAD: Final = "hicache.offload"
+SPAN_ONBOARD: Final = "hicache.onboard"
+
+# span events
+EVENT_SUBMITTED: Final = "submitted"
+EVENT_ACKED: Final = "acked"
+
+# attributes (spans; the metric subset is listed per instrument below)
+DIRECTION: Final = "hicache.direction"
+SRC_TIER: Final = "hicache.src_tier"
+DST_TIER: Final = "hicache.dst_tier"
+TOKENS: Final = "hicache.tokens"
+BLOCKS: Final = "hicache.blocks"
+BYTES: Final = "hicache.bytes"
+PAGE_SIZE: Final = "hicache.page_size"
+POOL_NAMES: Final = "hicache.pool.names"
+POOL_TOKENS: Final = "hicache.pool.tokens"
+POOL: Final = "hicache.pool"
+IO_BACKEND: Final = "hicache.io_backend"
+TIMING_SOURCE: Final = "hicache.timing_source"
+QUEUE_WAIT_US: Final = "hicache.queue_wait_us"
+ACK_DELAY_US: Final = "hicache.ack_delay_us"
+ACKED: Final = "hicache.acked"
+BANDWIDTH: Final = "hicache.bandwidth_bytes_per_second"
+ERROR_TYPE: Final = "error.type"
+REASON: Final = "reason"
+
+# metrics: name, unit, description
+TRANSFER_DURATION = (
+    "hicache.transfer.duration",
+    "s",
+    "Duration of one L1<->L2 merged op: device time between its timing events "
+    "(hicache.timing_source=device_event) or host time (host_clock).",
+)
+TRANSFER_BYTES = ("hicache.transfer.bytes", "By", "Bytes moved between L1 and L2, per rank.")
+TRANSFER_BLOCKS = (
+    "hicache.transfer.blocks",
+    "{block}",
+    "Blocks (pages) moved: ceil(anchor-pool tokens / page size) per op.",
+)
+TRANSFER_TOKENS = ("hicache.transfer.tokens", "{token}", "Tokens moved, per host pool (hicache.pool).")
+TRANSFER_BANDWIDTH = (
+    "hicache.transfer.bandwidth",
+    "By/s",
+    "Per-op bandwidth: bytes / duration of that op. For link throughput use "
+    "rate(bytes) / rate(busy_time).",
+)
+TRANSFER_QUEUE_WAIT = (
+    "hicache.transfer.queue_wait",
+    "s",
+    "Host submit to device start of the copy (needs timing events and a wall-clock anchor).",
+)
+TRANSFER_ACK_DELAY = (
+    "hicache.transfer.ack_delay",
+    "s",
+    "Device finish of the copy to the consumer taking its ack.",
+)
+TRANSFER_BUSY_TIME = (
+    "hicache.transfer.busy_time",
+    "s",
+    "Union of busy intervals per direction: overlapping ops count once.",
+)
+TRANSFER_INFLIGHT = (
+    "hicache.transfer.inflight",
+    "{transfer}",
+    "Ops submitted whose completion has not been observed yet.",
+)
+RECORDS_DROPPED = (
+    "otel_hicache.records.dropped",
+    "{record}",
+    "Transfer records otel-hicache dropped before reporting them (reason: "
+    "queue_full, invalid_input, shutdown).",
+)
+RECORDS_FAILED = (
+    "otel_hicache.records.failed",
+    "{record}",
+    "Transfers reported as error spans, not counted in the transfer metrics "
+    "(reason: event_error, transfer_timeout).",
+)
+QUEUE_SIZE = (
+    "otel_hicache.queue.size",
+    "{record}",
+    "Records held by the completion pipeline (queued, in flight or awaiting their ack).",
+)
+
+DROP_QUEUE_FULL: Final = "queue_full"
+DROP_INVALID_INPUT: Final = "invalid_input"
+DROP_SHUTDOWN: Final = "shutdown"
+FAIL_EVENT_ERROR: Final = "event_error"
+FAIL_TRANSFER_TIMEOUT: Final = "transfer_timeout"
+DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN)
+FAIL_REASONS = (FAIL_EVENT_ERROR, FAIL_TRANSFER_TIMEOUT)
+
+DURATION_BUCKETS_S = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+"""Explicit second-based buckets, 10 us to 60 s (the SDK defaults assume ms)."""
+
+BANDWIDTH_BUCKETS = (
+    1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 1.5e10, 2e10, 2.5e10,
+    3e10, 4e10, 5e10, 7.5e10, 1e11, 2e11, 4e11, 1e12,
+)
+"""Bytes per second, 100 MB/s to 1 TB/s (PCIe Gen4/5 and C2C links)."""

@@ -1,0 +1,211 @@
+"""Spans for transfer records, built on the completion worker.
+
+A span is begun when the transfer's completion is observed (so metrics recorded
+then can carry its span context as an exemplar) and finished when its ack
+arrives, its ack wait times out, or right away when no ack is expected. Span
+start/end are the copy's own times (device time placed on the wall clock), so
+the span duration is the DMA time however late the ack is.
+
+Two builders share one attribute set:
+
+* :class:`FastSpanBuilder` (default with an SDK ``TracerProvider``): runs the
+  provider's sampler and id generator itself and hands a finished
+  ``ReadableSpan`` to the provider's span processors. It skips the ``Tracer``
+  API's per-span overhead (mostly attribute re-validation: our attributes are
+  built here with known types); processors' ``on_start`` is not called.
+* :class:`ApiSpanBuilder`: the public ``Tracer`` API, for any other provider or
+  with ``OTEL_HICACHE_SPAN_FAST_PATH=false``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation import set_span_in_context
+
+from . import semconv as sc
+from .records import ONBOARD, TIERS, TransferRecord
+from .version import __version__
+
+SPAN_NAMES = {"offload": sc.SPAN_OFFLOAD, ONBOARD: sc.SPAN_ONBOARD}
+
+
+def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[str, Any]:
+    """Everything a transfer span carries, ack fields aside."""
+    src, dst = TIERS[record.direction]
+    attrs: dict[str, Any] = dict(static)
+    attrs[sc.DIRECTION] = record.direction
+    attrs[sc.SRC_TIER] = src
+    attrs[sc.DST_TIER] = dst
+    attrs[sc.TOKENS] = record.tokens
+    attrs[sc.BLOCKS] = record.blocks
+    attrs[sc.BYTES] = record.num_bytes
+    attrs[sc.PAGE_SIZE] = record.page_size
+    attrs[sc.POOL_NAMES] = record.pool_names
+    attrs[sc.POOL_TOKENS] = record.pool_tokens
+    if record.io_backend is not None:
+        attrs[sc.IO_BACKEND] = str(record.io_backend)
+    attrs[sc.TIMING_SOURCE] = record.timing_source
+    if record.queue_wait_ns is not None:
+        attrs[sc.QUEUE_WAIT_US] = record.queue_wait_ns / 1e3
+    if record.duration_ns > 0 and record.error is None:
+        attrs[sc.BANDWIDTH] = record.num_bytes * 1e9 / record.duration_ns
+    extra = record.attributes
+    if extra:
+        for key, value in extra.items():
+            if isinstance(key, str) and _valid_value(value):
+                attrs[key] = value
+    if record.error is not None:
+        attrs[sc.ERROR_TYPE] = record.error
+    return attrs
+
+
+def _valid_value(value: Any) -> bool:
+    if isinstance(value, (str, bool, int, float)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(v, (str, bool, int, float)) for v in value)
+    return False
+
+
+def _ack_attributes(record: TransferRecord, attrs: dict[str, Any]) -> None:
+    if record.ack_ns is not None:
+        attrs[sc.ACKED] = True
+        attrs[sc.ACK_DELAY_US] = max(0, record.ack_ns - record.end_ns) / 1e3
+    elif record.expect_ack:
+        attrs[sc.ACKED] = False
+
+
+def _events(record: TransferRecord, make_event: Any) -> list[Any]:
+    events = [make_event(sc.EVENT_SUBMITTED, record.submit_ns)]
+    if record.ack_ns is not None:
+        events.append(make_event(sc.EVENT_ACKED, record.ack_ns))
+    return events
+
+
+def _status(record: TransferRecord) -> Status:
+    if record.error is None:
+        return Status(StatusCode.UNSET)
+    return Status(StatusCode.ERROR, record.error)
+
+
+class ApiSpanBuilder:
+    """Spans through the public Tracer API (any TracerProvider)."""
+
+    def __init__(self, tracer_provider: Any, static: Mapping[str, Any]) -> None:
+        self._tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
+        self._static = static
+
+    def begin(self, record: TransferRecord) -> Any:
+        span = self._tracer.start_span(
+            SPAN_NAMES[record.direction],
+            context=record.parent_context,
+            kind=SpanKind.INTERNAL,
+            attributes=span_attributes(record, self._static),
+            start_time=record.start_ns,
+        )
+        record.span_context = span.get_span_context()
+        if record.span_context.trace_flags.sampled:
+            record.exemplar_context = set_span_in_context(span)
+        return span
+
+    def finish(self, record: TransferRecord, span: Any) -> None:
+        if not span.is_recording():
+            return
+        attrs: dict[str, Any] = {}
+        _ack_attributes(record, attrs)
+        if attrs:
+            span.set_attributes(attrs)
+        span.add_event(sc.EVENT_SUBMITTED, timestamp=record.submit_ns)
+        if record.ack_ns is not None:
+            span.add_event(sc.EVENT_ACKED, timestamp=record.ack_ns)
+        if record.error is not None:
+            span.set_status(_status(record))
+        span.end(end_time=record.end_ns)
+
+
+class FastSpanBuilder:
+    """Finished ``ReadableSpan``s straight to an SDK provider's processors."""
+
+    def __init__(self, tracer_provider: Any, static: Mapping[str, Any]) -> None:
+        from opentelemetry.sdk.trace import Event, ReadableSpan, Tracer
+
+        tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
+        if not isinstance(tracer, Tracer):
+            raise TypeError(f"not an SDK tracer: {type(tracer).__name__}")
+        self._tracer = tracer
+        # attributes of the SDK Tracer we rely on; fail now, not per span
+        self._sampler = tracer.sampler
+        self._ids = tracer.id_generator
+        self._resource = tracer.resource
+        self._processor = tracer.span_processor
+        self._scope = tracer._instrumentation_scope  # pylint: disable=protected-access
+        self._enabled = getattr(tracer, "_is_enabled", lambda: True)
+        self._event = Event
+        self._readable = ReadableSpan
+        self._static = static
+
+    def begin(self, record: TransferRecord) -> Any:
+        if not self._enabled():
+            return None
+        parent_context = record.parent_context
+        parent = trace.get_current_span(parent_context).get_span_context()
+        if parent.is_valid:
+            trace_id = parent.trace_id
+            random_trace_id = parent.trace_flags.random_trace_id
+        else:
+            parent = None
+            trace_id = self._ids.generate_trace_id()
+            random_trace_id = self._ids.is_trace_id_random()
+        name = SPAN_NAMES[record.direction]
+        result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, None, ())
+        flags = trace.TraceFlags.SAMPLED if result.decision.is_sampled() else trace.TraceFlags.DEFAULT
+        if random_trace_id:
+            flags |= trace.TraceFlags.RANDOM_TRACE_ID
+        context = trace.SpanContext(
+            trace_id,
+            self._ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=trace.TraceFlags(flags),
+            trace_state=result.trace_state,
+        )
+        record.span_context = context
+        if not result.decision.is_recording():
+            return None
+        if context.trace_flags.sampled:
+            record.exemplar_context = set_span_in_context(NonRecordingSpan(context))
+        return (parent, result.attributes)
+
+    def finish(self, record: TransferRecord, state: Any) -> None:
+        if state is None:
+            return
+        parent, sampler_attributes = state
+        attrs = span_attributes(record, self._static)
+        if sampler_attributes:
+            attrs.update(sampler_attributes)
+        _ack_attributes(record, attrs)
+        span = self._readable(
+            name=SPAN_NAMES[record.direction],
+            context=record.span_context,
+            parent=parent,
+            resource=self._resource,
+            attributes=attrs,
+            events=_events(record, lambda name, ts: self._event(name, None, ts)),
+            kind=SpanKind.INTERNAL,
+            status=_status(record),
+            start_time=record.start_ns,
+            end_time=record.end_ns,
+            instrumentation_scope=self._scope,
+        )
+        self._processor.on_end(span)
+
+
+def make_span_builder(tracer_provider: Any, static: Mapping[str, Any], fast_path: bool) -> Any:
+    if fast_path:
+        try:
+            return FastSpanBuilder(tracer_provider, static)
+        except Exception:  # not an SDK provider, or an SDK we do not know
+            pass
+    return ApiSpanBuilder(tracer_provider, static)

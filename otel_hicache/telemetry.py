@@ -1,0 +1,282 @@
+"""``TransferTelemetry``: the public API adapters and applications call.
+
+``submit()`` and ``ack()`` are the hot path: no OTel SDK call, no device
+synchronization, no ``elapsed_time()``, no log formatting, never raise. They
+stamp the host clock and the current OTel context and append a small record to
+a bounded queue; the completion worker (:mod:`otel_hicache.pipeline`) does the
+rest.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics as otel_metrics
+from opentelemetry import trace as otel_trace
+
+from . import configuration
+from . import environment_variables as ev
+from .device import timing_event_pair
+from .diagnostics import warn_once
+from .logs import TransferLog
+from .metrics import TransferMetrics
+from .pipeline import CompletionPipeline, PipelineSettings, Sinks
+from .records import TransferRecord, validate
+from .settings import env_bool, env_float, env_int, sdk_disabled
+from .spans import _valid_value, make_span_builder
+
+_get_current_context = otel_context.get_current
+
+
+def _static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+    static: dict[str, Any] = {}
+    for key, value in (attributes or {}).items():
+        if isinstance(key, str) and key and _valid_value(value):
+            static[key] = tuple(value) if isinstance(value, list) else value
+        else:
+            warn_once(
+                f"static:{key!r}",
+                "otel-hicache: static attribute %r=%r is not a string/bool/int/float (or a list of them); ignored",
+                key,
+                value,
+            )
+    return static
+
+
+class TransferTelemetry:
+    """Turns L1<->L2 transfers into device-timed spans and exact metrics.
+
+    :param tracer_provider: defaults to the one :func:`otel_hicache.configure`
+        built, else the global one.
+    :param meter_provider: likewise.
+    :param attributes: static attributes (ranks, model...) put on every span and
+        metric point.
+    :param clock: host clock in ns (default ``time.time_ns``); simulations and
+        tests pass their own.
+    :param anchor_event_factory: returns a freshly recorded timing event, for the
+        wall-clock anchor; derived from the events themselves when omitted.
+    """
+
+    def __init__(
+        self,
+        tracer_provider: Any = None,
+        meter_provider: Any = None,
+        attributes: Mapping[str, Any] | None = None,
+        *,
+        clock: Callable[[], int] | None = None,
+        anchor_event_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self._tracer_provider = tracer_provider
+        self._meter_provider = meter_provider
+        self._static = _static_attributes(attributes)
+        self._strict = env_bool(ev.OTEL_HICACHE_STRICT)
+        self._clock = clock or time.time_ns
+        self._fast_path = env_bool(ev.OTEL_HICACHE_SPAN_FAST_PATH)
+        self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
+        self._pipeline: CompletionPipeline | None = None
+        enabled = env_bool(ev.OTEL_HICACHE_ENABLED) and not sdk_disabled()
+        if not enabled:
+            return
+        settings = PipelineSettings(
+            max_queue_size=env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE),
+            poll_interval_s=env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS, minimum=0.01) / 1e3,
+            ack_timeout_s=env_float(ev.OTEL_HICACHE_ACK_TIMEOUT_S),
+            transfer_timeout_s=env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S),
+            anchor_interval_s=env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01),
+        )
+        self._cap = settings.max_queue_size
+        self._pipeline = CompletionPipeline(settings, self._build_sinks, self._clock, anchor_event_factory)
+        ref = weakref.ref(self)
+        atexit.register(lambda: (lambda tel: tel is not None and tel.shutdown())(ref()))
+
+    @property
+    def enabled(self) -> bool:
+        return self._pipeline is not None
+
+    # -- providers and sinks (worker thread, once per process) ----------------
+    def _providers(self) -> tuple[Any, Any]:
+        tracer_provider, meter_provider = self._tracer_provider, self._meter_provider
+        if tracer_provider is None or meter_provider is None:
+            configured = configuration.configured()
+            if tracer_provider is None:
+                tracer_provider = configured.tracer_provider if configured else otel_trace.get_tracer_provider()
+            if meter_provider is None:
+                meter_provider = configured.meter_provider if configured else otel_metrics.get_meter_provider()
+        return tracer_provider, meter_provider
+
+    def _build_sinks(self) -> Sinks:
+        tracer_provider, meter_provider = self._providers()
+        pipeline = self._pipeline
+        return Sinks(
+            make_span_builder(tracer_provider, self._static, self._fast_path),
+            TransferMetrics(meter_provider, self._static, queue_size=pipeline.size if pipeline else None),
+            TransferLog(),
+        )
+
+    # -- hot path ---------------------------------------------------------------
+    def submit(
+        self,
+        direction: str,
+        tokens_by_pool: Mapping[str, int] | None = None,
+        num_bytes: int = 0,
+        page_size: int = 1,
+        start_event: Any = None,
+        finish_event: Any = None,
+        timing_enabled: bool = False,
+        io_backend: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        *,
+        expect_ack: bool = True,
+        host_start_ns: int | None = None,
+        host_end_ns: int | None = None,
+    ) -> TransferRecord | None:
+        """Report one merged op (or one direct copy). Returns the handle for ``ack()``.
+
+        ``tokens_by_pool`` and ``attributes`` are read on the worker: pass
+        mappings you do not mutate afterwards. ``expect_ack=False`` for copies
+        nobody acknowledges (the span is emitted at completion).
+        ``host_start_ns``/``host_end_ns``: host times the caller already knows
+        (synchronous copies); used when there are no timing events.
+        """
+        pipeline = self._pipeline
+        if pipeline is None:
+            return None
+        try:
+            if self._strict:
+                self._check(direction, tokens_by_pool, num_bytes, page_size)
+            if len(pipeline.queue) + pipeline.held >= self._cap:
+                pipeline.queue_full_drops += 1
+                return None
+            record = TransferRecord(
+                direction,
+                tokens_by_pool,
+                num_bytes,
+                page_size,
+                start_event,
+                finish_event,
+                timing_enabled,
+                io_backend,
+                attributes,
+                expect_ack,
+                self._clock(),
+                _get_current_context(),
+                host_start_ns,
+                host_end_ns,
+            )
+            pipeline.queue.append(record)
+            if pipeline.idle:
+                pipeline._wake.set()  # pylint: disable=protected-access
+            return record
+        except (TypeError, ValueError):
+            if self._strict:
+                raise
+            return None
+        except Exception:  # never raise into the host application
+            return None
+
+    def ack(self, handle: TransferRecord | None) -> None:
+        """The consumer took this op's ack (optional). Never raises."""
+        try:
+            if handle is not None and handle.ack_ns is None:
+                handle.ack_ns = self._clock()
+        except AttributeError:
+            if self._strict:
+                raise TypeError(f"ack() expects a handle returned by submit(), got {type(handle).__name__}")
+            warn_once("ack:handle", "otel-hicache: ack() got %s, not a handle from submit(); ignored",
+                      type(handle).__name__)
+
+    @staticmethod
+    def _check(direction: Any, tokens_by_pool: Any, num_bytes: Any, page_size: Any) -> None:
+        validate(TransferRecord(direction, tokens_by_pool, num_bytes, page_size,
+                                None, None, False, None, None, False, 0, None))
+
+    # -- convenience --------------------------------------------------------------
+    @contextmanager
+    def transfer(
+        self,
+        direction: str,
+        tokens_by_pool: Mapping[str, int] | None = None,
+        num_bytes: int = 0,
+        page_size: int = 1,
+        stream: Any = None,
+        io_backend: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> Iterator[None]:
+        """Time the copies enqueued inside the block and report them as one op.
+
+        With ``stream`` (a ``torch.cuda.Stream`` or any stream whose backend has
+        timing events) a start and a finish timing event are recorded on it
+        around the block: device time, nothing synchronized. Without one the
+        block is timed on the host clock (right for synchronous CPU copies).
+        If the block raises, nothing is reported and the exception propagates.
+        """
+        if self._pipeline is None:
+            yield None
+            return
+        events = None
+        if stream is not None:
+            try:
+                events = timing_event_pair(stream)
+                events[0].record(stream)
+            except Exception as exc:
+                events = None
+                warn_once(f"stream:{type(stream).__name__}",
+                          "otel-hicache: cannot record timing events on %s (%r); using the host clock",
+                          type(stream).__name__, exc)
+        host_start = self._clock()
+        yield None
+        if events is not None:
+            try:
+                events[1].record(stream)
+            except Exception:
+                events = None
+        if events is not None:
+            self.submit(direction, tokens_by_pool, num_bytes, page_size, events[0], events[1], True,
+                        io_backend, attributes, expect_ack=False, host_start_ns=host_start)
+        else:
+            self.submit(direction, tokens_by_pool, num_bytes, page_size, None, None, False, io_backend,
+                        attributes, expect_ack=False, host_start_ns=host_start, host_end_ns=self._clock())
+
+    # -- lifecycle ------------------------------------------------------------------
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        """Report every completed op (acked or not waiting for an ack) and export. Bounded."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        flushed = pipeline.flush(timeout_s)
+        tracer_provider, meter_provider = self._providers()
+        remaining = max(0.0, deadline - time.monotonic())
+        exported = configuration.run_bounded(
+            [
+                lambda: getattr(tracer_provider, "force_flush", lambda *_: True)(int(remaining * 1000)),
+                lambda: getattr(meter_provider, "force_flush", lambda *_: True)(int(remaining * 1000)),
+            ],
+            remaining,
+        )
+        return flushed and exported
+
+    def shutdown(self) -> None:
+        """Stop accepting, report what was recorded (unacked spans with
+        ``hicache.acked=false``), export. Bounded by OTEL_HICACHE_SHUTDOWN_TIMEOUT_S."""
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is None:
+            return
+        timeout = self._shutdown_timeout_s
+        deadline = time.monotonic() + timeout
+        pipeline.stop(timeout)
+        self._pipeline = None
+        remaining = max(0.1, deadline - time.monotonic())
+        tracer_provider, meter_provider = self._providers()
+        configuration.run_bounded(
+            [
+                lambda: getattr(tracer_provider, "force_flush", lambda *_: True)(int(remaining * 1000)),
+                lambda: getattr(meter_provider, "force_flush", lambda *_: True)(int(remaining * 1000)),
+            ],
+            remaining,
+        )
