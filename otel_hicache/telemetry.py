@@ -251,7 +251,8 @@ class TransferTelemetry:
         deadline = time.monotonic() + timeout_s
         flushed = pipeline.flush(timeout_s)
         tracer_provider, meter_provider = self._providers()
-        remaining = max(0.0, deadline - time.monotonic())
+        # export what was processed even if something was still in flight
+        remaining = max(0.1 * timeout_s, deadline - time.monotonic())
         exported = configuration.run_bounded(
             [
                 lambda: getattr(tracer_provider, "force_flush", lambda *_: True)(int(remaining * 1000)),
