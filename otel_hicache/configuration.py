@@ -42,9 +42,12 @@ _PROTOCOLS = ("grpc", "http/protobuf")
 class Configuration:
     """The providers :func:`configure` built for this process."""
 
-    def __init__(self, tracer_provider: Any, meter_provider: Any, disabled: bool) -> None:
+    def __init__(
+        self, tracer_provider: Any, meter_provider: Any, disabled: bool, metric_readers: Sequence[Any] = ()
+    ) -> None:
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
+        self.metric_readers = tuple(metric_readers)
         self.disabled = disabled
         self.pid = os.getpid()
 
@@ -265,7 +268,7 @@ def _build() -> Configuration:
         tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
     readers = [PeriodicExportingMetricReader(e) for e in _metric_exporters()]
     meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
-    return Configuration(tracer_provider, meter_provider, disabled=False)
+    return Configuration(tracer_provider, meter_provider, disabled=False, metric_readers=readers)
 
 
 def _at_exit() -> None:
@@ -291,8 +294,7 @@ def _after_fork_in_child() -> None:
         def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
             return None
 
-    sdk_config = getattr(parent.meter_provider, "_sdk_config", None)
-    for reader in getattr(sdk_config, "metric_readers", ()) or ():
+    for reader in parent.metric_readers:
         if hasattr(reader, "_exporter"):
             reader._exporter = _Discard()  # pylint: disable=protected-access
         event = getattr(reader, "_shutdown_event", None)

@@ -10,6 +10,7 @@ rest.
 from __future__ import annotations
 
 import atexit
+import os
 import time
 import weakref
 from contextlib import contextmanager
@@ -79,6 +80,9 @@ class TransferTelemetry:
         self._fast_path = env_bool(ev.OTEL_HICACHE_SPAN_FAST_PATH)
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self._pipeline: CompletionPipeline | None = None
+        self._from_configuration = False
+        self._resolve_providers()
+        self._providers_pid = os.getpid()
         enabled = env_bool(ev.OTEL_HICACHE_ENABLED) and not sdk_disabled()
         if not enabled:
             return
@@ -98,25 +102,41 @@ class TransferTelemetry:
     def enabled(self) -> bool:
         return self._pipeline is not None
 
-    # -- providers and sinks (worker thread, once per process) ----------------
-    def _providers(self) -> tuple[Any, Any]:
+    # -- providers and sinks ------------------------------------------------------
+    def _resolve_providers(self) -> tuple[Any, Any]:
+        """Explicit providers, else those configure() built, else the global ones.
+
+        Resolved at construction (call ``configure()`` first) and again in a
+        forked child, where providers built by ``configure()`` are rebuilt."""
         tracer_provider, meter_provider = self._tracer_provider, self._meter_provider
         if tracer_provider is None or meter_provider is None:
             configured = configuration.configured()
+            if configured is None and self._from_configuration:
+                configured = configuration.configure()  # a forked child: its own exporters
+            if configured is not None:
+                self._from_configuration = True
             if tracer_provider is None:
                 tracer_provider = configured.tracer_provider if configured else otel_trace.get_tracer_provider()
             if meter_provider is None:
                 meter_provider = configured.meter_provider if configured else otel_metrics.get_meter_provider()
-        return tracer_provider, meter_provider
+        self._providers = (tracer_provider, meter_provider)
+        return self._providers
 
     def _build_sinks(self) -> Sinks:
-        tracer_provider, meter_provider = self._providers()
-        pipeline = self._pipeline
+        """Called by the worker: at start-up, and again in a forked child."""
+        if self._providers_pid != os.getpid():
+            self._providers_pid = os.getpid()
+            self._resolve_providers()
+        tracer_provider, meter_provider = self._providers
         return Sinks(
             make_span_builder(tracer_provider, self._static, self._fast_path),
-            TransferMetrics(meter_provider, self._static, queue_size=pipeline.size if pipeline else None),
+            TransferMetrics(meter_provider, self._static, queue_size=self._queue_size),
             TransferLog(),
         )
+
+    def _queue_size(self) -> int:
+        pipeline = self._pipeline
+        return pipeline.size() if pipeline is not None else 0
 
     # -- hot path ---------------------------------------------------------------
     def submit(
@@ -250,7 +270,7 @@ class TransferTelemetry:
             return True
         deadline = time.monotonic() + timeout_s
         flushed = pipeline.flush(timeout_s)
-        tracer_provider, meter_provider = self._providers()
+        tracer_provider, meter_provider = self._providers
         # export what was processed even if something was still in flight
         remaining = max(0.1 * timeout_s, deadline - time.monotonic())
         exported = configuration.run_bounded(
@@ -273,7 +293,7 @@ class TransferTelemetry:
         pipeline.stop(timeout)
         self._pipeline = None
         remaining = max(0.1, deadline - time.monotonic())
-        tracer_provider, meter_provider = self._providers()
+        tracer_provider, meter_provider = self._providers
         configuration.run_bounded(
             [
                 lambda: getattr(tracer_provider, "force_flush", lambda *_: True)(int(remaining * 1000)),

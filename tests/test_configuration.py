@@ -1,0 +1,168 @@
+"""configure(): private providers from the standard OTEL_* variables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from opentelemetry import metrics, trace
+
+import otel_hicache
+from otel_hicache import configuration
+
+
+@pytest.fixture(autouse=True)
+def _fresh_configuration():
+    configuration._configured = None  # pylint: disable=protected-access
+    yield
+    configuration.shutdown(1.0)
+
+
+def span_exporters(conf):
+    processors = conf.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
+    return [type(p.span_exporter).__module__ + "." + type(p.span_exporter).__name__ for p in processors]
+
+
+def metric_readers(conf):
+    return list(conf.metric_readers)
+
+
+def test_private_providers_leave_the_globals_alone(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    global_tp, global_mp = trace.get_tracer_provider(), metrics.get_meter_provider()
+    conf = otel_hicache.configure()
+    assert conf is otel_hicache.configure()  # once per process
+    assert otel_hicache.configured() is conf
+    assert trace.get_tracer_provider() is global_tp
+    assert metrics.get_meter_provider() is global_mp
+    assert conf.tracer_provider is not global_tp
+
+
+def test_service_name_and_resource_attributes(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "sglang")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,k8s.pod.name=p0")
+    resource = otel_hicache.configure().tracer_provider.resource
+    assert resource.attributes["service.name"] == "sglang"
+    assert resource.attributes["deployment.environment"] == "test"
+    assert resource.attributes["k8s.pod.name"] == "p0"
+
+
+def test_default_is_otlp_grpc(monkeypatch):
+    conf = otel_hicache.configure()
+    assert span_exporters(conf) == ["opentelemetry.exporter.otlp.proto.grpc.trace_exporter.OTLPSpanExporter"]
+    [reader] = metric_readers(conf)
+    assert type(reader._exporter).__module__.startswith("opentelemetry.exporter.otlp.proto.grpc")
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
+def test_http_protobuf_protocol(monkeypatch, variable):
+    monkeypatch.setenv(variable, "http/protobuf")
+    conf = otel_hicache.configure()
+    assert span_exporters(conf) == ["opentelemetry.exporter.otlp.proto.http.trace_exporter.OTLPSpanExporter"]
+
+
+def test_console_and_none(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    conf = otel_hicache.configure()
+    assert span_exporters(conf) == ["opentelemetry.sdk.trace.export.ConsoleSpanExporter"]
+    assert metric_readers(conf) == []
+
+
+def test_unknown_exporter_and_protocol_warn_naming_the_variable(monkeypatch, warnings_log):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin,otlp")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
+    conf = otel_hicache.configure()
+    assert span_exporters(conf) == ["opentelemetry.exporter.otlp.proto.grpc.trace_exporter.OTLPSpanExporter"]
+    assert metric_readers(conf) == []
+    assert "OTEL_TRACES_EXPORTER='zipkin,otlp': unknown exporter 'zipkin'" in warnings_log.text
+    assert "OTEL_METRICS_EXPORTER='prometheus'" in warnings_log.text
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon'" in warnings_log.text
+
+
+def test_exponential_histogram_preference_is_honoured(monkeypatch):
+    from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "base2_exponential_bucket_histogram")
+    for exporter in ("otlp", "console"):
+        monkeypatch.setenv("OTEL_METRICS_EXPORTER", exporter)
+        [reader] = metric_readers(otel_hicache.configure(force=True))
+        aggregations = reader._instrument_class_aggregation  # pylint: disable=protected-access
+        preferred = [v for k, v in aggregations.items() if k.__name__ == "_Histogram"]
+        assert len(preferred) == 1 and isinstance(preferred[0], ExponentialBucketHistogramAggregation), exporter
+
+
+def test_exponential_histograms_end_to_end(monkeypatch):
+    """The env preference reaches the data: exponential points, not our explicit buckets."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        ExponentialHistogramDataPoint,
+        InMemoryMetricReader,
+    )
+    from opentelemetry.sdk.metrics import Histogram
+    from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
+
+    reader = InMemoryMetricReader(preferred_aggregation={Histogram: ExponentialBucketHistogramAggregation()})
+    provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    tel = otel_hicache.TransferTelemetry(trace.NoOpTracerProvider(), provider)
+    tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5_000)
+    assert tel.force_flush(5)
+    tel.shutdown()
+    points = [p for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+              for m in sm.metrics if m.name == "hicache.transfer.duration" for p in m.data.data_points]
+    assert points and all(isinstance(p, ExponentialHistogramDataPoint) for p in points)
+
+
+def test_sdk_disabled_gives_no_op_providers(monkeypatch):
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    conf = otel_hicache.configure()
+    assert conf.disabled
+    assert isinstance(conf.tracer_provider, trace.NoOpTracerProvider)
+
+
+def test_bad_endpoint_never_raises(monkeypatch, warnings_log):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "not a url at all")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem")
+    conf = otel_hicache.configure()
+    tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
+    tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=10)
+    tel.force_flush(1.0)
+    tel.shutdown()
+    assert conf.tracer_provider is not None
+
+
+def test_exit_is_bounded_when_the_collector_is_unreachable(tmp_path):
+    """A process that reported ops and never called shutdown() exits within the
+    configured bound (per step), not after the exporters' retries."""
+    script = tmp_path / "app.py"
+    script.write_text(textwrap.dedent(
+        """
+        import time
+        import otel_hicache
+        otel_hicache.configure()
+        tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
+        for _ in range(100):
+            tel.submit("offload", {"kv": 64}, 100, 64, expect_ack=False, host_start_ns=0, host_end_ns=10)
+        print("submitted", flush=True)
+        """
+    ))
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_HICACHE_SHUTDOWN_TIMEOUT_S": "0.5",
+           "OTEL_METRIC_EXPORT_INTERVAL": "600000", "PATH": "/usr/bin:/bin"}
+    import time
+
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    assert "submitted" in done.stdout
+    # two bounded steps (telemetry, providers) of 0.5 s each, plus interpreter start-up;
+    # the exporters alone would retry for their 10 s timeout.
+    assert elapsed < 8, (elapsed, done.stderr)
+    assert "did not finish within 0.5 s" in done.stderr
