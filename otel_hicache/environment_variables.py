@@ -45,8 +45,10 @@ OTEL_HICACHE_POLL_INTERVAL_MS = "OTEL_HICACHE_POLL_INTERVAL_MS"
 .. envvar:: OTEL_HICACHE_POLL_INTERVAL_MS
 
 How often the completion worker polls ``finish_event.query()`` while records
-are pending. Device-timed durations do not depend on it; host-clock durations
-(no timing events) are rounded up to it.
+are pending (after 100 ms without work it backs off to 10 ms; ``submit()`` never
+wakes it). Device-timed durations do not depend on it; host-clock durations of
+records with a finish event but no timing (and no ``host_end_ns``) are rounded
+up to it.
 Default: ``1``
 """
 

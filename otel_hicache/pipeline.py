@@ -71,7 +71,8 @@ class PipelineSettings:
         self.anchor_interval_s = anchor_interval_s
 
 
-_IDLE_WAIT_S = 0.05
+_IDLE_WAIT_S = 0.01
+_ACTIVE_GRACE_S = 0.1
 _ACK_SCAN_INTERVAL_NS = 5_000_000
 
 
@@ -101,7 +102,7 @@ class CompletionPipeline:
 
     # -- state -----------------------------------------------------------
     def _init_state(self) -> None:
-        self.queue: deque[TransferRecord] = deque()
+        self.queue: deque[list[Any]] = deque()  # submitted lists (see records.submission)
         self.held = 0  # records the worker holds (pending + awaiting ack)
         self._pending: list[TransferRecord] = []
         self._awaiting: list[tuple[TransferRecord, Any]] = []
@@ -111,7 +112,6 @@ class CompletionPipeline:
         self._anchor_resolved = False
         self._sinks: Sinks | None = None
         self._wake = threading.Event()
-        self.idle = False
         self._stopping = False
         self._drain_all = False
         self._flush_waiters: list[threading.Event] = []
@@ -152,6 +152,7 @@ class CompletionPipeline:
     # -- worker ------------------------------------------------------------
     def _run(self) -> None:
         poll = self.settings.poll_interval_s
+        last_active = 0.0
         while True:
             try:
                 self._cycle()
@@ -161,16 +162,16 @@ class CompletionPipeline:
             if self._stopping:
                 self._cycle_final()
                 return
-            busy = bool(self._pending or self._awaiting)
-            if not busy and not self.queue:
-                self.idle = True
-                if self.queue:  # appended between the check and the flag
-                    self.idle = False
-                    continue
-                self._wake.wait(_IDLE_WAIT_S)
-                self.idle = False
-            else:
+            # No wake-up from the hot path: submit() only appends. The worker polls
+            # every poll interval while there is (or recently was) work, and backs
+            # off to _IDLE_WAIT_S when idle; flush()/stop() wake it explicitly.
+            if self._pending or self._awaiting or self.queue:
+                last_active = time.monotonic()
                 self._wake.wait(poll)
+            elif time.monotonic() - last_active < _ACTIVE_GRACE_S:
+                self._wake.wait(poll)
+            else:
+                self._wake.wait(_IDLE_WAIT_S)
             self._wake.clear()
 
     def _sinks_now(self) -> Sinks:
@@ -186,7 +187,7 @@ class CompletionPipeline:
         cap = self.settings.max_queue_size
         # 1. intake
         while queue:
-            record = queue.popleft()
+            record = TransferRecord(queue.popleft())
             try:
                 validate(record)
             except (TypeError, ValueError) as exc:

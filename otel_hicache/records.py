@@ -26,14 +26,58 @@ HOST_CLOCK = "host_clock"
 """Duration from the host clock (no timing events, or they failed)."""
 
 
+# Layout of what submit() queues: a plain list (cheapest to build on the caller's
+# thread), which is also the handle ack() stamps.
+(
+    S_DIRECTION,
+    S_TOKENS_BY_POOL,
+    S_NUM_BYTES,
+    S_PAGE_SIZE,
+    S_START_EVENT,
+    S_FINISH_EVENT,
+    S_TIMING_ENABLED,
+    S_IO_BACKEND,
+    S_ATTRIBUTES,
+    S_EXPECT_ACK,
+    S_SUBMIT_NS,
+    S_PARENT_CONTEXT,
+    S_HOST_START_NS,
+    S_HOST_END_NS,
+    S_ACK_NS,
+) = range(15)
+SUBMISSION_LENGTH = 15
+
+
+def submission(
+    direction: Any,
+    tokens_by_pool: Any = None,
+    num_bytes: Any = 0,
+    page_size: Any = 1,
+    start_event: Any = None,
+    finish_event: Any = None,
+    timing_enabled: bool = False,
+    io_backend: Any = None,
+    attributes: Any = None,
+    expect_ack: bool = False,
+    submit_ns: int = 0,
+    parent_context: Any = None,
+    host_start_ns: int | None = None,
+    host_end_ns: int | None = None,
+) -> list[Any]:
+    """The list ``submit()`` builds inline (spelled out here for tests and strict checks)."""
+    return [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, timing_enabled,
+            io_backend, attributes, expect_ack, submit_ns, parent_context, host_start_ns, host_end_ns, None]
+
+
 class TransferRecord:
     """One merged op (or one direct copy), from submit to its emitted span.
 
-    Returned by ``TransferTelemetry.submit()`` as the handle to pass to
-    ``ack()``. Treat it as opaque.
+    Built by the worker from the submitted list (``handle``), which ``ack()``
+    stamps with the ack time.
     """
 
     __slots__ = (
+        "handle",
         # captured on the caller's thread
         "direction",
         "tokens_by_pool",
@@ -49,7 +93,6 @@ class TransferRecord:
         "parent_context",
         "host_start_ns",
         "host_end_ns",
-        "ack_ns",
         # filled by the worker
         "tokens",
         "blocks",
@@ -66,51 +109,47 @@ class TransferRecord:
         "completed_at_ns",
     )
 
-    def __init__(
-        self,
-        direction: Any,
-        tokens_by_pool: Any,
-        num_bytes: Any,
-        page_size: Any,
-        start_event: Any,
-        finish_event: Any,
-        timing_enabled: bool,
-        io_backend: Any,
-        attributes: Any,
-        expect_ack: bool,
-        submit_ns: int,
-        parent_context: Any,
-        host_start_ns: int | None = None,
-        host_end_ns: int | None = None,
-    ) -> None:
-        self.direction = direction
-        self.tokens_by_pool = tokens_by_pool
-        self.num_bytes = num_bytes
-        self.page_size = page_size
-        self.start_event = start_event
-        self.finish_event = finish_event
-        self.timing_enabled = timing_enabled
-        self.io_backend = io_backend
-        self.attributes = attributes
-        self.expect_ack = expect_ack
-        self.submit_ns = submit_ns
-        self.parent_context = parent_context
-        self.host_start_ns = host_start_ns
-        self.host_end_ns = host_end_ns
-        self.ack_ns = None
-        self.tokens = 0
-        self.blocks = 0
-        self.pool_names: tuple[str, ...] = ()
-        self.pool_tokens: tuple[int, ...] = ()
-        self.timing_source = HOST_CLOCK
-        self.start_ns = 0
-        self.end_ns = 0
-        self.duration_ns = 0
-        self.queue_wait_ns = None
-        self.error = None
-        self.span_context = None
-        self.exemplar_context = None
-        self.completed_at_ns = None
+    def __init__(self, handle: list[Any]) -> None:
+        self.handle = handle
+        (
+            self.direction,
+            self.tokens_by_pool,
+            self.num_bytes,
+            self.page_size,
+            self.start_event,
+            self.finish_event,
+            self.timing_enabled,
+            self.io_backend,
+            self.attributes,
+            self.expect_ack,
+            self.submit_ns,
+            self.parent_context,
+            self.host_start_ns,
+            self.host_end_ns,
+            _ack,
+        ) = handle
+
+    @property
+    def ack_ns(self) -> int | None:
+        """Host time ``ack()`` was called, or None."""
+        return self.handle[S_ACK_NS]
+
+
+def reset_worker_fields(record: TransferRecord) -> None:
+    """Initialize what the worker fills in (kept off the caller's thread)."""
+    record.tokens = 0
+    record.blocks = 0
+    record.pool_names = ()
+    record.pool_tokens = ()
+    record.timing_source = HOST_CLOCK
+    record.start_ns = 0
+    record.end_ns = 0
+    record.duration_ns = 0
+    record.queue_wait_ns = None
+    record.error = None
+    record.span_context = None
+    record.exemplar_context = None
+    record.completed_at_ns = None
 
 
 def _count(value: Any, what: str) -> int:
@@ -134,6 +173,7 @@ def validate(record: TransferRecord) -> None:
     ``blocks = ceil(tokens / page_size)``, ``pool_names``/``pool_tokens`` and an
     integer ``num_bytes`` are set.
     """
+    reset_worker_fields(record)
     if record.direction not in TIERS:
         raise ValueError(f"direction must be 'offload' or 'onboard', got {record.direction!r}")
     page_size = record.page_size

@@ -27,11 +27,27 @@ from .diagnostics import warn_once
 from .logs import TransferLog
 from .metrics import TransferMetrics
 from .pipeline import CompletionPipeline, PipelineSettings, Sinks
-from .records import TransferRecord, validate
+from .records import S_ACK_NS, TransferRecord, submission, validate
 from .settings import env_bool, env_float, env_int, sdk_disabled
 from .spans import _valid_value, make_span_builder
 
-_get_current_context = otel_context.get_current
+
+def _context_getter() -> Callable[[], Any]:
+    """The current OTel context, read straight from the runtime's ContextVar
+    when it is the default one (half the cost of ``context.get_current()``)."""
+    runtime = getattr(otel_context, "_RUNTIME_CONTEXT", None)
+    var = getattr(runtime, "_current_context", None)
+    getter = getattr(var, "get", None)
+    if getter is None:
+        return otel_context.get_current
+    try:
+        getter()
+    except LookupError:
+        return otel_context.get_current
+    return getter
+
+
+_get_current_context = _context_getter()
 
 
 def _static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -154,7 +170,7 @@ class TransferTelemetry:
         expect_ack: bool = True,
         host_start_ns: int | None = None,
         host_end_ns: int | None = None,
-    ) -> TransferRecord | None:
+    ) -> list | None:
         """Report one merged op (or one direct copy). Returns the handle for ``ack()``.
 
         ``tokens_by_pool`` and ``attributes`` are read on the worker: pass
@@ -172,7 +188,7 @@ class TransferTelemetry:
             if len(pipeline.queue) + pipeline.held >= self._cap:
                 pipeline.queue_full_drops += 1
                 return None
-            record = TransferRecord(
+            record = [
                 direction,
                 tokens_by_pool,
                 num_bytes,
@@ -187,10 +203,9 @@ class TransferTelemetry:
                 _get_current_context(),
                 host_start_ns,
                 host_end_ns,
-            )
+                None,  # ack time, set by ack()
+            ]
             pipeline.queue.append(record)
-            if pipeline.idle:
-                pipeline._wake.set()  # pylint: disable=protected-access
             return record
         except (TypeError, ValueError):
             if self._strict:
@@ -199,12 +214,12 @@ class TransferTelemetry:
         except Exception:  # never raise into the host application
             return None
 
-    def ack(self, handle: TransferRecord | None) -> None:
+    def ack(self, handle: list | None) -> None:
         """The consumer took this op's ack (optional). Never raises."""
         try:
-            if handle is not None and handle.ack_ns is None:
-                handle.ack_ns = self._clock()
-        except AttributeError:
+            if handle is not None and handle[S_ACK_NS] is None:
+                handle[S_ACK_NS] = self._clock()
+        except (TypeError, IndexError, KeyError):
             if self._strict:
                 raise TypeError(f"ack() expects a handle returned by submit(), got {type(handle).__name__}")
             warn_once("ack:handle", "otel-hicache: ack() got %s, not a handle from submit(); ignored",
@@ -212,8 +227,7 @@ class TransferTelemetry:
 
     @staticmethod
     def _check(direction: Any, tokens_by_pool: Any, num_bytes: Any, page_size: Any) -> None:
-        validate(TransferRecord(direction, tokens_by_pool, num_bytes, page_size,
-                                None, None, False, None, None, False, 0, None))
+        validate(TransferRecord(submission(direction, tokens_by_pool, num_bytes, page_size)))
 
     # -- convenience --------------------------------------------------------------
     @contextmanager

@@ -1,11 +1,10 @@
 import pytest
 
-from otel_hicache.records import TransferRecord, validate
+from otel_hicache.records import TransferRecord, submission, validate
 
 
 def make(direction="offload", pools=None, num_bytes=0, page_size=64):
-    return TransferRecord(direction, {"kv": 1408} if pools is None else pools, num_bytes, page_size,
-                          None, None, False, None, None, False, 0, None)
+    return TransferRecord(submission(direction, {"kv": 1408} if pools is None else pools, num_bytes, page_size))
 
 
 def test_anchor_pool_is_the_token_count_and_blocks_round_up():
