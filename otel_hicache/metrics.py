@@ -7,8 +7,9 @@ Cost control: counter increments are summed per attribute set in plain dicts
 and handed to the SDK once per worker cycle (:meth:`TransferMetrics.flush`),
 not once per op. Histograms are recorded per op (the SDK offers no batch
 record), with the span context of the op so trace-based exemplars link a
-bucket to its trace. Attribute dicts are built once per attribute set and
-reused.
+bucket to its trace, through :mod:`otel_hicache.metrics_fast_path` (no
+per-record attribute work) where that is exactly equivalent. Attribute dicts
+are built once per attribute set and reused.
 
 Every point carries the static attributes (ranks...), so per-rank series never
 sum by accident. Zero-valued series for both directions (and every drop
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from . import semconv as sc
+from .metrics_fast_path import BoundHistogram, resolver_for
 from .records import DIRECTIONS, TIERS, TransferRecord
 from .version import __version__
 
@@ -30,8 +32,11 @@ class TransferMetrics:
         meter_provider: Any,
         static: Mapping[str, Any],
         queue_size: Callable[[], int] | None = None,
+        fast_path: bool = True,
     ) -> None:
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
+        self._resolver = resolver_for(meter_provider, fast_path)
+        self._bound: dict[tuple[int, int], BoundHistogram] = {}
         self._static = dict(static)
 
         def counter(spec: tuple[str, str, str]) -> Any:
@@ -130,8 +135,17 @@ class TransferMetrics:
         else:
             entry[2] += amount
 
+    def _histogram(self, instrument: Any, attrs: dict[str, Any]) -> BoundHistogram:
+        key = (id(instrument), id(attrs))
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = BoundHistogram(instrument, attrs, self._resolver)
+        return bound
+
     def flush(self) -> None:
         """Hand the summed counter increments to the SDK (once per worker cycle)."""
+        for bound in self._bound.values():
+            bound.revalidate()
         pending = self._pending
         if not pending:
             return
@@ -157,15 +171,17 @@ class TransferMetrics:
         if busy_added_ns:
             self._add(self.busy_time, by_direction, busy_added_ns / 1e9)
         duration_s = record.duration_ns / 1e9
-        self.duration.record(duration_s, self._duration_attrs(record), context=context)
+        self._histogram(self.duration, self._duration_attrs(record)).record(duration_s, context)
         if record.duration_ns > 0:
-            self.bandwidth.record(record.num_bytes / duration_s, by_direction, context=context)
+            self._histogram(self.bandwidth, by_direction).record(record.num_bytes / duration_s, context)
         if record.queue_wait_ns is not None:
-            self.queue_wait.record(record.queue_wait_ns / 1e9, by_direction, context=context)
+            self._histogram(self.queue_wait, by_direction).record(record.queue_wait_ns / 1e9, context)
 
     def acked(self, record: TransferRecord) -> None:
         delay_ns = max(0, record.ack_ns - record.end_ns)
-        self.ack_delay.record(delay_ns / 1e9, self._by_direction[record.direction], context=record.exemplar_context)
+        self._histogram(self.ack_delay, self._by_direction[record.direction]).record(
+            delay_ns / 1e9, record.exemplar_context
+        )
 
     def failed_record(self, record: TransferRecord, reason: str) -> None:
         self._add(self.inflight, self._by_direction[record.direction], -1)

@@ -146,7 +146,7 @@ class TransferTelemetry:
         tracer_provider, meter_provider = self._providers
         return Sinks(
             make_span_builder(tracer_provider, self._static, self._fast_path),
-            TransferMetrics(meter_provider, self._static, queue_size=self._queue_size),
+            TransferMetrics(meter_provider, self._static, queue_size=self._queue_size, fast_path=self._fast_path),
             TransferLog(),
         )
 
@@ -178,6 +178,7 @@ class TransferTelemetry:
         nobody acknowledges (the span is emitted at completion).
         ``host_start_ns``/``host_end_ns``: host times the caller already knows
         (synchronous copies); used when there are no timing events.
+        ``host_start_ns`` is then also the op's submit time.
         """
         pipeline = self._pipeline
         if pipeline is None:
@@ -199,7 +200,7 @@ class TransferTelemetry:
                 io_backend,
                 attributes,
                 expect_ack,
-                self._clock(),
+                self._clock() if host_start_ns is None else host_start_ns,
                 _get_current_context(),
                 host_start_ns,
                 host_end_ns,
@@ -287,13 +288,7 @@ class TransferTelemetry:
         tracer_provider, meter_provider = self._providers
         # export what was processed even if something was still in flight
         remaining = max(0.1 * timeout_s, deadline - time.monotonic())
-        exported = configuration.run_bounded(
-            [
-                lambda: getattr(tracer_provider, "force_flush", lambda *_: True)(int(remaining * 1000)),
-                lambda: getattr(meter_provider, "force_flush", lambda *_: True)(int(remaining * 1000)),
-            ],
-            remaining,
-        )
+        exported = configuration.flush_providers(tracer_provider, meter_provider, remaining)
         return flushed and exported
 
     def shutdown(self) -> None:
@@ -308,10 +303,4 @@ class TransferTelemetry:
         self._pipeline = None
         remaining = max(0.1, deadline - time.monotonic())
         tracer_provider, meter_provider = self._providers
-        configuration.run_bounded(
-            [
-                lambda: getattr(tracer_provider, "force_flush", lambda *_: True)(int(remaining * 1000)),
-                lambda: getattr(meter_provider, "force_flush", lambda *_: True)(int(remaining * 1000)),
-            ],
-            remaining,
-        )
+        configuration.flush_providers(tracer_provider, meter_provider, remaining)
