@@ -138,10 +138,13 @@ def configure(force: bool = False) -> Configuration:
     """Build (once per process) private providers from the ``OTEL_*`` variables."""
     global _configured
     with _lock:
-        if _configured is not None and not force and _configured.pid == os.getpid():
-            return _configured
+        previous = _configured
+        if previous is not None and not force and previous.pid == os.getpid():
+            return previous
         _configured = _build()
-        return _configured
+    if previous is not None and previous.pid == os.getpid():
+        previous.shutdown(env_float(OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))  # configure(force=True)
+    return _configured
 
 
 def configured() -> Configuration | None:
@@ -193,11 +196,10 @@ def _protocol(signal: str) -> str:
                 return value
             warn_once(
                 f"protocol:{variable}",
-                "otel-hicache: %s=%r is not supported (grpc, http/protobuf); using grpc",
+                "otel-hicache: %s=%r is not supported (grpc, http/protobuf); ignoring it",
                 variable,
                 raw,
             )
-            return "grpc"
     return "grpc"
 
 

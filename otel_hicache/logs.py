@@ -45,8 +45,9 @@ class TransferLog:
             return
         src, dst = TIERS[record.direction]
         context = record.span_context
-        trace_id = f"{context.trace_id:032x}" if context is not None else ""
-        span_id = f"{context.span_id:016x}" if context is not None else ""
+        sampled = context is not None and context.trace_flags.sampled
+        trace_id = f"{context.trace_id:032x}" if sampled else ""  # unsampled spans are never exported
+        span_id = f"{context.span_id:016x}" if sampled else ""
         extra = {"otelTraceID": trace_id, "otelSpanID": span_id}
         duration_us = record.duration_ns / 1e3
         bandwidth = record.num_bytes / record.duration_ns if record.duration_ns else 0.0

@@ -80,6 +80,7 @@ class TransferMetrics:
         self._by_pool: dict[tuple[str, str], dict[str, Any]] = {}
         self._by_duration: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._by_reason: dict[str, dict[str, Any]] = {}
+        self._by_timing: dict[tuple[str, str], dict[str, Any]] = {}
         self._default_io_backend = str(self._static.get(sc.IO_BACKEND, "unknown"))
         # pending counter increments: (instrument, attrs id) -> [attrs, amount]
         self._pending: dict[tuple[int, int], list[Any]] = {}
@@ -111,6 +112,16 @@ class TransferMetrics:
                     sc.IO_BACKEND: io_backend,
                     sc.TIMING_SOURCE: record.timing_source,
                 }
+            )
+        return attrs
+
+    def _bandwidth_attrs(self, record: TransferRecord) -> dict[str, Any]:
+        """Per-op bandwidth says which clock its duration came from, as the duration does."""
+        key = (record.direction, record.timing_source)
+        attrs = self._by_timing.get(key)
+        if attrs is None:
+            attrs = self._by_timing[key] = self._attrs(
+                {sc.DIRECTION: record.direction, sc.TIMING_SOURCE: record.timing_source}
             )
         return attrs
 
@@ -173,7 +184,7 @@ class TransferMetrics:
         duration_s = record.duration_ns / 1e9
         self._histogram(self.duration, self._duration_attrs(record)).record(duration_s, context)
         if record.duration_ns > 0:
-            self._histogram(self.bandwidth, by_direction).record(record.num_bytes / duration_s, context)
+            self._histogram(self.bandwidth, self._bandwidth_attrs(record)).record(record.num_bytes / duration_s, context)
         if record.queue_wait_ns is not None:
             self._histogram(self.queue_wait, by_direction).record(record.queue_wait_ns / 1e9, context)
 

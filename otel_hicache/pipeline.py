@@ -116,8 +116,9 @@ class CompletionPipeline:
         self._drain_all = False
         self._flush_waiters: list[threading.Event] = []
         self._lock = threading.Lock()
-        self.queue_full_drops = 0
-        self._queue_full_reported = 0
+        # one entry per record refused on a full queue (deque appends are atomic,
+        # so concurrent submitters never lose a count)
+        self.overflow: deque[None] = deque()
 
     def _start_worker(self) -> None:
         self._worker = threading.Thread(target=self._run, name="otel-hicache-completion", daemon=True)
@@ -141,12 +142,14 @@ class CompletionPipeline:
         return done.wait(timeout_s)
 
     def stop(self, timeout_s: float) -> bool:
-        """Flush, emit records still waiting for an ack, stop the worker."""
+        """Flush, emit records still waiting for an ack, stop the worker; all
+        within ``timeout_s`` (plus at most 0.1 s for the final cycle)."""
+        deadline = time.monotonic() + timeout_s
         flushed = self.flush(timeout_s)
         self._drain_all = True
         self._stopping = True
         self._wake.set()
-        self._worker.join(max(0.1, timeout_s))
+        self._worker.join(max(0.1, deadline - time.monotonic()))
         return flushed and not self._worker.is_alive()
 
     # -- worker ------------------------------------------------------------
@@ -196,7 +199,7 @@ class CompletionPipeline:
                           "otel-hicache: dropped a transfer record: %s", exc)
                 continue
             if len(self._pending) + len(self._awaiting) >= cap:
-                self.queue_full_drops += 1
+                self.overflow.append(None)
                 continue
             metrics.submitted(record.direction)
             self._pending.append(record)
@@ -250,10 +253,13 @@ class CompletionPipeline:
         sinks.metrics.flush()
 
     def _report_queue_full(self, metrics: Any) -> None:
-        drops = self.queue_full_drops
-        if drops != self._queue_full_reported:
-            metrics.dropped_records(sc.DROP_QUEUE_FULL, drops - self._queue_full_reported)
-            self._queue_full_reported = drops
+        overflow = self.overflow
+        drops = 0
+        while overflow:
+            overflow.popleft()
+            drops += 1
+        if drops:
+            metrics.dropped_records(sc.DROP_QUEUE_FULL, drops)
             warn_once(
                 "queue_full",
                 "otel-hicache: transfer record queue full (OTEL_HICACHE_MAX_QUEUE_SIZE=%d); dropping "

@@ -19,7 +19,8 @@ SPAN_ONBOARD: Final = "hicache.onboard"
 EVENT_SUBMITTED: Final = "submitted"
 EVENT_ACKED: Final = "acked"
 
-# attributes (spans; the metric subset is listed per instrument below)
+# attributes: spans carry all but POOL and REASON (metric-only); metric points
+# carry the subset listed in otel_hicache.metrics
 DIRECTION: Final = "hicache.direction"
 SRC_TIER: Final = "hicache.src_tier"
 DST_TIER: Final = "hicache.dst_tier"

@@ -33,9 +33,17 @@ SPAN_NAMES = {"offload": sc.SPAN_OFFLOAD, ONBOARD: sc.SPAN_ONBOARD}
 
 
 def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[str, Any]:
-    """Everything a transfer span carries, ack fields aside."""
+    """Everything a transfer span carries, ack fields aside.
+
+    Static attributes first, then the call's own, then the ``hicache.*`` ones:
+    a caller's attribute never overwrites what otel-hicache measured."""
     src, dst = TIERS[record.direction]
     attrs: dict[str, Any] = dict(static)
+    extra = record.attributes
+    if extra:
+        for key, value in extra.items():
+            if isinstance(key, str) and key and _valid_value(value):
+                attrs[key] = value
     attrs[sc.DIRECTION] = record.direction
     attrs[sc.SRC_TIER] = src
     attrs[sc.DST_TIER] = dst
@@ -52,11 +60,6 @@ def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[s
         attrs[sc.QUEUE_WAIT_US] = record.queue_wait_ns / 1e3
     if record.duration_ns > 0 and record.error is None:
         attrs[sc.BANDWIDTH] = record.num_bytes * 1e9 / record.duration_ns
-    extra = record.attributes
-    if extra:
-        for key, value in extra.items():
-            if isinstance(key, str) and _valid_value(value):
-                attrs[key] = value
     if record.error is not None:
         attrs[sc.ERROR_TYPE] = record.error
     return attrs
@@ -160,7 +163,8 @@ class FastSpanBuilder:
             trace_id = self._ids.generate_trace_id()
             random_trace_id = self._ids.is_trace_id_random()
         name = SPAN_NAMES[record.direction]
-        result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, None, ())
+        attrs = span_attributes(record, self._static)
+        result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, attrs, ())
         flags = trace.TraceFlags.SAMPLED if result.decision.is_sampled() else trace.TraceFlags.DEFAULT
         if random_trace_id:
             flags |= trace.TraceFlags.RANDOM_TRACE_ID
@@ -176,15 +180,14 @@ class FastSpanBuilder:
             return None
         if context.trace_flags.sampled:
             record.exemplar_context = set_span_in_context(NonRecordingSpan(context))
-        return (parent, result.attributes)
+        if result.attributes:
+            attrs.update(result.attributes)
+        return (parent, attrs)
 
     def finish(self, record: TransferRecord, state: Any) -> None:
         if state is None:
             return
-        parent, sampler_attributes = state
-        attrs = span_attributes(record, self._static)
-        if sampler_attributes:
-            attrs.update(sampler_attributes)
+        parent, attrs = state
         _ack_attributes(record, attrs)
         span = self._readable(
             name=SPAN_NAMES[record.direction],

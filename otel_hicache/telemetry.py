@@ -187,7 +187,7 @@ class TransferTelemetry:
             if self._strict:
                 self._check(direction, tokens_by_pool, num_bytes, page_size)
             if len(pipeline.queue) + pipeline.held >= self._cap:
-                pipeline.queue_full_drops += 1
+                pipeline.overflow.append(None)
                 return None
             record = [
                 direction,

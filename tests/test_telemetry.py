@@ -400,3 +400,25 @@ def test_bandwidth_is_not_recorded_for_zero_duration(harness):
     assert "hicache.bandwidth_bytes_per_second" not in span.attributes
     assert not [p for p in h.points("hicache.transfer.bandwidth") if p.count]
     assert math.isclose(h.value("hicache.transfer.duration", **{"hicache.direction": "offload"}).sum, 0.0)
+
+
+def test_per_call_attributes_never_overwrite_measured_ones(harness):
+    h = harness()
+    h.tel.submit("offload", {"kv": 64}, 640, 64, expect_ack=False, host_start_ns=0, host_end_ns=10,
+                 attributes={"hicache.bytes": 1, "hicache.direction": "onboard", "note": "x"})
+    [span] = h.finished()
+    assert span.attributes["hicache.bytes"] == 640
+    assert span.attributes["hicache.direction"] == "offload"
+    assert span.attributes["note"] == "x"
+
+
+def test_bandwidth_points_say_which_clock_they_came_from(harness):
+    h = harness()
+    ev0, ev1 = h.device.copy(h.device.time_ns(), 2.0)
+    h.tel.submit("onboard", {"kv": 64}, 2_000_000, 64, ev0, ev1, True, expect_ack=False)
+    h.tel.submit("onboard", {"kv": 64}, 1_000_000, 64, expect_ack=False, host_start_ns=0, host_end_ns=1_000_000)
+    h.device.advance(ms=3)
+    device = h.value("hicache.transfer.bandwidth", **{"hicache.timing_source": "device_event"})
+    host = h.value("hicache.transfer.bandwidth", **{"hicache.timing_source": "host_clock"})
+    assert device.sum == pytest.approx(1e9) and host.sum == pytest.approx(1e9)
+    assert device.count == host.count == 1
