@@ -193,7 +193,7 @@ class CompletionPipeline:
             record = TransferRecord(queue.popleft())
             try:
                 validate(record)
-            except (TypeError, ValueError) as exc:
+            except Exception as exc:  # whatever the caller passed, count it and go on
                 metrics.dropped_records(sc.DROP_INVALID_INPUT)
                 warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
                           "otel-hicache: dropped a transfer record: %s", exc)
