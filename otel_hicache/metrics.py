@@ -166,15 +166,21 @@ class TransferMetrics:
                 instrument.add(amount, attrs)
 
     # -- per record ---------------------------------------------------------
-    def submitted(self, direction: str, count: int = 1) -> None:
-        self._add(self.inflight, self._by_direction[direction], count)
+    def submitted(self, record: TransferRecord) -> None:
+        record.in_flight = True
+        self._add(self.inflight, self._by_direction[record.direction], 1)
+
+    def left_flight(self, record: TransferRecord) -> None:
+        if record.in_flight:
+            record.in_flight = False
+            self._add(self.inflight, self._by_direction[record.direction], -1)
 
     def completed(self, record: TransferRecord, busy_added_ns: int) -> None:
         """A transfer finished successfully: counters, duration, bandwidth, queue wait."""
         direction = record.direction
         by_direction = self._by_direction[direction]
         context = record.exemplar_context
-        self._add(self.inflight, by_direction, -1)
+        self.left_flight(record)
         self._add(self.bytes, self._by_tiers[direction], record.num_bytes)
         self._add(self.blocks, by_direction, record.blocks)
         for pool, tokens in zip(record.pool_names, record.pool_tokens):
@@ -195,7 +201,7 @@ class TransferMetrics:
         )
 
     def failed_record(self, record: TransferRecord, reason: str) -> None:
-        self._add(self.inflight, self._by_direction[record.direction], -1)
+        self.left_flight(record)
         self._add(self.failed, self._reason_attrs(reason), 1)
 
     def dropped_records(self, reason: str, count: int = 1) -> None:

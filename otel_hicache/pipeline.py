@@ -201,7 +201,7 @@ class CompletionPipeline:
             if len(self._pending) + len(self._awaiting) >= cap:
                 self.overflow.append(None)
                 continue
-            metrics.submitted(record.direction)
+            metrics.submitted(record)
             self._pending.append(record)
         self._report_queue_full(metrics)
         now = self._clock()
@@ -213,16 +213,19 @@ class CompletionPipeline:
             timeout = self.settings.transfer_timeout_ns
             for record in self._pending:
                 try:
-                    done = is_complete(record)
-                except Exception as exc:
-                    self._fail(record, sc.FAIL_EVENT_ERROR, now, exc)
-                    continue
-                if done:
-                    self._complete(record, sinks)
-                elif now - record.submit_ns > timeout:
-                    self._fail(record, sc.FAIL_TRANSFER_TIMEOUT, now, None)
-                else:
-                    still.append(record)
+                    try:
+                        done = is_complete(record)
+                    except Exception as exc:
+                        self._fail(record, sc.FAIL_EVENT_ERROR, now, exc)
+                        continue
+                    if done:
+                        self._complete(record, sinks)
+                    elif now - record.submit_ns > timeout:
+                        self._fail(record, sc.FAIL_TRANSFER_TIMEOUT, now, None)
+                    else:
+                        still.append(record)
+                except Exception as exc:  # a record is handled once, whatever a sink does
+                    self._internal_error(sinks, record, exc)
             self._pending = still
         # 4. acks
         if self._awaiting and (self._drain_all or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS
@@ -244,7 +247,7 @@ class CompletionPipeline:
         if self._pending:
             sinks.metrics.dropped_records(sc.DROP_SHUTDOWN, len(self._pending))
             for record in self._pending:
-                sinks.metrics.submitted(record.direction, -1)
+                sinks.metrics.left_flight(record)
             warn_once("shutdown", "otel-hicache: %d transfers still in flight at shutdown were not reported",
                       len(self._pending))
             self._pending = []
@@ -305,10 +308,22 @@ class CompletionPipeline:
         keep = []
         for record, state in self._awaiting:
             if record.ack_ns is not None or self._drain_all or now - record.completed_at_ns > timeout:
-                self._finish(record, state, sinks)
+                try:
+                    self._finish(record, state, sinks)
+                except Exception as exc:
+                    self._internal_error(sinks, record, exc)
             else:
                 keep.append((record, state))
         self._awaiting = keep
+
+    @staticmethod
+    def _internal_error(sinks: Sinks, record: TransferRecord, exc: BaseException) -> None:
+        sinks.metrics.left_flight(record)
+        sinks.metrics.dropped_records(sc.DROP_INTERNAL_ERROR)
+        warn_once(f"internal:{type(exc).__name__}",
+                  "otel-hicache: a record could not be reported (%r); counted in "
+                  "otel_hicache.records.dropped{reason=internal_error}", exc)
+        logger.debug("otel-hicache internal error", exc_info=True)
 
     def _fail(self, record: TransferRecord, reason: str, now: int, exc: BaseException | None) -> None:
         sinks = self._sinks_now()

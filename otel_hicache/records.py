@@ -107,6 +107,7 @@ class TransferRecord:
         "span_context",
         "exemplar_context",
         "completed_at_ns",
+        "in_flight",
     )
 
     def __init__(self, handle: list[Any]) -> None:
@@ -150,6 +151,7 @@ def reset_worker_fields(record: TransferRecord) -> None:
     record.span_context = None
     record.exemplar_context = None
     record.completed_at_ns = None
+    record.in_flight = False  # counted in hicache.transfer.inflight
 
 
 def _count(value: Any, what: str) -> int:

@@ -84,7 +84,7 @@ RECORDS_DROPPED = (
     "otel_hicache.records.dropped",
     "{record}",
     "Transfer records otel-hicache dropped before reporting them (reason: "
-    "queue_full, invalid_input, shutdown).",
+    "queue_full, invalid_input, shutdown, internal_error).",
 )
 RECORDS_FAILED = (
     "otel_hicache.records.failed",
@@ -101,9 +101,10 @@ QUEUE_SIZE = (
 DROP_QUEUE_FULL: Final = "queue_full"
 DROP_INVALID_INPUT: Final = "invalid_input"
 DROP_SHUTDOWN: Final = "shutdown"
+DROP_INTERNAL_ERROR: Final = "internal_error"
 FAIL_EVENT_ERROR: Final = "event_error"
 FAIL_TRANSFER_TIMEOUT: Final = "transfer_timeout"
-DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN)
+DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR)
 FAIL_REASONS = (FAIL_EVENT_ERROR, FAIL_TRANSFER_TIMEOUT)
 
 DURATION_BUCKETS_S = (

@@ -98,3 +98,25 @@ def test_a_broken_mapping_never_raises_into_the_caller(harness):
     h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
     assert h.value("otel_hicache.records.dropped", reason="invalid_input") == 1
     assert len(h.finished()) == 1
+
+
+def test_a_failing_sink_drops_that_record_once_and_the_worker_goes_on(harness, monkeypatch, warnings_log):
+    h = harness()
+    sinks = h.tel._pipeline._sinks_now()  # pylint: disable=protected-access
+    original = sinks.spans.begin
+    calls = {"n": 0}
+
+    def flaky(record):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("span processor exploded")
+        return original(record)
+
+    monkeypatch.setattr(sinks.spans, "begin", flaky)
+    for _ in range(3):
+        h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
+    assert len(h.finished()) == 2
+    assert h.value("otel_hicache.records.dropped", reason="internal_error") == 1
+    assert calls["n"] == 3  # the failed record was not retried
+    assert h.value("hicache.transfer.inflight", **{"hicache.direction": "offload"}) == 0
+    assert "span processor exploded" in warnings_log.text
