@@ -114,7 +114,8 @@ class CompletionPipeline:
         self._wake = threading.Event()
         self._stopping = False
         self._drain_all = False
-        self._flush_waiters: list[threading.Event] = []
+        self._flush_waiters: list[tuple[int, threading.Event]] = []
+        self._taken = 0  # records taken in from the queue (their intake sequence numbers)
         self._lock = threading.Lock()
         # one entry per record refused on a full queue (deque appends are atomic,
         # so concurrent submitters never lose a count)
@@ -137,7 +138,8 @@ class CompletionPipeline:
         completed (or ``timeout_s`` passed). Records waiting for an ack stay held."""
         done = threading.Event()
         with self._lock:
-            self._flush_waiters.append(done)
+            # everything submitted before this call: taken in so far, plus queued now
+            self._flush_waiters.append((self._taken + len(self.queue), done))
         self._wake.set()
         return done.wait(timeout_s)
 
@@ -191,6 +193,8 @@ class CompletionPipeline:
         # 1. intake
         while queue:
             record = TransferRecord(queue.popleft())
+            record.seq = self._taken
+            self._taken += 1
             try:
                 validate(record)
             except Exception as exc:  # whatever the caller passed, count it and go on
@@ -235,11 +239,21 @@ class CompletionPipeline:
         self.held = len(self._pending) + len(self._awaiting)
         # 5. counters
         metrics.flush()
-        if self._flush_waiters and not self._pending and not self.queue:
-            with self._lock:
-                waiters, self._flush_waiters = self._flush_waiters, []
-            for waiter in waiters:
-                waiter.set()
+        if self._flush_waiters:
+            self._release_flush_waiters()
+
+    def _release_flush_waiters(self) -> None:
+        """A flush is done once every record submitted before it was taken in and
+        is no longer in flight (later submissions do not hold it up)."""
+        oldest_pending = min((r.seq for r in self._pending), default=self._taken)
+        with self._lock:
+            waiting = []
+            for target, done in self._flush_waiters:
+                if self._taken >= target and oldest_pending >= target:
+                    done.set()
+                else:
+                    waiting.append((target, done))
+            self._flush_waiters = waiting
 
     def _cycle_final(self) -> None:
         """On stop: what is still in flight is dropped and counted."""

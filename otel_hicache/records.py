@@ -108,6 +108,7 @@ class TransferRecord:
         "exemplar_context",
         "completed_at_ns",
         "in_flight",
+        "seq",
     )
 
     def __init__(self, handle: list[Any]) -> None:

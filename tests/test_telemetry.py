@@ -422,3 +422,26 @@ def test_bandwidth_points_say_which_clock_they_came_from(harness):
     host = h.value("hicache.transfer.bandwidth", **{"hicache.timing_source": "host_clock"})
     assert device.sum == pytest.approx(1e9) and host.sum == pytest.approx(1e9)
     assert device.count == host.count == 1
+
+
+def test_flush_waits_for_earlier_submissions_only(harness):
+    import threading
+    from types import SimpleNamespace
+
+    h = harness()
+    stuck = (h.device.event().record(), h.device.event().never_completes())
+    h.tel.submit("offload", {"kv": 64}, 10, 64, *stuck, True)
+    assert not h.flush(0.2)  # submitted before the flush and still in flight: not flushed
+
+    # the release rule itself, on a pipeline state set by hand (no worker race)
+    pipeline = harness().tel._pipeline  # pylint: disable=protected-access
+    assert pipeline.stop(2.0)  # no worker running while the state is set by hand
+    before, after = threading.Event(), threading.Event()
+    with pipeline._lock:
+        pipeline._flush_waiters = [(10, before), (12, after)]
+    pipeline._taken = 15
+    pipeline._pending = [SimpleNamespace(seq=11), SimpleNamespace(seq=14)]  # in flight, taken after flush #1
+    pipeline._release_flush_waiters()
+    assert before.is_set()  # records 0..9 are done; 11 and 14 came later
+    assert not after.is_set()  # record 11 was submitted before flush #2 and is still in flight
+    pipeline._pending = []
