@@ -136,6 +136,8 @@ class CompletionPipeline:
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued record is processed and every one in flight
         completed (or ``timeout_s`` passed). Records waiting for an ack stay held."""
+        if not self._worker.is_alive():
+            return not (self.queue or self._pending)
         done = threading.Event()
         with self._lock:
             # everything submitted before this call: taken in so far, plus queued now
@@ -146,6 +148,8 @@ class CompletionPipeline:
     def stop(self, timeout_s: float) -> bool:
         """Flush, emit records still waiting for an ack, stop the worker; all
         within ``timeout_s`` (plus at most 0.1 s for the final cycle)."""
+        if not self._worker.is_alive():
+            return False
         deadline = time.monotonic() + timeout_s
         flushed = self.flush(timeout_s)
         self._drain_all = True

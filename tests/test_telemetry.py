@@ -424,10 +424,11 @@ def test_bandwidth_points_say_which_clock_they_came_from(harness):
     assert device.count == host.count == 1
 
 
-def test_flush_waits_for_earlier_submissions_only(harness):
+def test_flush_waits_for_earlier_submissions_only(harness, monkeypatch):
     import threading
     from types import SimpleNamespace
 
+    monkeypatch.setenv("OTEL_HICACHE_SHUTDOWN_TIMEOUT_S", "0.5")  # teardown: the stuck op is dropped
     h = harness()
     stuck = (h.device.event().record(), h.device.event().never_completes())
     h.tel.submit("offload", {"kv": 64}, 10, 64, *stuck, True)
