@@ -189,10 +189,12 @@ class TransferMetrics:
             self._add(self.busy_time, by_direction, busy_added_ns / 1e9)
         duration_s = record.duration_ns / 1e9
         self._histogram(self.duration, self._duration_attrs(record)).record(duration_s, context)
+        # exemplars (trace links) on the duration and ack-delay histograms, where a
+        # slow bucket needs its trace; bandwidth and queue wait stay cheaper
         if record.duration_ns > 0:
-            self._histogram(self.bandwidth, self._bandwidth_attrs(record)).record(record.num_bytes / duration_s, context)
+            self._histogram(self.bandwidth, self._bandwidth_attrs(record)).record(record.num_bytes / duration_s, None)
         if record.queue_wait_ns is not None:
-            self._histogram(self.queue_wait, by_direction).record(record.queue_wait_ns / 1e9, context)
+            self._histogram(self.queue_wait, by_direction).record(record.queue_wait_ns / 1e9, None)
 
     def acked(self, record: TransferRecord) -> None:
         delay_ns = max(0, record.ack_ns - record.end_ns)

@@ -33,7 +33,7 @@ class _Resolver:
     """What is shared by the bound histograms of one MeterProvider."""
 
     def __init__(self, meter_provider: Any) -> None:
-        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics import MeterProvider, TraceBasedExemplarFilter
         from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes
         from opentelemetry.sdk.metrics._internal.measurement import Measurement
 
@@ -42,6 +42,9 @@ class _Resolver:
         consumer = meter_provider._measurement_consumer  # pylint: disable=protected-access
         self.storages = consumer._reader_storages  # pylint: disable=protected-access
         self.exemplar_filter = meter_provider._sdk_config.exemplar_filter  # pylint: disable=protected-access
+        # With the default trace-based filter the answer is known without asking:
+        # we pass a context only when the op's span is sampled.
+        self.trace_based = type(self.exemplar_filter) is TraceBasedExemplarFilter
         self.hash_attributes = _hash_attributes
         self.measurement = Measurement
 
@@ -72,6 +75,8 @@ class BoundHistogram:
         self._bound: list[Any] | None = None
 
     def record(self, value: float, context: Any) -> None:
+        """``context``: the op's span context when it is sampled (an exemplar
+        candidate), else None."""
         bound = self._bound
         if bound is None:
             self._instrument.record(value, self._attributes, context=context)
@@ -86,7 +91,10 @@ class BoundHistogram:
         resolver = self._resolver
         now = time.time_ns()
         measurement = resolver.measurement(value, now, self._instrument, context)
-        sample = resolver.exemplar_filter.should_sample(value, now, self._attributes, context)
+        if resolver.trace_based:
+            sample = context is not None
+        else:
+            sample = resolver.exemplar_filter.should_sample(value, now, self._attributes, context)
         for _match, _key, aggregation in bound:
             aggregation.aggregate(measurement, sample)
 

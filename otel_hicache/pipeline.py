@@ -103,7 +103,7 @@ class CompletionPipeline:
     # -- state -----------------------------------------------------------
     def _init_state(self) -> None:
         self.queue: deque[list[Any]] = deque()  # submitted lists (see records.submission)
-        self.held = 0  # records the worker holds (pending + awaiting ack)
+        self.held = 0  # records the worker holds (pending + awaiting ack); never below the truth
         self._pending: list[TransferRecord] = []
         self._awaiting: list[tuple[TransferRecord, Any]] = []
         self._last_ack_scan = 0
@@ -194,23 +194,28 @@ class CompletionPipeline:
         metrics = sinks.metrics
         queue = self.queue
         cap = self.settings.max_queue_size
-        # 1. intake
-        while queue:
+        # 1. intake: at most what the cap leaves room for; the rest stays queued
+        # (submit() refuses beyond the cap), so a backlog never stalls reporting
+        # and queued + held never exceeds the cap.
+        pending = self._pending
+        room = cap - len(pending) - len(self._awaiting)
+        while queue and room > 0:
+            self.held += 1  # before the pop: submit() never sees a record in neither place
             record = TransferRecord(queue.popleft())
             record.seq = self._taken
             self._taken += 1
             try:
                 validate(record)
             except Exception as exc:  # whatever the caller passed, count it and go on
+                self.held -= 1
                 metrics.dropped_records(sc.DROP_INVALID_INPUT)
                 warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
                           "otel-hicache: dropped a transfer record: %s", exc)
                 continue
-            if len(self._pending) + len(self._awaiting) >= cap:
-                self.overflow.append(None)
-                continue
             metrics.submitted(record)
-            self._pending.append(record)
+            pending.append(record)
+            room -= 1
+        self.held = len(pending) + len(self._awaiting)
         self._report_queue_full(metrics)
         now = self._clock()
         # 2./3. completion

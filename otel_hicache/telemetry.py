@@ -99,8 +99,10 @@ class TransferTelemetry:
         self._from_configuration = False
         self._resolve_providers()
         self._providers_pid = os.getpid()
-        enabled = env_bool(ev.OTEL_HICACHE_ENABLED) and not sdk_disabled()
-        if not enabled:
+        self.enabled = False
+        """Plain attribute (not a property): adapters may guard their own argument
+        building with ``if tel.enabled:`` for a ~20 ns disabled path."""
+        if not (env_bool(ev.OTEL_HICACHE_ENABLED) and not sdk_disabled()):
             return
         settings = PipelineSettings(
             max_queue_size=env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE),
@@ -111,12 +113,9 @@ class TransferTelemetry:
         )
         self._cap = settings.max_queue_size
         self._pipeline = CompletionPipeline(settings, self._build_sinks, self._clock, anchor_event_factory)
+        self.enabled = True
         ref = weakref.ref(self)
         atexit.register(lambda: (lambda tel: tel is not None and tel.shutdown())(ref()))
-
-    @property
-    def enabled(self) -> bool:
-        return self._pipeline is not None
 
     # -- providers and sinks ------------------------------------------------------
     def _resolve_providers(self) -> tuple[Any, Any]:
@@ -295,6 +294,7 @@ class TransferTelemetry:
         """Stop accepting, report what was recorded (unacked spans with
         ``hicache.acked=false``), export. Bounded by OTEL_HICACHE_SHUTDOWN_TIMEOUT_S."""
         pipeline, self._pipeline = self._pipeline, None
+        self.enabled = False
         if pipeline is None:
             return
         timeout = self._shutdown_timeout_s

@@ -446,3 +446,39 @@ def test_flush_waits_for_earlier_submissions_only(harness, monkeypatch):
     assert before.is_set()  # records 0..9 are done; 11 and 14 came later
     assert not after.is_set()  # record 11 was submitted before flush #2 and is still in flight
     pipeline._pending = []
+
+
+def test_overload_keeps_records_alive_within_the_cap_and_reporting_going(harness, monkeypatch):
+    """A submitter that keeps the queue non-empty while the worker takes records
+    in (here: pools whose validation releases the GIL) must neither stall
+    reporting nor push the records alive past the cap."""
+    import time
+
+    class SlowPools(dict):
+        def items(self):
+            time.sleep(0.0002)  # releases the GIL mid-intake, as a busy scheduler thread would run
+            return super().items()
+
+    monkeypatch.setenv("OTEL_HICACHE_MAX_QUEUE_SIZE", "64")
+    h = harness()
+    pipeline = h.tel._pipeline  # pylint: disable=protected-access
+    pools = SlowPools(kv=64)
+    alive_max = 0
+    reported_during = 0
+    accepted = 0
+    deadline = time.monotonic() + 0.5
+    submitted = 0
+    while time.monotonic() < deadline:
+        if h.tel.submit("offload", pools, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5):
+            accepted += 1
+        submitted += 1
+        alive_max = max(alive_max, len(pipeline.queue) + len(pipeline._pending) + len(pipeline._awaiting))
+        if submitted % 50 == 0:
+            time.sleep(0.0001)
+    reported_during = len(h.spans.get_finished_spans())
+    assert alive_max <= 64
+    assert reported_during > 0  # the worker kept reporting while flooded
+    spans = len(h.finished())
+    assert spans == accepted
+    assert h.value("otel_hicache.records.dropped", reason="queue_full") == submitted - accepted
+    assert h.value("hicache.transfer.blocks", **{"hicache.direction": "offload"}) == accepted
