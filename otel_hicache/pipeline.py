@@ -216,7 +216,6 @@ class CompletionPipeline:
             pending.append(record)
             room -= 1
         self.held = len(pending) + len(self._awaiting)
-        self._report_queue_full(metrics)
         now = self._clock()
         # 2./3. completion
         if self._pending:
@@ -246,7 +245,9 @@ class CompletionPipeline:
             self._last_ack_scan = now
             self._scan_acks(sinks, now)
         self.held = len(self._pending) + len(self._awaiting)
-        # 5. counters
+        # 5. counters: refusals counted up to now (a flush registered during this
+        # cycle covers them), then every summed increment to the SDK
+        self._report_queue_full(metrics)
         metrics.flush()
         if self._flush_waiters:
             self._release_flush_waiters()
@@ -276,6 +277,7 @@ class CompletionPipeline:
             self._pending = []
         self._scan_acks(sinks, self._clock())
         self.held = 0
+        self._report_queue_full(sinks.metrics)
         sinks.metrics.flush()
 
     def _report_queue_full(self, metrics: Any) -> None:

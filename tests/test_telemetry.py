@@ -10,6 +10,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_hicache import semconv as sc
+from otel_hicache.records import submission
 
 KV_BYTES_PER_TOKEN = 114_688  # 2 x 28 layers x 8 KV heads x 128 dim x 2 B
 
@@ -482,3 +483,33 @@ def test_overload_keeps_records_alive_within_the_cap_and_reporting_going(harness
     assert spans == accepted
     assert h.value("otel_hicache.records.dropped", reason="queue_full") == submitted - accepted
     assert h.value("hicache.transfer.blocks", **{"hicache.direction": "offload"}) == accepted
+
+
+def test_refusals_during_a_worker_cycle_are_counted_before_a_flush_is_released(harness):
+    """Submissions refused while the worker completes a backlog are counted before
+    that cycle releases a flush, so what force_flush() exports includes them."""
+    import threading
+
+    h = harness()
+    pipeline = h.tel._pipeline  # pylint: disable=protected-access
+    assert pipeline.stop(2.0)  # drive the cycle by hand
+    sinks = pipeline._sinks_now()
+    order = []
+    dropped_records = sinks.metrics.dropped_records
+    sinks.metrics.dropped_records = lambda reason, n=1: (order.append(("dropped", reason, n)),
+                                                         dropped_records(reason, n))
+    begin = sinks.spans.begin
+
+    def begin_while_the_caller_is_refused(record):
+        pipeline.overflow.extend([None] * 100)  # 100 submit() calls refused meanwhile
+        return begin(record)
+
+    sinks.spans.begin = begin_while_the_caller_is_refused
+    pipeline.queue.append(submission("offload", {"kv": 64}, 10, 64, host_start_ns=0, host_end_ns=5))
+    done = threading.Event()
+    pipeline._flush_waiters = [(1, done)]
+    release = pipeline._release_flush_waiters
+    pipeline._release_flush_waiters = lambda: (order.append("release"), release())
+    pipeline._cycle()
+    assert done.is_set()
+    assert order == [("dropped", "queue_full", 100), "release"]
