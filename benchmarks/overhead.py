@@ -1,0 +1,1182 @@
+"""Overhead of otel-hicache next to the alternatives, measured side by side in one run.
+
+One op is one merged HiCache op, reported as SGLang reports it:
+``tokens_by_pool={"kv": 1408, "swa": 1408}``, 161,480,704 bytes, page size 64,
+``io_backend="kernel"``, static attributes ``tp_rank/pp_rank/dp_rank/attn_cp_rank``,
+directions alternating, and a pair of device timing events (simulated, on the
+host wall clock) whose copy already finished.
+
+Variants (each one a statement the shared harness times, as ``timeit`` does):
+
+a. ``none``        no instrumentation: the same loop and argument preparation, no call;
+b. ``disabled``    otel-hicache built with ``OTEL_HICACHE_ENABLED=false``: submit + ack;
+c. ``hicache``     otel-hicache: submit + ack on the caller, everything else on its worker;
+d. ``naive``       the same span and metrics made on the caller with the public OTel API;
+e. ``seed``        SGLang-seed style: prometheus_client counters + histogram and one DEBUG
+                   log line, the logger disabled for DEBUG (production INFO level);
+   ``seed+log``    the same with the line formatted (into a handler that drops it).
+
+Sections:
+
+1. caller cost per op, PACED (each call timed alone, one op every ``--interval-us``;
+   median and p99) and FLAT OUT (N ops back to back, mean);
+2. process CPU per op, all threads, from the first submit until everything is
+   flushed, and the part not spent on the caller's thread (worker CPU);
+3. sustained ops/s with spans at 100% and exact counters checked against the
+   ground truth (bytes, tokens per pool, blocks, histogram counts, span count),
+   and the same with the cyclic GC off (diagnostic: what the held backlog costs);
+4. memory over ``--memory-ops`` ops flat out with the default queue cap, in two
+   fresh interpreters (process RSS; Python heap with tracemalloc): flat once the
+   cap is reached, records held vs the cap, every op reported or counted as dropped;
+5. goals table;
+6. with ``--profile-worker``: the completion worker's cost per op by step
+   (cProfile, scaled to its unprofiled CPU) and the unprofiled cost of each SDK call.
+
+Variants c and d use SDK providers: a TracerProvider (default sampler, 100%) with a
+BatchSpanProcessor into a counting exporter, and a MeterProvider with an
+InMemoryMetricReader. Each flat-out run builds fresh providers, so the counters it
+reads back are its own.
+
+Usage::
+
+    python benchmarks/overhead.py            # full run, a few minutes on 2 cores
+    python benchmarks/overhead.py --quick    # CI size, well under a minute
+    python benchmarks/overhead.py --json results.json
+    python benchmarks/overhead.py --profile-worker   # cProfile of the worker, per op
+
+Absolute times depend on the machine; nothing here asserts them. The exit
+status is 0 unless a run fails outright (``--strict`` makes a FAIL row exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import logging
+import os
+import platform
+import pstats
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.version import __version__ as SDK_VERSION
+from opentelemetry.trace import SpanKind
+from opentelemetry.trace.propagation import set_span_in_context
+
+from otel_hicache import TransferTelemetry
+from otel_hicache import __version__ as hicache_version
+from otel_hicache import environment_variables as ev
+from otel_hicache import semconv as sc
+from otel_hicache.busy_time import BusyTimeTracker
+from otel_hicache.records import DIRECTIONS, TIERS
+from otel_hicache.testing import SimulatedDevice
+
+# --------------------------------------------------------------------------------------
+# The op
+# --------------------------------------------------------------------------------------
+
+POOL_TOKENS = 1408
+NUM_BYTES = 161_480_704
+PAGE_SIZE = 64
+IO_BACKEND = "kernel"
+STATIC = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0}
+COPY_MS = 6.0  # ~27 GB/s, a PCIe Gen5 x16 copy of this op
+COPY_ENDED_AGO_NS = 100_000  # the copy finished 100 us before the report
+BLOCKS = -(-POOL_TOKENS // PAGE_SIZE)
+SPAN_NAMES = {"offload": sc.SPAN_OFFLOAD, "onboard": sc.SPAN_ONBOARD}
+
+GOALS = {
+    "caller_median_us": 1.5,
+    "naive_over_hicache_caller": 20.0,
+    "cpu_ratio_vs_naive": 0.5,
+    "disabled_us": 0.2,
+    "ops_per_s": 20_000.0,
+}
+
+
+class WallClockDevice(SimulatedDevice):
+    """A simulated device whose clock is the host wall clock (so ``query()`` of an
+    event placed in the past is True, and spans land at the real time)."""
+
+    time_ns = staticmethod(time.time_ns)  # type: ignore[assignment]
+
+
+def make_prep() -> Callable[[int], tuple[str, dict[str, int], Any, Any]]:
+    """Argument preparation for op ``i``, identical for every variant: direction,
+    a fresh tokens_by_pool dict, and a completed start/finish event pair."""
+    device = WallClockDevice()
+    copy = device.copy
+    time_ns = time.time_ns
+    ago = COPY_ENDED_AGO_NS + int(COPY_MS * 1e6)
+    directions = DIRECTIONS
+
+    def prep(i: int) -> tuple[str, dict[str, int], Any, Any]:
+        start, finish = copy(time_ns() - ago, COPY_MS)
+        return directions[i & 1], {"kv": POOL_TOKENS, "swa": POOL_TOKENS}, start, finish
+
+    return prep
+
+
+# --------------------------------------------------------------------------------------
+# OTel SDK plumbing shared by c and d
+# --------------------------------------------------------------------------------------
+
+
+class CountingSpanExporter(SpanExporter):
+    """Counts spans and keeps the first one (to compare attribute sets); exports nothing."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: Any = None
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        if self.first is None and spans:
+            self.first = spans[0]
+        self.count += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+class SdkProviders:
+    """TracerProvider (default sampler: 100%) with a BatchSpanProcessor into a
+    counting exporter, and a MeterProvider with an InMemoryMetricReader."""
+
+    def __init__(self, max_spans_queued: int) -> None:
+        self.exporter = CountingSpanExporter()
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(
+            BatchSpanProcessor(self.exporter, max_queue_size=max_spans_queued, max_export_batch_size=512)
+        )
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+
+    def flush(self) -> None:
+        self.tracer_provider.force_flush()
+        self.meter_provider.force_flush()
+
+    def shutdown(self) -> None:
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+    def totals(self) -> dict[str, float]:
+        """Counter sums and histogram counts by metric name (tokens split by pool)."""
+        totals: dict[str, float] = {}
+        data = self.reader.get_metrics_data()
+        for resource_metrics in data.resource_metrics if data else ():
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    for point in metric.data.data_points:
+                        if hasattr(point, "bucket_counts"):
+                            key, value = f"{metric.name}.count", point.count
+                        else:
+                            pool = point.attributes.get(sc.POOL)
+                            key, value = metric.name + (f"[{pool}]" if pool else ""), point.value
+                        totals[key] = totals.get(key, 0) + value
+        return totals
+
+
+def expected_totals(n: int) -> dict[str, float]:
+    """Ground truth for n ops (n/2 each direction: the sums do not depend on it)."""
+    return {
+        sc.TRANSFER_BYTES[0]: n * NUM_BYTES,
+        sc.TRANSFER_BLOCKS[0]: n * BLOCKS,
+        f"{sc.TRANSFER_TOKENS[0]}[kv]": n * POOL_TOKENS,
+        f"{sc.TRANSFER_TOKENS[0]}[swa]": n * POOL_TOKENS,
+        f"{sc.TRANSFER_DURATION[0]}.count": n,
+        f"{sc.TRANSFER_BANDWIDTH[0]}.count": n,
+        f"{sc.TRANSFER_QUEUE_WAIT[0]}.count": n,
+        f"{sc.TRANSFER_ACK_DELAY[0]}.count": n,
+        sc.TRANSFER_INFLIGHT[0]: 0,
+        "spans": n,
+    }
+
+
+@contextmanager
+def env(**values: str) -> Iterator[None]:
+    """Environment variables set while constructing something that reads them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+# --------------------------------------------------------------------------------------
+# Variants: each provides a statement (run once per op with ``direction, pools, start,
+# finish`` in scope), the names it uses, flush() and close().
+# --------------------------------------------------------------------------------------
+
+
+class Variant:
+    """One way of reporting an op. ``stmt`` is compiled into the timing loops with
+    ``names()`` bound as locals; ``flush()`` returns once everything it produced
+    was handed to its exporters and readers."""
+
+    stmt = "pass"
+
+    def names(self) -> dict[str, Any]:
+        return {}
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def spans(self) -> int | None:
+        return None
+
+    def totals(self) -> dict[str, float] | None:
+        return None
+
+
+class GuardedDisabled(Variant):
+    """otel-hicache disabled, with the adapter's own guard around its call (what the
+    plain ``tel.enabled`` attribute is for): no call, no argument passing."""
+
+    stmt = (
+        "if tel.enabled:\n"
+        "    handle = tel.submit(direction, tokens_by_pool=pools, num_bytes=NUM_BYTES, page_size=PAGE_SIZE,\n"
+        "                        start_event=start, finish_event=finish, timing_enabled=True, io_backend=IO_BACKEND)\n"
+        "    tel.ack(handle)"
+    )
+
+    def __init__(self) -> None:
+        with env(**{ev.OTEL_HICACHE_ENABLED: "false"}):
+            self.tel = TransferTelemetry(attributes=STATIC)
+        if self.tel.enabled:
+            raise RuntimeError("otel-hicache is enabled, expected disabled")
+
+    def names(self) -> dict[str, Any]:
+        return {"tel": self.tel, "NUM_BYTES": NUM_BYTES, "PAGE_SIZE": PAGE_SIZE, "IO_BACKEND": IO_BACKEND}
+
+
+class NoInstrumentation(Variant):
+    """The loop and the argument preparation alone."""
+
+
+class HiCacheVariant(Variant):
+    """otel-hicache, enabled or not. The statement is what an adapter writes."""
+
+    stmt = (
+        "handle = submit(direction, tokens_by_pool=pools, num_bytes=NUM_BYTES, page_size=PAGE_SIZE,\n"
+        "                start_event=start, finish_event=finish, timing_enabled=True, io_backend=IO_BACKEND)\n"
+        "ack(handle)"
+    )
+
+    def __init__(self, enabled: bool = True, max_queue_size: int | None = None) -> None:
+        self.providers = SdkProviders(max_spans_queued=1 << 22) if enabled else None
+        settings = {ev.OTEL_HICACHE_ENABLED: "true" if enabled else "false"}
+        if max_queue_size is not None:
+            settings[ev.OTEL_HICACHE_MAX_QUEUE_SIZE] = str(max_queue_size)
+        with env(**settings):
+            self.tel = TransferTelemetry(
+                self.providers.tracer_provider if self.providers else None,
+                self.providers.meter_provider if self.providers else None,
+                attributes=STATIC,
+            )
+        if self.tel.enabled != enabled:
+            raise RuntimeError(f"otel-hicache enabled={self.tel.enabled}, expected {enabled} (OTEL_SDK_DISABLED?)")
+
+    def names(self) -> dict[str, Any]:
+        return {"submit": self.tel.submit, "ack": self.tel.ack, "NUM_BYTES": NUM_BYTES,
+                "PAGE_SIZE": PAGE_SIZE, "IO_BACKEND": IO_BACKEND}
+
+    def flush(self) -> None:
+        if not self.tel.force_flush(timeout_s=600):
+            raise RuntimeError("otel-hicache force_flush timed out")
+
+    def close(self) -> None:
+        self.tel.shutdown()
+        if self.providers:
+            self.providers.shutdown()
+
+    def spans(self) -> int | None:
+        return self.providers.exporter.count if self.providers else None
+
+    def totals(self) -> dict[str, float] | None:
+        return self.providers.totals() if self.providers else None
+
+
+class NaiveOTel(Variant):
+    """What otel-hicache emits, made per op on the caller with the public OTel API:
+    one span (start_span with the same attributes, events submitted/acked, end),
+    the same 4 histograms and the same counters (bytes, blocks, tokens per pool,
+    busy time, inflight +1/-1). Metric attribute dicts are built once, not per op
+    (a fair baseline, not a straw man)."""
+
+    stmt = "op(direction, pools, start, finish)"
+
+    def __init__(self) -> None:
+        self.providers = SdkProviders(max_spans_queued=1 << 22)
+        self.tracer = self.providers.tracer_provider.get_tracer("naive")
+        meter = self.providers.meter_provider.get_meter("naive")
+
+        def histogram(spec: tuple[str, str, str], buckets: tuple[float, ...]) -> Any:
+            return meter.create_histogram(spec[0], unit=spec[1], description=spec[2],
+                                          explicit_bucket_boundaries_advisory=buckets)
+
+        def counter(spec: tuple[str, str, str]) -> Any:
+            return meter.create_counter(spec[0], unit=spec[1], description=spec[2])
+
+        self.duration = histogram(sc.TRANSFER_DURATION, sc.DURATION_BUCKETS_S)
+        self.bandwidth = histogram(sc.TRANSFER_BANDWIDTH, sc.BANDWIDTH_BUCKETS)
+        self.queue_wait = histogram(sc.TRANSFER_QUEUE_WAIT, sc.DURATION_BUCKETS_S)
+        self.ack_delay = histogram(sc.TRANSFER_ACK_DELAY, sc.DURATION_BUCKETS_S)
+        self.bytes = counter(sc.TRANSFER_BYTES)
+        self.blocks = counter(sc.TRANSFER_BLOCKS)
+        self.tokens = counter(sc.TRANSFER_TOKENS)
+        self.busy_time = counter(sc.TRANSFER_BUSY_TIME)
+        self.inflight = meter.create_up_down_counter(sc.TRANSFER_INFLIGHT[0], unit=sc.TRANSFER_INFLIGHT[1])
+        self.busy = {d: BusyTimeTracker() for d in DIRECTIONS}
+
+        def attrs(**extra: Any) -> dict[str, Any]:
+            return {**STATIC, **extra}
+
+        self.by_direction = {d: attrs(**{sc.DIRECTION: d}) for d in DIRECTIONS}
+        self.by_tiers = {d: attrs(**{sc.DIRECTION: d, sc.SRC_TIER: TIERS[d][0], sc.DST_TIER: TIERS[d][1]})
+                         for d in DIRECTIONS}
+        self.by_duration = {d: attrs(**{sc.DIRECTION: d, sc.SRC_TIER: TIERS[d][0], sc.DST_TIER: TIERS[d][1],
+                                        sc.IO_BACKEND: IO_BACKEND, sc.TIMING_SOURCE: "device_event"})
+                            for d in DIRECTIONS}
+        self.by_pool = {(d, p): attrs(**{sc.DIRECTION: d, sc.POOL: p}) for d in DIRECTIONS for p in ("kv", "swa")}
+
+    def names(self) -> dict[str, Any]:
+        return {"op": self.op}
+
+    def op(self, direction: str, pools: dict[str, int], start: Any, finish: Any) -> None:
+        submit_ns = time.time_ns()
+        duration_ns = int(round(start.elapsed_time(finish) * 1e6))
+        end_ns = time.time_ns()  # no wall-clock anchor on the caller: place the copy ending now
+        start_ns = end_ns - duration_ns
+        queue_wait_ns = max(0, start_ns - submit_ns)
+        by_direction = self.by_direction[direction]
+        self.inflight.add(1, by_direction)
+        names, counts = tuple(pools), tuple(pools.values())
+        tokens = counts[0]
+        blocks = -(-tokens // PAGE_SIZE)
+        src, dst = TIERS[direction]
+        bandwidth = NUM_BYTES * 1e9 / duration_ns
+        span = self.tracer.start_span(
+            SPAN_NAMES[direction],
+            kind=SpanKind.INTERNAL,
+            start_time=start_ns,
+            attributes={
+                **STATIC,
+                sc.DIRECTION: direction, sc.SRC_TIER: src, sc.DST_TIER: dst,
+                sc.TOKENS: tokens, sc.BLOCKS: blocks, sc.BYTES: NUM_BYTES, sc.PAGE_SIZE: PAGE_SIZE,
+                sc.POOL_NAMES: names, sc.POOL_TOKENS: counts, sc.IO_BACKEND: IO_BACKEND,
+                sc.TIMING_SOURCE: "device_event", sc.QUEUE_WAIT_US: queue_wait_ns / 1e3,
+                sc.BANDWIDTH: bandwidth,
+            },
+        )
+        context = set_span_in_context(span)
+        span.add_event(sc.EVENT_SUBMITTED, timestamp=submit_ns)
+        busy_ns = self.busy[direction].add(start_ns, end_ns)
+        self.duration.record(duration_ns / 1e9, self.by_duration[direction], context=context)
+        self.bandwidth.record(bandwidth, by_direction, context=context)
+        self.queue_wait.record(queue_wait_ns / 1e9, by_direction, context=context)
+        self.bytes.add(NUM_BYTES, self.by_tiers[direction])
+        self.blocks.add(blocks, by_direction)
+        for pool, count in zip(names, counts):
+            self.tokens.add(count, self.by_pool[(direction, pool)])
+        if busy_ns:
+            self.busy_time.add(busy_ns / 1e9, by_direction)
+        self.inflight.add(-1, by_direction)
+        ack_ns = time.time_ns()
+        ack_delay_ns = max(0, ack_ns - end_ns)
+        self.ack_delay.record(ack_delay_ns / 1e9, by_direction, context=context)
+        span.set_attributes({sc.ACKED: True, sc.ACK_DELAY_US: ack_delay_ns / 1e3})
+        span.add_event(sc.EVENT_ACKED, timestamp=ack_ns)
+        span.end(end_time=end_ns)
+
+    def flush(self) -> None:
+        self.providers.flush()
+
+    def close(self) -> None:
+        self.providers.shutdown()
+
+    def spans(self) -> int | None:
+        return self.providers.exporter.count
+
+    def totals(self) -> dict[str, float] | None:
+        return self.providers.totals()
+
+
+class _FormattingNullHandler(logging.NullHandler):
+    """Formats every record, as a real handler would, then drops it.
+    (``logging.NullHandler`` itself never formats.)"""
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        self.format(record)
+        return True
+
+
+class SeedStyle(Variant):
+    """The SGLang seed: prometheus_client Counters (blocks, bytes) and a Histogram
+    (duration) with its labels, plus one log line per op at DEBUG."""
+
+    stmt = "op(direction, pools, start, finish)"
+    _LABELS = ("direction", "src", "dst", "tp_rank", "pp_rank", "dp_rank", "attn_cp_rank", "io_backend")
+
+    def __init__(self, format_logs: bool) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        registry = CollectorRegistry()
+        self.blocks_total = Counter("hicache_blocks", "Blocks moved", self._LABELS, registry=registry)
+        self.bytes_total = Counter("hicache_bytes", "Bytes moved", self._LABELS, registry=registry)
+        self.duration = Histogram("hicache_transfer_duration_seconds", "Transfer duration", self._LABELS,
+                                  registry=registry, buckets=sc.DURATION_BUCKETS_S)
+        self.registry = registry
+        self.labels = {d: {"direction": d, "src": TIERS[d][0], "dst": TIERS[d][1],
+                           **{k: str(v) for k, v in STATIC.items()}, "io_backend": IO_BACKEND}
+                       for d in DIRECTIONS}
+        self.logger = logging.getLogger(f"overhead.seed.{'formatted' if format_logs else 'production'}")
+        self.logger.propagate = False
+        self.logger.handlers[:] = [_FormattingNullHandler()]
+        self.logger.handlers[0].setFormatter(logging.Formatter("[%(asctime)s %(name)s] %(message)s"))
+        self.logger.setLevel(logging.DEBUG if format_logs else logging.INFO)
+
+    def names(self) -> dict[str, Any]:
+        return {"op": self.op}
+
+    def op(self, direction: str, pools: dict[str, int], start: Any, finish: Any) -> None:
+        duration_ms = start.elapsed_time(finish)
+        tokens = next(iter(pools.values()))
+        blocks = -(-tokens // PAGE_SIZE)
+        labels = self.labels[direction]
+        self.blocks_total.labels(**labels).inc(blocks)
+        self.bytes_total.labels(**labels).inc(NUM_BYTES)
+        self.duration.labels(**labels).observe(duration_ms / 1e3)
+        self.logger.debug(
+            "%s transfer complete ts_us=%d blocks=%d bytes=%d tokens=%d xfer_us=%.1f bandwidth=%.2fGB/s "
+            'src="%s" dst="%s"',
+            direction.capitalize(), time.time_ns() // 1000, blocks, NUM_BYTES, tokens,
+            duration_ms * 1e3, NUM_BYTES / (duration_ms * 1e6), labels["src"], labels["dst"],
+        )
+
+    def totals(self) -> dict[str, float] | None:
+        get = self.registry.get_sample_value
+        return {
+            sc.TRANSFER_BYTES[0]: sum(get("hicache_bytes_total", self.labels[d]) or 0 for d in DIRECTIONS),
+            sc.TRANSFER_BLOCKS[0]: sum(get("hicache_blocks_total", self.labels[d]) or 0 for d in DIRECTIONS),
+            f"{sc.TRANSFER_DURATION[0]}.count": sum(
+                get("hicache_transfer_duration_seconds_count", self.labels[d]) or 0 for d in DIRECTIONS),
+        }
+
+
+VARIANT_FACTORIES: dict[str, Callable[[int | None], Variant]] = {
+    "none": lambda cap: NoInstrumentation(),
+    "disabled": lambda cap: HiCacheVariant(enabled=False),
+    "disabled+guard": lambda cap: GuardedDisabled(),
+    "hicache": lambda cap: HiCacheVariant(enabled=True, max_queue_size=cap),
+    "naive": lambda cap: NaiveOTel(),
+    "seed": lambda cap: SeedStyle(format_logs=False),
+    "seed+log": lambda cap: SeedStyle(format_logs=True),
+}
+LABELS = {
+    "none": "a. no instrumentation",
+    "disabled": "b. otel-hicache disabled",
+    "disabled+guard": "b'. disabled, `if tel.enabled`",
+    "hicache": "c. otel-hicache",
+    "naive": "d. naive in-thread OTel",
+    "seed": "e. SGLang-seed style",
+    "seed+log": "e'. seed, log line formatted",
+}
+
+
+# --------------------------------------------------------------------------------------
+# Shared timing harness: the variant's statement is compiled into the loop (as timeit
+# does), so every variant pays the same loop and argument preparation and nothing else.
+# --------------------------------------------------------------------------------------
+
+_PACED = """
+def loop(n, interval_ns, prep, samples, {params}):
+    clock = _perf_counter_ns
+    wait_until = _wait_until
+    deadline = clock() + interval_ns
+    for i in range(n):
+        direction, pools, start, finish = prep(i)
+        deadline = wait_until(deadline) + interval_ns
+        t0 = clock()
+{stmt}
+        t1 = clock()
+        samples.append(t1 - t0)
+"""
+
+_FLAT = """
+def loop(n, prep, {params}):
+    for i in range(n):
+        direction, pools, start, finish = prep(i)
+{stmt}
+"""
+
+
+def _wait_until(deadline: int) -> int:
+    """Sleep (releasing the GIL, so worker threads run) then spin to ``deadline``.
+    Returns the deadline, or now if it already passed (no catch-up bursts)."""
+    now = time.perf_counter_ns()
+    if now >= deadline:
+        return now
+    if deadline - now > 120_000:
+        time.sleep((deadline - now - 100_000) / 1e9)
+    while time.perf_counter_ns() < deadline:
+        pass
+    return deadline
+
+
+def compile_loop(template: str, variant: Variant) -> Callable[..., None]:
+    names = variant.names()
+    stmt = "\n".join(" " * 8 + line for line in variant.stmt.splitlines())
+    params = ", ".join(f"{name}={name}" for name in names)
+    namespace = {"_perf_counter_ns": time.perf_counter_ns, "_wait_until": _wait_until, **names}
+    exec(template.format(params=params or "_=None", stmt=stmt), namespace)  # pylint: disable=exec-used
+    return namespace["loop"]
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
+    return sorted_values[index]
+
+
+def run_paced(keys: Sequence[str], ops: int, rounds: int, interval_us: float, warmup: int) -> dict[str, Any]:
+    """Each call timed alone at one op per interval. Variants take turns in rounds
+    (rotating order) so machine noise spreads evenly over them."""
+    prep = make_prep()
+    variants = {k: VARIANT_FACTORIES[k](None) for k in keys}  # default queue cap
+    loops = {k: compile_loop(_PACED, v) for k, v in variants.items()}
+    samples: dict[str, list[int]] = {k: [] for k in keys}
+    elapsed: dict[str, float] = {k: 0.0 for k in keys}
+    interval_ns = int(interval_us * 1000)
+    try:
+        for k in keys:
+            loops[k](warmup, interval_ns, prep, [])
+        per_round = max(1, ops // rounds)
+        for r in range(rounds):
+            order = list(keys[r % len(keys):]) + list(keys[: r % len(keys)])
+            for k in order:
+                t0 = time.perf_counter()
+                loops[k](per_round, interval_ns, prep, samples[k])
+                elapsed[k] += time.perf_counter() - t0
+        for v in variants.values():
+            v.flush()
+    finally:
+        for v in variants.values():
+            v.close()
+    results = {}
+    for k in keys:
+        values = sorted(samples[k])
+        results[k] = {
+            "n": len(values),
+            "median_us": statistics.median(values) / 1e3,
+            "p99_us": percentile(values, 0.99) / 1e3,
+            "p999_us": percentile(values, 0.999) / 1e3,
+            "max_us": values[-1] / 1e3,
+            "rate_ops_per_s": len(values) / elapsed[k] if elapsed[k] else 0.0,
+        }
+    return results
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of every live thread, by thread name (Linux: per-thread CPU clocks)."""
+    cpu: dict[str, float] = {}
+    for thread in threading.enumerate():
+        try:
+            seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[arg-type]
+        except (AttributeError, OSError, TypeError):
+            continue
+        name = "caller" if thread is threading.current_thread() else thread.name.split(" ")[0]
+        cpu[name] = cpu.get(name, 0.0) + seconds
+    return cpu
+
+
+def run_flat(key: str, ops: int, cap: int, collect_garbage: bool = True) -> dict[str, Any]:
+    """N ops back to back on a fresh instance: the submit loop's wall time, the
+    caller thread's CPU, and the process CPU (all threads) until all is flushed.
+    ``collect_garbage=False`` disables the cyclic GC for the measured part (diagnostic)."""
+    prep = make_prep()
+    variant = VARIANT_FACTORIES[key](cap)
+    loop = compile_loop(_FLAT, variant)
+    try:
+        loop(min(1000, ops), prep)  # warm-up: first span/metric points, anchor
+        variant.flush()
+        before = variant.totals() or {}
+        spans_before = variant.spans()
+        gc.collect()
+        if not collect_garbage:
+            gc.disable()
+        threads0 = thread_cpu()
+        cpu0, thread0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
+        loop(ops, prep)
+        wall1 = time.perf_counter()
+        variant.flush()
+        wall2, cpu2, thread2 = time.perf_counter(), time.process_time(), time.thread_time()
+        threads2 = thread_cpu()
+        after = variant.totals()
+        spans_after = variant.spans()
+        counts = None
+        if after is not None:
+            counts = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+            if spans_after is not None:
+                counts["spans"] = spans_after - (spans_before or 0)
+    finally:
+        gc.enable()
+        variant.close()
+    per_op = 1e6 / ops
+    by_thread = {name: (threads2[name] - threads0.get(name, 0.0)) * per_op for name in threads2}
+    return {
+        "n": ops,
+        "wall_us": (wall1 - wall0) * per_op,
+        "caller_cpu_us": (thread2 - thread0) * per_op,
+        "process_cpu_us": (cpu2 - cpu0) * per_op,
+        "worker_cpu_us": ((cpu2 - cpu0) - (thread2 - thread0)) * per_op,
+        "hicache_worker_cpu_us": by_thread.get("otel-hicache-completion", 0.0),
+        "span_processor_cpu_us": by_thread.get("OtelBatchSpanRecordProcessor", 0.0),
+        "flushed_s": wall2 - wall0,
+        "ops_per_s": ops / (wall2 - wall0),
+        "counts": counts,
+    }
+
+
+def median_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    merged = {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
+    merged["runs"] = len(runs)
+    merged["counts"] = [r["counts"] for r in runs]
+    return merged
+
+
+def check_counts(counts: dict[str, float] | None, n: int, keys: Sequence[str] | None = None) -> list[str]:
+    """Mismatches between measured totals and the ground truth (empty: exact)."""
+    if counts is None:
+        return ["no totals"]
+    expected = expected_totals(n)
+    problems = []
+    for key in keys or expected:
+        if abs(counts.get(key, 0) - expected[key]) > 1e-6 * max(1, expected[key]):
+            problems.append(f"{key}: {counts.get(key, 0):g} != {expected[key]:g}")
+    return problems
+
+
+# --------------------------------------------------------------------------------------
+# Memory: a fresh interpreter, flat out, default queue cap
+# --------------------------------------------------------------------------------------
+
+
+def _rss_kb(field: str) -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+
+def memory_child(ops: int, traced: bool) -> dict[str, Any]:
+    """Flat out with the default queue cap, sampling memory and records held every
+    ``ops / 100`` ops. ``traced``: the Python heap as tracemalloc counts it (exact,
+    allocator-independent, but slows the run); otherwise the process RSS."""
+    os.environ.pop(ev.OTEL_HICACHE_MAX_QUEUE_SIZE, None)
+    variant = HiCacheVariant(enabled=True)
+    pipeline = variant.tel._pipeline  # pylint: disable=protected-access  (to sample what it holds)
+    cap = variant.tel._cap  # pylint: disable=protected-access
+
+    def alive() -> int:
+        """Records in memory: queued, and held by the worker (pending or awaiting an ack)."""
+        return len(pipeline.queue) + len(getattr(pipeline, "_pending", ())) + len(getattr(pipeline, "_awaiting", ()))
+    prep = make_prep()
+    loop = compile_loop(_FLAT, variant)
+    warm = 2000
+    if traced:
+        import tracemalloc
+
+        tracemalloc.start(1)
+
+        def measure() -> float:
+            return tracemalloc.get_traced_memory()[0] / 2**20
+    else:
+
+        def measure() -> float:
+            return _rss_kb("VmRSS") / 1024
+
+    loop(warm, prep)
+    variant.flush()
+    gc.collect()
+    base = measure()
+    if traced:
+        tracemalloc.reset_peak()
+    hwm_before = _rss_kb("VmHWM") / 1024
+    chunk = max(1, ops // 100)
+    samples = []
+    t0 = time.perf_counter()
+    done = 0
+    while done < ops:
+        step = min(chunk, ops - done)
+        loop(step, prep)
+        done += step
+        samples.append((done, measure() - base, pipeline.size(), alive()))
+    submit_s = time.perf_counter() - t0
+    spans_during_submit = (variant.spans() or 0) - warm
+    variant.flush()
+    flushed_s = time.perf_counter() - t0
+    if traced:
+        peak = tracemalloc.get_traced_memory()[1] / 2**20 - base
+        tracemalloc.stop()
+    else:
+        peak = _rss_kb("VmHWM") / 1024 - base
+    totals = variant.totals() or {}
+    spans = (variant.spans() or 0) - warm
+    variant.close()
+    half = len(samples) // 2
+    return {
+        "kind": "tracemalloc" if traced else "rss",
+        "ops": ops,
+        "queue_cap": cap,
+        "base_mb": base,
+        "peak_delta_mb": peak,
+        "hwm_before_mb": hwm_before,
+        "delta_mb_max_first_half": max(sample[1] for sample in samples[:half]),
+        "delta_mb_max_second_half": max(sample[1] for sample in samples[half:]),
+        "delta_mb_end": samples[-1][1],
+        "max_size": max(sample[2] for sample in samples),
+        "max_alive": max(sample[3] for sample in samples),
+        "spans_during_submit": spans_during_submit,
+        "dropped": int(totals.get(sc.RECORDS_DROPPED[0], 0)),
+        "reported": int(totals.get(f"{sc.TRANSFER_DURATION[0]}.count", 0)) - warm,
+        "spans": spans,
+        "submit_s": submit_s,
+        "flushed_s": flushed_s,
+        "samples": samples,
+    }
+
+
+def run_memory(ops: int, traced: bool) -> dict[str, Any]:
+    child_env = dict(os.environ)
+    child_env.pop(ev.OTEL_HICACHE_MAX_QUEUE_SIZE, None)
+    command = [sys.executable, os.path.abspath(__file__), "--memory-child", str(ops)]
+    out = subprocess.run(command + (["--traced"] if traced else []), env=child_env, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------
+# Worker profile
+# --------------------------------------------------------------------------------------
+
+
+# (label, file suffix, function name) of the worker's steps per op, as cProfile names them
+WORKER_STEPS = (
+    ("intake: records.validate", "otel_hicache/records.py", "validate"),
+    ("intake: metrics.submitted (inflight +1, summed)", "otel_hicache/metrics.py", "submitted"),
+    ("poll: timing.is_complete (event.query)", "otel_hicache/timing.py", "is_complete"),
+    ("timing.resolve (elapsed_time, anchor)", "otel_hicache/timing.py", "resolve"),
+    ("busy-time union", "otel_hicache/busy_time.py", "add"),
+    ("spans.begin (sampler, ids, exemplar context)", "otel_hicache/spans.py", "begin"),
+    ("metrics.completed (3 histogram records + sums)", "otel_hicache/metrics.py", "completed"),
+    ("logs.completed (totals; DEBUG off)", "otel_hicache/logs.py", "completed"),
+    ("metrics.acked (ack_delay histogram record)", "otel_hicache/metrics.py", "acked"),
+    ("spans.finish (attributes, ReadableSpan, on_end)", "otel_hicache/spans.py", "finish"),
+    ("metrics.flush (summed counter adds, per cycle)", "otel_hicache/metrics.py", "flush"),
+)
+# SDK calls inside those steps
+SDK_CALLS = (
+    ("  otel-hicache BoundHistogram.record (metrics fast path)", "otel_hicache/metrics_fast_path.py", "record"),
+    ("  SDK Histogram.record", "metrics/_internal/instrument.py", "record"),
+    ("    of which Measurement() attribute cleaning", "metrics/_internal/measurement.py", "__post_init__"),
+    ("    of which attribute hashing (_hash_attributes)", "metrics/_internal/_view_instrument_match.py",
+     "_hash_attributes"),
+    ("    of which exemplar filter (should_sample)", "metrics/_internal/exemplar/exemplar_filter.py",
+     "should_sample"),
+    ("    of which aggregate() (buckets + exemplar reservoir)", "metrics/_internal/aggregation.py", "aggregate"),
+    ("      of which exemplar reservoir (_sample_exemplar)", "metrics/_internal/aggregation.py", "_sample_exemplar"),
+    ("  SDK Counter/UpDownCounter.add (per cycle)", "metrics/_internal/instrument.py", "add"),
+    ("  spans.span_attributes (19 attributes)", "otel_hicache/spans.py", "span_attributes"),
+    ("  SDK ReadableSpan.__init__", "sdk/trace/__init__.py", "__init__"),
+    ("  SDK BatchSpanProcessor.on_end", "sdk/trace/export/__init__.py", "on_end"),
+    ("  SDK sampler.should_sample", "sdk/trace/sampling.py", "should_sample"),
+)
+
+
+def _short_path(filename: str) -> str:
+    """A module path without the directories of this machine."""
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    if "/otel_hicache/" in filename:
+        return "otel_hicache/" + filename.split("/otel_hicache/", 1)[1]
+    if filename.startswith(("<", "~")):
+        return filename
+    return os.path.basename(filename)
+
+
+def _cum_us(stats: dict[Any, Any], suffix: str, func: str, ops: int) -> tuple[float, float]:
+    """Cumulative us per op and calls per op of the functions ``func`` in files ending ``suffix``
+    (top-level frames only: a recursive function's cumtime already includes its inner calls)."""
+    cum = calls = 0.0
+    for (filename, _line, name), (_cc, nc, _tt, ct, _callers) in stats.items():
+        if name == func and filename.endswith(suffix):
+            cum += ct
+            calls += nc
+    return cum * 1e6 / ops, calls / ops
+
+
+def profile_worker(ops: int, worker_cpu_us: float | None, top: int = 15) -> dict[str, Any]:
+    """cProfile of the completion worker's cycles over ``ops`` flat-out ops: its steps per op,
+    in profiled us and scaled to the unprofiled worker CPU per op (cProfile inflates every
+    call; the scaled column is each step's share of the profiled cycle times the real cost)."""
+    variant = HiCacheVariant(enabled=True, max_queue_size=ops + 10_000)
+    pipeline = variant.tel._pipeline  # pylint: disable=protected-access  (to wrap its cycle)
+    profiler = cProfile.Profile()
+    original = pipeline._cycle  # pylint: disable=protected-access
+
+    def profiled_cycle() -> None:
+        profiler.enable()
+        try:
+            original()
+        finally:
+            profiler.disable()
+
+    prep = make_prep()
+    loop = compile_loop(_FLAT, variant)
+    loop(1000, prep)
+    variant.flush()
+    pipeline._cycle = profiled_cycle  # pylint: disable=protected-access
+    loop(ops, prep)
+    variant.flush()
+    pipeline._cycle = original  # pylint: disable=protected-access
+    variant.close()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    total, _ = _cum_us(stats, "otel_hicache/pipeline.py", "_cycle", ops)
+    scale = (worker_cpu_us / total) if worker_cpu_us and total else None
+    steps = []
+    for label, suffix, func in WORKER_STEPS + SDK_CALLS:
+        cum, calls = _cum_us(stats, suffix, func, ops)
+        steps.append({"step": label, "calls_per_op": calls, "profiled_us": cum,
+                      "share": cum / total if total else 0.0, "scaled_us": cum * scale if scale else None})
+    own = []
+    for (filename, line, func), (_cc, nc, tt, ct, _callers) in stats.items():
+        own.append({"function": f"{_short_path(filename)}:{line}({func})", "calls_per_op": nc / ops,
+                    "own_us": tt * 1e6 / ops, "cum_us": ct * 1e6 / ops})
+    own.sort(key=lambda r: -r["own_us"])
+    return {"ops": ops, "profiled_cycle_us": total, "worker_cpu_us": worker_cpu_us, "steps": steps,
+            "by_own_time": own[:top], "sdk_calls": sdk_call_costs()}
+
+
+def sdk_call_costs(n: int = 20_000) -> list[dict[str, Any]]:
+    """Unprofiled cost of one call of each SDK entry point the worker (and naive) use,
+    with otel-hicache's attribute sets (static ranks + direction; duration's 9 keys)."""
+    providers = SdkProviders(max_spans_queued=1 << 20)
+    meter = providers.meter_provider.get_meter("probe")
+    histogram = meter.create_histogram("probe.h", explicit_bucket_boundaries_advisory=sc.DURATION_BUCKETS_S)
+    counter = meter.create_counter("probe.c")
+    attrs5 = {**STATIC, sc.DIRECTION: "offload"}
+    attrs9 = {**attrs5, sc.SRC_TIER: "L1", sc.DST_TIER: "L2", sc.IO_BACKEND: IO_BACKEND,
+              sc.TIMING_SOURCE: "device_event"}
+    span_context = trace.SpanContext(1, 2, False, trace.TraceFlags(trace.TraceFlags.SAMPLED))
+    sampled = set_span_in_context(trace.NonRecordingSpan(span_context))
+    tracer = providers.tracer_provider.get_tracer("probe")
+    span_attrs = {f"k{i}": i for i in range(19)}
+    calls = (
+        ("Histogram.record, 5 attrs, sampled context (exemplar)", lambda: histogram.record(0.006, attrs5, context=sampled)),
+        ("Histogram.record, 9 attrs, sampled context (exemplar)", lambda: histogram.record(0.006, attrs9, context=sampled)),
+        ("Histogram.record, 5 attrs, no context", lambda: histogram.record(0.006, attrs5)),
+        ("Histogram.record, no attrs, no context", lambda: histogram.record(0.006)),
+        ("Counter.add, 5 attrs", lambda: counter.add(1, attrs5)),
+        ("Counter.add, no attrs", lambda: counter.add(1)),
+        ("Tracer.start_span(19 attrs) + 2 add_event + end", lambda: _api_span(tracer, span_attrs)),
+    )
+    results = []
+    for label, call in calls:
+        for _ in range(min(1000, n)):
+            call()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        results.append({"call": label, "us": (time.perf_counter() - t0) * 1e6 / n})
+    providers.shutdown()
+    return results
+
+
+def _api_span(tracer: Any, attributes: dict[str, Any]) -> None:
+    span = tracer.start_span("probe", attributes=attributes)
+    span.add_event("submitted")
+    span.add_event("acked")
+    span.end()
+
+
+def print_profile(profile: dict[str, Any]) -> None:
+    scaled = profile["worker_cpu_us"]
+    print(f"\n## 6. Worker profile: cProfile over {profile['ops']} flat-out ops "
+          f"({profile['profiled_cycle_us']:.1f} us/op profiled"
+          + (f"; scaled to the unprofiled worker CPU, {scaled:.1f} us/op)" if scaled else ")"))
+    print(table([[s["step"], f"{s['calls_per_op']:.2f}", f"{s['profiled_us']:.1f}", f"{100 * s['share']:.0f}%",
+                  f"{s['scaled_us']:.1f}" if s["scaled_us"] is not None else "-"]
+                 for s in profile["steps"] if s["calls_per_op"] > 0],
+                ["worker step (cumulative)", "calls/op", "profiled us", "share", "scaled us"]))
+    print("\n  top functions by own time (profiled us per op):")
+    print(table([[r["function"], f"{r['calls_per_op']:.2f}", f"{r['own_us']:.2f}", f"{r['cum_us']:.2f}"]
+                 for r in profile["by_own_time"]], ["function", "calls/op", "own us", "cum us"]))
+    print("\n  SDK calls, unprofiled, us per call:")
+    print(table([[c["call"], f"{c['us']:.2f}"] for c in profile["sdk_calls"]], ["call", "us"]))
+
+
+# --------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "otel_hicache": f"{hicache_version} ({_git_revision()})",
+        "cpus": os.cpu_count(),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "opentelemetry_sdk": SDK_VERSION,
+        "platform": platform.platform(),
+        "processor": _cpu_model(),
+    }
+
+
+def _git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, check=True, timeout=10)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown revision"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def table(rows: Sequence[Sequence[str]], header: Sequence[str], left: int = 1) -> str:
+    """Plain-text table; the first ``left`` columns left-aligned, the others right-aligned."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) if i < left else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small N, for CI (well under a minute)")
+    parser.add_argument("--paced-ops", type=int, help="timed calls per variant (paced)")
+    parser.add_argument("--interval-us", type=float, default=200.0, help="paced: one op every this many us")
+    parser.add_argument("--flat-ops", type=int, help="ops per flat-out run (also the sustained-rate run)")
+    parser.add_argument("--rounds", type=int, help="flat-out runs per variant (median reported)")
+    parser.add_argument("--memory-ops", type=int, help="ops for the memory run (default 1M, 200k with --quick)")
+    parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    parser.add_argument("--profile-worker", action="store_true", help="also cProfile the worker (per op)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a goal FAILs")
+    parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.memory_child:
+        print(json.dumps(memory_child(args.memory_child, args.traced)))
+        return 0
+
+    quick = args.quick
+    paced_ops = args.paced_ops or (2_000 if quick else 20_000)
+    flat_ops = args.flat_ops or (5_000 if quick else 50_000)
+    rounds = args.rounds or (1 if quick else 5)
+    memory_ops = args.memory_ops or (200_000 if quick else 1_000_000)
+    keys = list(VARIANT_FACTORIES)
+    results: dict[str, Any] = {"machine": machine(), "quick": quick,
+                               "params": {"paced_ops": paced_ops, "interval_us": args.interval_us,
+                                          "flat_ops": flat_ops, "rounds": rounds, "memory_ops": memory_ops}}
+    m = results["machine"]
+    print(f"# otel-hicache {m['otel_hicache']} overhead ({'quick' if quick else 'full'} run)")
+    print(f"{m['python']}, opentelemetry-sdk {m['opentelemetry_sdk']}, {m['cpus']} CPUs ({m['processor']}), "
+          f"{m['platform']}")
+    print(f"op: tokens_by_pool={{kv: {POOL_TOKENS}, swa: {POOL_TOKENS}}}, {NUM_BYTES} bytes, page_size {PAGE_SIZE}, "
+          f"io_backend={IO_BACKEND}, simulated device events already completed, directions alternating; "
+          f"spans sampled at 100%")
+
+    # 1(i) paced
+    t_start = time.perf_counter()
+    paced = run_paced(keys, paced_ops, rounds=max(4, rounds * 4), interval_us=args.interval_us,
+                      warmup=min(500, paced_ops))
+    results["paced"] = paced
+    base = paced["none"]["median_us"]
+    print(f"\n## 1. Caller-thread cost per op\n\n(i) PACED: {paced_ops} calls per variant, one every "
+          f"{args.interval_us:.0f} us, each timed alone with perf_counter_ns; 'net' = minus (a)'s median "
+          "(the timer itself)")
+    print(table([[LABELS[k], f"{p['median_us']:.3f}", f"{p['median_us'] - base:.3f}", f"{p['p99_us']:.3f}",
+                  f"{p['p999_us']:.2f}", f"{p['rate_ops_per_s']:.0f}"] for k, p in paced.items()],
+                ["variant", "median us", "net us", "p99 us", "p99.9 us", "achieved ops/s"]))
+
+    # 1(ii) + 2 + 3 flat out
+    flat_runs: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+            flat_runs[k].append(run_flat(k, flat_ops, cap=flat_ops + 10_000))
+    flat = {k: median_of_runs(v) for k, v in flat_runs.items()}
+    results["flat"] = flat
+    fb = flat["none"]
+    print(f"\n(ii) FLAT OUT: {flat_ops} ops back to back, median of {rounds} run(s); wall = submit loop only; "
+          "'net' = minus (a)")
+    print(table([[LABELS[k], f"{f['wall_us']:.3f}", f"{f['wall_us'] - fb['wall_us']:.3f}",
+                  f"{f['caller_cpu_us'] - fb['caller_cpu_us']:.3f}"] for k, f in flat.items()],
+                ["variant", "wall us/op", "net us/op", "net caller CPU us/op"]))
+
+    print("\n## 2. CPU per op, all threads, first submit until flushed (process_time); off-thread = process - "
+          "caller thread, of which the otel-hicache worker and the BatchSpanProcessor thread (per-thread CPU clocks)")
+    print(table([[LABELS[k], f"{f['process_cpu_us']:.2f}", f"{f['process_cpu_us'] - fb['process_cpu_us']:.2f}",
+                  f"{f['caller_cpu_us'] - fb['caller_cpu_us']:.2f}", f"{f['worker_cpu_us']:.2f}",
+                  f"{f['hicache_worker_cpu_us']:.2f}", f"{f['span_processor_cpu_us']:.2f}"]
+                 for k, f in flat.items()],
+                ["variant", "process CPU us/op", "net", "caller net", "off-thread", "hicache worker",
+                 "span processor"]))
+    net_cpu = {k: flat[k]["process_cpu_us"] - fb["process_cpu_us"] for k in keys}
+
+    # 3. sustained, exact counters (the hicache flat-out runs, and the naive ones as a cross-check)
+    exact = {k: [check_counts(c, flat_ops) for c in flat[k]["counts"]] for k in ("hicache", "naive")}
+    seed_exact = [check_counts(c, flat_ops, [sc.TRANSFER_BYTES[0], sc.TRANSFER_BLOCKS[0],
+                                             f"{sc.TRANSFER_DURATION[0]}.count"]) for c in flat["seed"]["counts"]]
+    hc_counts = flat["hicache"]["counts"]
+    dropped = [int(c.get(sc.RECORDS_DROPPED[0], 0)) for c in hc_counts]
+    results["sustained"] = {"ops": flat_ops, "ops_per_s": flat["hicache"]["ops_per_s"], "mismatches": exact,
+                            "seed_mismatches": seed_exact, "dropped": dropped}
+    print(f"\n## 3. Sustained: {flat_ops} ops flat out (queue cap {flat_ops + 10_000}), spans at 100%, "
+          "until force_flush returns")
+    for k in ("hicache", "naive"):
+        f = flat[k]
+        verdict = "exact" if not any(exact[k]) else "; ".join(sum(exact[k], []))
+        print(f"  {LABELS[k]:<34} {f['ops_per_s']:>9.0f} ops/s   ({f['flushed_s']:.2f} s to flushed)   "
+              f"counters+spans vs ground truth: {verdict}")
+    nogc = median_of_runs([run_flat("hicache", flat_ops, flat_ops + 10_000, collect_garbage=False)
+                           for _ in range(rounds)])
+    nogc_exact = [check_counts(c, flat_ops) for c in nogc["counts"]]
+    results["sustained"]["without_gc"] = {"ops_per_s": nogc["ops_per_s"], "worker_cpu_us": nogc["hicache_worker_cpu_us"],
+                                          "caller_cpu_us": nogc["caller_cpu_us"], "mismatches": nogc_exact}
+    print(f"  {LABELS['hicache'] + ', cyclic GC off':<34} {nogc['ops_per_s']:>9.0f} ops/s   ({nogc['flushed_s']:.2f} s to "
+          f"flushed)   counters+spans vs ground truth: {'exact' if not any(nogc_exact) else nogc_exact}   "
+          f"(diagnostic: worker {nogc['hicache_worker_cpu_us']:.1f} us/op vs {flat['hicache']['hicache_worker_cpu_us']:.1f} "
+          f"with GC, caller {nogc['caller_cpu_us']:.1f} vs {flat['hicache']['caller_cpu_us']:.1f})")
+    print(f"  checked per run: {', '.join(expected_totals(1))}; "
+          f"otel_hicache.records.dropped: {dropped}; seed counters: "
+          f"{'exact' if not any(seed_exact) else seed_exact}")
+    attr_counts = {}
+    for k in ("hicache", "naive"):
+        probe = VARIANT_FACTORIES[k](100)
+        compile_loop(_FLAT, probe)(2, make_prep())
+        probe.flush()
+        span = probe.providers.exporter.first  # type: ignore[attr-defined]
+        attr_counts[k] = (len(span.attributes), len(span.events)) if span is not None else (0, 0)
+        probe.close()
+    results["span_shape"] = attr_counts
+    print(f"  span shape (attributes, events): otel-hicache {attr_counts['hicache']}, naive {attr_counts['naive']}")
+
+    # 4. memory
+    mem = {"rss": run_memory(memory_ops, traced=False), "traced": run_memory(memory_ops, traced=True)}
+    results["memory"] = mem
+    rss, heap = mem["rss"], mem["traced"]
+    cap = rss["queue_cap"]
+    print(f"\n## 4. Memory: {memory_ops} ops flat out, default queue cap {cap}, fresh interpreter per run")
+    print(table([[name, f"{m['peak_delta_mb']:.1f}", f"{m['delta_mb_max_first_half']:.1f}",
+                  f"{m['delta_mb_max_second_half']:.1f}", f"{m['max_alive']}", f"{m['max_size']}",
+                  f"{m['reported']}", f"{m['dropped']}", f"{m['reported'] + m['dropped']}",
+                  f"{m['spans_during_submit']}", f"{m['submit_s']:.1f}"]
+                 for name, m in (("process RSS", rss), ("Python heap (tracemalloc)", heap))],
+                ["run, measuring", "peak MB", "max MB 1st half", "max MB 2nd half", "records alive max",
+                 "queue.size max", "reported", "dropped", "rep.+drop.", "spans during loop", "loop s"]))
+    print("  MB above the warmed-up baseline. records alive = queued + held by the worker (pending, awaiting ack),\n"
+          "  sampled every 1% of the run; queue.size = what otel_hicache.queue.size reports. dropped =\n"
+          "  otel_hicache.records.dropped{reason=queue_full}; spans during loop = exported before the final flush.")
+    per_record_kb = heap["delta_mb_max_first_half"] * 1024 / max(1, heap["max_alive"])
+    print(f"  ~{per_record_kb:.2f} KiB of Python heap per record alive (record, its events, tokens dict), "
+          "from the first half of the tracemalloc run")
+    heap_growth = heap["delta_mb_max_second_half"] - heap["delta_mb_max_first_half"]
+    rss_growth = rss["delta_mb_max_second_half"] - rss["delta_mb_max_first_half"]
+    accounted = all(m["reported"] + m["dropped"] == memory_ops and m["spans"] == m["reported"] for m in (rss, heap))
+    flat_ok = accounted and heap_growth <= max(1.0, 0.05 * heap["delta_mb_max_first_half"])
+    alive_max = max(rss["max_alive"], heap["max_alive"])
+
+    # 5. goals
+    caller = paced["hicache"]["median_us"] - base
+    naive_caller = paced["naive"]["median_us"] - base
+    disabled = paced["disabled"]["median_us"] - base
+    guarded = paced["disabled+guard"]["median_us"] - base
+    cpu_ratio = net_cpu["hicache"] / net_cpu["naive"] if net_cpu["naive"] > 0 else float("inf")
+    ops_per_s = flat["hicache"]["ops_per_s"]
+    goals = [
+        ("caller median, paced (c, net)", f"<= {GOALS['caller_median_us']} us",
+         f"{caller:.3f} us (flat out: caller CPU {flat['hicache']['caller_cpu_us'] - fb['caller_cpu_us']:.2f} us)",
+         caller <= GOALS["caller_median_us"]),
+        ("caller: naive (d) / otel-hicache (c)", f">= {GOALS['naive_over_hicache_caller']:.0f}x",
+         f"{naive_caller / caller:.1f}x" if caller > 0 else "inf",
+         caller > 0 and naive_caller / caller >= GOALS["naive_over_hicache_caller"]),
+        ("total CPU per op: c / d (net)", f"<= {GOALS['cpu_ratio_vs_naive']}x",
+         f"{cpu_ratio:.2f}x ({net_cpu['hicache']:.1f} / {net_cpu['naive']:.1f} us)",
+         cpu_ratio <= GOALS["cpu_ratio_vs_naive"]),
+        ("disabled, submit+ack calls, paced (b, net)", f"<= {GOALS['disabled_us']} us",
+         f"{disabled:.3f} us (flat out: {flat['disabled']['wall_us'] - fb['wall_us']:.3f} us)",
+         disabled <= GOALS["disabled_us"]),
+        ("disabled, adapter guard, paced (b', net)", f"<= {GOALS['disabled_us']} us",
+         f"{guarded:.3f} us (flat out: {flat['disabled+guard']['wall_us'] - fb['wall_us']:.3f} us)",
+         guarded <= GOALS["disabled_us"]),
+        ("sustained ops/s, spans 100%, exact", f">= {GOALS['ops_per_s']:.0f}",
+         f"{ops_per_s:.0f}{'' if not any(exact['hicache']) else ' (counts NOT exact)'}",
+         ops_per_s >= GOALS["ops_per_s"] and not any(exact["hicache"])),
+        (f"memory over {memory_ops} ops, flat out", "flat once full",
+         f"heap peak +{heap['peak_delta_mb']:.1f} MB, 2nd half vs 1st {heap_growth:+.1f} MB "
+         f"(RSS +{rss['peak_delta_mb']:.1f} MB, {rss_growth:+.1f}); {rss['dropped']} dropped, "
+         f"{'all counted' if accounted else 'NOT all counted'}",
+         flat_ok),
+        ("records held (OTEL_HICACHE_MAX_QUEUE_SIZE)", f"<= cap {cap}", f"max {alive_max} alive", alive_max <= cap),
+    ]
+    results["goals"] = [{"metric": g[0], "goal": g[1], "measured": g[2], "pass": bool(g[3])} for g in goals]
+    print("\n## 5. Goals\n")
+    print(table([[g[0], g[1], g[2], "PASS" if g[3] else "FAIL"] for g in goals],
+                ["metric", "goal", "measured", "result"], left=4))
+    results["elapsed_s"] = time.perf_counter() - t_start
+    print(f"\n(run took {results['elapsed_s']:.0f} s)")
+
+    if args.profile_worker:
+        results["worker_profile"] = profile_worker(min(flat_ops, 20_000), flat["hicache"]["hicache_worker_cpu_us"])
+        print_profile(results["worker_profile"])
+
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(results, out, indent=2, default=str)
+    return 1 if args.strict and not all(g[3] for g in goals) else 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())
