@@ -166,3 +166,37 @@ def test_exit_is_bounded_when_the_collector_is_unreachable(tmp_path):
     # interpreter start-up; the exporters alone would retry for their 10 s timeout.
     assert elapsed < 8, (elapsed, done.stderr)
     assert "did not finish within 0.5 s" in done.stderr
+
+
+def test_standard_otlp_variables_reach_the_exporters(monkeypatch):
+    """Endpoint, headers, timeout and compression (general and per-signal forms) are
+    read by the OTLP exporters themselves; configure() must not get in their way."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:5555")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=a")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "3")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "1234")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
+    conf = otel_hicache.configure()
+    [processor] = conf.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
+    exporter = processor.span_exporter
+    assert exporter._endpoint == "127.0.0.1:5555"
+    assert exporter._headers == (("x-tenant", "a"),)
+    assert exporter._timeout == 3.0
+    assert exporter._compression.name == "Gzip"
+    [reader] = metric_readers(conf)
+    assert reader._export_interval_millis == 1234.0
+    assert conf.tracer_provider.sampler.get_description() == "TraceIdRatioBased{0.25}"
+
+
+def test_per_signal_http_endpoint(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:5555/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "gzip")
+    conf = otel_hicache.configure()
+    [processor] = conf.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
+    assert processor.span_exporter._endpoint == "http://127.0.0.1:5555/v1/traces"
+    [reader] = metric_readers(conf)
+    assert reader._exporter._endpoint == "http://localhost:4318/v1/metrics"
+    assert reader._exporter._compression.value == "gzip"
