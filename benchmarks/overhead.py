@@ -81,6 +81,7 @@ from otel_hicache import __version__ as hicache_version
 from otel_hicache import environment_variables as ev
 from otel_hicache import semconv as sc
 from otel_hicache.busy_time import BusyTimeTracker
+from otel_hicache.metrics import TransferInstruments
 from otel_hicache.records import DIRECTIONS, TIERS
 from otel_hicache.testing import SimulatedDevice
 
@@ -334,23 +335,7 @@ class NaiveOTel(Variant):
         self.providers = SdkProviders(max_spans_queued=1 << 22)
         self.tracer = self.providers.tracer_provider.get_tracer("naive")
         meter = self.providers.meter_provider.get_meter("naive")
-
-        def histogram(spec: tuple[str, str, str], buckets: tuple[float, ...]) -> Any:
-            return meter.create_histogram(spec[0], unit=spec[1], description=spec[2],
-                                          explicit_bucket_boundaries_advisory=buckets)
-
-        def counter(spec: tuple[str, str, str]) -> Any:
-            return meter.create_counter(spec[0], unit=spec[1], description=spec[2])
-
-        self.duration = histogram(sc.TRANSFER_DURATION, sc.DURATION_BUCKETS_S)
-        self.bandwidth = histogram(sc.TRANSFER_BANDWIDTH, sc.BANDWIDTH_BUCKETS)
-        self.queue_wait = histogram(sc.TRANSFER_QUEUE_WAIT, sc.DURATION_BUCKETS_S)
-        self.ack_delay = histogram(sc.TRANSFER_ACK_DELAY, sc.DURATION_BUCKETS_S)
-        self.bytes = counter(sc.TRANSFER_BYTES)
-        self.blocks = counter(sc.TRANSFER_BLOCKS)
-        self.tokens = counter(sc.TRANSFER_TOKENS)
-        self.busy_time = counter(sc.TRANSFER_BUSY_TIME)
-        self.inflight = meter.create_up_down_counter(sc.TRANSFER_INFLIGHT[0], unit=sc.TRANSFER_INFLIGHT[1])
+        self.m = TransferInstruments(meter)  # the same instruments otel-hicache creates
         self.busy = {d: BusyTimeTracker() for d in DIRECTIONS}
 
         def attrs(**extra: Any) -> dict[str, Any]:
@@ -363,6 +348,7 @@ class NaiveOTel(Variant):
                                         sc.IO_BACKEND: IO_BACKEND, sc.TIMING_SOURCE: "device_event"})
                             for d in DIRECTIONS}
         self.by_pool = {(d, p): attrs(**{sc.DIRECTION: d, sc.POOL: p}) for d in DIRECTIONS for p in ("kv", "swa")}
+        self.by_timing = {d: attrs(**{sc.DIRECTION: d, sc.TIMING_SOURCE: "device_event"}) for d in DIRECTIONS}
 
     def names(self) -> dict[str, Any]:
         return {"op": self.op}
@@ -374,7 +360,7 @@ class NaiveOTel(Variant):
         start_ns = end_ns - duration_ns
         queue_wait_ns = max(0, start_ns - submit_ns)
         by_direction = self.by_direction[direction]
-        self.inflight.add(1, by_direction)
+        self.m.inflight.add(1, by_direction)
         names, counts = tuple(pools), tuple(pools.values())
         tokens = counts[0]
         blocks = -(-tokens // PAGE_SIZE)
@@ -396,19 +382,19 @@ class NaiveOTel(Variant):
         context = set_span_in_context(span)
         span.add_event(sc.EVENT_SUBMITTED, timestamp=submit_ns)
         busy_ns = self.busy[direction].add(start_ns, end_ns)
-        self.duration.record(duration_ns / 1e9, self.by_duration[direction], context=context)
-        self.bandwidth.record(bandwidth, by_direction, context=context)
-        self.queue_wait.record(queue_wait_ns / 1e9, by_direction, context=context)
-        self.bytes.add(NUM_BYTES, self.by_tiers[direction])
-        self.blocks.add(blocks, by_direction)
+        self.m.duration.record(duration_ns / 1e9, self.by_duration[direction], context=context)
+        self.m.bandwidth.record(bandwidth, self.by_timing[direction])  # no exemplar, as otel-hicache
+        self.m.queue_wait.record(queue_wait_ns / 1e9, by_direction)  # no exemplar, as otel-hicache
+        self.m.bytes.add(NUM_BYTES, self.by_tiers[direction])
+        self.m.blocks.add(blocks, by_direction)
         for pool, count in zip(names, counts):
-            self.tokens.add(count, self.by_pool[(direction, pool)])
+            self.m.tokens.add(count, self.by_pool[(direction, pool)])
         if busy_ns:
-            self.busy_time.add(busy_ns / 1e9, by_direction)
-        self.inflight.add(-1, by_direction)
+            self.m.busy_time.add(busy_ns / 1e9, by_direction)
+        self.m.inflight.add(-1, by_direction)
         ack_ns = time.time_ns()
         ack_delay_ns = max(0, ack_ns - end_ns)
-        self.ack_delay.record(ack_delay_ns / 1e9, by_direction, context=context)
+        self.m.ack_delay.record(ack_delay_ns / 1e9, by_direction, context=context)
         span.set_attributes({sc.ACKED: True, sc.ACK_DELAY_US: ack_delay_ns / 1e3})
         span.add_event(sc.EVENT_ACKED, timestamp=ack_ns)
         span.end(end_time=end_ns)

@@ -26,19 +26,13 @@ from .records import DIRECTIONS, TIERS, TransferRecord
 from .version import __version__
 
 
-class TransferMetrics:
-    def __init__(
-        self,
-        meter_provider: Any,
-        static: Mapping[str, Any],
-        queue_size: Callable[[], int] | None = None,
-        fast_path: bool = True,
-    ) -> None:
-        meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
-        self._resolver = resolver_for(meter_provider, fast_path)
-        self._bound: dict[tuple[int, int], BoundHistogram] = {}
-        self._static = dict(static)
+class TransferInstruments:
+    """Every otel-hicache instrument on one meter, as ``semconv`` defines them.
 
+    Also what ``benchmarks/overhead.py`` uses for its naive in-thread baseline, so
+    both produce the same telemetry."""
+
+    def __init__(self, meter: Any) -> None:
         def counter(spec: tuple[str, str, str]) -> Any:
             return meter.create_counter(spec[0], unit=spec[1], description=spec[2])
 
@@ -60,6 +54,21 @@ class TransferMetrics:
         )
         self.dropped = counter(sc.RECORDS_DROPPED)
         self.failed = counter(sc.RECORDS_FAILED)
+
+
+class TransferMetrics(TransferInstruments):
+    def __init__(
+        self,
+        meter_provider: Any,
+        static: Mapping[str, Any],
+        queue_size: Callable[[], int] | None = None,
+        fast_path: bool = True,
+    ) -> None:
+        meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
+        super().__init__(meter)
+        self._resolver = resolver_for(meter_provider, fast_path)
+        self._bound: dict[tuple[int, int], BoundHistogram] = {}
+        self._static = dict(static)
         if queue_size is not None:
             from opentelemetry.metrics import Observation
 
