@@ -20,6 +20,7 @@ After ``fork()`` the child starts with an empty pipeline and a new worker
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -117,9 +118,10 @@ class CompletionPipeline:
         self._flush_waiters: list[tuple[int, threading.Event]] = []
         self._taken = 0  # records taken in from the queue (their intake sequence numbers)
         self._lock = threading.Lock()
-        # one entry per record refused on a full queue (deque appends are atomic,
-        # so concurrent submitters never lose a count)
-        self.overflow: deque[None] = deque()
+        # submit() calls refused on a full queue: next() on a count is atomic, so
+        # concurrent submitters never lose one, and it takes no memory per refusal
+        self.refused = itertools.count()
+        self._refused_reported = 0
 
     def _start_worker(self) -> None:
         self._worker = threading.Thread(target=self._run, name="otel-hicache-completion", daemon=True)
@@ -281,11 +283,9 @@ class CompletionPipeline:
         sinks.metrics.flush()
 
     def _report_queue_full(self, metrics: Any) -> None:
-        overflow = self.overflow
-        drops = 0
-        while overflow:
-            overflow.popleft()
-            drops += 1
+        refused = int(repr(self.refused)[6:-1])  # "count(N)": read without incrementing
+        drops = refused - self._refused_reported
+        self._refused_reported = refused
         if drops:
             metrics.dropped_records(sc.DROP_QUEUE_FULL, drops)
             warn_once(

@@ -186,7 +186,7 @@ class TransferTelemetry:
             if self._strict:
                 self._check(direction, tokens_by_pool, num_bytes, page_size)
             if len(pipeline.queue) + pipeline.held >= self._cap:
-                pipeline.overflow.append(None)
+                next(pipeline.refused)
                 return None
             record = [
                 direction,

@@ -501,7 +501,8 @@ def test_refusals_during_a_worker_cycle_are_counted_before_a_flush_is_released(h
     begin = sinks.spans.begin
 
     def begin_while_the_caller_is_refused(record):
-        pipeline.overflow.extend([None] * 100)  # 100 submit() calls refused meanwhile
+        for _ in range(100):  # 100 submit() calls refused meanwhile
+            next(pipeline.refused)
         return begin(record)
 
     sinks.spans.begin = begin_while_the_caller_is_refused
