@@ -1,0 +1,70 @@
+"""Finding the device back-end of duck-typed events (for anchors and transfer())."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from otel_hicache.device import anchor_factory_for, timing_event_pair
+from otel_hicache.testing import SimulatedDevice
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """A stand-in for torch.cuda / torch.xpu / torch.npu: module ``torch.fakedev``."""
+    import torch  # noqa: F401  (the real package; we add a submodule to it)
+
+    module = types.ModuleType("torch.fakedev")
+    calls = []
+
+    class Stream:
+        def __init__(self, device=None):
+            calls.append(("stream", device))
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.enable_timing = enable_timing
+            self.stream = None
+            self.device = types.SimpleNamespace(index=3)
+
+        def record(self, stream=None):
+            self.stream = stream
+
+    Stream.__module__ = Event.__module__ = "torch.fakedev"
+    module.Stream, module.Event = Stream, Event
+    module.set_device = lambda index: calls.append(("set_device", index))
+    monkeypatch.setitem(sys.modules, "torch.fakedev", module)
+    return module, calls
+
+
+def test_torch_backend_anchor_records_timing_events_on_its_own_stream(fake_backend):
+    module, calls = fake_backend
+    factory = anchor_factory_for(module.Event(enable_timing=True))
+    first, second = factory(), factory()
+    assert first.enable_timing and second.enable_timing
+    assert first.stream is second.stream is not None  # one side stream, created once
+    assert calls == [("set_device", 3), ("stream", 3)]  # on the events' device, from the worker thread
+
+
+def test_timing_event_pair_for_a_torch_backend_stream(fake_backend):
+    module, _ = fake_backend
+    start, finish = timing_event_pair(module.Stream())
+    assert start.enable_timing and finish.enable_timing and start is not finish
+
+
+def test_custom_events_provide_their_own_anchor():
+    device = SimulatedDevice()
+    factory = anchor_factory_for(device.event())
+    anchor = factory()
+    assert anchor.query() and device.anchors_taken == 1
+
+
+def test_unknown_events_have_no_anchor_and_unknown_streams_no_events():
+    class Opaque:
+        pass
+
+    assert anchor_factory_for(Opaque()) is None
+    with pytest.raises(TypeError, match="no timing events known"):
+        timing_event_pair(Opaque())
