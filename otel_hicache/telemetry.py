@@ -21,6 +21,7 @@ from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
 from . import configuration
+from .bounded_flush import flush_providers
 from . import environment_variables as ev
 from .device import timing_event_pair
 from .diagnostics import warn_once
@@ -287,7 +288,7 @@ class TransferTelemetry:
         tracer_provider, meter_provider = self._providers
         # export what was processed even if something was still in flight
         remaining = max(0.1 * timeout_s, deadline - time.monotonic())
-        exported = configuration.flush_providers(tracer_provider, meter_provider, remaining)
+        exported = flush_providers(tracer_provider, meter_provider, remaining)
         return flushed and exported
 
     def shutdown(self) -> None:
@@ -303,4 +304,4 @@ class TransferTelemetry:
         self._pipeline = None
         remaining = max(0.1, deadline - time.monotonic())
         tracer_provider, meter_provider = self._providers
-        configuration.flush_providers(tracer_provider, meter_provider, remaining)
+        flush_providers(tracer_provider, meter_provider, remaining)
