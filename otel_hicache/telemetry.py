@@ -66,6 +66,12 @@ def _static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     return static
 
 
+def _shutdown_at_exit(ref: "weakref.ref[TransferTelemetry]") -> None:
+    telemetry = ref()
+    if telemetry is not None:
+        telemetry.shutdown()
+
+
 class TransferTelemetry:
     """Turns L1<->L2 transfers into device-timed spans and exact metrics.
 
@@ -100,9 +106,9 @@ class TransferTelemetry:
         self._from_configuration = False
         self._resolve_providers()
         self._providers_pid = os.getpid()
+        # A plain attribute, not a property: adapters guard their own argument
+        # building with ``if tel.enabled:`` for a ~20 ns disabled path.
         self.enabled = False
-        """Plain attribute (not a property): adapters may guard their own argument
-        building with ``if tel.enabled:`` for a ~20 ns disabled path."""
         if not (env_bool(ev.OTEL_HICACHE_ENABLED) and not sdk_disabled()):
             return
         settings = PipelineSettings(
@@ -115,8 +121,7 @@ class TransferTelemetry:
         self._cap = settings.max_queue_size
         self._pipeline = CompletionPipeline(settings, self._build_sinks, self._clock, anchor_event_factory)
         self.enabled = True
-        ref = weakref.ref(self)
-        atexit.register(lambda: (lambda tel: tel is not None and tel.shutdown())(ref()))
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     # -- providers and sinks ------------------------------------------------------
     def _resolve_providers(self) -> tuple[Any, Any]:
