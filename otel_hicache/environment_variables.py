@@ -97,7 +97,7 @@ OTEL_HICACHE_SPAN_FAST_PATH = "OTEL_HICACHE_SPAN_FAST_PATH"
 ``true`` (default): with an SDK ``TracerProvider``, finished spans are built as
 ``ReadableSpan`` objects and handed to the provider's span processors directly
 (same sampler, id generator, resource and processors; about 8x cheaper than the
-``Tracer`` API), and with an SDK ``MeterProvider`` histogram points go straight
+``Tracer`` API; span processors' ``on_start`` is not called), and with an SDK ``MeterProvider`` histogram points go straight
 to the SDK's own aggregations (no per-record attribute re-validation; see
 ``otel_hicache.metrics_fast_path``). ``false`` uses the public API for both.
 Default: ``true``
