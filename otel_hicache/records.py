@@ -138,15 +138,8 @@ class TransferRecord:
 
 
 def reset_worker_fields(record: TransferRecord) -> None:
-    """Initialize what the worker fills in (kept off the caller's thread)."""
-    record.tokens = 0
-    record.blocks = 0
-    record.pool_names = ()
-    record.pool_tokens = ()
-    record.timing_source = HOST_CLOCK
-    record.start_ns = 0
-    record.end_ns = 0
-    record.duration_ns = 0
+    """Initialize the worker-side fields that may be read before they are set
+    (the others are always set by validate(), timing.resolve() or the sinks)."""
     record.queue_wait_ns = None
     record.error = None
     record.span_context = None
@@ -155,14 +148,21 @@ def reset_worker_fields(record: TransferRecord) -> None:
     record.in_flight = False  # counted in hicache.transfer.inflight
 
 
-def _count(value: Any, what: str) -> int:
-    """A non-negative integer count, or a ValueError/TypeError naming ``what``."""
+def _integer(value: Any, what: str) -> int:
+    """``value`` as an int (ints, NumPy and torch integer scalars), or a TypeError naming ``what``."""
+    if type(value) is int:  # the common case, first
+        return value
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an integer, got bool {value!r}")
     try:
-        number = operator.index(value)
+        return operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def _count(value: Any, what: str) -> int:
+    """A non-negative integer count, or a ValueError/TypeError naming ``what``."""
+    number = _integer(value, what)
     if number < 0:
         raise ValueError(f"{what} must be >= 0, got {number}")
     return number
@@ -179,26 +179,23 @@ def validate(record: TransferRecord) -> None:
     reset_worker_fields(record)
     if record.direction not in TIERS:
         raise ValueError(f"direction must be 'offload' or 'onboard', got {record.direction!r}")
-    page_size = record.page_size
-    if isinstance(page_size, bool):
-        raise TypeError(f"page_size must be an integer, got bool {page_size!r}")
-    try:
-        page_size = operator.index(page_size)
-    except TypeError:
-        raise TypeError(f"page_size must be an integer, got {type(page_size).__name__} {page_size!r}") from None
+    page_size = record.page_size = _integer(record.page_size, "page_size")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    record.page_size = page_size
     record.num_bytes = _count(record.num_bytes, "num_bytes")
     pools = record.tokens_by_pool
     if pools is None:
         pools = {}
-    if not isinstance(pools, Mapping):
+    if type(pools) is not dict and not isinstance(pools, Mapping):
         raise TypeError(f"tokens_by_pool must be a mapping of pool name to tokens, got {type(pools).__name__}")
     names = []
     counts = []
     for name, count in pools.items():
-        if not isinstance(name, str) or not name:
+        if type(name) is not str:
+            if not isinstance(name, str):
+                raise TypeError(f"tokens_by_pool keys must be non-empty strings, got {name!r}")
+            name = str.__str__(name)  # a str enum member: its plain value
+        if not name:
             raise TypeError(f"tokens_by_pool keys must be non-empty strings, got {name!r}")
         names.append(name)
         counts.append(_count(count, f"tokens_by_pool[{name!r}]"))

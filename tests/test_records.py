@@ -44,3 +44,24 @@ def test_invalid_input_names_the_problem(kwargs, error, text):
     with pytest.raises(error, match=None) as info:
         validate(make(**kwargs))
     assert text in str(info.value)
+
+
+def test_integer_like_counts_and_str_enum_pool_names_are_accepted():
+    import enum
+
+    import torch
+
+    class Pool(str, enum.Enum):
+        KV = "kv"
+        SWA = "swa"
+
+    record = make(pools={Pool.KV: torch.tensor(128), Pool.SWA: 64}, num_bytes=torch.tensor(4096), page_size=64)
+    validate(record)
+    assert record.pool_names == ("kv", "swa") and all(type(n) is str for n in record.pool_names)
+    assert (record.tokens, record.blocks, record.num_bytes) == (128, 2, 4096)
+    assert type(record.num_bytes) is int
+
+
+def test_negative_page_size_names_the_bound():
+    with pytest.raises(ValueError, match="page_size must be >= 1, got -64"):
+        validate(make(page_size=-64))
