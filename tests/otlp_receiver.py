@@ -1,0 +1,134 @@
+"""A minimal in-process OTLP receiver (gRPC and HTTP/protobuf) for tests.
+
+It decodes what real OTLP exporters send and keeps the requests, so tests can
+assert on spans and metric points exactly as a collector would receive them.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+
+class Received:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.traces: list[Any] = []
+        self.metrics: list[Any] = []
+
+    def spans(self) -> list[tuple[Any, Any]]:
+        """(resource, span) pairs."""
+        with self.lock:
+            return [(rs.resource, span) for req in self.traces for rs in req.resource_spans
+                    for ss in rs.scope_spans for span in ss.spans]
+
+    def last_points(self, name: str) -> list[Any]:
+        """Data points of metric ``name`` from the last request that had it (cumulative)."""
+        with self.lock:
+            for req in reversed(self.metrics):
+                points = [p for rm in req.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+                          if m.name == name
+                          for p in (m.sum.data_points if m.HasField("sum") else m.histogram.data_points)]
+                if points:
+                    return points
+        return []
+
+
+def attributes(items: Any) -> dict[str, Any]:
+    out = {}
+    for kv in items:
+        value = kv.value
+        kind = value.WhichOneof("value")
+        if kind == "array_value":
+            out[kv.key] = tuple(getattr(v, v.WhichOneof("value")) for v in value.array_value.values)
+        else:
+            out[kv.key] = getattr(value, kind)
+    return out
+
+
+class _Traces(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, received: Received) -> None:
+        self.received = received
+
+    def Export(self, request, context):  # noqa: N802 (gRPC method name)
+        with self.received.lock:
+            self.received.traces.append(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class _Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, received: Received) -> None:
+        self.received = received
+
+    def Export(self, request, context):  # noqa: N802
+        with self.received.lock:
+            self.received.metrics.append(request)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+class GrpcReceiver:
+    def __init__(self) -> None:
+        self.received = Received()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(self.received), self.server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_Metrics(self.received), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+class HttpReceiver:
+    def __init__(self) -> None:
+        received = self.received = Received()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    import gzip
+
+                    body = gzip.decompress(body)
+                if self.path == "/v1/traces":
+                    request, response = trace_service_pb2.ExportTraceServiceRequest(), \
+                        trace_service_pb2.ExportTraceServiceResponse()
+                    request.ParseFromString(body)
+                    with received.lock:
+                        received.traces.append(request)
+                elif self.path == "/v1/metrics":
+                    request, response = metrics_service_pb2.ExportMetricsServiceRequest(), \
+                        metrics_service_pb2.ExportMetricsServiceResponse()
+                    request.ParseFromString(body)
+                    with received.lock:
+                        received.metrics.append(request)
+                else:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                payload = response.SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

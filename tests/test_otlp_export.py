@@ -1,0 +1,68 @@
+"""The main job over real OTLP: the example workload, configured only by OTEL_*
+variables, exports to a receiver that decodes what a collector would get."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from otlp_receiver import GrpcReceiver, HttpReceiver, attributes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_demo_exports_spans_and_exact_metrics_over_otlp(protocol):
+    receiver = GrpcReceiver() if protocol == "grpc" else HttpReceiver()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(
+            OTEL_SERVICE_NAME="hicache-test",
+            OTEL_RESOURCE_ATTRIBUTES="deployment.environment=ci",
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+            OTEL_EXPORTER_OTLP_PROTOCOL=protocol,
+            OTEL_METRIC_EXPORT_INTERVAL="600000",  # only the final export at shutdown
+        )
+        done = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "examples", "hicache_workload.py"), "--ops", "24", "--layers", "2",
+             "--pool-tokens", "512", "--seed", "3"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        received = receiver.received
+        spans = received.spans()
+        assert len(spans) == 24
+        resource = attributes(spans[0][0].attributes)
+        assert resource["service.name"] == "hicache-test"
+        assert resource["deployment.environment"] == "ci"
+        names = {span.name for _, span in spans}
+        assert names <= {"hicache.offload", "hicache.onboard"}
+        by_direction: dict[str, dict[str, int]] = {}
+        for _, span in spans:
+            attrs = attributes(span.attributes)
+            assert attrs["hicache.timing_source"] == "host_clock"  # CPU: no timing events
+            assert attrs["hicache.blocks"] == -(-attrs["hicache.tokens"] // attrs["hicache.page_size"])
+            assert span.end_time_unix_nano >= span.start_time_unix_nano
+            totals = by_direction.setdefault(attrs["hicache.direction"], {"bytes": 0, "blocks": 0, "ops": 0})
+            totals["bytes"] += attrs["hicache.bytes"]
+            totals["blocks"] += attrs["hicache.blocks"]
+            totals["ops"] += 1
+        # the metrics the collector got are exactly what the spans add up to
+        for point in received.last_points("hicache.transfer.bytes"):
+            direction = attributes(point.attributes)["hicache.direction"]
+            assert point.as_int == by_direction.get(direction, {}).get("bytes", 0)
+        for point in received.last_points("hicache.transfer.blocks"):
+            direction = attributes(point.attributes)["hicache.direction"]
+            assert point.as_int == by_direction.get(direction, {}).get("blocks", 0)
+        counts = {}
+        for point in received.last_points("hicache.transfer.duration"):
+            direction = attributes(point.attributes)["hicache.direction"]
+            counts[direction] = counts.get(direction, 0) + point.count
+            assert list(point.explicit_bounds)[0] == 1e-5 and list(point.explicit_bounds)[-1] == 60.0
+        assert counts == {d: t["ops"] for d, t in by_direction.items()}
+        assert "counters match ground truth: yes" not in done.stdout  # OTLP mode prints ground truth only
+    finally:
+        receiver.stop()
