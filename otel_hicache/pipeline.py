@@ -188,7 +188,10 @@ class CompletionPipeline:
     def _sinks_now(self) -> Sinks:
         sinks = self._sinks
         if sinks is None:
-            sinks = self._sinks = self._build_sinks()
+            with self._lock:  # built once, whichever thread asks first
+                sinks = self._sinks
+                if sinks is None:
+                    sinks = self._sinks = self._build_sinks()
         return sinks
 
     def _cycle(self) -> None:

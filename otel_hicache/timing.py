@@ -8,8 +8,10 @@ Rules (the lessons this product exists for):
 * with timing events the duration is ``start.elapsed_time(finish)``, the device
   time of the copy, whatever happens to the ack later;
 * without them (``timing_enabled=False``, no events, a CPU device) the duration
-  is host time from submit (or the caller's own start stamp) to completion, and
-  the record says so: ``timing_source = host_clock``. If ``elapsed_time()``
+  is host time from submit (or the caller's own start stamp) to completion (the
+  caller's end stamp, else the observed ``finish_event``; with neither, the op
+  counts as complete at submit, duration 0), and the record says so:
+  ``timing_source = host_clock``. If ``elapsed_time()``
   fails the record falls back to the host clock and says so too, once warned.
 """
 
@@ -56,7 +58,12 @@ def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None)
             return
     record.timing_source = HOST_CLOCK
     start = record.host_start_ns if record.host_start_ns is not None else record.submit_ns
-    end = record.host_end_ns if record.host_end_ns is not None else now_ns
+    if record.host_end_ns is not None:
+        end = record.host_end_ns
+    elif finish_event is not None:
+        end = now_ns  # observed completion (poll granularity)
+    else:
+        end = record.submit_ns  # nothing says when it ended: complete at submit, not at intake
     if end < start:
         end = start
     record.start_ns = start

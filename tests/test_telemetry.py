@@ -514,3 +514,14 @@ def test_refusals_during_a_worker_cycle_are_counted_before_a_flush_is_released(h
     pipeline._cycle()
     assert done.is_set()
     assert order == [("dropped", "queue_full", 100), "release"]
+
+
+def test_no_events_and_no_end_stamp_count_as_complete_at_submit(harness):
+    h = harness()
+    submitted = h.device.time_ns()
+    h.tel.submit("offload", {"kv": 64}, 640, 64, expect_ack=False)
+    h.device.advance(ms=50)  # however late the worker gets to it
+    [span] = h.finished()
+    assert span.start_time == span.end_time == submitted
+    assert span.attributes["hicache.timing_source"] == "host_clock"
+    assert "hicache.bandwidth_bytes_per_second" not in span.attributes
