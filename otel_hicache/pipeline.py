@@ -34,7 +34,7 @@ from .clock import WallClockAnchor
 from .device import anchor_factory_for
 from .diagnostics import logger, warn_once
 from .records import DIRECTIONS, TransferRecord, validate
-from .timing import is_complete, resolve
+from .timing import is_complete, resolve, resolve_host_clock
 
 
 class Sinks:
@@ -136,8 +136,9 @@ class CompletionPipeline:
 
     # -- control (any thread) -----------------------------------------------
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every queued record is processed and every one in flight
-        completed (or ``timeout_s`` passed). Records waiting for an ack stay held."""
+        """Wait until every record submitted before this call was taken in and is
+        no longer in flight (or ``timeout_s`` passed). Records waiting for an ack
+        stay held."""
         if not self._worker.is_alive():
             return not (self.queue or self._pending)
         done = threading.Event()
@@ -176,13 +177,10 @@ class CompletionPipeline:
             # No wake-up from the hot path: submit() only appends. The worker polls
             # every poll interval while there is (or recently was) work, and backs
             # off to _IDLE_WAIT_S when idle; flush()/stop() wake it explicitly.
+            now = time.monotonic()
             if self._pending or self._awaiting or self.queue:
-                last_active = time.monotonic()
-                self._wake.wait(poll)
-            elif time.monotonic() - last_active < _ACTIVE_GRACE_S:
-                self._wake.wait(poll)
-            else:
-                self._wake.wait(_IDLE_WAIT_S)
+                last_active = now
+            self._wake.wait(poll if now - last_active < _ACTIVE_GRACE_S else _IDLE_WAIT_S)
             self._wake.clear()
 
     def _sinks_now(self) -> Sinks:
@@ -356,10 +354,7 @@ class CompletionPipeline:
     def _fail(self, record: TransferRecord, reason: str, now: int, exc: BaseException | None) -> None:
         sinks = self._sinks_now()
         record.error = reason
-        resolve_host = record.timing_enabled
-        record.timing_enabled = False  # an event misbehaved or never finished: host clock only
-        resolve(record, now, None)
-        record.timing_enabled = resolve_host
+        resolve_host_clock(record, now)  # an event misbehaved or never finished: host clock only
         record.expect_ack = False
         state = sinks.spans.begin(record)
         sinks.metrics.failed_record(record, reason)

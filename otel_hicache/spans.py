@@ -121,9 +121,7 @@ class ApiSpanBuilder:
         _ack_attributes(record, attrs)
         if attrs:
             span.set_attributes(attrs)
-        span.add_event(sc.EVENT_SUBMITTED, timestamp=record.submit_ns)
-        if record.ack_ns is not None:
-            span.add_event(sc.EVENT_ACKED, timestamp=record.ack_ns)
+        _events(record, lambda name, timestamp: span.add_event(name, timestamp=timestamp))
         if record.error is not None:
             span.set_status(_status(record))
         span.end(end_time=record.end_ns)

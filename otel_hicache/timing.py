@@ -56,11 +56,16 @@ def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None)
                 record.end_ns = start_wall + duration_ns
                 record.queue_wait_ns = max(0, start_wall - record.submit_ns)
             return
+    resolve_host_clock(record, now_ns)
+
+
+def resolve_host_clock(record: TransferRecord, now_ns: int) -> None:
+    """Host-clock timing: no usable timing events (or the record failed)."""
     record.timing_source = HOST_CLOCK
     start = record.host_start_ns if record.host_start_ns is not None else record.submit_ns
     if record.host_end_ns is not None:
         end = record.host_end_ns
-    elif finish_event is not None:
+    elif record.finish_event is not None:
         end = now_ns  # observed completion (poll granularity)
     else:
         end = record.submit_ns  # nothing says when it ended: complete at submit, not at intake

@@ -89,6 +89,12 @@ class GrpcReceiver:
 class HttpReceiver:
     def __init__(self) -> None:
         received = self.received = Received()
+        routes = {
+            "/v1/traces": (trace_service_pb2.ExportTraceServiceRequest,
+                           trace_service_pb2.ExportTraceServiceResponse(), received.traces),
+            "/v1/metrics": (metrics_service_pb2.ExportMetricsServiceRequest,
+                            metrics_service_pb2.ExportMetricsServiceResponse(), received.metrics),
+        }
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
@@ -97,22 +103,16 @@ class HttpReceiver:
                     import gzip
 
                     body = gzip.decompress(body)
-                if self.path == "/v1/traces":
-                    request, response = trace_service_pb2.ExportTraceServiceRequest(), \
-                        trace_service_pb2.ExportTraceServiceResponse()
-                    request.ParseFromString(body)
-                    with received.lock:
-                        received.traces.append(request)
-                elif self.path == "/v1/metrics":
-                    request, response = metrics_service_pb2.ExportMetricsServiceRequest(), \
-                        metrics_service_pb2.ExportMetricsServiceResponse()
-                    request.ParseFromString(body)
-                    with received.lock:
-                        received.metrics.append(request)
-                else:
+                route = routes.get(self.path)
+                if route is None:
                     self.send_response(404)
                     self.end_headers()
                     return
+                request_cls, response, store = route
+                request = request_cls()
+                request.ParseFromString(body)
+                with received.lock:
+                    store.append(request)
                 payload = response.SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
