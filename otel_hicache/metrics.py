@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from . import semconv as sc
 from .metrics_fast_path import BoundHistogram, resolver_for
-from .records import DIRECTIONS, TIERS, TransferRecord
+from .records import DIRECTIONS, ORIGINS, TIERS, TransferRecord
 from .version import __version__
 
 
@@ -82,12 +82,18 @@ class TransferMetrics(TransferInstruments):
 
         # attribute dicts, built once per attribute set
         self._by_direction = {d: self._attrs({sc.DIRECTION: d}) for d in DIRECTIONS}
-        self._by_tiers = {
-            d: self._attrs({sc.DIRECTION: d, sc.SRC_TIER: TIERS[d][0], sc.DST_TIER: TIERS[d][1]})
-            for d in DIRECTIONS
+        self._by_origin = {
+            (d, o): self._attrs({sc.DIRECTION: d, sc.ORIGIN: o}) for d in DIRECTIONS for o in ORIGINS
         }
-        self._by_pool: dict[tuple[str, str], dict[str, Any]] = {}
-        self._by_duration: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._by_tiers = {
+            (d, o): self._attrs(
+                {sc.DIRECTION: d, sc.SRC_TIER: TIERS[d][0], sc.DST_TIER: TIERS[d][1], sc.ORIGIN: o}
+            )
+            for d in DIRECTIONS
+            for o in ORIGINS
+        }
+        self._by_pool: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._by_duration: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self._by_reason: dict[str, dict[str, Any]] = {}
         self._by_timing: dict[tuple[str, str], dict[str, Any]] = {}
         self._default_io_backend = str(self._static.get(sc.IO_BACKEND, "unknown"))
@@ -100,16 +106,16 @@ class TransferMetrics(TransferInstruments):
         attrs.update(extra)
         return attrs
 
-    def _pool_attrs(self, direction: str, pool: str) -> dict[str, Any]:
-        key = (direction, pool)
+    def _pool_attrs(self, direction: str, origin: str, pool: str) -> dict[str, Any]:
+        key = (direction, origin, pool)
         attrs = self._by_pool.get(key)
         if attrs is None:
-            attrs = self._by_pool[key] = self._attrs({sc.DIRECTION: direction, sc.POOL: pool})
+            attrs = self._by_pool[key] = self._attrs({sc.DIRECTION: direction, sc.ORIGIN: origin, sc.POOL: pool})
         return attrs
 
     def _duration_attrs(self, record: TransferRecord) -> dict[str, Any]:
         io_backend = self._default_io_backend if record.io_backend is None else str(record.io_backend)
-        key = (record.direction, io_backend, record.timing_source)
+        key = (record.direction, record.origin, io_backend, record.timing_source)
         attrs = self._by_duration.get(key)
         if attrs is None:
             src, dst = TIERS[record.direction]
@@ -118,6 +124,7 @@ class TransferMetrics(TransferInstruments):
                     sc.DIRECTION: record.direction,
                     sc.SRC_TIER: src,
                     sc.DST_TIER: dst,
+                    sc.ORIGIN: record.origin,
                     sc.IO_BACKEND: io_backend,
                     sc.TIMING_SOURCE: record.timing_source,
                 }
@@ -136,11 +143,12 @@ class TransferMetrics(TransferInstruments):
 
     def _zero_series(self) -> None:
         for d in DIRECTIONS:
-            self.bytes.add(0, self._by_tiers[d])
-            self.blocks.add(0, self._by_direction[d])
+            for o in ORIGINS:
+                self.bytes.add(0, self._by_tiers[d, o])
+                self.blocks.add(0, self._by_origin[d, o])
+                self.tokens.add(0, self._pool_attrs(d, o, "kv"))
             self.busy_time.add(0, self._by_direction[d])
             self.inflight.add(0, self._by_direction[d])
-            self.tokens.add(0, self._pool_attrs(d, "kv"))
         for reason in sc.DROP_REASONS:
             self.dropped.add(0, self._reason_attrs(reason))
         for reason in sc.FAIL_REASONS:
@@ -186,14 +194,14 @@ class TransferMetrics(TransferInstruments):
 
     def completed(self, record: TransferRecord, busy_added_ns: int) -> None:
         """A transfer finished successfully: counters, duration, bandwidth, queue wait."""
-        direction = record.direction
+        direction, origin = record.direction, record.origin
         by_direction = self._by_direction[direction]
         context = record.exemplar_context
         self.left_flight(record)
-        self._add(self.bytes, self._by_tiers[direction], record.num_bytes)
-        self._add(self.blocks, by_direction, record.blocks)
+        self._add(self.bytes, self._by_tiers[direction, origin], record.num_bytes)
+        self._add(self.blocks, self._by_origin[direction, origin], record.blocks)
         for pool, tokens in zip(record.pool_names, record.pool_tokens):
-            self._add(self.tokens, self._pool_attrs(direction, pool), tokens)
+            self._add(self.tokens, self._pool_attrs(direction, origin, pool), tokens)
         if busy_added_ns:
             self._add(self.busy_time, by_direction, busy_added_ns / 1e9)
         duration_s = record.duration_ns / 1e9

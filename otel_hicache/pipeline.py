@@ -33,7 +33,7 @@ from .busy_time import BusyTimeTracker
 from .clock import WallClockAnchor
 from .device import anchor_factory_for
 from .diagnostics import logger, warn_once
-from .records import DIRECTIONS, TransferRecord, validate
+from .records import DIRECTIONS, S_ACK_NS, TransferRecord, validate
 from .timing import is_complete, resolve, resolve_host_clock
 
 
@@ -242,9 +242,10 @@ class CompletionPipeline:
                 except Exception as exc:  # a record is handled once, whatever a sink does
                     self._internal_error(sinks, record, exc)
             self._pending = still
-        # 4. acks
+        # 4. acks: watched ones every cycle (cheap), the rest (and timeouts) every 5 ms
+        watched = self._watch_acks(now) if self._awaiting else 0
         if self._awaiting and (self._drain_all or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS
-                               or self._flush_waiters):
+                               or self._flush_waiters or watched):
             self._last_ack_scan = now
             self._scan_acks(sinks, now)
         self.held = len(self._pending) + len(self._awaiting)
@@ -318,6 +319,8 @@ class CompletionPipeline:
         state = sinks.spans.begin(record)
         sinks.metrics.completed(record, busy_added)
         sinks.log.completed(record, busy_added)
+        if record.expect_ack and record.ack_ns is None and record.ack_watch is not None:
+            self._watch_acks(now, [(record, None)])  # taken before we saw it complete?
         if record.expect_ack and record.ack_ns is None:
             record.completed_at_ns = now
             self._awaiting.append((record, state))
@@ -328,6 +331,38 @@ class CompletionPipeline:
         if record.ack_ns is not None:
             sinks.metrics.acked(record)
         sinks.spans.finish(record, state)
+
+    def _watch_acks(self, now: int, awaiting: list[tuple[TransferRecord, Any]] | None = None) -> int:
+        """Stamp the ack time of watched records whose item left its container.
+
+        One snapshot per container per call (``tuple(list)`` is atomic under
+        the GIL), then an identity lookup per record. Returns how many were
+        stamped."""
+        snapshots: dict[int, set[int] | None] = {}
+        stamped = 0
+        for record, _state in self._awaiting if awaiting is None else awaiting:
+            watch = record.ack_watch
+            if watch is None or record.handle[S_ACK_NS] is not None:
+                continue
+            container, item = watch
+            key = id(container)
+            present = snapshots.get(key, False)
+            if present is False:
+                try:
+                    present = {id(x) for x in tuple(container)}
+                except RuntimeError:  # a deque mutated while copied: next cycle
+                    present = None
+                except Exception as exc:
+                    present = None
+                    record.ack_watch = None
+                    warn_once(f"ack_watch:{type(container).__name__}",
+                              "otel-hicache: cannot read the ack_watch container %s (%r); such ops wait for "
+                              "ack() or the ack timeout", type(container).__name__, exc)
+                snapshots[key] = present
+            if present is not None and id(item) not in present:
+                record.handle[S_ACK_NS] = now
+                stamped += 1
+        return stamped
 
     def _scan_acks(self, sinks: Sinks, now: int) -> None:
         timeout = self.settings.ack_timeout_ns

@@ -10,6 +10,8 @@ from __future__ import annotations
 import operator
 from typing import Any, Mapping
 
+from .diagnostics import warn_once
+
 OFFLOAD = "offload"
 """Write-back: device (L1) to host (L2)."""
 ONBOARD = "onboard"
@@ -19,6 +21,12 @@ DIRECTIONS = (OFFLOAD, ONBOARD)
 
 TIERS = {OFFLOAD: ("L1", "L2"), ONBOARD: ("L2", "L1")}
 """Source and destination tier of each direction."""
+
+MERGED_OP = "merged_op"
+"""An op whose consumer takes an ack (``expect_ack=True``)."""
+DIRECT = "direct"
+"""A copy nobody acknowledges (``expect_ack=False``)."""
+ORIGINS = (MERGED_OP, DIRECT)
 
 DEVICE_EVENT = "device_event"
 """Duration from ``start_event.elapsed_time(finish_event)``."""
@@ -43,9 +51,10 @@ HOST_CLOCK = "host_clock"
     S_PARENT_CONTEXT,
     S_HOST_START_NS,
     S_HOST_END_NS,
+    S_ACK_WATCH,
     S_ACK_NS,
-) = range(15)
-SUBMISSION_LENGTH = 15
+) = range(16)
+SUBMISSION_LENGTH = 16
 
 
 def submission(
@@ -63,10 +72,12 @@ def submission(
     parent_context: Any = None,
     host_start_ns: int | None = None,
     host_end_ns: int | None = None,
+    ack_watch: tuple[Any, Any] | None = None,
 ) -> list[Any]:
     """The list ``submit()`` builds inline (spelled out here for tests and strict checks)."""
     return [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, timing_enabled,
-            io_backend, attributes, expect_ack, submit_ns, parent_context, host_start_ns, host_end_ns, None]
+            io_backend, attributes, expect_ack, submit_ns, parent_context, host_start_ns, host_end_ns,
+            ack_watch, None]
 
 
 class TransferRecord:
@@ -93,7 +104,9 @@ class TransferRecord:
         "parent_context",
         "host_start_ns",
         "host_end_ns",
+        "ack_watch",
         # filled by the worker
+        "origin",
         "tokens",
         "blocks",
         "pool_names",
@@ -128,6 +141,7 @@ class TransferRecord:
             self.parent_context,
             self.host_start_ns,
             self.host_end_ns,
+            self.ack_watch,
             _ack,
         ) = handle
 
@@ -203,3 +217,9 @@ def validate(record: TransferRecord) -> None:
     record.pool_tokens = tuple(counts)
     record.tokens = counts[0] if counts else 0
     record.blocks = -(-record.tokens // page_size)
+    record.origin = MERGED_OP if record.expect_ack else DIRECT
+    watch = record.ack_watch
+    if watch is not None and not (type(watch) is tuple and len(watch) == 2 and hasattr(watch[0], "__iter__")):
+        record.ack_watch = None  # the op is still reported; only its ack time is unknown
+        warn_once("ack_watch", "otel-hicache: ack_watch must be a (container, item) tuple, got %r; ignored",
+                  type(watch).__name__)

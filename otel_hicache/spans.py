@@ -47,6 +47,7 @@ def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[s
     attrs[sc.DIRECTION] = record.direction
     attrs[sc.SRC_TIER] = src
     attrs[sc.DST_TIER] = dst
+    attrs[sc.ORIGIN] = record.origin
     attrs[sc.TOKENS] = record.tokens
     attrs[sc.BLOCKS] = record.blocks
     attrs[sc.BYTES] = record.num_bytes

@@ -175,6 +175,7 @@ class TransferTelemetry:
         expect_ack: bool = True,
         host_start_ns: int | None = None,
         host_end_ns: int | None = None,
+        ack_watch: tuple[Any, Any] | None = None,
     ) -> list | None:
         """Report one merged op (or one direct copy). Returns the handle for ``ack()``.
 
@@ -184,6 +185,10 @@ class TransferTelemetry:
         ``host_start_ns``/``host_end_ns``: host times the caller already knows
         (synchronous copies); used when there are no timing events.
         ``host_start_ns`` is then also the op's submit time.
+        ``ack_watch=(container, item)``: for consumers you cannot call ``ack()``
+        from, the op counts as acked when the worker sees ``item`` (by
+        identity) gone from ``container`` (a list or deque the consumer pops
+        or clears), within a poll interval.
         """
         pipeline = self._pipeline
         if pipeline is None:
@@ -209,7 +214,8 @@ class TransferTelemetry:
                 _get_current_context(),
                 host_start_ns,
                 host_end_ns,
-                None,  # ack time, set by ack()
+                ack_watch,
+                None,  # ack time, set by ack() or the worker (ack_watch)
             ]
             pipeline.queue.append(record)
             return record

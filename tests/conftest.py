@@ -70,11 +70,13 @@ class Harness:
         return found
 
     def value(self, name: str, **attrs: Any) -> Any:
-        """The value (sum) or the histogram point whose attributes include ``attrs``."""
+        """The sum of the counter points, or the one histogram point, whose attributes include ``attrs``."""
         matches = [p for p in self.points(name) if all(p.attributes.get(k) == v for k, v in attrs.items())]
-        assert len(matches) == 1, (name, attrs, [dict(p.attributes) for p in self.points(name)])
-        point = matches[0]
-        return point.value if hasattr(point, "value") else point
+        assert matches, (name, attrs, [dict(p.attributes) for p in self.points(name)])
+        if hasattr(matches[0], "value"):
+            return sum(p.value for p in matches)
+        assert len(matches) == 1, (name, attrs, [dict(p.attributes) for p in matches])
+        return matches[0]
 
     def close(self) -> None:
         self.tel.shutdown()

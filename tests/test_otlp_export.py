@@ -40,27 +40,29 @@ def test_demo_exports_spans_and_exact_metrics_over_otlp(protocol):
         assert resource["deployment.environment"] == "ci"
         names = {span.name for _, span in spans}
         assert names <= {"hicache.offload", "hicache.onboard"}
-        by_direction: dict[str, dict[str, int]] = {}
+        by_direction: dict[tuple[str, str], dict[str, int]] = {}
         for _, span in spans:
             attrs = attributes(span.attributes)
             assert attrs["hicache.timing_source"] == "host_clock"  # CPU: no timing events
             assert attrs["hicache.blocks"] == -(-attrs["hicache.tokens"] // attrs["hicache.page_size"])
             assert span.end_time_unix_nano >= span.start_time_unix_nano
-            totals = by_direction.setdefault(attrs["hicache.direction"], {"bytes": 0, "blocks": 0, "ops": 0})
+            key = (attrs["hicache.direction"], attrs["hicache.origin"])
+            totals = by_direction.setdefault(key, {"bytes": 0, "blocks": 0, "ops": 0})
             totals["bytes"] += attrs["hicache.bytes"]
             totals["blocks"] += attrs["hicache.blocks"]
             totals["ops"] += 1
         # the metrics the collector got are exactly what the spans add up to
+        def key(point):
+            attrs = attributes(point.attributes)
+            return attrs["hicache.direction"], attrs["hicache.origin"]
+
         for point in received.last_points("hicache.transfer.bytes"):
-            direction = attributes(point.attributes)["hicache.direction"]
-            assert point.as_int == by_direction.get(direction, {}).get("bytes", 0)
+            assert point.as_int == by_direction.get(key(point), {}).get("bytes", 0)
         for point in received.last_points("hicache.transfer.blocks"):
-            direction = attributes(point.attributes)["hicache.direction"]
-            assert point.as_int == by_direction.get(direction, {}).get("blocks", 0)
+            assert point.as_int == by_direction.get(key(point), {}).get("blocks", 0)
         counts = {}
         for point in received.last_points("hicache.transfer.duration"):
-            direction = attributes(point.attributes)["hicache.direction"]
-            counts[direction] = counts.get(direction, 0) + point.count
+            counts[key(point)] = counts.get(key(point), 0) + point.count
             assert list(point.explicit_bounds)[0] == 1e-5 and list(point.explicit_bounds)[-1] == 60.0
         assert counts == {d: t["ops"] for d, t in by_direction.items()}
         assert "counters match ground truth: yes" not in done.stdout  # OTLP mode prints ground truth only

@@ -39,16 +39,20 @@ def exposition():
 def test_counters(exposition):
     lines = set(exposition.splitlines())
     onboard = f'hicache_direction="onboard",{SCOPE},tp_rank="0"'
+    merged = f'hicache_direction="onboard",hicache_origin="merged_op",{SCOPE},tp_rank="0"'
     expected = [
-        f'hicache_transfer_bytes_total{{hicache_direction="onboard",hicache_dst_tier="L1",hicache_src_tier="L2",'
-        f'{SCOPE},tp_rank="0"}} 1.61480704e+08',
-        f"hicache_transfer_blocks_total{{{onboard}}} 22.0",
-        f'hicache_transfer_tokens_total{{hicache_direction="onboard",hicache_pool="kv",{SCOPE},tp_rank="0"}} 1408.0',
+        f'hicache_transfer_bytes_total{{hicache_direction="onboard",hicache_dst_tier="L1",hicache_origin="merged_op",'
+        f'hicache_src_tier="L2",{SCOPE},tp_rank="0"}} 1.61480704e+08',
+        f"hicache_transfer_blocks_total{{{merged}}} 22.0",
+        f'hicache_transfer_tokens_total{{hicache_direction="onboard",hicache_origin="merged_op",hicache_pool="kv",'
+        f'{SCOPE},tp_rank="0"}} 1408.0',
         f"hicache_transfer_busy_time_seconds_total{{{onboard}}} 0.006781",
         f"hicache_transfer_inflight{{{onboard}}} 0.0",
-        # zero series for the other direction exist from start-up
-        f'hicache_transfer_bytes_total{{hicache_direction="offload",hicache_dst_tier="L2",hicache_src_tier="L1",'
-        f'{SCOPE},tp_rank="0"}} 0.0',
+        # zero series for the other direction and origin exist from start-up
+        f'hicache_transfer_bytes_total{{hicache_direction="offload",hicache_dst_tier="L2",hicache_origin="merged_op",'
+        f'hicache_src_tier="L1",{SCOPE},tp_rank="0"}} 0.0',
+        f'hicache_transfer_bytes_total{{hicache_direction="onboard",hicache_dst_tier="L1",hicache_origin="direct",'
+        f'hicache_src_tier="L2",{SCOPE},tp_rank="0"}} 0.0',
         f'otel_hicache_records_dropped_total{{{SCOPE},reason="queue_full",tp_rank="0"}} 0.0',
     ]
     missing = [line for line in expected if line not in lines]
@@ -58,7 +62,7 @@ def test_counters(exposition):
 def test_histograms(exposition):
     lines = set(exposition.splitlines())
     duration = (f'hicache_direction="onboard",hicache_dst_tier="L1",hicache_io_backend="kernel",'
-                f'hicache_src_tier="L2",hicache_timing_source="device_event"')
+                f'hicache_origin="merged_op",hicache_src_tier="L2",hicache_timing_source="device_event"')
     onboard = f'hicache_direction="onboard",{SCOPE},tp_rank="0"'
     expected = [
         f'hicache_transfer_duration_seconds_bucket{{{duration},le="0.005",{SCOPE},tp_rank="0"}} 0.0',

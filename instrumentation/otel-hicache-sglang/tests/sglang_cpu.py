@@ -1,0 +1,561 @@
+"""Run SGLang's real HiCache device<->host KV transfer code on a CPU-only machine.
+
+The tests of the SGLang instrumentation use this module to exercise the genuine
+SGLang 0.5.23 objects -- ``HiCacheController`` / ``HybridCacheController``,
+``L2TransferEngine``, ``MHATokenToKVPool``, ``TokenToKVPoolAllocator``, the host
+pools, ``UnifiedRadixCache`` with its tree core, ``HiCacheAck`` and SGLang's own
+``RadixCacheMetricsCollector`` -- without a GPU.
+
+Three CPU-only substitutions make that possible (:func:`install_cpu_support`):
+
+* a meta-path import stub for ``torchvision`` (the PyPI wheels require a CUDA
+  torch, and SGLang merely imports it);
+* ``pool_host.common.ALLOC_MEMORY_FUNCS["cpu"]`` allocates host KV unpinned
+  (the default path registers the memory with the CUDA runtime);
+* ``pool_host.mha.transfer_kv_direct`` becomes a pure-torch
+  ``index_select``/``index_copy_`` (the real one is an ``sgl_kernel`` CUDA op).
+  It covers ``io_backend="direct"`` with the ``layer_first`` layout only.
+
+On CPU SGLang's device module is ``torch.cpu``: its ``Event`` takes no timing
+argument, so every ``HiCacheAck`` / ``TransferCompletion`` reports
+``timing_enabled=False``, events are no-ops and the copies run synchronously.
+
+The scenario functions return plain dicts describing the transfers they caused,
+so a test can compare them with what the instrumentation recorded and with
+SGLang's own ``sglang:*_total`` Prometheus counters (:func:`sglang_counter_values`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+import types
+from array import array
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+
+__all__ = [
+    "CacheStack",
+    "build_controller",
+    "build_stack",
+    "decode_retraction",
+    "host_eviction",
+    "insert_sequence",
+    "install_cpu_support",
+    "sglang_counter",
+    "sglang_counter_values",
+    "unbacked_eviction_drop",
+    "write_back_eviction",
+    "write_through_round_trip",
+]
+
+#: Labels every ``RadixCacheMetricsCollector`` series carries; they identify the
+#: collector, not the event, so :func:`sglang_counter_values` leaves them out.
+COLLECTOR_LABELS = {"cache_type": "UnifiedRadixCache", "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
+
+HEAD_NUM = 2
+HEAD_DIM = 8
+
+
+# --------------------------------------------------------------------------
+# CPU support
+# --------------------------------------------------------------------------
+class _TorchvisionUnavailable:
+    """Any class looked up on the stub: importable, never instantiable."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("torchvision is stubbed out for CPU-only SGLang tests")
+
+    def __class_getitem__(cls, item: Any) -> type:
+        return cls
+
+
+class _InterpolationMode(enum.Enum):
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
+
+
+def _stub_module_getattr(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    if name == "InterpolationMode":
+        return _InterpolationMode
+    return type(name, (_TorchvisionUnavailable,), {})
+
+
+class _TorchvisionStubLoader(importlib.abc.Loader):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = types.ModuleType(spec.name)
+        module.__path__ = []  # a package, so any submodule import resolves too
+        module.__getattr__ = _stub_module_getattr  # type: ignore[attr-defined]
+        if spec.name == "torchvision":
+            module.__version__ = "0.0.0+cpu-stub"  # type: ignore[attr-defined]
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+class _TorchvisionStubFinder(importlib.abc.MetaPathFinder):
+    """Serves ``torchvision`` and ``torchvision.*`` as import-only stubs."""
+
+    is_sglang_cpu_stub = True
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "torchvision" or fullname.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(
+                fullname, _TorchvisionStubLoader(), is_package=True
+            )
+        return None
+
+
+def _alloc_unpinned(dims, dtype, device, pin_memory, allocator,
+                    registration_granularity_bytes=None):
+    """``ALLOC_MEMORY_FUNCS["cpu"]``: plain host memory, no CUDA host registration."""
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    """Pure-torch stand-in for ``sgl_kernel.kvcacheio.transfer_kv_direct``."""
+    import torch
+
+    assert len(src_layers) == len(dst_layers)
+    assert src_indices.numel() == dst_indices.numel()
+    for src, dst in zip(src_layers, dst_layers):
+        src_idx = src_indices.to(src.device, torch.int64)
+        dst_idx = dst_indices.to(dst.device, torch.int64)
+        dst.index_copy_(0, dst_idx, src.index_select(0, src_idx).to(dst.device))
+
+
+def install_cpu_support() -> None:
+    """Make SGLang's HiCache code runnable on CPU. Idempotent.
+
+    Installs the ``torchvision`` stub first (before anything can import it),
+    then imports the SGLang host-pool modules and patches them. Safe to call
+    before or after other SGLang modules were imported, as long as the stub is
+    in place before the first ``torchvision`` import.
+    """
+    if not any(getattr(f, "is_sglang_cpu_stub", False) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchvisionStubFinder())
+
+    import sglang.srt.mem_cache.pool_host.common as host_common
+    import sglang.srt.mem_cache.pool_host.mha as host_mha
+
+    host_common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_unpinned
+    host_mha.transfer_kv_direct = _transfer_kv_direct
+    # One line per process from l2_transfer about torch.cpu.Event lacking timing.
+    logging.getLogger("sglang.srt.mem_cache.l2_transfer").setLevel(logging.ERROR)
+    # A host pool smaller than the device pool (unbacked_eviction_drop) is deliberate.
+    logging.getLogger("sglang.srt.mem_cache.pool_host.base").setLevel(logging.ERROR)
+
+
+def _publish_server_args(**fields: Any):
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    server_args = ServerArgs(model_path="dummy", **fields)
+    set_global_server_args_for_scheduler(server_args)
+    return server_args
+
+
+def _fill_random(kv, indices) -> None:
+    import torch
+
+    n = len(indices)
+    for layer in range(kv.layer_num):
+        kv.k_buffer[layer][indices] = torch.randn(n, HEAD_NUM, HEAD_DIM).to(kv.dtype)
+        kv.v_buffer[layer][indices] = torch.randn(n, HEAD_NUM, HEAD_DIM).to(kv.dtype)
+
+
+# --------------------------------------------------------------------------
+# Stacks
+# --------------------------------------------------------------------------
+@dataclass
+class CacheStack:
+    """A real ``UnifiedRadixCache`` with HiCache and the pools under it."""
+
+    cache: Any            # UnifiedRadixCache
+    controller: Any       # cache.cache_controller (HybridCacheController)
+    allocator: Any        # TokenToKVPoolAllocator
+    kv: Any               # MHATokenToKVPool (the device pool)
+    req_to_token: Any     # ReqToTokenPool
+    policy: str = "write_through"
+
+    @property
+    def host_pool(self) -> Any:
+        """The host pool group the controller writes to."""
+        return self.controller.mem_pool_host
+
+
+_metrics_collector = None
+
+
+def _shared_metrics_collector():
+    """SGLang's own collector; created once, the Prometheus registry is global."""
+    global _metrics_collector
+    if _metrics_collector is None:
+        from sglang.srt.observability.metrics_collector import RadixCacheMetricsCollector
+
+        _metrics_collector = RadixCacheMetricsCollector(labels=dict(COLLECTOR_LABELS))
+    return _metrics_collector
+
+
+def build_stack(policy: str = "write_through", page_size: int = 4, layers: int = 3,
+                kv_size: int = 64, host_ratio: float = 2.0) -> CacheStack:
+    """Build ``UnifiedRadixCache`` + ``init_hicache`` the way the scheduler does.
+
+    bfloat16 MHA device pool (``head_num=2, head_dim=8``), ``io_backend="direct"``,
+    ``layer_first`` host layout, write policy ``policy``. ``host_ratio`` is
+    ``--hicache-ratio`` (host pool size relative to the device pool).
+    SGLang's ``RadixCacheMetricsCollector`` is attached before ``init_hicache``,
+    as in production, so the dropped-token series are pre-seeded.
+    """
+    install_cpu_support()
+    import torch
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    _publish_server_args(page_size=page_size)
+    req_to_token = ReqToTokenPool(size=4, max_context_len=128, device="cpu",
+                                  enable_memory_saver=False)
+    kv = MHATokenToKVPool(size=kv_size, page_size=page_size, dtype=torch.bfloat16,
+                          head_num=HEAD_NUM, head_dim=HEAD_DIM, layer_num=layers,
+                          device="cpu", enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(size=kv_size, dtype=torch.bfloat16, device="cpu",
+                                       kvcache=kv, need_sort=False)
+    params = CacheInitParams(req_to_token_pool=req_to_token,
+                             token_to_kv_pool_allocator=allocator, page_size=page_size,
+                             disable=False, tree_components=(ComponentType.FULL,))
+    cache = UnifiedRadixCache(params=params)
+    cache.metrics_collector = _shared_metrics_collector()
+    server_args = _publish_server_args(
+        page_size=page_size, hicache_io_backend="direct", hicache_mem_layout="layer_first",
+        hicache_write_policy=policy, hicache_ratio=host_ratio)
+    cache.init_hicache(server_args, params)
+    atexit.unregister(cache.shutdown)
+    return CacheStack(cache=cache, controller=cache.cache_controller, allocator=allocator,
+                      kv=kv, req_to_token=req_to_token, policy=policy)
+
+
+def build_controller(page_size: int = 4, layers: int = 3, kv_size: int = 64):
+    """Engine level: a bare ``HiCacheController`` over float16 pools.
+
+    Returns ``(controller, kv, allocator)``; ``controller.write(indices, node_id=...)``
+    submits at once (``start_writing``), ``controller.load`` queues until
+    ``controller.start_loading()``. Acks land in ``ack_write_queue`` /
+    ``ack_load_queue``.
+    """
+    install_cpu_support()
+    import torch
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    _publish_server_args(page_size=page_size, hicache_io_backend="direct",
+                         hicache_mem_layout="layer_first", hicache_ratio=2.0,
+                         enable_hierarchical_cache=True)
+    kv = MHATokenToKVPool(size=kv_size, page_size=page_size, dtype=torch.float16,
+                          head_num=HEAD_NUM, head_dim=HEAD_DIM, layer_num=layers,
+                          device="cpu", enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(size=kv_size, dtype=torch.float16, device="cpu",
+                                       kvcache=kv, need_sort=False)
+    host = build_kv_host_pool(kv_pool=kv, page_size=page_size, use_mla=False)
+    controller = HiCacheController(
+        token_to_kv_pool_allocator=allocator, mem_pool_host=host, page_size=page_size,
+        tp_group=None, load_cache_event=threading.Event(), io_backend="direct",
+        write_policy="write_through")
+    return controller, kv, allocator
+
+
+def controller_round_trip(controller, kv, allocator, n: int = 8) -> Dict[str, Any]:
+    """Engine-level write then load of ``n`` tokens; bit-exact. Two acks."""
+    import torch
+
+    device_indices = allocator.alloc(n)
+    _fill_random(kv, device_indices)
+    host_indices = controller.write(device_indices, node_id=7)
+    write_ack = controller.ack_write_queue.pop(0)
+    write_ack.finish_event.synchronize()
+    loaded = controller.load(host_indices, node_id=8)
+    controller.start_loading()
+    load_ack = controller.ack_load_queue.pop(0)
+    load_ack.finish_event.synchronize()
+    for layer in range(kv.layer_num):
+        assert torch.equal(kv.k_buffer[layer][loaded], kv.k_buffer[layer][device_indices])
+        assert torch.equal(kv.v_buffer[layer][loaded], kv.v_buffer[layer][device_indices])
+    return {"offload_tokens": write_ack.num_tokens, "offload_bytes": write_ack.num_bytes,
+            "onboard_tokens": load_ack.num_tokens, "onboard_bytes": load_ack.num_bytes,
+            "write_ack": write_ack, "load_ack": load_ack}
+
+
+# --------------------------------------------------------------------------
+# Scenarios on a UnifiedRadixCache stack
+# --------------------------------------------------------------------------
+def _radix_key(tokens: List[int]):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", tokens))
+
+
+def insert_sequence(stack: CacheStack, start: int, n: int
+                    ) -> Tuple[List[int], List[Any], Callable[[], Any]]:
+    """Allocate ``n`` device slots with random KV and insert tokens ``start..start+n``.
+
+    Returns ``(tokens, reference_k_per_layer, match)`` where ``match()`` runs
+    ``cache.match_prefix`` for the same key. Under write_through the insert
+    queues a backup (``controller.write(..., flush=False)``) without submitting it.
+    """
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+
+    tokens = list(range(start, start + n))
+    value = stack.allocator.alloc(n)
+    assert value is not None, "device pool exhausted"
+    _fill_random(stack.kv, value)
+    reference = [stack.kv.k_buffer[layer][value].clone() for layer in range(stack.kv.layer_num)]
+    stack.cache.insert(InsertParams(key=_radix_key(tokens), value=value))
+    key = _radix_key(tokens)
+    return tokens, reference, lambda: stack.cache.match_prefix(MatchPrefixParams(key=key))
+
+
+def _evict_device(stack: CacheStack, num_tokens: int) -> int:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    return stack.cache.evict(EvictParams(num_tokens=num_tokens)).num_tokens_evicted
+
+
+def _device_kv_matches(stack: CacheStack, match_result, reference) -> bool:
+    import torch
+
+    indices = stack.cache.path_device_indices(match_result.last_device_node)
+    return all(torch.equal(stack.kv.k_buffer[layer][indices], reference[layer])
+               for layer in range(stack.kv.layer_num))
+
+
+def write_through_round_trip(stack: CacheStack, n: int = 12, start: int = 100) -> Dict[str, Any]:
+    """Insert, back up, evict from device, load back from host; KV bit-exact.
+
+    One merged D2H op (``flush_pending_backups`` -> ``start_writing``) and one
+    merged H2D op (``ready_to_load_host_cache`` -> ``start_loading``); each
+    ack is consumed by ``check_hicache_events``.
+    """
+    cache, controller = stack.cache, stack.controller
+    assert controller.write_policy == "write_through"
+    tokens, reference, match = insert_sequence(stack, start, n)
+    queued_writes = len(controller.write_queue)
+    cache.flush_pending_backups()
+    write_acks = list(controller.ack_write_queue)
+    cache.check_hicache_events()
+    assert not controller.ack_write_queue, "write ack not consumed"
+
+    evicted = _evict_device(stack, n)
+    hit = match()
+    assert hit.device_prefix_len == 0 and hit.host_hit_length == n, hit
+    assert cache.load_back(hit.best_match_node)
+    queued_loads = len(controller.load_queue)
+    cache.ready_to_load_host_cache()
+    load_acks = list(controller.ack_load_queue)
+    cache.check_hicache_events()
+    assert not controller.ack_load_queue, "load ack not consumed"
+
+    hit = match()
+    assert hit.device_prefix_len == n, hit
+    assert _device_kv_matches(stack, hit, reference), "KV changed across the round trip"
+    assert len(write_acks) == 1 and len(load_acks) == 1
+    return {
+        "tokens": n,
+        "queued_writes": queued_writes,
+        "queued_loads": queued_loads,
+        "offload_tokens": sum(a.num_tokens for a in write_acks),
+        "offload_bytes": sum(a.num_bytes for a in write_acks),
+        "onboard_tokens": sum(a.num_tokens for a in load_acks),
+        "onboard_bytes": sum(a.num_bytes for a in load_acks),
+        "merged_offloads": len(write_acks),
+        "merged_onboards": len(load_acks),
+        "device_evicted_tokens": evicted,
+        "bit_exact": True,
+    }
+
+
+def write_back_eviction(stack: CacheStack, n: int = 8, start: int = 500,
+                        load_back: bool = False) -> Dict[str, Any]:
+    """write_back: the insert queues nothing; evicting the node from the device
+    backs it up first (``writing_check(write_back=True)``: submit one op, wait,
+    consume its ack), leaving a host-only copy. With ``load_back`` the copy is
+    then loaded back (one more merged op) and compared bit for bit; that needs
+    ``n >= cache.load_back_threshold`` (10): smaller loads are declined.
+    """
+    cache, controller = stack.cache, stack.controller
+    assert controller.write_policy == "write_back"
+    tokens, reference, match = insert_sequence(stack, start, n)
+    assert not controller.write_queue, "write_back must not back up on insert"
+    host_free_before = controller.mem_pool_host.available_size()
+    evicted = _evict_device(stack, n)
+    offloaded = host_free_before - controller.mem_pool_host.available_size()
+    assert not controller.ack_write_queue, "the blocking flush consumes its ack"
+    hit = match()
+    assert hit.device_prefix_len == 0 and hit.host_hit_length == n, hit
+    result = {"tokens": n, "offload_tokens": offloaded, "merged_offloads": 1,
+              "device_evicted_tokens": evicted, "host_hit_length": hit.host_hit_length}
+    if load_back:
+        assert n >= cache.load_back_threshold, "load_back declines loads under 10 tokens"
+        assert cache.load_back(hit.best_match_node)
+        cache.ready_to_load_host_cache()
+        load_acks = list(controller.ack_load_queue)
+        cache.check_hicache_events()
+        hit = match()
+        assert hit.device_prefix_len == n, hit
+        assert _device_kv_matches(stack, hit, reference), "KV changed across write_back"
+        result.update(onboard_tokens=sum(a.num_tokens for a in load_acks),
+                      merged_onboards=len(load_acks), bit_exact=True)
+    return result
+
+
+def decode_retraction(stack: CacheStack, n: int = 8, req_pool_idx: int = 0) -> Dict[str, Any]:
+    """Decode retraction with ``backup_kv_cache`` / ``restore_kv_cache``.
+
+    These call ``L2TransferEngine.submit_device_to_host`` / ``submit_host_to_device``
+    directly: no ``HiCacheAck``, nothing in SGLang's counters. A request of
+    ``seqlen`` tokens backs up ``seqlen - 1`` tokens (the last token's KV is not
+    yet computed), padded up to a page: the copy moves that many slots.
+    """
+    import torch
+    from sglang.srt.utils.common import ceil_align
+
+    cache, kv, controller = stack.cache, stack.kv, stack.controller
+    assert cache.supports_retraction_backup()
+    device_indices = stack.allocator.alloc(n)
+    stack.req_to_token.req_to_token[req_pool_idx, :n] = device_indices.to(
+        stack.req_to_token.req_to_token.dtype)
+    _fill_random(kv, device_indices)
+    logical = n - 1
+    before = [kv.k_buffer[layer][device_indices[:logical]].clone()
+              for layer in range(kv.layer_num)]
+    req = SimpleNamespace(rid="retracted-0", seqlen=n,
+                          kv=SimpleNamespace(req_pool_idx=req_pool_idx))
+    acks_before = (len(controller.ack_write_queue), len(controller.ack_load_queue))
+    host_free_before = controller.mem_pool_host.available_size()
+    backup = cache.backup_kv_cache(req)
+    assert backup is not None, "host pool full"
+    copied = len(backup.host_indices)
+    for layer in range(kv.layer_num):
+        kv.k_buffer[layer][device_indices] = 0
+    cache.restore_kv_cache(req, backup)
+    assert all(torch.equal(kv.k_buffer[layer][device_indices[:logical]], before[layer])
+               for layer in range(kv.layer_num)), "retraction round trip not bit-exact"
+    assert (len(controller.ack_write_queue), len(controller.ack_load_queue)) == acks_before
+    assert controller.mem_pool_host.available_size() == host_free_before
+    stack.allocator.free(device_indices)
+    assert copied == ceil_align(logical, cache.page_size)
+    return {"seqlen": n, "logical_tokens": logical,
+            "direct_offload_tokens": copied, "direct_onboard_tokens": copied,
+            "acks": 0, "bit_exact": True}
+
+
+def unbacked_eviction_drop(stack: CacheStack, n: int = 8, start: int = 900) -> Dict[str, Any]:
+    """write_through device eviction of a node that never got a host copy.
+
+    Write-through backs a node up on its first insert, so a node is only
+    unbacked when the host pool cannot take the copy. Here a first sequence's
+    still-unsubmitted backup takes the whole free host pool (it stays device-
+    resident and locked until acked, so ``evict_host`` cannot reclaim it); the
+    next sequence's backup then fails, and evicting it from the device destroys
+    its KV: SGLang counts ``sglang:hicache_dropped_tokens_total
+    {reason="write_through_unbacked_eviction"}``. The pending backup is then
+    submitted and acked (one merged op) so the stack is left consistent.
+
+    Needs a stack whose free host pool fits in the free device pool, e.g.
+    ``build_stack("write_through", host_ratio=0.25)``.
+    """
+    cache, controller = stack.cache, stack.controller
+    assert controller.write_policy == "write_through"
+    host_free = controller.mem_pool_host.available_size()
+    device_free = stack.allocator.available_size()
+    if host_free == 0 or host_free + n > device_free:
+        raise ValueError(
+            f"host pool has {host_free} free slots, device {device_free}: build the "
+            "stack with a host pool smaller than the device pool (host_ratio=0.25)")
+    filler, _, _ = insert_sequence(stack, start, host_free)
+    assert controller.mem_pool_host.available_size() == 0
+    queued_writes = len(controller.write_queue)
+    tokens, _, match = insert_sequence(stack, start + host_free, n)
+    assert len(controller.write_queue) == queued_writes, "victim unexpectedly backed up"
+    evicted = _evict_device(stack, n)
+    hit = match()
+    assert hit.device_prefix_len == 0 and hit.host_hit_length == 0, hit
+
+    cache.flush_pending_backups()
+    write_acks = list(controller.ack_write_queue)
+    cache.check_hicache_events()
+    assert not controller.ack_write_queue
+    return {"dropped_tokens": n, "device_evicted_tokens": evicted,
+            "filler_tokens": host_free, "offload_tokens": sum(a.num_tokens for a in write_acks),
+            "merged_offloads": len(write_acks)}
+
+
+def host_eviction(stack: CacheStack, n: int = 12, start: int = 1300) -> Dict[str, Any]:
+    """Leave a host-only copy (write-through round trip minus the load back),
+    then ``cache.evict_host``: the host slots are freed, no transfer happens."""
+    cache, controller = stack.cache, stack.controller
+    assert controller.write_policy == "write_through"
+    tokens, _, match = insert_sequence(stack, start, n)
+    cache.flush_pending_backups()
+    write_acks = list(controller.ack_write_queue)
+    cache.check_hicache_events()
+    device_evicted = _evict_device(stack, n)
+    hit = match()
+    assert hit.host_hit_length == n, hit
+    host_free_before = controller.mem_pool_host.available_size()
+    host_evicted = cache.evict_host(n)
+    freed = controller.mem_pool_host.available_size() - host_free_before
+    hit = match()
+    assert hit.host_hit_length == 0 and hit.device_prefix_len == 0, hit
+    return {"tokens": n, "offload_tokens": sum(a.num_tokens for a in write_acks),
+            "merged_offloads": len(write_acks), "device_evicted_tokens": device_evicted,
+            "host_evicted_tokens": host_evicted, "host_slots_freed": freed}
+
+
+# --------------------------------------------------------------------------
+# SGLang's own counters
+# --------------------------------------------------------------------------
+CounterKey = Tuple[str, FrozenSet[Tuple[str, str]]]
+
+
+def sglang_counter_values() -> Dict[CounterKey, float]:
+    """Every ``sglang:*_total`` sample in the global Prometheus registry.
+
+    Keyed by ``(sample name, frozenset of (label, value))`` without the
+    collector labels (``cache_type``, ``tp_rank``, ``pp_rank``, ``dp_rank``).
+    """
+    from prometheus_client import REGISTRY
+
+    values: Dict[CounterKey, float] = {}
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if not (sample.name.startswith("sglang:") and sample.name.endswith("_total")):
+                continue
+            labels = frozenset((k, v) for k, v in sample.labels.items()
+                               if k not in COLLECTOR_LABELS)
+            key = (sample.name, labels)
+            values[key] = values.get(key, 0.0) + float(sample.value)
+    return values
+
+
+def sglang_counter(name: str, **labels: str) -> float:
+    """The value of one ``sglang:*_total`` series, 0.0 when it does not exist."""
+    key = (name, frozenset((k, str(v)) for k, v in labels.items()))
+    return sglang_counter_values().get(key, 0.0)
