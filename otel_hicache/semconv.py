@@ -19,7 +19,7 @@ SPAN_ONBOARD: Final = "hicache.onboard"
 EVENT_SUBMITTED: Final = "submitted"
 EVENT_ACKED: Final = "acked"
 
-# attributes: spans carry all but POOL and REASON (metric-only); metric points
+# attributes: spans carry all but POOL, REASON and TIER (metric-only); metric points
 # carry the subset listed in otel_hicache.metrics
 DIRECTION: Final = "hicache.direction"
 SRC_TIER: Final = "hicache.src_tier"
@@ -39,6 +39,7 @@ ACK_DELAY_US: Final = "hicache.ack_delay_us"
 ACKED: Final = "hicache.acked"
 BANDWIDTH: Final = "hicache.bandwidth_bytes_per_second"
 ERROR_TYPE: Final = "error.type"
+TIER: Final = "hicache.tier"
 REASON: Final = "reason"
 
 # metrics: name, unit, description
@@ -81,6 +82,23 @@ TRANSFER_INFLIGHT = (
     "{transfer}",
     "Ops submitted whose completion has not been observed yet.",
 )
+# cache events (not transfers): exact cumulative counts, see otel_hicache.cache_events
+PREFIX_TOKENS = (
+    "hicache.prefix.tokens",
+    "{token}",
+    "Cached prefix tokens of requests, by the tier they were found in (hicache.tier: device, host, storage).",
+)
+DROPPED_TOKENS = (
+    "hicache.dropped_tokens",
+    "{token}",
+    "KV tokens dropped without a copy in a lower tier (reason, hicache.pool).",
+)
+EVICTED_TOKENS = (
+    "hicache.evicted_tokens",
+    "{token}",
+    "Tokens evicted from a tier (hicache.tier: device, host).",
+)
+
 RECORDS_DROPPED = (
     "otel_hicache.records.dropped",
     "{record}",
@@ -98,6 +116,16 @@ QUEUE_SIZE = (
     "{record}",
     "Records held by the completion pipeline (queued, in flight or awaiting their ack).",
 )
+
+TIER_DEVICE: Final = "device"
+TIER_HOST: Final = "host"
+TIER_STORAGE: Final = "storage"
+PREFIX_TIERS = (TIER_DEVICE, TIER_HOST, TIER_STORAGE)
+EVICTION_TIERS = (TIER_DEVICE, TIER_HOST)
+DROP_HOST_PRESSURE: Final = "host_pressure"
+DROP_WRITE_THROUGH_UNBACKED_EVICTION: Final = "write_through_unbacked_eviction"
+DROPPED_TOKEN_REASONS = (DROP_HOST_PRESSURE, DROP_WRITE_THROUGH_UNBACKED_EVICTION)
+"""Reasons with zero series from start-up (others are accepted as they come)."""
 
 DROP_QUEUE_FULL: Final = "queue_full"
 DROP_INVALID_INPUT: Final = "invalid_input"

@@ -22,6 +22,7 @@ from opentelemetry import trace as otel_trace
 
 from . import configuration
 from .bounded_flush import flush_providers
+from .cache_events import CacheEvents
 from . import environment_variables as ev
 from .device import timing_event_pair
 from .diagnostics import warn_once
@@ -84,6 +85,10 @@ class TransferTelemetry:
         tests pass their own.
     :param anchor_event_factory: returns a freshly recorded timing event, for the
         wall-clock anchor; derived from the events themselves when omitted.
+
+    ``cache_events`` (:class:`~otel_hicache.cache_events.CacheEvents`) counts
+    the cache events that are not transfers (prefix hits per tier, dropped and
+    evicted tokens) with the same static attributes.
     """
 
     def __init__(
@@ -106,6 +111,9 @@ class TransferTelemetry:
         self._from_configuration = False
         self._resolve_providers()
         self._providers_pid = os.getpid()
+        # prefix hits, dropped and evicted tokens: counted on the caller's thread
+        # with a dict update, exported by observable counters once bound
+        self.cache_events = CacheEvents(self._static)
         # A plain attribute, not a property: adapters guard their own argument
         # building with ``if tel.enabled:`` for a ~20 ns disabled path.
         self.enabled = False
@@ -149,6 +157,7 @@ class TransferTelemetry:
             self._providers_pid = os.getpid()
             self._resolve_providers()
         tracer_provider, meter_provider = self._providers
+        self.cache_events.bind(meter_provider)
         return Sinks(
             make_span_builder(tracer_provider, self._static, self._fast_path),
             TransferMetrics(meter_provider, self._static, queue_size=self._queue_size, fast_path=self._fast_path),

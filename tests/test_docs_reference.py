@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, Sum
 
-from otel_hicache import configuration, environment_variables, logs
+from otel_hicache import cache_events, configuration, environment_variables, logs
 from otel_hicache import semconv as sc
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -53,7 +53,8 @@ def semconv_metrics() -> dict[str, tuple[str, str, str]]:
     return found
 
 
-_NOT_ATTRIBUTES = ("SCOPE_NAME", "SPAN_", "EVENT_", "DROP_", "FAIL_")
+_NOT_ATTRIBUTES = ("SCOPE_NAME", "SPAN_", "EVENT_", "DROP_", "FAIL_", "TIER_")
+OBSERVABLE_COUNTERS = {spec[0] for spec in cache_events._KINDS.values()}  # pylint: disable=protected-access
 
 
 def semconv_attributes() -> dict[str, str]:
@@ -68,7 +69,7 @@ def semconv_attributes() -> dict[str, str]:
 def test_semconv_is_what_this_test_expects():
     metrics = semconv_metrics()
     assert {"TRANSFER_DURATION", "TRANSFER_BYTES", "RECORDS_DROPPED", "RECORDS_FAILED", "QUEUE_SIZE"} <= set(metrics)
-    assert len(metrics) == 12
+    assert len(metrics) == 15
     attrs = semconv_attributes()
     assert attrs["DIRECTION"] == "hicache.direction" and attrs["ERROR_TYPE"] == "error.type"
     assert "SPAN_OFFLOAD" not in attrs and "DROP_QUEUE_FULL" not in attrs
@@ -100,7 +101,7 @@ def prometheus_base_name(name: str, unit: str) -> str:
 def prometheus_series(name: str, unit: str, kind: str) -> list[str]:
     """Series names for an instrument kind: counter, updowncounter, gauge, histogram."""
     base = prometheus_base_name(name, unit)
-    if kind == "counter":
+    if kind in ("counter", "observable_counter"):
         return [base if base.endswith("_total") else base + "_total"]
     if kind == "histogram":
         return [base + "_bucket", base + "_sum", base + "_count"]
@@ -163,6 +164,8 @@ def emitted(harness) -> dict[str, Any]:
                     kind = "histogram"
                 elif isinstance(metric.data, Sum):
                     kind = "counter" if metric.data.is_monotonic else "updowncounter"
+                    if metric.name in OBSERVABLE_COUNTERS:
+                        kind = "observable_counter"
                 elif isinstance(metric.data, Gauge):
                     kind = "gauge"
                 else:
@@ -176,7 +179,8 @@ def emitted(harness) -> dict[str, Any]:
     return {"metrics": metrics, "span_attributes": span_attributes}
 
 
-_KIND_WORD = {"counter": "Counter", "updowncounter": "UpDownCounter", "gauge": "ObservableGauge",
+_KIND_WORD = {"counter": "Counter", "observable_counter": "ObservableCounter", "updowncounter": "UpDownCounter",
+              "gauge": "ObservableGauge",
               "histogram": "Histogram"}
 
 

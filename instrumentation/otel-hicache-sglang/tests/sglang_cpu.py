@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import atexit
 import enum
+import importlib
 import importlib.abc
 import importlib.machinery
 import logging
 import sys
 import threading
 import types
+import warnings
 from array import array
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -44,6 +46,7 @@ __all__ = [
     "CacheStack",
     "build_controller",
     "build_stack",
+    "controller_round_trip",
     "decode_retraction",
     "host_eviction",
     "insert_sequence",
@@ -138,25 +141,47 @@ def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_s
         dst.index_copy_(0, dst_idx, src.index_select(0, src_idx).to(dst.device))
 
 
+#: The SGLang modules the builders below use. Importing them pulls in most of
+#: ``sglang.srt``, whose import emits CUDA-only ``UserWarning``s on CPU
+#: (AWQ/GGUF quantization, ``requests``' charset detection).
+_SGLANG_MODULES = (
+    "sglang.srt.mem_cache.pool_host.common",
+    "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.server_args",
+    "sglang.srt.managers.cache_controller",
+    "sglang.srt.mem_cache.allocator",
+    "sglang.srt.mem_cache.cache_init_params",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler",
+    "sglang.srt.mem_cache.unified_cache.components.base",
+    "sglang.srt.mem_cache.unified_radix_cache",
+    "sglang.srt.observability.metrics_collector",
+)
+
+
 def install_cpu_support() -> None:
     """Make SGLang's HiCache code runnable on CPU. Idempotent.
 
-    Installs the ``torchvision`` stub first (before anything can import it),
-    then imports the SGLang host-pool modules and patches them. Safe to call
-    before or after other SGLang modules were imported, as long as the stub is
-    in place before the first ``torchvision`` import.
+    Installs the ``torchvision`` stub first, then imports the SGLang modules
+    this file uses (with their import-time warnings silenced) and patches the
+    host-pool allocation and the direct KV copy. SGLang modules may already be
+    imported, provided the stub was in place before anything imported
+    ``torchvision`` (it is not installed, so such an import would fail).
     """
     if not any(getattr(f, "is_sglang_cpu_stub", False) for f in sys.meta_path):
         sys.meta_path.insert(0, _TorchvisionStubFinder())
 
-    import sglang.srt.mem_cache.pool_host.common as host_common
-    import sglang.srt.mem_cache.pool_host.mha as host_mha
-
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in _SGLANG_MODULES:
+            importlib.import_module(name)
+    host_common = sys.modules["sglang.srt.mem_cache.pool_host.common"]
+    host_mha = sys.modules["sglang.srt.mem_cache.pool_host.mha"]
     host_common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_unpinned
     host_mha.transfer_kv_direct = _transfer_kv_direct
-    # One line per process from l2_transfer about torch.cpu.Event lacking timing.
+    # l2_transfer logs once that torch.cpu.Event cannot time; pool_host.base warns
+    # when the host pool is smaller than the device pool (unbacked_eviction_drop).
     logging.getLogger("sglang.srt.mem_cache.l2_transfer").setLevel(logging.ERROR)
-    # A host pool smaller than the device pool (unbacked_eviction_drop) is deliberate.
     logging.getLogger("sglang.srt.mem_cache.pool_host.base").setLevel(logging.ERROR)
 
 
@@ -319,7 +344,6 @@ def insert_sequence(stack: CacheStack, start: int, n: int
     ``cache.match_prefix`` for the same key. Under write_through the insert
     queues a backup (``controller.write(..., flush=False)``) without submitting it.
     """
-    import torch
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 
     tokens = list(range(start, start + n))
@@ -507,26 +531,33 @@ def unbacked_eviction_drop(stack: CacheStack, n: int = 8, start: int = 900) -> D
             "merged_offloads": len(write_acks)}
 
 
-def host_eviction(stack: CacheStack, n: int = 12, start: int = 1300) -> Dict[str, Any]:
-    """Leave a host-only copy (write-through round trip minus the load back),
-    then ``cache.evict_host``: the host slots are freed, no transfer happens."""
+def host_eviction(stack: CacheStack, n: int = 12, start: int = 1300,
+                  num_tokens: Optional[int] = None) -> Dict[str, Any]:
+    """Free host copies with ``cache.evict_host`` (no transfer, no ack).
+
+    Inserts and backs up ``n`` tokens (one merged write-through op), evicts
+    every evictable token from the device so the host copies are host-only,
+    then asks ``evict_host`` for ``num_tokens`` (default ``n``) host tokens.
+    Host eviction frees whole least-recently-used host leaves, so on a stack
+    with older host copies those go first, and it may free more than asked.
+    """
     cache, controller = stack.cache, stack.controller
     assert controller.write_policy == "write_through"
-    tokens, _, match = insert_sequence(stack, start, n)
+    insert_sequence(stack, start, n)
     cache.flush_pending_backups()
     write_acks = list(controller.ack_write_queue)
     cache.check_hicache_events()
-    device_evicted = _evict_device(stack, n)
-    hit = match()
-    assert hit.host_hit_length == n, hit
+    device_evicted = _evict_device(stack, cache.evictable_size())
+    assert cache.evictable_size() == 0
+    requested = n if num_tokens is None else num_tokens
     host_free_before = controller.mem_pool_host.available_size()
-    host_evicted = cache.evict_host(n)
+    host_evicted = cache.evict_host(requested)
     freed = controller.mem_pool_host.available_size() - host_free_before
-    hit = match()
-    assert hit.host_hit_length == 0 and hit.device_prefix_len == 0, hit
+    assert host_evicted >= requested and freed == host_evicted, (host_evicted, freed)
     return {"tokens": n, "offload_tokens": sum(a.num_tokens for a in write_acks),
             "merged_offloads": len(write_acks), "device_evicted_tokens": device_evicted,
-            "host_evicted_tokens": host_evicted, "host_slots_freed": freed}
+            "host_evict_requested": requested, "host_evicted_tokens": host_evicted,
+            "host_slots_freed": freed}
 
 
 # --------------------------------------------------------------------------
