@@ -1,0 +1,168 @@
+"""otel-hicache for SGLang: every HiCache L1<->L2 copy becomes a device-timed span.
+
+Two ways in, both registered as entry points, both idempotent:
+
+* SGLang's own plugin group ``sglang.srt.plugins`` (name ``otel_hicache``):
+  ``load_plugins()`` runs it in every scheduler process before the scheduler
+  starts (``SGLANG_PLUGINS`` filters by name). Nothing to do but install.
+* ``opentelemetry_instrumentor`` (name ``sglang_hicache``), for
+  ``opentelemetry-instrument python -m sglang.launch_server ...``.
+
+Or by hand::
+
+    from otel_hicache_sglang import SGLangHiCacheInstrumentor
+    SGLangHiCacheInstrumentor().instrument()   # tracer_provider=..., meter_provider=... optional
+
+SGLang modules are patched when they are imported (or at once if they are).
+Spans and metrics go to otel-hicache's private providers, built from the
+``OTEL_*`` variables in each process that creates a HiCache controller; the
+global TracerProvider stays SGLang's (``--enable-trace``). ``OTEL_HICACHE_ENABLED=false``
+turns it all off.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Collection
+
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+import otel_hicache
+from otel_hicache import environment_variables as ev
+from otel_hicache.diagnostics import logger, warn_once
+from otel_hicache.patching import Incompatible, Patch, PatchSet
+from otel_hicache.settings import env_bool, sdk_disabled
+
+from . import cache_events
+from .package import _instruments
+from .transfers import OFFLOAD, ONBOARD, TransferObserver
+from .version import __version__
+
+__all__ = ["SGLangHiCacheInstrumentor", "plugin", "__version__"]
+
+L2_TRANSFER = "sglang.srt.mem_cache.l2_transfer"
+CACHE_CONTROLLER = "sglang.srt.managers.cache_controller"
+UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache"
+BASE_PREFIX_CACHE = "sglang.srt.mem_cache.base_prefix_cache"
+SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
+
+ACK_FIELDS = ("start_event", "finish_event", "num_tokens", "timing_enabled", "num_tokens_by_pool", "num_bytes")
+COMPLETION_FIELDS = ("start_event", "finish_event", "timing_enabled")
+TRANSFER_FIELDS = ("host_pool", "host_indices", "is_draft")
+
+
+def _require_fields(module: str, cls: str, fields: Collection[str]) -> None:
+    import sys
+
+    have = getattr(getattr(sys.modules[module], cls, None), "_fields", None)
+    if have is None:
+        raise Incompatible(f"{module}.{cls} not found")
+    missing = [f for f in fields if f not in have]
+    if missing:
+        raise Incompatible(f"{cls} has no field {', '.join(missing)}")
+
+
+def _check_transfers() -> None:
+    _require_fields(CACHE_CONTROLLER, "HiCacheAck", ACK_FIELDS)
+    _require_fields(L2_TRANSFER, "TransferCompletion", COMPLETION_FIELDS)
+    _require_fields(L2_TRANSFER, "L2Transfer", TRANSFER_FIELDS)
+
+
+def _patches(observer: TransferObserver) -> PatchSet:
+    patches = PatchSet("SGLang")
+    patches.add(
+        "L1<->L2 transfers",
+        [
+            Patch(L2_TRANSFER, "L2TransferEngine", "submit_device_to_host",
+                  lambda f: observer.wrap_submit(f, OFFLOAD)),
+            Patch(L2_TRANSFER, "L2TransferEngine", "submit_host_to_device",
+                  lambda f: observer.wrap_submit(f, ONBOARD)),
+            Patch(CACHE_CONTROLLER, "HiCacheController", "__init__", observer.wrap_init),
+            Patch(CACHE_CONTROLLER, "HiCacheController", "start_writing",
+                  lambda f: observer.wrap_start(f, OFFLOAD, "ack_write_queue")),
+            Patch(CACHE_CONTROLLER, "HiCacheController", "start_loading",
+                  lambda f: observer.wrap_start(f, ONBOARD, "ack_load_queue")),
+        ],
+        check=_check_transfers,
+    )
+    patches.add(
+        "dropped tokens",
+        [Patch(UNIFIED_RADIX_CACHE, "UnifiedRadixCache", "_record_dropped_tokens",
+               lambda f: cache_events.wrap_record_dropped_tokens(observer, f))],
+    )
+
+    def base_component() -> Any:
+        import sys
+
+        return getattr(sys.modules[UNIFIED_RADIX_CACHE], "BASE_COMPONENT_TYPE")
+
+    patches.add(
+        "evictions",
+        [
+            Patch(BASE_PREFIX_CACHE, "BasePrefixCache", "update_eviction_metrics",
+                  lambda f: cache_events.wrap_update_eviction_metrics(observer, f)),
+            Patch(UNIFIED_RADIX_CACHE, "UnifiedRadixCache", "evict_host",
+                  lambda f: cache_events.wrap_evict_host(observer, f, base_component())),
+        ],
+    )
+    patches.add(
+        "prefix hits",
+        [Patch(SCHEDULE_BATCH, None, "split_cached_prefix_by_tier",
+               lambda f: cache_events.wrap_split_cached_prefix_by_tier(observer, f))],
+    )
+    return patches
+
+
+class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-method
+    """Instruments SGLang HiCache's L1<->L2 transfers and cache events."""
+
+    _observer: TransferObserver | None = None
+    _patch_set: PatchSet | None = None
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments
+
+    def _instrument(self, **kwargs: Any) -> None:
+        if not env_bool(ev.OTEL_HICACHE_ENABLED) or sdk_disabled():
+            logger.debug("otel-hicache: disabled by OTEL_HICACHE_ENABLED/OTEL_SDK_DISABLED; SGLang not patched")
+            return
+        tracer_provider = kwargs.get("tracer_provider")
+        meter_provider = kwargs.get("meter_provider")
+
+        def make_telemetry(ranks: dict[str, Any]) -> otel_hicache.TransferTelemetry:
+            if tracer_provider is None or meter_provider is None:
+                otel_hicache.configure()  # private providers from OTEL_*, this process's own
+            return otel_hicache.TransferTelemetry(tracer_provider, meter_provider, attributes=ranks)
+
+        self._observer = TransferObserver(make_telemetry)
+        self._patch_set = _patches(self._observer)
+        self._patch_set.apply()
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        patch_set, observer = self._patch_set, self._observer
+        self._patch_set = self._observer = None
+        if patch_set is not None:
+            patch_set.restore()
+        telemetry = observer.telemetry if observer is not None else None
+        if telemetry is not None:
+            telemetry.shutdown()  # reports what was recorded; bounded
+
+    @property
+    def telemetry(self) -> otel_hicache.TransferTelemetry | None:
+        """This process's telemetry, once a HiCache controller exists (tests, diagnostics)."""
+        observer = self._observer
+        return observer.telemetry if observer is not None else None
+
+    def instrumented_groups(self) -> list[str]:
+        """Which patch groups are in place (the rest were incompatible or not imported yet)."""
+        return self._patch_set.applied() if self._patch_set is not None else []
+
+
+def plugin() -> None:
+    """The ``sglang.srt.plugins`` entry point, run by SGLang's ``load_plugins()``."""
+    try:
+        instrumentor = SGLangHiCacheInstrumentor()
+        if not instrumentor.is_instrumented_by_opentelemetry:  # opentelemetry-instrument got here first
+            instrumentor.instrument()
+    except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
+        warn_once("sglang:plugin", "otel-hicache: the SGLang plugin could not start (%r); SGLang runs "
+                  "uninstrumented", exc)

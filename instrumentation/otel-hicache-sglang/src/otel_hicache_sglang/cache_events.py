@@ -1,0 +1,101 @@
+"""Prefix hits per tier, dropped and evicted tokens, counted where SGLang counts them.
+
+AFTER hooks on the calls SGLang's own series come from (see
+``docs/reference.md``, "Cache events"); each adds to
+``TransferTelemetry.cache_events`` with a dict update, and counts even when
+SGLang runs without ``--enable-metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from otel_hicache import semconv as sc
+from otel_hicache.diagnostics import warn_once
+
+from .transfers import TransferObserver
+
+
+def _events(observer: TransferObserver) -> Any:
+    telemetry = observer.telemetry
+    return telemetry.cache_events if telemetry is not None and telemetry.enabled else None
+
+
+def _finish(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__name__ = getattr(original, "__name__", wrapper.__name__)
+    wrapper.__qualname__ = getattr(original, "__qualname__", wrapper.__name__)
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    return wrapper
+
+
+def wrap_record_dropped_tokens(observer: TransferObserver, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``UnifiedRadixCache._record_dropped_tokens(dropped_tokens, reason)``: KV pool tokens."""
+
+    def _record_dropped_tokens(cache: Any, dropped_tokens: int, reason: str, *args: Any, **kwargs: Any) -> Any:
+        result = original(cache, dropped_tokens, reason, *args, **kwargs)
+        events = _events(observer)
+        if events is not None:
+            try:
+                if dropped_tokens > 0:
+                    events.dropped_tokens(dropped_tokens, reason, "kv")
+            except Exception as exc:  # pylint: disable=broad-except
+                warn_once("sglang:dropped", "otel-hicache: could not count dropped tokens (%r)", exc)
+        return result
+
+    return _finish(_record_dropped_tokens, original)
+
+
+def wrap_update_eviction_metrics(observer: TransferObserver, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``BasePrefixCache.update_eviction_metrics(num_evicted, start_time)``: device evictions."""
+
+    def update_eviction_metrics(cache: Any, num_evicted: int, *args: Any, **kwargs: Any) -> Any:
+        result = original(cache, num_evicted, *args, **kwargs)
+        events = _events(observer)
+        if events is not None:
+            try:
+                if num_evicted > 0:
+                    events.evicted_tokens(num_evicted, sc.TIER_DEVICE)
+            except Exception as exc:  # pylint: disable=broad-except
+                warn_once("sglang:evicted", "otel-hicache: could not count evicted tokens (%r)", exc)
+        return result
+
+    return _finish(update_eviction_metrics, original)
+
+
+def wrap_evict_host(observer: TransferObserver, original: Callable[..., Any],
+                    base_component: Any) -> Callable[..., Any]:
+    """``UnifiedRadixCache.evict_host(num_tokens, component_type)``: host evictions of
+    the base (KV) component; SWA/Mamba component evictions are not KV tokens."""
+
+    def evict_host(cache: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(cache, *args, **kwargs)
+        events = _events(observer)
+        if events is not None:
+            try:
+                component = kwargs.get("component_type", args[1] if len(args) > 1 else base_component)
+                if component == base_component and isinstance(result, int) and result > 0:
+                    events.evicted_tokens(result, sc.TIER_HOST)
+            except Exception as exc:  # pylint: disable=broad-except
+                warn_once("sglang:evict_host", "otel-hicache: could not count host evictions (%r)", exc)
+        return result
+
+    return _finish(evict_host, original)
+
+
+def wrap_split_cached_prefix_by_tier(observer: TransferObserver,
+                                     original: Callable[..., Any]) -> Callable[..., Any]:
+    """``schedule_batch.split_cached_prefix_by_tier``: one request's (device, host, storage) split."""
+
+    def split_cached_prefix_by_tier(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        events = _events(observer)
+        if events is not None:
+            try:
+                device, host, storage = result
+                events.prefix_tokens(device, host, storage)
+            except Exception as exc:  # pylint: disable=broad-except
+                warn_once("sglang:prefix", "otel-hicache: could not count prefix hits (%r)", exc)
+        return result
+
+    return _finish(split_cached_prefix_by_tier, original)

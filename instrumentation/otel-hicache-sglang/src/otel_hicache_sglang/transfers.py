@@ -1,0 +1,292 @@
+"""SGLang's L1<->L2 copies, reported to otel-hicache.
+
+Two wrap points miss nothing (see ``docs/sglang.md``):
+
+* ``L2TransferEngine.submit_device_to_host/submit_host_to_device`` make every
+  copy. Called outside a ``start_*`` (decode-retraction backup/restore), the
+  copy is reported at once as ``hicache.origin=direct``: tokens and bytes come
+  from its transfer list.
+* ``HiCacheController.start_writing/start_loading`` (inherited by
+  ``HybridCacheController``) merge queued ops and append a ``HiCacheAck``.
+  Copies made inside them are held until the original returns, then reported
+  with that ack's own token counts per pool and bytes, as
+  ``hicache.origin=merged_op``. The ack is paired by its ``finish_event``.
+
+Consumers of acks are not patched: they pop, iterate-and-clear, or reset the
+queues. Each merged op is submitted with ``ack_watch=(ack queue, ack)``; the
+otel-hicache worker notices when the ack left the queue. Completion is observed
+from the events (``finish_event.query()`` on the worker), never by
+synchronizing.
+
+On the scheduler thread each wrapper does a clock read, a few attribute reads
+and one ``TransferTelemetry.submit()`` (a list append): no OTel SDK call, no
+device call, no tensor work except for direct copies (a ``numel()`` per
+transfer).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from otel_hicache import TransferTelemetry
+from otel_hicache.diagnostics import logger, warn_once
+
+from .ranks import rank_attributes
+
+OFFLOAD = "offload"
+ONBOARD = "onboard"
+ANCHOR_POOL = "kv"  # PoolName.KV.value: the anchor pool of a plain HiCacheController
+
+# span-only attributes SGLang knows about a controller
+WRITE_POLICY = "hicache.write_policy"
+LAYER_NUM = "hicache.layer_num"
+MEM_LAYOUT = "hicache.mem_layout"
+CONTROLLER = "hicache.controller"
+DRAFT_BYTES = "hicache.draft_bytes"
+
+
+def _is_synchronous_event(event: Any, cache: dict[type, bool] = {}) -> bool:  # noqa: B006 (a per-type cache)
+    """``torch.cpu`` events are no-ops: the copies ran inside the submit call."""
+    cls = type(event)
+    known = cache.get(cls)
+    if known is None:
+        known = cache[cls] = cls.__module__ == "torch.cpu"
+    return known
+
+
+class _ControllerInfo:
+    """What is reported with every op of one controller, built once."""
+
+    __slots__ = ("page_size", "attributes", "pool_names", "__weakref__")
+
+    def __init__(self, controller: Any) -> None:
+        host = getattr(controller, "mem_pool_host", None)
+        self.page_size = int(getattr(controller, "page_size", 0) or getattr(host, "page_size", 1) or 1)
+        attributes: dict[str, Any] = {CONTROLLER: type(controller).__name__}
+        for key, value in (
+            (WRITE_POLICY, getattr(controller, "write_policy", None)),
+            (LAYER_NUM, getattr(controller, "transfer_layer_id_max", None)),
+            (MEM_LAYOUT, getattr(host, "layout", None)),
+        ):
+            if isinstance(value, (str, int)) and not isinstance(value, bool):
+                attributes[key] = value
+        self.attributes = attributes
+        # host pool -> pool name, for the token counts of direct copies
+        self.pool_names: dict[int, str] = {}
+        entries = getattr(host, "entry_map", None)
+        if isinstance(entries, dict):  # HybridCacheController: a HostPoolGroup
+            for entry in entries.values():
+                name = getattr(getattr(entry, "name", None), "value", None)
+                pool = getattr(entry, "host_pool", None)
+                if isinstance(name, str) and pool is not None:
+                    self.pool_names[id(pool)] = name
+        elif host is not None:
+            self.pool_names[id(host)] = ANCHOR_POOL
+
+
+class TransferObserver:
+    """Per-process state of the SGLang adapter: the telemetry, built lazily in
+    the first process that makes a HiCache controller (a scheduler), and which
+    engine belongs to which controller."""
+
+    def __init__(self, make_telemetry: Callable[[dict[str, Any]], TransferTelemetry]) -> None:
+        self._make_telemetry = make_telemetry
+        self.telemetry: TransferTelemetry | None = None
+        self._failed = False
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._controllers: "weakref.WeakKeyDictionary[Any, _ControllerInfo]" = weakref.WeakKeyDictionary()
+        self._engines: "weakref.WeakKeyDictionary[Any, _ControllerInfo]" = weakref.WeakKeyDictionary()
+
+    # -- set-up ---------------------------------------------------------------
+    def telemetry_now(self) -> TransferTelemetry | None:
+        """The telemetry of this process, started on first use (ranks are
+        published by then). None if it could not start (warned once)."""
+        telemetry = self.telemetry
+        if telemetry is None and not self._failed:
+            with self._lock:
+                telemetry = self.telemetry
+                if telemetry is None and not self._failed:
+                    try:
+                        telemetry = self.telemetry = self._make_telemetry(rank_attributes())
+                    except Exception as exc:  # pylint: disable=broad-except
+                        self._failed = True
+                        warn_once("sglang:telemetry", "otel-hicache: could not start telemetry (%r); "
+                                  "SGLang runs uninstrumented", exc)
+        return telemetry
+
+    def controller_created(self, controller: Any) -> None:
+        """After ``HiCacheController.__init__``: start telemetry in this process,
+        remember the controller's attributes and its engine."""
+        try:
+            if self.telemetry_now() is not None:
+                self._info(controller)
+        except Exception as exc:  # pylint: disable=broad-except
+            warn_once("sglang:controller", "otel-hicache: cannot read a %s (%r); its ops carry fewer attributes",
+                      type(controller).__name__, exc)
+
+    def _info(self, controller: Any) -> _ControllerInfo:
+        info = self._controllers.get(controller)
+        if info is None:
+            info = self._controllers[controller] = _ControllerInfo(controller)
+            engine = getattr(controller, "l2_transfer_engine", None)
+            if engine is not None:
+                self._engines[engine] = info
+        return info
+
+    # -- engine wrappers (every copy) -------------------------------------------
+    def wrap_submit(self, original: Callable[..., Any], direction: str) -> Callable[..., Any]:
+        observer = self
+        clock = time.time_ns
+
+        def submit(engine: Any, transfers: Any, *args: Any, **kwargs: Any) -> Any:
+            telemetry = observer.telemetry or observer.telemetry_now()
+            if telemetry is None or not telemetry.enabled:
+                return original(engine, transfers, *args, **kwargs)
+            start_ns = clock()
+            completion = original(engine, transfers, *args, **kwargs)
+            end_ns = clock()
+            try:
+                captured = getattr(observer._local, "captured", None)
+                if captured is not None:  # inside start_writing/start_loading: wait for its ack
+                    captured.append((engine, transfers, completion, start_ns, end_ns))
+                else:
+                    observer._report_direct(telemetry, direction, engine, transfers, completion, start_ns, end_ns)
+            except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
+                warn_once("sglang:submit", "otel-hicache: could not report an L2 copy (%r)", exc)
+            return completion
+
+        submit.__wrapped__ = original  # type: ignore[attr-defined]
+        submit.__name__ = getattr(original, "__name__", "submit")
+        submit.__qualname__ = getattr(original, "__qualname__", submit.__name__)
+        submit.__doc__ = getattr(original, "__doc__", None)
+        return submit
+
+    # -- controller wrappers (merged ops with an ack) ------------------------------
+    def wrap_start(self, original: Callable[..., Any], direction: str, ack_queue: str) -> Callable[..., Any]:
+        observer = self
+
+        def start(controller: Any, *args: Any, **kwargs: Any) -> Any:
+            telemetry = observer.telemetry
+            if telemetry is None or not telemetry.enabled:
+                return original(controller, *args, **kwargs)
+            local = observer._local
+            outer = getattr(local, "captured", None)
+            captured: list[Any] = []
+            local.captured = captured
+            try:
+                result = original(controller, *args, **kwargs)
+            except BaseException:
+                local.captured = outer
+                observer._report_unpaired(telemetry, direction, captured)
+                raise
+            local.captured = outer
+            if captured:
+                try:
+                    observer._report_merged(telemetry, direction, controller, ack_queue, captured)
+                except Exception as exc:  # pylint: disable=broad-except
+                    warn_once("sglang:start", "otel-hicache: could not report a merged op (%r)", exc)
+            return result
+
+        start.__wrapped__ = original  # type: ignore[attr-defined]
+        start.__name__ = getattr(original, "__name__", "start")
+        start.__qualname__ = getattr(original, "__qualname__", start.__name__)
+        start.__doc__ = getattr(original, "__doc__", None)
+        return start
+
+    def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        observer = self
+
+        def __init__(controller: Any, *args: Any, **kwargs: Any) -> None:
+            original(controller, *args, **kwargs)
+            observer.controller_created(controller)
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        __init__.__qualname__ = getattr(original, "__qualname__", "__init__")
+        __init__.__doc__ = getattr(original, "__doc__", None)
+        return __init__
+
+    # -- reporting ------------------------------------------------------------
+    def _report_merged(self, telemetry: TransferTelemetry, direction: str, controller: Any, ack_queue: str,
+                       captured: list[Any]) -> None:
+        info = self._controllers.get(controller) or self._info(controller)
+        queue = getattr(controller, ack_queue)
+        tail = queue[-4:]  # the ack was just appended
+        for engine, transfers, completion, start_ns, end_ns in captured:
+            finish = completion.finish_event
+            ack = next((a for a in reversed(tail) if a.finish_event is finish), None)
+            if ack is None:
+                self._report_direct(telemetry, direction, engine, transfers, completion, start_ns, end_ns)
+                continue
+            pools = ack.num_tokens_by_pool or {ANCHOR_POOL: ack.num_tokens}
+            attributes = info.attributes
+            draft = self._draft_bytes(transfers) if direction == ONBOARD else 0
+            if draft:
+                attributes = {**attributes, DRAFT_BYTES: draft}
+            telemetry.submit(
+                direction, pools, ack.num_bytes, info.page_size, ack.start_event, finish, ack.timing_enabled,
+                getattr(engine, "io_backend", None), attributes,
+                host_start_ns=start_ns,
+                host_end_ns=end_ns if not ack.timing_enabled and _is_synchronous_event(finish) else None,
+                ack_watch=(queue, ack),
+            )
+
+    def _report_unpaired(self, telemetry: TransferTelemetry, direction: str, captured: list[Any]) -> None:
+        """start_* raised after copying: the copies happened, report them as direct."""
+        for engine, transfers, completion, start_ns, end_ns in captured:
+            try:
+                self._report_direct(telemetry, direction, engine, transfers, completion, start_ns, end_ns)
+            except Exception:  # pylint: disable=broad-except
+                logger.debug("otel-hicache: could not report a copy", exc_info=True)
+
+    def _report_direct(self, telemetry: TransferTelemetry, direction: str, engine: Any, transfers: Any,
+                       completion: Any, start_ns: int, end_ns: int) -> None:
+        """A copy nobody acks: tokens per pool and bytes from its transfer list."""
+        info = self._engines.get(engine)
+        pool_names = info.pool_names if info is not None else {}
+        pools: dict[str, int] = {}
+        num_bytes = 0
+        draft = 0
+        page_size = info.page_size if info is not None else 0
+        for index, transfer in enumerate(transfers):
+            host_pool = transfer.host_pool
+            tokens = int(transfer.host_indices.numel())
+            size = int(getattr(host_pool, "size_per_token", 0) or 0)
+            if getattr(transfer, "is_draft", False):
+                draft += self._draft_layer_bytes(transfer, tokens)
+                continue
+            num_bytes += tokens * size
+            name = pool_names.get(id(host_pool)) or (ANCHOR_POOL if index == 0 else type(host_pool).__name__)
+            pools[name] = pools.get(name, 0) + tokens
+            if not page_size:
+                page_size = int(getattr(host_pool, "page_size", 1) or 1)
+        attributes = info.attributes if info is not None else {}
+        if draft:
+            attributes = {**attributes, DRAFT_BYTES: draft}
+        finish = completion.finish_event
+        telemetry.submit(
+            direction, pools, num_bytes + draft, page_size or 1, completion.start_event, finish,
+            completion.timing_enabled, getattr(engine, "io_backend", None), attributes,
+            expect_ack=False,
+            host_start_ns=start_ns,
+            host_end_ns=end_ns if not completion.timing_enabled and _is_synchronous_event(finish) else None,
+        )
+
+    @classmethod
+    def _draft_bytes(cls, transfers: Any) -> int:
+        total = 0
+        for transfer in transfers:
+            if getattr(transfer, "is_draft", False):
+                total += cls._draft_layer_bytes(transfer, int(transfer.host_indices.numel()))
+        return total
+
+    @staticmethod
+    def _draft_layer_bytes(transfer: Any, tokens: int) -> int:
+        """A packed draft transfer moves one host layer: tokens x bytes per token per layer."""
+        host_pool = transfer.host_pool
+        layers = int(getattr(host_pool, "layer_num", 0) or 0)
+        size = int(getattr(host_pool, "size_per_token", 0) or 0)
+        return tokens * size // layers if layers else 0
