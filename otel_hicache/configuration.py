@@ -26,7 +26,6 @@ even when the collector is unreachable.
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 from typing import Any, Sequence
@@ -34,6 +33,7 @@ from typing import Any, Sequence
 from .bounded_flush import shutdown_providers
 from .diagnostics import warn_once
 from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
+from .process_exit import on_exit
 from .settings import env_float, sdk_disabled
 
 _KNOWN_EXPORTERS = ("otlp", "console", "none")
@@ -252,6 +252,6 @@ def _after_fork_in_child() -> None:
             event.set()  # stops the reader thread the SDK restarted in this child
 
 
-atexit.register(_at_exit)
+on_exit(_at_exit, priority=10)  # after every TransferTelemetry (priority 20)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -63,6 +63,16 @@ class _Group:
         self.done = False
 
 
+def _imported(name: str) -> bool:
+    """In ``sys.modules`` and done executing: a module that is still being
+    imported (one of its own imports fired a hook) is in ``sys.modules`` too,
+    with its classes not defined yet."""
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    return not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
 def _owner(patch: Patch) -> Any:
     obj: Any = sys.modules[patch.module]
     for part in (patch.owner or "").split(".") if patch.owner else ():
@@ -79,6 +89,7 @@ class PatchSet:
         self._lock = threading.RLock()
         self._generation = 0
         self._active = False
+        self._executed: set[str] = set()  # modules whose post-import hook ran
 
     def add(self, name: str, patches: Iterable[Patch], check: Callable[[], None] | None = None) -> None:
         """A group: every patch or none. ``check`` runs once its modules are imported."""
@@ -95,9 +106,9 @@ class PatchSet:
             generation = self._generation
         modules = sorted({m for g in self._groups for m in g.modules})
         for module in modules:
-            if module in sys.modules:
+            if _imported(module):
                 self._on_import(generation, sys.modules[module])
-            else:
+            else:  # not imported yet, or still importing: when it is done
                 self._register_hook(module, generation)
 
     def _register_hook(self, module: str, generation: int) -> None:
@@ -114,13 +125,15 @@ class PatchSet:
             return
         register_post_import_hook(lambda mod: self._on_import(generation, mod), module)
 
-    def _on_import(self, generation: int, _module: Any) -> None:
-        """A target module finished importing: apply every group now complete."""
+    def _on_import(self, generation: int, module: Any) -> None:
+        """A target module finished executing: apply every group now complete."""
         with self._lock:
             if not self._active or generation != self._generation:
                 return  # restored (or re-applied) since this hook was registered
+            # the hook runs before the import machinery marks the module done
+            self._executed.add(getattr(module, "__name__", ""))
             for group in self._groups:
-                if not group.done and all(m in sys.modules for m in group.modules):
+                if not group.done and all(m in self._executed or _imported(m) for m in group.modules):
                     group.done = True
                     self._apply_group(group)
 
@@ -142,14 +155,27 @@ class PatchSet:
         except Exception as exc:  # pylint: disable=broad-except
             self._incompatible(group, repr(exc))
             return
-        for patch, owner, original in resolved:
-            wrapper = patch.wrap(original)
-            own = vars(owner).get(patch.attribute, _MISSING) if isinstance(owner, type) else original
-            if isinstance(own, staticmethod):
-                wrapper = staticmethod(wrapper)  # stays a static method
+        try:
+            replacements = [self._replacement(patch, owner, original) for patch, owner, original in resolved]
+        except Exception as exc:  # pylint: disable=broad-except  # a wrap() that fails: patch nothing
+            self._incompatible(group, f"cannot wrap: {exc!r}")
+            return
+        for (patch, owner, _original), (own, wrapper) in zip(resolved, replacements):
             setattr(owner, patch.attribute, wrapper)
             group.applied.append((owner, patch.attribute, own, wrapper))
         logger.debug("otel-hicache: %s: instrumented %s", self.framework, group.name)
+
+    @staticmethod
+    def _replacement(patch: Patch, owner: Any, original: Any) -> tuple[Any, Any]:
+        """(what the owner itself held, what to put there). Static and class
+        methods stay what they were: ``wrap`` gets the plain function (a class
+        method's takes ``cls`` first, as a method's takes ``self``)."""
+        own = vars(owner).get(patch.attribute, _MISSING) if isinstance(owner, type) else original
+        if isinstance(own, staticmethod):
+            return own, staticmethod(patch.wrap(own.__func__))
+        if isinstance(own, classmethod):
+            return own, classmethod(patch.wrap(own.__func__))
+        return own, patch.wrap(original)
 
     def _incompatible(self, group: _Group, why: str) -> None:
         warn_once(

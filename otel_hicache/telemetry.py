@@ -9,7 +9,6 @@ rest.
 
 from __future__ import annotations
 
-import atexit
 import os
 import time
 import weakref
@@ -28,6 +27,7 @@ from .device import timing_event_pair
 from .diagnostics import warn_once
 from .logs import TransferLog
 from .metrics import TransferMetrics
+from .process_exit import on_exit
 from .pipeline import CompletionPipeline, PipelineSettings, Sinks
 from .records import S_ACK_NS, TransferRecord, submission, validate
 from .settings import env_bool, env_float, env_int, sdk_disabled
@@ -129,7 +129,7 @@ class TransferTelemetry:
         self._cap = settings.max_queue_size
         self._pipeline = CompletionPipeline(settings, self._build_sinks, self._clock, anchor_event_factory)
         self.enabled = True
-        atexit.register(_shutdown_at_exit, weakref.ref(self))
+        on_exit(_shutdown_at_exit, weakref.ref(self), priority=20)  # also in multiprocessing children
 
     # -- providers and sinks ------------------------------------------------------
     def _resolve_providers(self) -> tuple[Any, Any]:
