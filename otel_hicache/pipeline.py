@@ -75,6 +75,7 @@ class PipelineSettings:
 _IDLE_WAIT_S = 0.01
 _ACTIVE_GRACE_S = 0.1
 _ACK_SCAN_INTERVAL_NS = 5_000_000
+_GIL_YIELD_EVERY = 16  # records completed between two voluntary GIL releases
 
 
 class CompletionPipeline:
@@ -166,6 +167,7 @@ class CompletionPipeline:
         poll = self.settings.poll_interval_s
         last_active = 0.0
         while True:
+            taken = self._taken
             try:
                 self._cycle()
             except Exception as exc:  # keep the worker alive whatever happens
@@ -178,8 +180,8 @@ class CompletionPipeline:
             # every poll interval while there is (or recently was) work, and backs
             # off to _IDLE_WAIT_S when idle; flush()/stop() wake it explicitly.
             now = time.monotonic()
-            if self._pending or self._awaiting or self.queue:
-                last_active = now
+            if self._pending or self._awaiting or self.queue or self._taken != taken:
+                last_active = now  # busy (also when this cycle finished all it took in)
             self._wake.wait(poll if now - last_active < _ACTIVE_GRACE_S else _IDLE_WAIT_S)
             self._wake.clear()
 
@@ -226,7 +228,9 @@ class CompletionPipeline:
                 self._anchor.maybe_refresh(now)
             still = []
             timeout = self.settings.transfer_timeout_ns
-            for record in self._pending:
+            for index, record in enumerate(self._pending):
+                if index and not index % _GIL_YIELD_EVERY:
+                    time.sleep(0)  # let the caller's thread take the GIL: no stall grows with the batch
                 try:
                     try:
                         done = is_complete(record)

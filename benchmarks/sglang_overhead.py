@@ -1,0 +1,519 @@
+"""Scheduler-thread cost the SGLang adapter adds per merged HiCache op, on the real SGLang objects.
+
+The ops are SGLang 0.5.23's own: a ``HiCacheController`` over a float16 MHA device
+pool and its host pool (``io_backend="direct"``, ``layer_first``, ``write_through``),
+run on CPU by ``instrumentation/otel-hicache-sglang/tests/sglang_cpu.py`` (a pure-torch
+copy kernel, ``torch.cpu`` events: the copy runs inside the submit call). One op is one
+merged op, timed alone on the caller (scheduler) thread with ``perf_counter_ns`` (wall)
+and ``thread_time_ns`` (the caller thread's CPU), directions alternating, one op every
+``--interval-us``; between ops the caller sleeps, releasing the GIL as a scheduler
+waiting on its device does (a busy wait would starve otel-hicache's worker):
+
+* offload: ``controller.write(device_indices, node_id=...)`` (which calls
+  ``start_writing()``) + pop the ack from ``ack_write_queue``;
+* onboard: ``controller.load(host_indices, node_id=...)`` + ``start_loading()`` + pop
+  the ack from ``ack_load_queue``.
+
+Between ops (untimed) the loaded device slots and the host slots are freed
+(``allocator.free``, ``mem_pool_host.free``), so both pools stay at steady state; the
+same device slots are offloaded again and again.
+
+Variants:
+
+a. ``sglang``        uninstrumented SGLang;
+b. ``disabled``      ``SGLangHiCacheInstrumentor().instrument()`` with ``OTEL_HICACHE_ENABLED=false``
+                     (patches nothing: expect the same as a);
+c. ``instrumented``  ``SGLangHiCacheInstrumentor().instrument(tracer_provider=..., meter_provider=...)``:
+                     an SDK TracerProvider (default sampler, 100%) with a BatchSpanProcessor into a
+                     counting exporter, and a MeterProvider with an InMemoryMetricReader; spans and
+                     metrics are really made, on otel-hicache's worker thread.
+
+Variants take turns in rounds (rotating order) so machine drift spreads evenly over
+them. Each turn instruments (b, c), builds a fresh controller (the adapter starts its
+telemetry when a ``HiCacheController`` is created, as in a scheduler), warms up, times
+its ops, then (c) ``force_flush()``es and checks that it exported one span per op and
+that ``hicache.transfer.tokens`` / ``hicache.transfer.bytes`` sum to what SGLang's own
+acks say was moved, and uninstruments. Each turn of c has its own providers; the CPU
+its worker and span-processor threads spent is reported per op. The objects SGLang
+and torch left after import are frozen (``gc.freeze()``) so collections stay short.
+
+Usage::
+
+    python benchmarks/sglang_overhead.py            # full run, under a minute on 2 cores
+    python benchmarks/sglang_overhead.py --quick    # CI size, ~15 s (about 6 s of it importing SGLang)
+    python benchmarks/sglang_overhead.py --json results.json
+
+Absolute times depend on the machine (and here include SGLang's own CPU copy);
+nothing asserts them. Only the ratios and differences of one run mean anything. The
+exit status is 0 unless a run fails outright or the counts are not exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.version import __version__ as SDK_VERSION
+
+ROOT = Path(__file__).resolve().parents[1]
+SGLANG_TESTS = ROOT / "instrumentation" / "otel-hicache-sglang" / "tests"
+if str(SGLANG_TESTS) not in sys.path:
+    sys.path.insert(0, str(SGLANG_TESTS))
+
+import sglang_cpu  # noqa: E402  (the CPU support for SGLang's HiCache code)
+
+PAGE_SIZE = 4
+LAYERS = 3
+VARIANTS = ("sglang", "disabled", "instrumented")
+LABELS = {"sglang": "a. sglang", "disabled": "b. disabled", "instrumented": "c. instrumented"}
+TOKENS_METRIC = "hicache.transfer.tokens"
+BYTES_METRIC = "hicache.transfer.bytes"
+
+
+# --------------------------------------------------------------------------------------
+# OTel SDK sinks
+# --------------------------------------------------------------------------------------
+
+
+class CountingSpanExporter(SpanExporter):
+    """Counts spans; exports nothing."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        self.count += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+class SdkProviders:
+    """TracerProvider (default sampler: 100%) with a BatchSpanProcessor into a counting
+    exporter, and a MeterProvider with an InMemoryMetricReader."""
+
+    def __init__(self) -> None:
+        self.exporter = CountingSpanExporter()
+        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
+        self.tracer_provider.add_span_processor(
+            BatchSpanProcessor(self.exporter, max_queue_size=1 << 20, max_export_batch_size=512))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
+
+    def metric_sum(self, name: str) -> float:
+        """Sum of every point of counter ``name`` (all directions, pools, origins)."""
+        total = 0.0
+        data = self.reader.get_metrics_data()
+        for resource_metrics in data.resource_metrics if data else ():
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    if metric.name == name:
+                        total += sum(point.value for point in metric.data.data_points)
+        return total
+
+    def shutdown(self) -> None:
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+@contextmanager
+def env(**values: str) -> Iterator[None]:
+    """Environment variables set while constructing something that reads them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def is_patched() -> bool:
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.l2_transfer import L2TransferEngine
+
+    return any(hasattr(f, "__wrapped__") for f in (
+        HiCacheController.start_writing, HiCacheController.start_loading,
+        L2TransferEngine.submit_device_to_host, L2TransferEngine.submit_host_to_device))
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of the other live threads, by name: the otel-hicache completion
+    worker and the rest (the BatchSpanProcessor's thread). Linux per-thread CPU clocks."""
+    cpu = {"worker": 0.0, "span_processor": 0.0}
+    for thread in threading.enumerate():
+        if thread is threading.current_thread():
+            continue
+        try:
+            seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[arg-type]
+        except (AttributeError, OSError, TypeError):
+            continue
+        cpu["worker" if thread.name.startswith("otel-hicache") else "span_processor"] += seconds
+    return cpu
+
+
+# --------------------------------------------------------------------------------------
+# One turn of one variant
+# --------------------------------------------------------------------------------------
+
+
+def _wait_until(deadline: int) -> int:
+    """Sleep until ``deadline``, releasing the GIL (as a scheduler waiting on the device
+    does), so otel-hicache's worker and the span processor run between ops. Returns the
+    deadline, or now if it already passed (no catch-up bursts). A busy spin here would
+    hold the GIL: the worker would then get it only every switch interval (5 ms) and
+    process a large batch while the caller waits."""
+    now = time.perf_counter_ns()
+    if now >= deadline:
+        return now
+    time.sleep((deadline - now) / 1e9)
+    return deadline
+
+
+def drive(controller: Any, allocator: Any, device_indices: Any, n_ops: int, warmup: int, interval_ns: int,
+          samples: dict[str, list[int]]) -> tuple[int, int]:
+    """``warmup + n_ops`` merged ops, alternating offload/onboard (an even count), the
+    last ``n_ops`` timed alone: wall ns into ``samples["offload"|"onboard"]``, the
+    caller thread's CPU ns into ``samples["cpu"]``. Returns (tokens, bytes) moved,
+    from SGLang's own acks."""
+    clock = time.perf_counter_ns
+    cpu_clock = time.thread_time_ns
+    offload, onboard, cpu = samples["offload"], samples["onboard"], samples["cpu"]
+    host_pool = controller.mem_pool_host
+    tokens = nbytes = 0
+    host = None
+    deadline = clock() + interval_ns
+    for i in range(warmup + n_ops):
+        deadline = _wait_until(deadline) + interval_ns
+        # a pool that ran out makes write()/load() return None and queue nothing: pop(0) raises
+        if not i & 1:
+            c0 = cpu_clock()
+            t0 = clock()
+            host = controller.write(device_indices, node_id=i)
+            ack = controller.ack_write_queue.pop(0)
+            t1 = clock()
+            c1 = cpu_clock()
+            if i >= warmup:
+                offload.append(t1 - t0)
+        else:
+            c0 = cpu_clock()
+            t0 = clock()
+            loaded = controller.load(host, node_id=i)
+            controller.start_loading()
+            ack = controller.ack_load_queue.pop(0)
+            t1 = clock()
+            c1 = cpu_clock()
+            allocator.free(loaded)
+            host_pool.free(host)
+            if i >= warmup:
+                onboard.append(t1 - t0)
+        if i >= warmup:
+            cpu.append(c1 - c0)
+        tokens += ack.num_tokens
+        nbytes += ack.num_bytes
+    return tokens, nbytes
+
+
+def run_turn(variant: str, tokens_per_op: int, n_ops: int, warmup: int, interval_ns: int,
+             samples: dict[str, list[int]]) -> dict[str, Any]:
+    """Set up ``variant``, build a controller, drive it, check and tear down."""
+    from otel_hicache_sglang import SGLangHiCacheInstrumentor
+
+    providers = SdkProviders() if variant == "instrumented" else None
+    instrumentor = SGLangHiCacheInstrumentor() if variant != "sglang" else None
+    settings = {"OTEL_HICACHE_ENABLED": "false" if variant == "disabled" else "true"}
+    result: dict[str, Any] = {"ops": warmup + n_ops}
+    try:
+        with env(**settings):  # read by instrument() and by the telemetry the controller starts
+            if instrumentor is not None:
+                if providers is not None:
+                    instrumentor.instrument(tracer_provider=providers.tracer_provider,
+                                            meter_provider=providers.meter_provider)
+                else:
+                    instrumentor.instrument()
+            controller, _kv, allocator = sglang_cpu.build_controller(
+                PAGE_SIZE, LAYERS, kv_size=max(64, 4 * tokens_per_op))
+        if is_patched() != (variant == "instrumented"):
+            raise RuntimeError(f"{variant}: SGLang patched={is_patched()}")
+        telemetry = instrumentor.telemetry if instrumentor is not None else None
+        if (telemetry is not None and telemetry.enabled) != (variant == "instrumented"):
+            raise RuntimeError(f"{variant}: telemetry {telemetry!r} (OTEL_SDK_DISABLED set?)")
+        device_free0, host_free0 = allocator.available_size(), controller.mem_pool_host.available_size()
+        device_indices = allocator.alloc(tokens_per_op)
+        gc.collect()
+        threads0 = thread_cpu()
+        moved_tokens, moved_bytes = drive(controller, allocator, device_indices, n_ops, warmup, interval_ns,
+                                          samples)
+        allocator.free(device_indices)
+        result["tokens"], result["bytes"] = moved_tokens, moved_bytes
+        result["steady"] = (
+            (allocator.available_size(), controller.mem_pool_host.available_size()) == (device_free0, host_free0)
+            and not (controller.write_queue or controller.load_queue
+                     or controller.ack_write_queue or controller.ack_load_queue))
+        if providers is not None:
+            result["flushed"] = telemetry.force_flush(timeout_s=60.0)
+            threads1 = thread_cpu()
+            result["off_thread_cpu_s"] = {k: threads1[k] - threads0[k] for k in threads1}
+            result["spans"] = providers.exporter.count
+            result["metric_tokens"] = providers.metric_sum(TOKENS_METRIC)
+            result["metric_bytes"] = providers.metric_sum(BYTES_METRIC)
+    finally:
+        if instrumentor is not None and instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.uninstrument()
+        if providers is not None:
+            providers.shutdown()
+    if is_patched():
+        raise RuntimeError("SGLang still patched after uninstrument()")
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# Rounds
+# --------------------------------------------------------------------------------------
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
+    return sorted_values[index]
+
+
+def rss_mb() -> float:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return float("nan")
+
+
+def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
+    """All variants for one op size, interleaved in ``rounds`` rounds of ``ops`` timed ops each."""
+    interval_ns = int(interval_us * 1000)
+    samples: dict[str, dict[str, list[int]]] = {v: {"offload": [], "onboard": [], "cpu": []} for v in VARIANTS}
+    per_round: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    turns: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    rss = [rss_mb()]
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        for v in VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]:
+            off, on = samples[v]["offload"], samples[v]["onboard"]
+            n_off, n_on = len(off), len(on)
+            turns[v].append(run_turn(v, tokens_per_op, ops, warmup, interval_ns, samples[v]))
+            per_round[v].append(statistics.median(off[n_off:] + on[n_on:]))
+        rss.append(rss_mb())
+    row: dict[str, Any] = {"tokens_per_op": tokens_per_op, "elapsed_s": time.perf_counter() - t0,
+                           "rss_mb": rss, "variants": {}}
+    for v in VARIANTS:
+        every = sorted(samples[v]["offload"] + samples[v]["onboard"])
+        row["variants"][v] = {
+            "n": len(every),
+            "offload_median_us": statistics.median(samples[v]["offload"]) / 1e3,
+            "onboard_median_us": statistics.median(samples[v]["onboard"]) / 1e3,
+            "median_us": statistics.median(every) / 1e3,
+            "p99_us": percentile(every, 0.99) / 1e3,
+            "over_1ms_pct": 100.0 * sum(1 for x in every if x > 1_000_000) / len(every),
+            "cpu_median_us": statistics.median(samples[v]["cpu"]) / 1e3,
+            "cpu_p99_us": percentile(sorted(samples[v]["cpu"]), 0.99) / 1e3,
+            "per_round_median_us": [x / 1e3 for x in per_round[v]],
+            "steady": all(t["steady"] for t in turns[v]),
+        }
+    base = row["variants"]["sglang"]
+    for v in VARIANTS:
+        res = row["variants"][v]
+        res["added_us"] = res["median_us"] - base["median_us"]
+        res["ratio"] = res["median_us"] / base["median_us"]
+        res["added_cpu_us"] = res["cpu_median_us"] - base["cpu_median_us"]
+        res["per_round_added_us"] = [a - b for a, b in zip(res["per_round_median_us"], base["per_round_median_us"])]
+        paired = sorted(res["per_round_added_us"])
+        res["paired_added_us"] = {"median": statistics.median(paired), "p25": percentile(paired, 0.25),
+                                  "p75": percentile(paired, 0.75)}
+    inst = turns["instrumented"]
+    check = {
+        "ops": sum(t["ops"] for t in inst),
+        "spans": sum(t["spans"] for t in inst),
+        "tokens": sum(t["tokens"] for t in inst),
+        "metric_tokens": sum(t["metric_tokens"] for t in inst),
+        "bytes": sum(t["bytes"] for t in inst),
+        "metric_bytes": sum(t["metric_bytes"] for t in inst),
+        "flushed": all(t["flushed"] for t in inst),
+        "worker_cpu_us_per_op": sum(t["off_thread_cpu_s"]["worker"] for t in inst) * 1e6 / sum(t["ops"] for t in inst),
+        "span_processor_cpu_us_per_op": (sum(t["off_thread_cpu_s"]["span_processor"] for t in inst) * 1e6
+                                         / sum(t["ops"] for t in inst)),
+    }
+    check["exact"] = (check["flushed"] and check["spans"] == check["ops"]
+                      and check["metric_tokens"] == check["tokens"] and check["metric_bytes"] == check["bytes"])
+    row["check"] = check
+    return row
+
+
+# --------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------
+
+
+def _git_revision() -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
+                             check=True, timeout=10)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown revision"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine() -> dict[str, Any]:
+    from importlib.metadata import version
+
+    import torch
+
+    return {
+        "otel_hicache_sglang": f"{version('otel-hicache-sglang')} ({_git_revision()})",
+        "sglang": version("sglang"),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "opentelemetry_sdk": SDK_VERSION,
+        "platform": platform.platform(),
+        "processor": _cpu_model(),
+    }
+
+
+def table(rows: Sequence[Sequence[str]], header: Sequence[str], left: int = 1) -> str:
+    """Plain-text table; the first ``left`` columns left-aligned, the others right-aligned."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) if i < left else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small N, for CI (~15 s)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2 * PAGE_SIZE, 256],
+                        help=f"tokens per op, one table row group each (multiples of the page size {PAGE_SIZE})")
+    parser.add_argument("--rounds", type=int, help="rounds; each variant takes one turn per round")
+    parser.add_argument("--ops", type=int, help="timed ops per turn (even: offload/onboard pairs)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed ops at the start of each turn")
+    parser.add_argument("--interval-us", type=float, default=200.0, help="one op every this many us")
+    parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    args = parser.parse_args(argv)
+
+    quick = args.quick
+    rounds = args.rounds or (10 if quick else 30)
+    ops = args.ops or (160 if quick else 600)
+    ops += ops & 1
+    warmup = args.warmup + (args.warmup & 1)
+    if any(n <= 0 or n % PAGE_SIZE for n in args.sizes):
+        parser.error(f"--sizes must be positive multiples of {PAGE_SIZE}")
+
+    t_start = time.perf_counter()
+    sglang_cpu.install_cpu_support()  # before anything imports SGLang or the adapter
+    gc.collect()
+    gc.freeze()  # SGLang + torch: a full collection would otherwise scan them (~0.3 s a turn, and in the loop)
+    results: dict[str, Any] = {"machine": machine(), "quick": quick,
+                               "params": {"sizes": args.sizes, "rounds": rounds, "ops_per_turn": ops,
+                                          "warmup": warmup, "interval_us": args.interval_us,
+                                          "page_size": PAGE_SIZE, "layers": LAYERS}}
+    m = results["machine"]
+    print(f"# otel-hicache-sglang {m['otel_hicache_sglang']} caller overhead on SGLang {m['sglang']} "
+          f"({'quick' if quick else 'full'} run)")
+    print(f"{m['python']}, torch {m['torch']}, opentelemetry-sdk {m['opentelemetry_sdk']}, {m['cpus']} CPUs "
+          f"({m['processor']}), {m['platform']}")
+    print(f"op: one merged op on SGLang's HiCacheController (CPU: io_backend=direct, layer_first, write_through), "
+          f"float16 MHA, page_size {PAGE_SIZE}, {LAYERS} layers; offload = write() + pop ack, onboard = load() + "
+          f"start_loading() + pop ack; directions alternating, one op every {args.interval_us:.0f} us")
+    print(f"{rounds} rounds x {ops} timed ops per variant per size (+{warmup} warm-up), variants interleaved "
+          f"in rotating order; spans sampled at 100%")
+
+    rows = [run_row(n, rounds, ops, warmup, args.interval_us) for n in args.sizes]
+    results["rows"] = rows
+
+    print("\n## Caller (scheduler) thread cost per merged op, each op timed alone\n")
+    out = []
+    for row in rows:
+        for v in VARIANTS:
+            res = row["variants"][v]
+            paired = res["paired_added_us"]
+            rel = v != "sglang"
+            out.append([str(row["tokens_per_op"]), LABELS[v], f"{res['median_us']:.2f}", f"{res['p99_us']:.1f}",
+                        f"{res['over_1ms_pct']:.2f}", f"{res['added_us']:+.2f}" if rel else "",
+                        f"{res['ratio']:.3f}" if rel else "",
+                        f"{paired['median']:+.1f} [{paired['p25']:+.1f} .. {paired['p75']:+.1f}]" if rel else "",
+                        f"{res['cpu_median_us']:.2f}", f"{res['added_cpu_us']:+.2f}" if rel else ""])
+    print(table(out, ["tokens", "variant", "median us", "p99 us", "% > 1 ms", "added us", "ratio",
+                      "paired added us", "CPU median us", "added CPU us"], left=2))
+    print("wall (perf_counter_ns): added = median(variant) - median(a) over all rounds, ratio = median(variant) /\n"
+          "median(a); paired = added within each round, median [p25 .. p75] over rounds. CPU = the caller thread's\n"
+          "CPU time (thread_time_ns) in the same window; wall minus CPU is waiting, mostly for the GIL (SGLang's\n"
+          "torch calls release it, otel-hicache's worker takes it). The CPU copy itself runs inside the timed\n"
+          "call. b vs a is the noise floor.")
+
+    print("\n## Correctness of the instrumented turns (after force_flush; ground truth = SGLang's acks)\n")
+    exact_all = True
+    for row in rows:
+        c = row["check"]
+        exact_all &= c["exact"]
+        print(f"  {row['tokens_per_op']:>4} tokens/op: {c['ops']} ops -> {c['spans']} spans; "
+              f"{TOKENS_METRIC} {c['metric_tokens']:.0f} vs {c['tokens']} moved; {BYTES_METRIC} "
+              f"{c['metric_bytes']:.0f} vs {c['bytes']}; exact: {'yes' if c['exact'] else 'no'}")
+    print("  off-thread CPU per op (until flushed): " + "; ".join(
+        f"{row['tokens_per_op']} tokens/op: otel-hicache worker {row['check']['worker_cpu_us_per_op']:.1f} us, "
+        f"span processor {row['check']['span_processor_cpu_us_per_op']:.1f} us" for row in rows))
+    print(f"exact: {'yes' if exact_all else 'no'}")
+
+    steady = all(row["variants"][v]["steady"] for row in rows for v in VARIANTS)
+    rss = [x for row in rows for x in row["rss_mb"]]
+    print(f"\nSGLang state after every turn: pools back to their free sizes, queues and ack queues empty: "
+          f"{'yes' if steady else 'NO'} (no reset needed)")
+    print("process RSS (start, after round 1, at the end): " + "; ".join(
+        f"{row['tokens_per_op']} tokens/op {row['rss_mb'][0]:.1f}, {row['rss_mb'][1]:.1f}, {row['rss_mb'][-1]:.1f} MB"
+        for row in rows) + f"; growth after the first round {rss[-1] - rows[0]['rss_mb'][1]:+.1f} MB")
+    results["exact"] = exact_all
+    results["steady"] = steady
+    results["elapsed_s"] = time.perf_counter() - t_start
+    print(f"\n(run took {results['elapsed_s']:.0f} s, SGLang import included)")
+
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=2, default=str)
+    return 0 if exact_all and steady else 1
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())
