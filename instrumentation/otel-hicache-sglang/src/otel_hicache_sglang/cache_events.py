@@ -8,6 +8,7 @@ SGLang runs without ``--enable-metrics``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from otel_hicache import semconv as sc
@@ -21,17 +22,10 @@ def _events(observer: TransferObserver) -> Any:
     return telemetry.cache_events if telemetry is not None and telemetry.enabled else None
 
 
-def _finish(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    wrapper.__name__ = getattr(original, "__name__", wrapper.__name__)
-    wrapper.__qualname__ = getattr(original, "__qualname__", wrapper.__name__)
-    wrapper.__doc__ = getattr(original, "__doc__", None)
-    return wrapper
-
-
 def wrap_record_dropped_tokens(observer: TransferObserver, original: Callable[..., Any]) -> Callable[..., Any]:
     """``UnifiedRadixCache._record_dropped_tokens(dropped_tokens, reason)``: KV pool tokens."""
 
+    @functools.wraps(original)
     def _record_dropped_tokens(cache: Any, dropped_tokens: int, reason: str, *args: Any, **kwargs: Any) -> Any:
         result = original(cache, dropped_tokens, reason, *args, **kwargs)
         events = _events(observer)
@@ -43,12 +37,13 @@ def wrap_record_dropped_tokens(observer: TransferObserver, original: Callable[..
                 warn_once("sglang:dropped", "otel-hicache: could not count dropped tokens (%r)", exc)
         return result
 
-    return _finish(_record_dropped_tokens, original)
+    return _record_dropped_tokens
 
 
 def wrap_update_eviction_metrics(observer: TransferObserver, original: Callable[..., Any]) -> Callable[..., Any]:
     """``BasePrefixCache.update_eviction_metrics(num_evicted, start_time)``: device evictions."""
 
+    @functools.wraps(original)
     def update_eviction_metrics(cache: Any, num_evicted: int, *args: Any, **kwargs: Any) -> Any:
         result = original(cache, num_evicted, *args, **kwargs)
         events = _events(observer)
@@ -60,7 +55,7 @@ def wrap_update_eviction_metrics(observer: TransferObserver, original: Callable[
                 warn_once("sglang:evicted", "otel-hicache: could not count evicted tokens (%r)", exc)
         return result
 
-    return _finish(update_eviction_metrics, original)
+    return update_eviction_metrics
 
 
 def wrap_evict_host(observer: TransferObserver, original: Callable[..., Any],
@@ -68,6 +63,7 @@ def wrap_evict_host(observer: TransferObserver, original: Callable[..., Any],
     """``UnifiedRadixCache.evict_host(num_tokens, component_type)``: host evictions of
     the base (KV) component; SWA/Mamba component evictions are not KV tokens."""
 
+    @functools.wraps(original)
     def evict_host(cache: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(cache, *args, **kwargs)
         events = _events(observer)
@@ -80,13 +76,14 @@ def wrap_evict_host(observer: TransferObserver, original: Callable[..., Any],
                 warn_once("sglang:evict_host", "otel-hicache: could not count host evictions (%r)", exc)
         return result
 
-    return _finish(evict_host, original)
+    return evict_host
 
 
 def wrap_split_cached_prefix_by_tier(observer: TransferObserver,
                                      original: Callable[..., Any]) -> Callable[..., Any]:
     """``schedule_batch.split_cached_prefix_by_tier``: one request's (device, host, storage) split."""
 
+    @functools.wraps(original)
     def split_cached_prefix_by_tier(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         events = _events(observer)
@@ -98,4 +95,4 @@ def wrap_split_cached_prefix_by_tier(observer: TransferObserver,
                 warn_once("sglang:prefix", "otel-hicache: could not count prefix hits (%r)", exc)
         return result
 
-    return _finish(split_cached_prefix_by_tier, original)
+    return split_cached_prefix_by_tier

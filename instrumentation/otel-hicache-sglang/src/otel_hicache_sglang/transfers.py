@@ -26,6 +26,7 @@ transfer).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -142,6 +143,7 @@ class TransferObserver:
         observer = self
         clock = time.time_ns
 
+        @functools.wraps(original)
         def submit(engine: Any, transfers: Any, *args: Any, **kwargs: Any) -> Any:
             telemetry = observer.telemetry or observer.telemetry_now()
             if telemetry is None or not telemetry.enabled:
@@ -159,16 +161,13 @@ class TransferObserver:
                 warn_once("sglang:submit", "otel-hicache: could not report an L2 copy (%r)", exc)
             return completion
 
-        submit.__wrapped__ = original  # type: ignore[attr-defined]
-        submit.__name__ = getattr(original, "__name__", "submit")
-        submit.__qualname__ = getattr(original, "__qualname__", submit.__name__)
-        submit.__doc__ = getattr(original, "__doc__", None)
         return submit
 
     # -- controller wrappers (merged ops with an ack) ------------------------------
     def wrap_start(self, original: Callable[..., Any], direction: str, ack_queue: str) -> Callable[..., Any]:
         observer = self
 
+        @functools.wraps(original)
         def start(controller: Any, *args: Any, **kwargs: Any) -> Any:
             telemetry = observer.telemetry
             if telemetry is None or not telemetry.enabled:
@@ -191,22 +190,16 @@ class TransferObserver:
                     warn_once("sglang:start", "otel-hicache: could not report a merged op (%r)", exc)
             return result
 
-        start.__wrapped__ = original  # type: ignore[attr-defined]
-        start.__name__ = getattr(original, "__name__", "start")
-        start.__qualname__ = getattr(original, "__qualname__", start.__name__)
-        start.__doc__ = getattr(original, "__doc__", None)
         return start
 
     def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
         observer = self
 
+        @functools.wraps(original)
         def __init__(controller: Any, *args: Any, **kwargs: Any) -> None:
             original(controller, *args, **kwargs)
             observer.controller_created(controller)
 
-        __init__.__wrapped__ = original  # type: ignore[attr-defined]
-        __init__.__qualname__ = getattr(original, "__qualname__", "__init__")
-        __init__.__doc__ = getattr(original, "__doc__", None)
         return __init__
 
     # -- reporting ------------------------------------------------------------
