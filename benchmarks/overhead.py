@@ -56,23 +56,15 @@ import gc
 import json
 import logging
 import os
-import platform
 import pstats
 import resource
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from opentelemetry import trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.version import __version__ as SDK_VERSION
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation import set_span_in_context
 
@@ -84,6 +76,9 @@ from otel_hicache.busy_time import BusyTimeTracker
 from otel_hicache.metrics import TransferInstruments
 from otel_hicache.records import DIRECTIONS, TIERS
 from otel_hicache.testing import SimulatedDevice
+
+# a sibling module: this script's folder is first on sys.path
+from bench_common import SdkProviders, env, machine, percentile, table, thread_cpu, wait_until
 
 # --------------------------------------------------------------------------------------
 # The op
@@ -132,66 +127,8 @@ def make_prep() -> Callable[[int], tuple[str, dict[str, int], Any, Any]]:
 
 
 # --------------------------------------------------------------------------------------
-# OTel SDK plumbing shared by c and d
+# Ground truth for the counts c and d read back from their SDK providers
 # --------------------------------------------------------------------------------------
-
-
-class CountingSpanExporter(SpanExporter):
-    """Counts spans and keeps the first one (to compare attribute sets); exports nothing."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.first: Any = None
-
-    def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        if self.first is None and spans:
-            self.first = spans[0]
-        self.count += len(spans)
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        pass
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
-
-
-class SdkProviders:
-    """TracerProvider (default sampler: 100%) with a BatchSpanProcessor into a
-    counting exporter, and a MeterProvider with an InMemoryMetricReader."""
-
-    def __init__(self, max_spans_queued: int) -> None:
-        self.exporter = CountingSpanExporter()
-        self.tracer_provider = TracerProvider()
-        self.tracer_provider.add_span_processor(
-            BatchSpanProcessor(self.exporter, max_queue_size=max_spans_queued, max_export_batch_size=512)
-        )
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader])
-
-    def flush(self) -> None:
-        self.tracer_provider.force_flush()
-        self.meter_provider.force_flush()
-
-    def shutdown(self) -> None:
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
-
-    def totals(self) -> dict[str, float]:
-        """Counter sums and histogram counts by metric name (tokens split by pool)."""
-        totals: dict[str, float] = {}
-        data = self.reader.get_metrics_data()
-        for resource_metrics in data.resource_metrics if data else ():
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    for point in metric.data.data_points:
-                        if hasattr(point, "bucket_counts"):
-                            key, value = f"{metric.name}.count", point.count
-                        else:
-                            pool = point.attributes.get(sc.POOL)
-                            key, value = metric.name + (f"[{pool}]" if pool else ""), point.value
-                        totals[key] = totals.get(key, 0) + value
-        return totals
 
 
 def expected_totals(n: int) -> dict[str, float]:
@@ -208,21 +145,6 @@ def expected_totals(n: int) -> dict[str, float]:
         sc.TRANSFER_INFLIGHT[0]: 0,
         "spans": n,
     }
-
-
-@contextmanager
-def env(**values: str) -> Iterator[None]:
-    """Environment variables set while constructing something that reads them."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 # --------------------------------------------------------------------------------------
@@ -319,7 +241,7 @@ class HiCacheVariant(Variant):
         return self.providers.exporter.count if self.providers else None
 
     def totals(self) -> dict[str, float] | None:
-        return self.providers.totals() if self.providers else None
+        return self.providers.totals(sc.POOL) if self.providers else None
 
 
 class NaiveOTel(Variant):
@@ -409,7 +331,7 @@ class NaiveOTel(Variant):
         return self.providers.exporter.count
 
     def totals(self) -> dict[str, float] | None:
-        return self.providers.totals()
+        return self.providers.totals(sc.POOL)
 
 
 class _FormattingNullHandler(logging.NullHandler):
@@ -503,10 +425,11 @@ _PACED = """
 def loop(n, interval_ns, prep, samples, {params}):
     clock = _perf_counter_ns
     wait_until = _wait_until
+    spin_ns = _spin_ns
     deadline = clock() + interval_ns
     for i in range(n):
         direction, pools, start, finish = prep(i)
-        deadline = wait_until(deadline) + interval_ns
+        deadline = wait_until(deadline, spin_ns) + interval_ns
         t0 = clock()
 {stmt}
         t1 = clock()
@@ -519,33 +442,18 @@ def loop(n, prep, {params}):
         direction, pools, start, finish = prep(i)
 {stmt}
 """
-
-
-def _wait_until(deadline: int) -> int:
-    """Sleep (releasing the GIL, so worker threads run) then spin to ``deadline``.
-    Returns the deadline, or now if it already passed (no catch-up bursts)."""
-    now = time.perf_counter_ns()
-    if now >= deadline:
-        return now
-    if deadline - now > 120_000:
-        time.sleep((deadline - now - 100_000) / 1e9)
-    while time.perf_counter_ns() < deadline:
-        pass
-    return deadline
+# paced: sleep (releasing the GIL, so worker threads run) until 100 us before each op, then spin
+PACED_SPIN_NS = 100_000
 
 
 def compile_loop(template: str, variant: Variant) -> Callable[..., None]:
     names = variant.names()
     stmt = "\n".join(" " * 8 + line for line in variant.stmt.splitlines())
     params = ", ".join(f"{name}={name}" for name in names)
-    namespace = {"_perf_counter_ns": time.perf_counter_ns, "_wait_until": _wait_until, **names}
+    namespace = {"_perf_counter_ns": time.perf_counter_ns, "_wait_until": wait_until, "_spin_ns": PACED_SPIN_NS,
+                 **names}
     exec(template.format(params=params or "_=None", stmt=stmt), namespace)  # pylint: disable=exec-used
     return namespace["loop"]
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
-    return sorted_values[index]
 
 
 def run_paced(keys: Sequence[str], ops: int, rounds: int, interval_us: float, warmup: int) -> dict[str, Any]:
@@ -584,19 +492,6 @@ def run_paced(keys: Sequence[str], ops: int, rounds: int, interval_us: float, wa
             "rate_ops_per_s": len(values) / elapsed[k] if elapsed[k] else 0.0,
         }
     return results
-
-
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of every live thread, by thread name (Linux: per-thread CPU clocks)."""
-    cpu: dict[str, float] = {}
-    for thread in threading.enumerate():
-        try:
-            seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[arg-type]
-        except (AttributeError, OSError, TypeError):
-            continue
-        name = "caller" if thread is threading.current_thread() else thread.name.split(" ")[0]
-        cpu[name] = cpu.get(name, 0.0) + seconds
-    return cpu
 
 
 def run_flat(key: str, ops: int, cap: int, collect_garbage: bool = True) -> dict[str, Any]:
@@ -935,48 +830,6 @@ def print_profile(profile: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def machine() -> dict[str, Any]:
-    return {
-        "otel_hicache": f"{hicache_version} ({_git_revision()})",
-        "cpus": os.cpu_count(),
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "opentelemetry_sdk": SDK_VERSION,
-        "platform": platform.platform(),
-        "processor": _cpu_model(),
-    }
-
-
-def _git_revision() -> str:
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, check=True, timeout=10)
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown revision"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def table(rows: Sequence[Sequence[str]], header: Sequence[str], left: int = 1) -> str:
-    """Plain-text table; the first ``left`` columns left-aligned, the others right-aligned."""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(str(c).ljust(w) if i < left else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small N, for CI (well under a minute)")
@@ -1002,7 +855,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds = args.rounds or (1 if quick else 5)
     memory_ops = args.memory_ops or (200_000 if quick else 1_000_000)
     keys = list(VARIANT_FACTORIES)
-    results: dict[str, Any] = {"machine": machine(), "quick": quick,
+    results: dict[str, Any] = {"machine": machine("otel_hicache", hicache_version), "quick": quick,
                                "params": {"paced_ops": paced_ops, "interval_us": args.interval_us,
                                           "flat_ops": flat_ops, "rounds": rounds, "memory_ops": memory_ops}}
     m = results["machine"]

@@ -55,21 +55,14 @@ import gc
 import json
 import logging
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.version import __version__ as SDK_VERSION
+# a sibling module: this script's folder is first on sys.path
+from bench_common import SdkProviders, env, machine, percentile, table, thread_cpu, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_TESTS = ROOT / "instrumentation" / "otel-hicache-sglang" / "tests"
@@ -86,71 +79,6 @@ TOKENS_METRIC = "hicache.transfer.tokens"
 BYTES_METRIC = "hicache.transfer.bytes"
 
 
-# --------------------------------------------------------------------------------------
-# OTel SDK sinks
-# --------------------------------------------------------------------------------------
-
-
-class CountingSpanExporter(SpanExporter):
-    """Counts spans; exports nothing."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        self.count += len(spans)
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        pass
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
-
-
-class SdkProviders:
-    """TracerProvider (default sampler: 100%) with a BatchSpanProcessor into a counting
-    exporter, and a MeterProvider with an InMemoryMetricReader."""
-
-    def __init__(self) -> None:
-        self.exporter = CountingSpanExporter()
-        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
-        self.tracer_provider.add_span_processor(
-            BatchSpanProcessor(self.exporter, max_queue_size=1 << 20, max_export_batch_size=512))
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
-
-    def metric_sum(self, name: str) -> float:
-        """Sum of every point of counter ``name`` (all directions, pools, origins)."""
-        total = 0.0
-        data = self.reader.get_metrics_data()
-        for resource_metrics in data.resource_metrics if data else ():
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    if metric.name == name:
-                        total += sum(point.value for point in metric.data.data_points)
-        return total
-
-    def shutdown(self) -> None:
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
-
-
-@contextmanager
-def env(**values: str) -> Iterator[None]:
-    """Environment variables set while constructing something that reads them."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-
 def is_patched() -> bool:
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.l2_transfer import L2TransferEngine
@@ -160,37 +88,19 @@ def is_patched() -> bool:
         L2TransferEngine.submit_device_to_host, L2TransferEngine.submit_host_to_device))
 
 
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of the other live threads, by name: the otel-hicache completion
-    worker and the rest (the BatchSpanProcessor's thread). Linux per-thread CPU clocks."""
+def off_thread_cpu() -> dict[str, float]:
+    """CPU seconds of the other live threads: the otel-hicache completion worker and
+    the rest (the BatchSpanProcessor's thread)."""
     cpu = {"worker": 0.0, "span_processor": 0.0}
-    for thread in threading.enumerate():
-        if thread is threading.current_thread():
-            continue
-        try:
-            seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[arg-type]
-        except (AttributeError, OSError, TypeError):
-            continue
-        cpu["worker" if thread.name.startswith("otel-hicache") else "span_processor"] += seconds
+    for name, seconds in thread_cpu().items():
+        if name != "caller":
+            cpu["worker" if name.startswith("otel-hicache") else "span_processor"] += seconds
     return cpu
 
 
 # --------------------------------------------------------------------------------------
 # One turn of one variant
 # --------------------------------------------------------------------------------------
-
-
-def _wait_until(deadline: int) -> int:
-    """Sleep until ``deadline``, releasing the GIL (as a scheduler waiting on the device
-    does), so otel-hicache's worker and the span processor run between ops. Returns the
-    deadline, or now if it already passed (no catch-up bursts). A busy spin here would
-    hold the GIL: the worker would then get it only every switch interval (5 ms) and
-    process a large batch while the caller waits."""
-    now = time.perf_counter_ns()
-    if now >= deadline:
-        return now
-    time.sleep((deadline - now) / 1e9)
-    return deadline
 
 
 def drive(controller: Any, allocator: Any, device_indices: Any, n_ops: int, warmup: int, interval_ns: int,
@@ -207,7 +117,8 @@ def drive(controller: Any, allocator: Any, device_indices: Any, n_ops: int, warm
     host = None
     deadline = clock() + interval_ns
     for i in range(warmup + n_ops):
-        deadline = _wait_until(deadline) + interval_ns
+        # sleep, no spin: the worker and the span processor run between ops, as in a scheduler
+        deadline = wait_until(deadline) + interval_ns
         # a pool that ran out makes write()/load() return None and queue nothing: pop(0) raises
         if not i & 1:
             c0 = cpu_clock()
@@ -242,7 +153,7 @@ def run_turn(variant: str, tokens_per_op: int, n_ops: int, warmup: int, interval
     """Set up ``variant``, build a controller, drive it, check and tear down."""
     from otel_hicache_sglang import SGLangHiCacheInstrumentor
 
-    providers = SdkProviders() if variant == "instrumented" else None
+    providers = SdkProviders(shutdown_on_exit=False) if variant == "instrumented" else None
     instrumentor = SGLangHiCacheInstrumentor() if variant != "sglang" else None
     settings = {"OTEL_HICACHE_ENABLED": "false" if variant == "disabled" else "true"}
     result: dict[str, Any] = {"ops": warmup + n_ops}
@@ -264,7 +175,7 @@ def run_turn(variant: str, tokens_per_op: int, n_ops: int, warmup: int, interval
         device_free0, host_free0 = allocator.available_size(), controller.mem_pool_host.available_size()
         device_indices = allocator.alloc(tokens_per_op)
         gc.collect()
-        threads0 = thread_cpu()
+        threads0 = off_thread_cpu()
         moved_tokens, moved_bytes = drive(controller, allocator, device_indices, n_ops, warmup, interval_ns,
                                           samples)
         allocator.free(device_indices)
@@ -275,7 +186,7 @@ def run_turn(variant: str, tokens_per_op: int, n_ops: int, warmup: int, interval
                      or controller.ack_write_queue or controller.ack_load_queue))
         if providers is not None:
             result["flushed"] = telemetry.force_flush(timeout_s=60.0)
-            threads1 = thread_cpu()
+            threads1 = off_thread_cpu()
             result["off_thread_cpu_s"] = {k: threads1[k] - threads0[k] for k in threads1}
             result["spans"] = providers.exporter.count
             result["metric_tokens"] = providers.metric_sum(TOKENS_METRIC)
@@ -293,11 +204,6 @@ def run_turn(variant: str, tokens_per_op: int, n_ops: int, warmup: int, interval
 # --------------------------------------------------------------------------------------
 # Rounds
 # --------------------------------------------------------------------------------------
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
-    return sorted_values[index]
 
 
 def rss_mb() -> float:
@@ -373,52 +279,14 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
 # --------------------------------------------------------------------------------------
 
 
-def _git_revision() -> str:
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True,
-                             check=True, timeout=10)
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown revision"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine() -> dict[str, Any]:
+def sglang_machine() -> dict[str, Any]:
+    """``machine()`` with the adapter's, SGLang's and torch's versions."""
     from importlib.metadata import version
 
     import torch
 
-    return {
-        "otel_hicache_sglang": f"{version('otel-hicache-sglang')} ({_git_revision()})",
-        "sglang": version("sglang"),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "opentelemetry_sdk": SDK_VERSION,
-        "platform": platform.platform(),
-        "processor": _cpu_model(),
-    }
-
-
-def table(rows: Sequence[Sequence[str]], header: Sequence[str], left: int = 1) -> str:
-    """Plain-text table; the first ``left`` columns left-aligned, the others right-aligned."""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(str(c).ljust(w) if i < left else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    return machine("otel_hicache_sglang", version("otel-hicache-sglang"), sglang=version("sglang"),
+                   torch=torch.__version__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -445,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sglang_cpu.install_cpu_support()  # before anything imports SGLang or the adapter
     gc.collect()
     gc.freeze()  # SGLang + torch: a full collection would otherwise scan them (~0.3 s a turn, and in the loop)
-    results: dict[str, Any] = {"machine": machine(), "quick": quick,
+    results: dict[str, Any] = {"machine": sglang_machine(), "quick": quick,
                                "params": {"sizes": args.sizes, "rounds": rounds, "ops_per_turn": ops,
                                           "warmup": warmup, "interval_us": args.interval_us,
                                           "page_size": PAGE_SIZE, "layers": LAYERS}}
