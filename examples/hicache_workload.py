@@ -63,6 +63,7 @@ instead.) In that mode the workload's own totals are printed.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -82,6 +83,9 @@ except ImportError:  # run as a script from a checkout where the package is not 
 from otel_hicache import semconv as sc
 from otel_hicache import TransferTelemetry
 from otel_hicache.records import DIRECTIONS, OFFLOAD, ONBOARD
+
+STEP_SPAN = "example.scheduler_step"
+"""The span each op runs under, standing in for a server's request span."""
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -564,38 +568,48 @@ class HiCacheWorkload:
         return pages
 
     # -- ops ------------------------------------------------------------------------
-    def run(self, tel: TransferTelemetry, progress: Any = None) -> dict[str, DirectionSummary]:
+    def run(self, tel: TransferTelemetry, progress: Any = None, tracer: Any = None) -> dict[str, DirectionSummary]:
+        """Run every op; with ``tracer``, each inside a ``example.scheduler_step`` span (the
+        transfer spans become its children, as under a request span in a server)."""
         for i in range(self.cfg.ops):
-            self.poll(tel)
-            want = self.rng.randint(1, self.cfg.max_op_pages)
-            direction = OFFLOAD if self.rng.random() < 0.5 or not self.host_valid else ONBOARD
-            while True:
-                free_device = self._free_device()
-                if direction == OFFLOAD:
-                    room = min(len(free_device), self._writable_host_count())
-                else:
-                    room = min(len(free_device), len(self._readable_host()))
-                if room >= want or not self._wait_oldest(tel):
-                    break
-            n = min(want, room)
-            if n == 0:  # nothing readable in L2 (all in flight): write back instead
-                direction, n = OFFLOAD, min(want, len(free_device), self._writable_host_count())
-            if direction == OFFLOAD:
-                device_pages = self.rng.sample(free_device, n)
-                host_pages = self._alloc_host(n)
-                for pool in self.pools:  # a forward pass just filled these pages
-                    self._stamp(pool, device_pages)
+            if tracer is None:
+                self._step(tel, i)
             else:
-                host_pages = self.rng.sample(self._readable_host(), n)
-                device_pages = self.rng.sample(free_device, n)
-            self._transfer(tel, i, direction, device_pages, host_pages)
-            for page in host_pages:  # most recently used
-                self.host_valid.pop(page, None)
-                self.host_valid[page] = None
+                with tracer.start_as_current_span(STEP_SPAN, attributes={"example.step": i}):
+                    self._step(tel, i)
             if progress is not None and (i + 1) % max(1, self.cfg.ops // 4) == 0:
                 progress(i + 1)
         self.drain(tel)
         return self.truth
+
+    def _step(self, tel: TransferTelemetry, i: int) -> None:
+        """One scheduler step: poll acks, then one merged op."""
+        self.poll(tel)
+        want = self.rng.randint(1, self.cfg.max_op_pages)
+        direction = OFFLOAD if self.rng.random() < 0.5 or not self.host_valid else ONBOARD
+        while True:
+            free_device = self._free_device()
+            if direction == OFFLOAD:
+                room = min(len(free_device), self._writable_host_count())
+            else:
+                room = min(len(free_device), len(self._readable_host()))
+            if room >= want or not self._wait_oldest(tel):
+                break
+        n = min(want, room)
+        if n == 0:  # nothing readable in L2 (all in flight): write back instead
+            direction, n = OFFLOAD, min(want, len(free_device), self._writable_host_count())
+        if direction == OFFLOAD:
+            device_pages = self.rng.sample(free_device, n)
+            host_pages = self._alloc_host(n)
+            for pool in self.pools:  # a forward pass just filled these pages
+                self._stamp(pool, device_pages)
+        else:
+            host_pages = self.rng.sample(self._readable_host(), n)
+            device_pages = self.rng.sample(free_device, n)
+        self._transfer(tel, i, direction, device_pages, host_pages)
+        for page in host_pages:  # most recently used
+            self.host_valid.pop(page, None)
+            self.host_valid[page] = None
 
     def _transfer(self, tel: TransferTelemetry, index: int, direction: str,
                   device_pages: list[int], host_pages: list[int]) -> None:
@@ -740,6 +754,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="memory: embedded in-memory SDK pipeline; env: otel_hicache.configure() from "
                         "OTEL_* variables; auto: env when an exporter or OTLP endpoint is set (default)")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    parser.add_argument("--truth-json", metavar="PATH",
+                        help="also write the workload's ground truth per direction (ops, tokens per pool, "
+                        "blocks, bytes) as JSON, for checks downstream of a collector")
     args = parser.parse_args(argv)
     if args.pool_tokens < 2 * args.page_size:
         parser.error(f"--pool-tokens must hold at least 2 pages of --page-size {args.page_size}")
@@ -777,17 +794,19 @@ def main(argv: list[str] | None = None) -> int:
     attributes = {"tp_rank": 0, "model": f"qwen3-like-{cfg.layers}L"}
     embedded = None
     if use_env:
-        otel_hicache.configure()
+        tracer_provider = otel_hicache.configure().tracer_provider
         tel = TransferTelemetry(attributes=attributes)
     else:
         embedded = EmbeddedPipeline()
+        tracer_provider = embedded.tracer_provider
         tel = TransferTelemetry(tracer_provider=embedded.tracer_provider,
                                 meter_provider=embedded.meter_provider, attributes=attributes)
+    tracer = tracer_provider.get_tracer("otel_hicache_examples")
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(args.cpu_threads)
     try:
-        return _run(cfg, device, tel, embedded, say)
+        return _run(cfg, device, tel, embedded, say, tracer, args.truth_json)
     finally:
         torch.set_num_threads(threads)
         tel.shutdown()
@@ -798,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: EmbeddedPipeline | None,
-         say: Any) -> int:
+         say: Any, tracer: Any = None, truth_json: str | None = None) -> int:
     t_setup = time.perf_counter()
     workload = HiCacheWorkload(cfg, device)
     setup_s = time.perf_counter() - t_setup
@@ -817,9 +836,13 @@ def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: Emb
         f"pools {workload.nbytes / 1e9:.2f} GB (set up in {setup_s:.2f} s); telemetry: "
         + ("OTEL_* exporters" if embedded is None else "embedded in-memory SDK pipeline"))
     t0 = time.perf_counter()
-    truth = workload.run(tel, progress=lambda n: say(f"  ... {n} ops"))
+    truth = workload.run(tel, progress=lambda n: say(f"  ... {n} ops"), tracer=tracer)
     run_s = time.perf_counter() - t0
     checked, copy_problems = workload.verify()
+    if truth_json:
+        with open(truth_json, "w", encoding="utf-8") as out:
+            json.dump({d: {"ops": t.ops, "tokens": t.tokens, "blocks": t.blocks, "bytes": t.bytes,
+                           "model": f"qwen3-like-{cfg.layers}L"} for d, t in truth.items()}, out, indent=1)
     flushed = tel.force_flush(timeout_s=10.0 if embedded is not None else 5.0)
     gb = sum(t.bytes for t in truth.values()) / 1e9
     say(f"  ran {cfg.ops} ops, {gb:.2f} GB in {run_s:.2f} s; {workload.acked} acked through the ack queue")
@@ -844,7 +867,7 @@ def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: Emb
         print(format_table([truth[d] for d in DIRECTIONS], timing=False))
         return exit_code
     summary = summarize(embedded.metrics_data())
-    spans = embedded.spans()
+    spans = [span for span in embedded.spans() if span.name != STEP_SPAN]
     by_name: dict[str, int] = {}
     for span in spans:
         by_name[span.name] = by_name.get(span.name, 0) + 1

@@ -34,12 +34,16 @@ def test_demo_exports_spans_and_exact_metrics_over_otlp(protocol):
         assert done.returncode == 0, done.stdout + done.stderr
         received = receiver.received
         spans = received.spans()
-        assert len(spans) == 24
+        assert len(spans) == 2 * 24  # each op's transfer span and the scheduler step it ran in
         resource = attributes(spans[0][0].attributes)
         assert resource["service.name"] == "hicache-test"
         assert resource["deployment.environment"] == "ci"
+        steps = {span.span_id for _, span in spans if span.name == "example.scheduler_step"}
+        spans = [(r, span) for r, span in spans if span.name != "example.scheduler_step"]
         names = {span.name for _, span in spans}
         assert names <= {"hicache.offload", "hicache.onboard"}
+        # every transfer span is the child of the scheduler step it was submitted in
+        assert steps and all(span.parent_span_id in steps for _, span in spans)
         by_direction: dict[tuple[str, str], dict[str, int]] = {}
         for _, span in spans:
             attrs = attributes(span.attributes)
