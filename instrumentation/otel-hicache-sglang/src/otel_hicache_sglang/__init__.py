@@ -22,6 +22,7 @@ turns it all off.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Collection
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
@@ -51,8 +52,6 @@ TRANSFER_FIELDS = ("host_pool", "host_indices", "is_draft")
 
 
 def _require_fields(module: str, cls: str, fields: Collection[str]) -> None:
-    import sys
-
     have = getattr(getattr(sys.modules[module], cls, None), "_fields", None)
     if have is None:
         raise Incompatible(f"{module}.{cls} not found")
@@ -91,8 +90,6 @@ def _patches(observer: TransferObserver) -> PatchSet:
     )
 
     def base_component() -> Any:
-        import sys
-
         return getattr(sys.modules[UNIFIED_RADIX_CACHE], "BASE_COMPONENT_TYPE")
 
     patches.add(

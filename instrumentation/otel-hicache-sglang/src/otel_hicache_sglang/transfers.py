@@ -49,12 +49,15 @@ CONTROLLER = "hicache.controller"
 DRAFT_BYTES = "hicache.draft_bytes"
 
 
-def _is_synchronous_event(event: Any, cache: dict[type, bool] = {}) -> bool:  # noqa: B006 (a per-type cache)
+_SYNCHRONOUS_EVENT_TYPES: dict[type, bool] = {}
+
+
+def _is_synchronous_event(event: Any) -> bool:
     """``torch.cpu`` events are no-ops: the copies ran inside the submit call."""
     cls = type(event)
-    known = cache.get(cls)
+    known = _SYNCHRONOUS_EVENT_TYPES.get(cls)
     if known is None:
-        known = cache[cls] = cls.__module__ == "torch.cpu"
+        known = _SYNCHRONOUS_EVENT_TYPES[cls] = cls.__module__ == "torch.cpu"
     return known
 
 
@@ -145,7 +148,7 @@ class TransferObserver:
 
         @functools.wraps(original)
         def submit(engine: Any, transfers: Any, *args: Any, **kwargs: Any) -> Any:
-            telemetry = observer.telemetry or observer.telemetry_now()
+            telemetry = observer.telemetry_now()
             if telemetry is None or not telemetry.enabled:
                 return original(engine, transfers, *args, **kwargs)
             start_ns = clock()
@@ -205,7 +208,7 @@ class TransferObserver:
     # -- reporting ------------------------------------------------------------
     def _report_merged(self, telemetry: TransferTelemetry, direction: str, controller: Any, ack_queue: str,
                        captured: list[Any]) -> None:
-        info = self._controllers.get(controller) or self._info(controller)
+        info = self._info(controller)
         queue = getattr(controller, ack_queue)
         tail = queue[-4:]  # the ack was just appended
         for engine, transfers, completion, start_ns, end_ns in captured:
