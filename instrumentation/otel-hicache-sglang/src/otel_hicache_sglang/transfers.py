@@ -64,11 +64,14 @@ def _is_synchronous_event(event: Any) -> bool:
 class _ControllerInfo:
     """What is reported with every op of one controller, built once."""
 
-    __slots__ = ("page_size", "attributes", "pool_names", "__weakref__")
+    __slots__ = ("page_size", "io_backend", "has_drafts", "attributes", "pool_names", "__weakref__")
 
     def __init__(self, controller: Any) -> None:
         host = getattr(controller, "mem_pool_host", None)
         self.page_size = int(getattr(controller, "page_size", 0) or getattr(host, "page_size", 1) or 1)
+        engine = getattr(controller, "l2_transfer_engine", None)
+        self.io_backend = getattr(engine, "io_backend", None) or getattr(controller, "io_backend", None)
+        self.has_drafts = False  # packed draft-model (MTP) pools ride on loads
         attributes: dict[str, Any] = {CONTROLLER: type(controller).__name__}
         for key, value in (
             (WRITE_POLICY, getattr(controller, "write_policy", None)),
@@ -87,6 +90,8 @@ class _ControllerInfo:
                 pool = getattr(entry, "host_pool", None)
                 if isinstance(name, str) and pool is not None:
                     self.pool_names[id(pool)] = name
+                if getattr(entry, "packed_draft_device_pools", None):
+                    self.has_drafts = True
         elif host is not None:
             self.pool_names[id(host)] = ANCHOR_POOL
 
@@ -104,6 +109,7 @@ class TransferObserver:
         self._local = threading.local()
         self._controllers: "weakref.WeakKeyDictionary[Any, _ControllerInfo]" = weakref.WeakKeyDictionary()
         self._engines: "weakref.WeakKeyDictionary[Any, _ControllerInfo]" = weakref.WeakKeyDictionary()
+        self._last_controller: tuple[Any, _ControllerInfo] | None = None  # (weakref, its info)
 
     # -- set-up ---------------------------------------------------------------
     def telemetry_now(self) -> TransferTelemetry | None:
@@ -148,7 +154,9 @@ class TransferObserver:
 
         @functools.wraps(original)
         def submit(engine: Any, transfers: Any, *args: Any, **kwargs: Any) -> Any:
-            telemetry = observer.telemetry_now()
+            telemetry = observer.telemetry
+            if telemetry is None:
+                telemetry = observer.telemetry_now()  # the first copy of a process with no controller yet
             if telemetry is None or not telemetry.enabled:
                 return original(engine, transfers, *args, **kwargs)
             start_ns = clock()
@@ -208,25 +216,34 @@ class TransferObserver:
     # -- reporting ------------------------------------------------------------
     def _report_merged(self, telemetry: TransferTelemetry, direction: str, controller: Any, ack_queue: str,
                        captured: list[Any]) -> None:
-        info = self._info(controller)
+        # Runs once per merged op on the scheduler thread, between two device ops (cold
+        # caches): every lookup counts several times what it costs in a loop.
+        last = self._last_controller
+        if last is not None and last[0]() is controller:
+            info = last[1]
+        else:
+            info = self._info(controller)
+            self._last_controller = (weakref.ref(controller), info)
         queue = getattr(controller, ack_queue)
-        tail = queue[-4:]  # the ack was just appended
         for engine, transfers, completion, start_ns, end_ns in captured:
             finish = completion.finish_event
-            ack = next((a for a in reversed(tail) if a.finish_event is finish), None)
-            if ack is None:
-                self._report_direct(telemetry, direction, engine, transfers, completion, start_ns, end_ns)
-                continue
-            pools = ack.num_tokens_by_pool or {ANCHOR_POOL: ack.num_tokens}
+            ack = queue[-1] if queue else None  # start_* appends its ack last
+            if ack is None or ack.finish_event is not finish:
+                ack = next((a for a in reversed(queue[-4:]) if a.finish_event is finish), None)
+                if ack is None:
+                    self._report_direct(telemetry, direction, engine, transfers, completion, start_ns, end_ns)
+                    continue
             attributes = info.attributes
-            draft = self._draft_bytes(transfers) if direction == ONBOARD else 0
-            if draft:
-                attributes = {**attributes, DRAFT_BYTES: draft}
+            if info.has_drafts and direction == ONBOARD:
+                draft = self._draft_bytes(transfers)
+                if draft:
+                    attributes = {**attributes, DRAFT_BYTES: draft}
+            timing = ack.timing_enabled
             telemetry.submit(
-                direction, pools, ack.num_bytes, info.page_size, ack.start_event, finish, ack.timing_enabled,
-                getattr(engine, "io_backend", None), attributes,
+                direction, ack.num_tokens_by_pool or {ANCHOR_POOL: ack.num_tokens}, ack.num_bytes, info.page_size,
+                ack.start_event, finish, timing, info.io_backend, attributes,
                 host_start_ns=start_ns,
-                host_end_ns=end_ns if not ack.timing_enabled and _is_synchronous_event(finish) else None,
+                host_end_ns=end_ns if not timing and _is_synchronous_event(finish) else None,
                 ack_watch=(queue, ack),
             )
 
