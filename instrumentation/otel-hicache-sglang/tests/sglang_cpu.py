@@ -235,6 +235,17 @@ def _shared_metrics_collector():
     return _metrics_collector
 
 
+def _device_pool(kv_size: int, page_size: int, layers: int, dtype: Any) -> tuple[Any, Any]:
+    """SGLang's real MHA device KV pool on CPU and its token allocator."""
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    kv = MHATokenToKVPool(size=kv_size, page_size=page_size, dtype=dtype, head_num=HEAD_NUM,
+                          head_dim=HEAD_DIM, layer_num=layers, device="cpu", enable_memory_saver=False)
+    allocator = TokenToKVPoolAllocator(size=kv_size, dtype=dtype, device="cpu", kvcache=kv, need_sort=False)
+    return kv, allocator
+
+
 def build_stack(policy: str = "write_through", page_size: int = 4, layers: int = 3,
                 kv_size: int = 64, host_ratio: float = 2.0) -> CacheStack:
     """Build ``UnifiedRadixCache`` + ``init_hicache`` the way the scheduler does.
@@ -247,20 +258,15 @@ def build_stack(policy: str = "write_through", page_size: int = 4, layers: int =
     """
     install_cpu_support()
     import torch
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     _publish_server_args(page_size=page_size)
     req_to_token = ReqToTokenPool(size=4, max_context_len=128, device="cpu",
                                   enable_memory_saver=False)
-    kv = MHATokenToKVPool(size=kv_size, page_size=page_size, dtype=torch.bfloat16,
-                          head_num=HEAD_NUM, head_dim=HEAD_DIM, layer_num=layers,
-                          device="cpu", enable_memory_saver=False)
-    allocator = TokenToKVPoolAllocator(size=kv_size, dtype=torch.bfloat16, device="cpu",
-                                       kvcache=kv, need_sort=False)
+    kv, allocator = _device_pool(kv_size, page_size, layers, torch.bfloat16)
     params = CacheInitParams(req_to_token_pool=req_to_token,
                              token_to_kv_pool_allocator=allocator, page_size=page_size,
                              disable=False, tree_components=(ComponentType.FULL,))
@@ -286,18 +292,12 @@ def build_controller(page_size: int = 4, layers: int = 3, kv_size: int = 64):
     install_cpu_support()
     import torch
     from sglang.srt.managers.cache_controller import HiCacheController
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     _publish_server_args(page_size=page_size, hicache_io_backend="direct",
                          hicache_mem_layout="layer_first", hicache_ratio=2.0,
                          enable_hierarchical_cache=True)
-    kv = MHATokenToKVPool(size=kv_size, page_size=page_size, dtype=torch.float16,
-                          head_num=HEAD_NUM, head_dim=HEAD_DIM, layer_num=layers,
-                          device="cpu", enable_memory_saver=False)
-    allocator = TokenToKVPoolAllocator(size=kv_size, dtype=torch.float16, device="cpu",
-                                       kvcache=kv, need_sort=False)
+    kv, allocator = _device_pool(kv_size, page_size, layers, torch.float16)
     host = build_kv_host_pool(kv_pool=kv, page_size=page_size, use_mla=False)
     controller = HiCacheController(
         token_to_kv_pool_allocator=allocator, mem_pool_host=host, page_size=page_size,
