@@ -26,7 +26,10 @@ b. ``disabled``      ``SGLangHiCacheInstrumentor().instrument()`` with ``OTEL_HI
 c. ``instrumented``  ``SGLangHiCacheInstrumentor().instrument(tracer_provider=..., meter_provider=...)``:
                      an SDK TracerProvider (default sampler, 100%) with a BatchSpanProcessor into a
                      counting exporter, and a MeterProvider with an InMemoryMetricReader; spans and
-                     metrics are really made, on otel-hicache's worker thread.
+                     metrics are really made, on otel-hicache's worker thread;
+d. ``paused``        c with otel-hicache's worker paused while the ops are timed (a diagnostic: the
+                     adapter's and ``submit()``'s own cost on the scheduler thread, without the
+                     worker running beside it); it resumes before the flush, so d is checked too.
 
 Variants take turns in rounds (rotating order) so machine drift spreads evenly over
 them. Each turn instruments (b, c), builds a fresh controller (the adapter starts its
@@ -73,8 +76,10 @@ import sglang_cpu  # noqa: E402  (the CPU support for SGLang's HiCache code)
 
 PAGE_SIZE = 4
 LAYERS = 3
-VARIANTS = ("sglang", "disabled", "instrumented")
-LABELS = {"sglang": "a. sglang", "disabled": "b. disabled", "instrumented": "c. instrumented"}
+VARIANTS = ("sglang", "disabled", "instrumented", "paused")
+LABELS = {"sglang": "a. sglang", "disabled": "b. disabled", "instrumented": "c. instrumented",
+          "paused": "d. worker paused"}
+INSTRUMENTED = ("instrumented", "paused")
 TOKENS_METRIC = "hicache.transfer.tokens"
 BYTES_METRIC = "hicache.transfer.bytes"
 
@@ -153,7 +158,7 @@ def run_turn(variant: str, tokens_per_op: int, n_ops: int, warmup: int, interval
     """Set up ``variant``, build a controller, drive it, check and tear down."""
     from otel_hicache_sglang import SGLangHiCacheInstrumentor
 
-    providers = SdkProviders(shutdown_on_exit=False) if variant == "instrumented" else None
+    providers = SdkProviders(shutdown_on_exit=False) if variant in INSTRUMENTED else None
     instrumentor = SGLangHiCacheInstrumentor() if variant != "sglang" else None
     settings = {"OTEL_HICACHE_ENABLED": "false" if variant == "disabled" else "true"}
     result: dict[str, Any] = {"ops": warmup + n_ops}
@@ -167,17 +172,24 @@ def run_turn(variant: str, tokens_per_op: int, n_ops: int, warmup: int, interval
                     instrumentor.instrument()
             controller, _kv, allocator = sglang_cpu.build_controller(
                 PAGE_SIZE, LAYERS, kv_size=max(64, 4 * tokens_per_op))
-        if is_patched() != (variant == "instrumented"):
+        if is_patched() != (variant in INSTRUMENTED):
             raise RuntimeError(f"{variant}: SGLang patched={is_patched()}")
         telemetry = instrumentor.telemetry if instrumentor is not None else None
-        if (telemetry is not None and telemetry.enabled) != (variant == "instrumented"):
+        if (telemetry is not None and telemetry.enabled) != (variant in INSTRUMENTED):
             raise RuntimeError(f"{variant}: telemetry {telemetry!r} (OTEL_SDK_DISABLED set?)")
         device_free0, host_free0 = allocator.available_size(), controller.mem_pool_host.available_size()
         device_indices = allocator.alloc(tokens_per_op)
         gc.collect()
         threads0 = off_thread_cpu()
-        moved_tokens, moved_bytes = drive(controller, allocator, device_indices, n_ops, warmup, interval_ns,
-                                          samples)
+        pipeline = telemetry._pipeline if variant == "paused" else None  # pylint: disable=protected-access
+        if pipeline is not None:
+            pipeline._cycle = lambda: None  # the worker wakes and does nothing; records stay queued
+        try:
+            moved_tokens, moved_bytes = drive(controller, allocator, device_indices, n_ops, warmup, interval_ns,
+                                              samples)
+        finally:
+            if pipeline is not None:
+                del pipeline._cycle  # resume: the flush below processes everything
         allocator.free(device_indices)
         result["tokens"], result["bytes"] = moved_tokens, moved_bytes
         result["steady"] = (
@@ -255,7 +267,7 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
         paired = sorted(res["per_round_added_us"])
         res["paired_added_us"] = {"median": statistics.median(paired), "p25": percentile(paired, 0.25),
                                   "p75": percentile(paired, 0.75)}
-    inst = turns["instrumented"]
+    inst = turns["instrumented"] + turns["paused"]
     check = {
         "ops": sum(t["ops"] for t in inst),
         "spans": sum(t["spans"] for t in inst),
@@ -264,9 +276,10 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
         "bytes": sum(t["bytes"] for t in inst),
         "metric_bytes": sum(t["metric_bytes"] for t in inst),
         "flushed": all(t["flushed"] for t in inst),
-        "worker_cpu_us_per_op": sum(t["off_thread_cpu_s"]["worker"] for t in inst) * 1e6 / sum(t["ops"] for t in inst),
-        "span_processor_cpu_us_per_op": (sum(t["off_thread_cpu_s"]["span_processor"] for t in inst) * 1e6
-                                         / sum(t["ops"] for t in inst)),
+        "worker_cpu_us_per_op": sum(t["off_thread_cpu_s"]["worker"] for t in turns["instrumented"]) * 1e6
+        / sum(t["ops"] for t in turns["instrumented"]),
+        "span_processor_cpu_us_per_op": (sum(t["off_thread_cpu_s"]["span_processor"] for t in turns["instrumented"])
+                                         * 1e6 / sum(t["ops"] for t in turns["instrumented"])),
     }
     check["exact"] = (check["flushed"] and check["spans"] == check["ops"]
                       and check["metric_tokens"] == check["tokens"] and check["metric_bytes"] == check["bytes"])
@@ -349,9 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           "median(a); paired = added within each round, median [p25 .. p75] over rounds. CPU = the caller thread's\n"
           "CPU time (thread_time_ns) in the same window; wall minus CPU is waiting, mostly for the GIL (SGLang's\n"
           "torch calls release it, otel-hicache's worker takes it). The CPU copy itself runs inside the timed\n"
-          "call. b vs a is the noise floor.")
+          "call. b vs a is the noise floor; d vs a is the adapter's own cost without the worker running beside it.")
 
-    print("\n## Correctness of the instrumented turns (after force_flush; ground truth = SGLang's acks)\n")
+    print("\n## Correctness of the instrumented turns, c and d (after force_flush; ground truth = SGLang's acks)\n")
     exact_all = True
     for row in rows:
         c = row["check"]
@@ -359,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {row['tokens_per_op']:>4} tokens/op: {c['ops']} ops -> {c['spans']} spans; "
               f"{TOKENS_METRIC} {c['metric_tokens']:.0f} vs {c['tokens']} moved; {BYTES_METRIC} "
               f"{c['metric_bytes']:.0f} vs {c['bytes']}; exact: {'yes' if c['exact'] else 'no'}")
-    print("  off-thread CPU per op (until flushed): " + "; ".join(
+    print("  off-thread CPU per op of c (until flushed): " + "; ".join(
         f"{row['tokens_per_op']} tokens/op: otel-hicache worker {row['check']['worker_cpu_us_per_op']:.1f} us, "
         f"span processor {row['check']['span_processor_cpu_us_per_op']:.1f} us" for row in rows))
     print(f"exact: {'yes' if exact_all else 'no'}")
