@@ -2,8 +2,9 @@
 dropped tokens, evictions.
 
 These happen on the serving framework's hot path (once per request, per
-eviction), so counting must cost almost nothing there: :meth:`CacheEvents.add`
-is one dict update, no OTel SDK call. The totals reach the SDK through
+eviction), so counting must cost almost nothing there: each of
+:meth:`CacheEvents.prefix_tokens`, :meth:`~CacheEvents.dropped_tokens` and
+:meth:`~CacheEvents.evicted_tokens` is a dict update, no OTel SDK call. The totals reach the SDK through
 observable counters that read them at collection time, on the reader's thread.
 Cumulative totals are exact whatever the trace sampler does, and the SDK turns
 them into deltas itself when delta temporality is configured.
@@ -34,7 +35,7 @@ _DEVICE, _HOST, _STORAGE = (((sc.TIER, tier),) for tier in sc.PREFIX_TIERS)
 
 def _zero_keys() -> dict[str, list[tuple[tuple[str, Any], ...]]]:
     return {
-        "prefix": [((sc.TIER, tier),) for tier in sc.PREFIX_TIERS],
+        "prefix": [_DEVICE, _HOST, _STORAGE],
         "dropped": [((sc.REASON, reason), (sc.POOL, "kv")) for reason in sc.DROPPED_TOKEN_REASONS],
         "evicted": [((sc.TIER, tier),) for tier in sc.EVICTION_TIERS],
     }
