@@ -31,6 +31,7 @@ import threading
 from typing import Any, Sequence
 
 from .bounded_flush import shutdown_providers
+from .delivery import DeliveryAccount, exporter_name
 from .diagnostics import warn_once
 from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
 from .process_exit import on_exit
@@ -44,16 +45,21 @@ class Configuration:
     """The providers :func:`configure` built for this process."""
 
     def __init__(
-        self, tracer_provider: Any, meter_provider: Any, disabled: bool, metric_readers: Sequence[Any] = ()
+        self, tracer_provider: Any, meter_provider: Any, disabled: bool, metric_readers: Sequence[Any] = (),
+        delivery: DeliveryAccount | None = None,
     ) -> None:
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.metric_readers = tuple(metric_readers)
         self.disabled = disabled
+        self.delivery = delivery  # what the exporters delivered and lost (otel_hicache.delivery)
         self.pid = os.getpid()
 
     def shutdown(self, timeout_s: float) -> bool:
-        return shutdown_providers(self.tracer_provider, self.meter_provider, timeout_s)
+        done = shutdown_providers(self.tracer_provider, self.meter_provider, timeout_s)
+        if self.delivery is not None:
+            self.delivery.report_undelivered_at_exit()
+        return done
 
 
 _lock = threading.RLock()
@@ -214,11 +220,17 @@ def _build() -> Configuration:
 
     resource = Resource.create()
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    delivery = DeliveryAccount()  # every exporter counted: delivered, lost, still on its way
     for exporter in _span_exporters():
-        tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-    readers = [PeriodicExportingMetricReader(e) for e in _metric_exporters()]
+        name = exporter_name(exporter)
+        processor = BatchSpanProcessor(delivery.span_exporter(exporter, name))
+        delivery.watch(processor, name)
+        tracer_provider.add_span_processor(processor)
+    readers = [PeriodicExportingMetricReader(delivery.metric_exporter(e, exporter_name(e)))
+               for e in _metric_exporters()]
     meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
-    return Configuration(tracer_provider, meter_provider, disabled=False, metric_readers=readers)
+    return Configuration(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
+                         delivery=delivery)
 
 
 def _at_exit() -> None:

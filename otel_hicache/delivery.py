@@ -55,6 +55,19 @@ class _Counts:
         self.queue_size: Callable[[], int] | None = None
 
 
+def exporter_name(exporter: Any) -> str:
+    """``otlp_grpc``, ``otlp_http``, ``console`` or the class name: the ``exporter`` attribute."""
+    cls = type(exporter)
+    if cls.__name__.startswith("Console"):
+        return "console"
+    module = cls.__module__
+    if ".otlp.proto.grpc" in module:
+        return "otlp_grpc"
+    if ".otlp.proto.http" in module:
+        return "otlp_http"
+    return cls.__name__
+
+
 def _endpoint_of(exporter: Any) -> str:
     return str(getattr(exporter, "_endpoint", None) or type(exporter).__name__)
 
@@ -182,7 +195,7 @@ class _CountingSpanExporter:
     """A span exporter that counts what it delivered and what it lost."""
 
     def __init__(self, inner: Any, name: str, counts: _Counts, lock: threading.Lock) -> None:
-        self._inner = inner
+        self._inner = self.inner = inner
         self._name = name
         self._counts = counts
         self._lock = lock

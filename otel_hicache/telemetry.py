@@ -158,6 +158,9 @@ class TransferTelemetry:
             self._resolve_providers()
         tracer_provider, meter_provider = self._providers
         self.cache_events.bind(meter_provider)
+        configured = configuration.configured()
+        if configured is not None and configured.delivery is not None and configured.meter_provider is meter_provider:
+            configured.delivery.bind(meter_provider, self._static)  # the exporters' delivery counts
         return Sinks(
             make_span_builder(tracer_provider, self._static, self._fast_path),
             TransferMetrics(meter_provider, self._static, queue_size=self._queue_size, fast_path=self._fast_path),

@@ -22,7 +22,8 @@ def _fresh_configuration():
 
 def span_exporters(conf):
     processors = conf.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
-    return [type(p.span_exporter).__module__ + "." + type(p.span_exporter).__name__ for p in processors]
+    exporters = [p.span_exporter.inner for p in processors]  # inside the delivery accounting
+    return [type(e).__module__ + "." + type(e).__name__ for e in exporters]
 
 
 def metric_readers(conf):
@@ -56,7 +57,7 @@ def test_default_is_otlp_grpc(monkeypatch):
     conf = otel_hicache.configure()
     assert span_exporters(conf) == ["opentelemetry.exporter.otlp.proto.grpc.trace_exporter.OTLPSpanExporter"]
     [reader] = metric_readers(conf)
-    assert type(reader._exporter).__module__.startswith("opentelemetry.exporter.otlp.proto.grpc")
+    assert type(reader._exporter.inner).__module__.startswith("opentelemetry.exporter.otlp.proto.grpc")
 
 
 @pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
@@ -198,5 +199,5 @@ def test_per_signal_http_endpoint(monkeypatch):
     [processor] = conf.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
     assert processor.span_exporter._endpoint == "http://127.0.0.1:5555/v1/traces"
     [reader] = metric_readers(conf)
-    assert reader._exporter._endpoint == "http://localhost:4318/v1/metrics"
-    assert reader._exporter._compression.value == "gzip"
+    assert reader._exporter.inner._endpoint == "http://localhost:4318/v1/metrics"
+    assert reader._exporter.inner._compression.value == "gzip"

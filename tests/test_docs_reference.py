@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.metrics.export import Gauge, Histogram, Sum
+from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, Gauge, Histogram, Sum
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
 from otel_hicache import cache_events, configuration, environment_variables, logs
 from otel_hicache import semconv as sc
+from otel_hicache.delivery import DeliveryAccount
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 STATIC = {"tp_rank": 0}
@@ -54,7 +56,8 @@ def semconv_metrics() -> dict[str, tuple[str, str, str]]:
 
 
 _NOT_ATTRIBUTES = ("SCOPE_NAME", "SPAN_", "EVENT_", "DROP_", "FAIL_", "TIER_")
-OBSERVABLE_COUNTERS = {spec[0] for spec in cache_events._KINDS.values()}  # pylint: disable=protected-access
+OBSERVABLE_COUNTERS = {spec[0] for spec in cache_events._KINDS.values()} | {  # pylint: disable=protected-access
+    sc.SPANS_EXPORTED[0], sc.SPANS_UNDELIVERED[0], sc.METRIC_EXPORTS_FAILED[0]}
 
 
 def semconv_attributes() -> dict[str, str]:
@@ -69,7 +72,7 @@ def semconv_attributes() -> dict[str, str]:
 def test_semconv_is_what_this_test_expects():
     metrics = semconv_metrics()
     assert {"TRANSFER_DURATION", "TRANSFER_BYTES", "RECORDS_DROPPED", "RECORDS_FAILED", "QUEUE_SIZE"} <= set(metrics)
-    assert len(metrics) == 15
+    assert len(metrics) == 19
     attrs = semconv_attributes()
     assert attrs["DIRECTION"] == "hicache.direction" and attrs["ERROR_TYPE"] == "error.type"
     assert "SPAN_OFFLOAD" not in attrs and "DROP_QUEUE_FULL" not in attrs
@@ -144,6 +147,12 @@ def test_label_translation():
 def emitted(harness) -> dict[str, Any]:
     """One acked device-timed op per direction; metric kinds, point attributes and span attributes."""
     h = harness(attributes=dict(STATIC))
+    # the delivery accounting configure() wraps its exporters in, bound to the same provider
+    delivery = DeliveryAccount()
+    processor = BatchSpanProcessor(delivery.span_exporter(ConsoleSpanExporter(), "otlp_grpc"))
+    delivery.watch(processor, "otlp_grpc")
+    delivery.metric_exporter(ConsoleMetricExporter(), "otlp_grpc")
+    delivery.bind(h.meter_provider, STATIC)
     for direction in ("offload", "onboard"):
         ev0, ev1 = h.device.copy(h.device.time_ns() + 100_000, 1.0)
         handle = h.tel.submit(direction, {"kv": 128, "draft_kv": 128}, 1 << 24, 64, ev0, ev1, True,
@@ -176,6 +185,7 @@ def emitted(harness) -> dict[str, Any]:
                     keys |= set(point.attributes)
                 metrics[metric.name] = {"kind": kind, "unit": metric.unit, "attributes": keys - set(STATIC)}
     span_attributes = set().union(*(set(s.attributes) for s in spans)) - set(STATIC)
+    processor.shutdown()
     return {"metrics": metrics, "span_attributes": span_attributes}
 
 
