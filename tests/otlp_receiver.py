@@ -132,3 +132,59 @@ class HttpReceiver:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class StallingServer:
+    """Accepts TCP connections, reads whatever arrives and never answers: a collector
+    that stalls (or a load balancer with nothing behind it)."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.connections: list[Any] = []
+        self.received_bytes = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections.append(conn)
+            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
+
+    def _drain(self, conn: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                data = conn.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            self.received_bytes += len(data)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for conn in self.connections:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        self.sock.close()
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,145 @@
+"""A paced stream of merged ops, configured only by ``OTEL_*`` variables: the load of the
+fault tests and of the soak (``soak.py``).
+
+Runs ``--rate`` ops per second for ``--seconds`` through ``otel_hicache.configure()`` and a
+``TransferTelemetry`` (its exporters, its delivery accounting), alternating offload and
+onboard ops of a few pages with host-clock times and an ack one op later. Every op's span
+carries ``workload.op`` (its index), so a receiver can tell which ops arrived.
+
+Measured in the process and written to ``--out`` (JSON):
+
+* ``truth``: ops, bytes, blocks and tokens per direction (what the counters must say);
+* ``submit``: the wall time of each op's submit (ms since the start) and the cost of the
+  ``submit()`` call itself (ns), both as lists indexed by op;
+* ``samples``: once a second, RSS, the completion pipeline's size, the batch span
+  processor's queue and the delivery counts;
+* ``delivery``: the delivery counts after the final flush (before shutdown), and the
+  seconds ``shutdown()`` took.
+
+Prints ``ops done`` (flushed) once the ops are submitted, before the final flush, so a
+caller can time the exit from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import otel_hicache  # noqa: E402
+from otel_hicache import configuration  # noqa: E402
+
+PAGE = 64
+BYTES_PER_TOKEN = 4096
+DIRECTIONS = ("offload", "onboard")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=200.0, help="ops per second")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--out", required=True, help="JSON results")
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--no-op-attribute", action="store_true",
+                        help="leave workload.op off the spans (the soak: no per-op attribute dict)")
+    parser.add_argument("--no-provider-flush", action="store_true",
+                        help="after the ops, wait for the spans to reach the SDK but do not flush the exporters")
+    parser.add_argument("--exit-without-shutdown", action="store_true",
+                        help="write the results and return: the exit hooks shut telemetry down (as in a server)")
+    args = parser.parse_args(argv)
+
+    config = configuration.configure()
+    tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": args.tp_rank})
+    total = int(args.rate * args.seconds)
+    submit_ms = array("d", bytes(8 * total))  # preallocated: the lists do not grow the RSS
+    submit_cost = array("q", bytes(8 * total))
+    truth = {d: {"ops": 0, "bytes": 0, "blocks": 0, "tokens": 0} for d in DIRECTIONS}
+    samples: list[dict[str, Any]] = []
+    done = threading.Event()
+    progress = [0]
+
+    def sample() -> dict[str, Any]:
+        pipeline = tel._pipeline  # pylint: disable=protected-access
+        delivery = config.delivery.snapshot() if config.delivery is not None else {}
+        queued = sum(v.get("queued", 0) for k, v in delivery.items() if k.startswith("spans:"))
+        return {"t": round(time.monotonic() - t0, 3), "ops": progress[0], "rss": rss_bytes(),
+                "pipeline": pipeline.size() if pipeline is not None else 0,
+                "span_queue": queued, "delivery": delivery}
+
+    def sampler() -> None:
+        while not done.wait(1.0):
+            samples.append(sample())
+
+    t0 = time.monotonic()
+    start_ns = time.perf_counter_ns()
+    period_ns = int(1e9 / args.rate)
+    thread = threading.Thread(target=sampler, name="sampler", daemon=True)
+    thread.start()
+    previous = None
+    for i in range(total):
+        due = start_ns + i * period_ns
+        now = time.perf_counter_ns()
+        if due > now:
+            time.sleep((due - now) / 1e9)
+        direction = DIRECTIONS[i & 1]
+        pages = 1 + (i * 7919) % 8
+        tokens = pages * PAGE
+        num_bytes = tokens * BYTES_PER_TOKEN
+        end = time.time_ns()
+        attributes = None if args.no_op_attribute else {"workload.op": i}
+        t_call = time.perf_counter_ns()
+        handle = tel.submit(direction, {"kv": tokens}, num_bytes, PAGE, attributes=attributes,
+                            host_start_ns=end - 20_000 * pages, host_end_ns=end)
+        t_back = time.perf_counter_ns()
+        tel.ack(previous)  # the consumer takes the previous op's ack
+        previous = handle
+        submit_cost[i] = t_back - t_call
+        submit_ms[i] = (t_call - start_ns) / 1e6
+        truth_d = truth[direction]
+        truth_d["ops"] += 1
+        truth_d["bytes"] += num_bytes
+        truth_d["blocks"] += pages
+        truth_d["tokens"] += tokens
+        progress[0] = i + 1
+    tel.ack(previous)
+    elapsed = (time.perf_counter_ns() - start_ns) / 1e9
+    print(f"ops done: {total} ops in {elapsed:.1f} s", flush=True)
+    done.set()
+    thread.join()
+    pipeline = tel._pipeline  # pylint: disable=protected-access
+    flushed = pipeline.flush(10.0)  # every op's span handed to the SDK
+    if not args.no_provider_flush:
+        flushed = tel.force_flush(10.0) and flushed
+    final = sample()
+    result = {
+        "rate": args.rate, "seconds": args.seconds, "ops": total, "elapsed_s": elapsed, "flushed": flushed,
+        "truth": truth, "samples": samples, "final": final,
+        "submit": {"ms": list(submit_ms), "cost_ns": list(submit_cost)},
+    }
+    if not args.exit_without_shutdown:
+        t_shutdown = time.monotonic()
+        tel.shutdown()
+        configuration.shutdown()
+        result["shutdown_s"] = round(time.monotonic() - t_shutdown, 3)
+        result["delivery_after_shutdown"] = config.delivery.snapshot() if config.delivery is not None else {}
+    gc.collect()
+    Path(args.out).write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

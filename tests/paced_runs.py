@@ -1,0 +1,105 @@
+"""Runs ``benchmarks/paced_workload.py`` as a real process and reads what it measured.
+
+Shared by the export fault tests here and the Collector fault tests under ``e2e/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOAD = ROOT / "benchmarks" / "paced_workload.py"
+
+
+@dataclass
+class Run:
+    result: dict[str, Any]
+    stderr: str
+    returncode: int
+    exit_s: float  # from "ops done" to the process's exit
+
+    # -- what the process measured ----------------------------------------------------
+    def costs_ns(self, start_ms: float = 0.0, end_ms: float = float("inf")) -> list[int]:
+        """submit() costs of the ops submitted in [start_ms, end_ms) since the start, sorted."""
+        submit = self.result["submit"]
+        return sorted(c for t, c in zip(submit["ms"], submit["cost_ns"]) if start_ms <= t < end_ms)
+
+    def spans(self, key: str = "exported") -> int:
+        """A delivery count summed over the span exporters (final snapshot)."""
+        return sum(v.get(key, 0) for k, v in self.result["final"]["delivery"].items() if k.startswith("spans:"))
+
+    def warnings(self, text: str) -> int:
+        return self.stderr.count(text)
+
+
+def quantile(sorted_values: Sequence[int], q: float) -> int:
+    return sorted_values[min(len(sorted_values) - 1, int(q * (len(sorted_values) - 1)))]
+
+
+def run_workload(tmp: Path, env: Mapping[str, str], *args: str, timeout_s: float = 120.0,
+                 during: Any = None) -> Run:
+    """Run the paced workload with the standard ``OTEL_*`` variables in ``env``.
+
+    ``during(process, t0)`` (optional) runs while the workload does: fault injection."""
+    out = tmp / f"run-{time.monotonic_ns()}.json"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    full_env.update(env)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    err_path = out.with_suffix(".stderr")
+    with open(err_path, "w", encoding="utf-8") as err:
+        process = subprocess.Popen([sys.executable, str(WORKLOAD), "--out", str(out), *args],
+                                   env=full_env, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+        t0 = time.monotonic()
+        if during is not None:
+            during(process, t0)
+        done_at = None
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("ops done"):
+                done_at = time.monotonic()
+        process.wait(timeout_s)
+        exited = time.monotonic()
+    stderr = err_path.read_text(encoding="utf-8")
+    if process.returncode != 0 or done_at is None:
+        raise AssertionError(f"workload failed (rc {process.returncode}):\n{stderr[-4000:]}")
+    return Run(json.loads(out.read_text(encoding="utf-8")), stderr, process.returncode, exited - done_at)
+
+
+COUNTERS = {"hicache.transfer.bytes": "bytes", "hicache.transfer.blocks": "blocks",
+            "hicache.transfer.tokens": "tokens", "hicache.transfer.duration": "ops"}
+
+
+def final_counters(metric_requests: Sequence[Any]) -> dict[str, dict[str, int]]:
+    """Per direction, the transfer counters as a receiver last saw them: the newest
+    cumulative point of every series, summed (ops from the duration histogram's count)."""
+    newest: dict[tuple[str, tuple], Any] = {}
+    for request in metric_requests:
+        for rm in request.resource_metrics:
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    if metric.name not in COUNTERS:
+                        continue
+                    points = metric.sum.data_points if metric.HasField("sum") else metric.histogram.data_points
+                    for p in points:
+                        attrs = tuple(sorted((kv.key, getattr(kv.value, kv.value.WhichOneof("value")))
+                                           for kv in p.attributes))
+                        key = (metric.name, attrs)
+                        if key not in newest or p.time_unix_nano >= newest[key].time_unix_nano:
+                            newest[key] = p
+    out: dict[str, dict[str, int]] = {}
+    for (name, attrs), p in newest.items():
+        direction = next((v for k, v in attrs if k == "hicache.direction"), None)
+        if direction is None:
+            continue
+        field = COUNTERS[name]
+        value = int(p.count) if name == "hicache.transfer.duration" else int(p.as_int or p.as_double)
+        row = out.setdefault(direction, {"ops": 0, "bytes": 0, "blocks": 0, "tokens": 0})
+        row[field] += value
+    return out

@@ -1,0 +1,131 @@
+"""Export faults with real processes and real OTLP exporters (gRPC and HTTP/protobuf).
+
+Each case runs ``benchmarks/paced_workload.py`` as a host process configured only by
+``OTEL_*`` variables and asserts: the process never sees an exception, ``submit()``
+keeps its normal cost (compared with a run against a healthy receiver in the same
+test, never an absolute time), the transfer counters stay exact, and what could not be
+delivered is counted (delivery accounting) and warned about once. The Collector kill
+and restart cases, and TLS, are in ``e2e/test_collector_faults.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from otlp_receiver import GrpcReceiver, HttpReceiver, StallingServer, closed_port
+from paced_runs import final_counters, quantile, run_workload
+
+PROTOCOLS = {"grpc": GrpcReceiver, "http/protobuf": HttpReceiver}
+RATE, SECONDS = 400, 2.5
+SHUTDOWN_BOUND_S = 2.0
+
+
+def _env(protocol: str, endpoint: str, **extra: str) -> dict[str, str]:
+    env = {
+        "OTEL_SERVICE_NAME": "hicache-faults",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_METRIC_EXPORT_INTERVAL": "500",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_HICACHE_SHUTDOWN_TIMEOUT_S": str(SHUTDOWN_BOUND_S),
+    }
+    env.update(extra)
+    return env
+
+
+def _span_accounting(run) -> dict[str, int]:
+    counts = {key: run.spans(key) for key in ("exported", "export_failed", "queue_full", "queued", "in_export")}
+    counts["emitted"] = run.result["ops"]  # spans at 100%: one per op
+    return counts
+
+
+def _assert_accounted(counts: dict[str, int]) -> None:
+    """Every span handed to the SDK is delivered, counted as lost, or still on its way."""
+    on_its_way = counts["queued"] + counts["in_export"]
+    assert counts["exported"] + counts["export_failed"] + counts["queue_full"] + on_its_way == counts["emitted"], counts
+
+
+def _assert_normal_cost(run, healthy, what: str) -> None:
+    p99, worst = quantile(run.costs_ns(), 0.99), max(run.costs_ns())
+    base_p99, base_worst = quantile(healthy.costs_ns(), 0.99), max(healthy.costs_ns())
+    print(f"{what}: submit p99 {p99 / 1e3:.1f} us (healthy {base_p99 / 1e3:.1f}), "
+          f"worst {worst / 1e3:.1f} us (healthy {base_worst / 1e3:.1f})")
+    # generous bounds (2 shared cores): a blocking submit would be 1000x, not 3x
+    assert p99 <= 3 * base_p99 + 20_000, (what, p99, base_p99)
+    assert worst <= 5 * base_worst + 2_000_000, (what, worst, base_worst)
+
+
+@pytest.fixture(scope="module", params=sorted(PROTOCOLS))
+def healthy(request, tmp_path_factory):
+    """The same workload against a receiver that answers: the normal cost, and exact delivery."""
+    receiver = PROTOCOLS[request.param]()
+    try:
+        run = run_workload(tmp_path_factory.mktemp("healthy"), _env(request.param, receiver.endpoint),
+                           "--rate", str(RATE), "--seconds", str(SECONDS))
+        counts = _span_accounting(run)
+        assert counts["exported"] == counts["emitted"] == len(receiver.received.spans()), counts
+        assert final_counters(receiver.received.metrics) == run.result["truth"]
+        assert "could not export" not in run.stderr
+        yield request.param, run
+    finally:
+        receiver.stop()
+
+
+def test_collector_unreachable_at_start_costs_nothing_and_exit_is_bounded(healthy, tmp_path):
+    protocol, healthy_run = healthy
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    # the SDK's default export timeout (10 s of retries per batch) is kept: exit must not wait for it
+    run = run_workload(tmp_path, _env(protocol, endpoint), "--rate", str(RATE), "--seconds", str(SECONDS),
+                       "--no-provider-flush", "--exit-without-shutdown")
+    _assert_normal_cost(run, healthy_run, f"unreachable ({protocol})")
+    print(f"unreachable ({protocol}): exit {run.exit_s:.2f} s after the last op "
+          f"(OTEL_HICACHE_SHUTDOWN_TIMEOUT_S={SHUTDOWN_BOUND_S})")
+    assert run.exit_s < 2 * SHUTDOWN_BOUND_S + 2.0, run.exit_s
+    counts = _span_accounting(run)
+    assert counts["exported"] == 0, counts
+    _assert_accounted(counts)
+    assert run.warnings("spans were still queued or being exported at exit") == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
+def test_failed_exports_are_counted_and_warned_about_once(healthy, tmp_path):
+    protocol, _ = healthy
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    run = run_workload(tmp_path, _env(protocol, endpoint, OTEL_EXPORTER_OTLP_TIMEOUT="0.5"),
+                       "--rate", str(RATE), "--seconds", str(SECONDS), "--no-provider-flush",
+                       "--exit-without-shutdown")
+    counts = _span_accounting(run)
+    print(f"failed exports ({protocol}): {counts}")
+    assert counts["export_failed"] > 0 and counts["exported"] == 0, counts
+    _assert_accounted(counts)
+    assert run.warnings("could not export") == 1, run.stderr[-3000:]
+    assert run.warnings("a metric export to") <= 1
+    metrics = [v for k, v in run.result["final"]["delivery"].items() if k.startswith("metrics:")]
+    assert sum(m["failed"] for m in metrics) >= 1, metrics
+
+
+def test_a_stalled_collector_never_grows_memory_beyond_the_queue_caps(healthy, tmp_path):
+    protocol, healthy_run = healthy
+    stall = StallingServer()
+    cap = 256
+    try:
+        run = run_workload(tmp_path, _env(protocol, stall.endpoint, OTEL_BSP_MAX_QUEUE_SIZE=str(cap),
+                                          OTEL_BSP_MAX_EXPORT_BATCH_SIZE="64"),
+                           "--rate", str(RATE), "--seconds", str(SECONDS), "--no-provider-flush",
+                           "--exit-without-shutdown")
+    finally:
+        stall.stop()
+    _assert_normal_cost(run, healthy_run, f"stalled collector ({protocol})")
+    samples = run.result["samples"] + [run.result["final"]]
+    assert max(s["span_queue"] for s in samples) <= cap
+    assert max(s["pipeline"] for s in samples) <= 16384
+    counts = _span_accounting(run)
+    print(f"stalled collector ({protocol}): {counts}; span queue max {max(s['span_queue'] for s in samples)} "
+          f"(cap {cap}); RSS {samples[0]['rss'] / 2**20:.1f} -> {samples[-1]['rss'] / 2**20:.1f} MiB")
+    assert counts["exported"] == 0 and counts["queue_full"] > 0, counts
+    _assert_accounted(counts)
+    # the queue holds at most `cap` spans (a few kB each): memory stays flat once it is full
+    growth = samples[-1]["rss"] - samples[0]["rss"]
+    assert growth < 32 * 2**20, [s["rss"] for s in samples]
+    assert run.warnings("span export queue is full") == 1, run.stderr[-3000:]
+    assert run.exit_s < 2 * SHUTDOWN_BOUND_S + 2.0, run.exit_s
