@@ -33,6 +33,7 @@ from typing import Any, Sequence
 from .bounded_flush import shutdown_providers
 from .delivery import DeliveryAccount, exporter_name
 from .diagnostics import warn_once
+from .http_session import certificate_session
 from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
 from .process_exit import on_exit
 from .settings import env_float, sdk_disabled
@@ -193,6 +194,8 @@ def _metric_exporters() -> list[Any]:
 def _construct(cls: Any, signal: str) -> Any:
     """An OTLP exporter from the environment; a bad endpoint or certificate warns, never raises."""
     try:
+        if ".proto.http" in cls.__module__:  # OTEL_EXPORTER_OTLP_CERTIFICATE over REQUESTS_CA_BUNDLE
+            return cls(session=certificate_session())
         return cls()
     except Exception as exc:
         warn_once(

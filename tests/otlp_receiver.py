@@ -21,6 +21,7 @@ class Received:
         self.lock = threading.Lock()
         self.traces: list[Any] = []
         self.metrics: list[Any] = []
+        self.headers: list[dict[str, str]] = []  # request headers (HTTP) or metadata (gRPC), lower-case keys
 
     def spans(self) -> list[tuple[Any, Any]]:
         """(resource, span) pairs."""
@@ -59,6 +60,7 @@ class _Traces(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):  # noqa: N802 (gRPC method name)
         with self.received.lock:
             self.received.traces.append(request)
+            self.received.headers.append({k.lower(): v for k, v in context.invocation_metadata()})
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
@@ -69,25 +71,35 @@ class _Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
     def Export(self, request, context):  # noqa: N802
         with self.received.lock:
             self.received.metrics.append(request)
+            self.received.headers.append({k.lower(): v for k, v in context.invocation_metadata()})
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
 class GrpcReceiver:
-    def __init__(self) -> None:
+    """``tls=(cert_file, key_file)`` serves TLS on ``https://localhost:<port>``."""
+
+    def __init__(self, tls: tuple[str, str] | None = None) -> None:
         self.received = Received()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(self.received), self.server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_Metrics(self.received), self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        if tls is None:
+            self.port = self.server.add_insecure_port("127.0.0.1:0")
+            self.endpoint = f"http://127.0.0.1:{self.port}"
+        else:
+            cert, key = (open(path, "rb").read() for path in tls)
+            self.port = self.server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]))
+            self.endpoint = f"https://localhost:{self.port}"
         self.server.start()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         self.server.stop(0)
 
 
 class HttpReceiver:
-    def __init__(self) -> None:
+    """``tls=(cert_file, key_file)`` serves TLS on ``https://localhost:<port>``."""
+
+    def __init__(self, tls: tuple[str, str] | None = None) -> None:
         received = self.received = Received()
         routes = {
             "/v1/traces": (trace_service_pb2.ExportTraceServiceRequest,
@@ -113,6 +125,7 @@ class HttpReceiver:
                 request.ParseFromString(body)
                 with received.lock:
                     store.append(request)
+                    received.headers.append({k.lower(): v for k, v in self.headers.items()})
                 payload = response.SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -125,9 +138,16 @@ class HttpReceiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        if tls is not None:
+            import ssl
+
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            self.endpoint = f"https://localhost:{self.port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -188,3 +208,32 @@ def closed_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def make_certificates(directory: Any) -> dict[str, str]:
+    """A throw-away CA, a server certificate it signed for localhost/127.0.0.1, and an
+    unrelated CA (the wrong certificate), made with the ``openssl`` command.
+
+    Returns paths: ``ca``, ``cert``, ``key``, ``wrong_ca``."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RuntimeError("the TLS tests need the openssl command (Debian package openssl)")
+    d = Path(directory)
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, cwd=d)
+
+    for name in ("ca", "wrong_ca"):
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN=otel-hicache test {name}",
+            "-keyout", f"{name}.key", "-out", f"{name}.pem")
+    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n", encoding="ascii")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "server.key",
+        "-out", "server.csr")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-days", "2", "-extfile", "san.cnf", "-out", "server.pem")
+    return {"ca": str(d / "ca.pem"), "cert": str(d / "server.pem"), "key": str(d / "server.key"),
+            "wrong_ca": str(d / "wrong_ca.pem")}

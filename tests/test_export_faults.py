@@ -129,3 +129,56 @@ def test_a_stalled_collector_never_grows_memory_beyond_the_queue_caps(healthy, t
     assert growth < 32 * 2**20, [s["rss"] for s in samples]
     assert run.warnings("span export queue is full") == 1, run.stderr[-3000:]
     assert run.exit_s < 2 * SHUTDOWN_BOUND_S + 2.0, run.exit_s
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory):
+    from otlp_receiver import make_certificates
+
+    return make_certificates(tmp_path_factory.mktemp("tls"))
+
+
+HEADERS = "x-hicache-tenant=team-a,authorization=Bearer%20s3cr3t"
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_tls_with_a_self_signed_certificate_and_headers(protocol, certificates, tmp_path):
+    receiver = PROTOCOLS[protocol](tls=(certificates["cert"], certificates["key"]))
+    try:
+        # a machine-wide CA bundle that does not know the collector's CA (containers often set one):
+        # OTEL_EXPORTER_OTLP_CERTIFICATE must win over it
+        run = run_workload(tmp_path, _env(protocol, receiver.endpoint, OTEL_EXPORTER_OTLP_CERTIFICATE=certificates["ca"],
+                                          OTEL_EXPORTER_OTLP_HEADERS=HEADERS,
+                                          REQUESTS_CA_BUNDLE=certificates["wrong_ca"],
+                                          CURL_CA_BUNDLE=certificates["wrong_ca"]),
+                           "--rate", "200", "--seconds", "1")
+    finally:
+        receiver.stop()
+    counts = _span_accounting(run)
+    assert counts["exported"] == counts["emitted"] == len(receiver.received.spans()), counts
+    assert final_counters(receiver.received.metrics) == run.result["truth"]
+    assert receiver.received.headers and all(
+        h.get("x-hicache-tenant") == "team-a" and h.get("authorization") == "Bearer s3cr3t"
+        for h in receiver.received.headers), receiver.received.headers[:2]
+    assert "could not export" not in run.stderr
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_a_wrong_certificate_fails_visibly(protocol, certificates, tmp_path):
+    receiver = PROTOCOLS[protocol](tls=(certificates["cert"], certificates["key"]))
+    try:
+        # (the machine-wide bundle would accept the collector: the OTLP certificate must still rule)
+        run = run_workload(tmp_path, _env(protocol, receiver.endpoint,
+                                          OTEL_EXPORTER_OTLP_CERTIFICATE=certificates["wrong_ca"],
+                                          OTEL_EXPORTER_OTLP_TIMEOUT="1",
+                                          REQUESTS_CA_BUNDLE=certificates["ca"], CURL_CA_BUNDLE=certificates["ca"]),
+                           "--rate", "200", "--seconds", "2", "--no-provider-flush", "--exit-without-shutdown")
+    finally:
+        receiver.stop()
+    assert not receiver.received.spans() and not receiver.received.metrics
+    counts = _span_accounting(run)
+    print(f"wrong certificate ({protocol}): {counts}")
+    assert counts["export_failed"] > 0 and counts["exported"] == 0, counts
+    _assert_accounted(counts)
+    assert run.warnings("could not export") == 1, run.stderr[-3000:]
+    assert receiver.endpoint.split("//")[1] in run.stderr
