@@ -117,8 +117,14 @@ class CudaBackend:
     dry = False
 
     def __init__(self) -> None:
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.init()
+        self._device: Any = None  # resolved on first use, inside the run's error handling
+
+    @property
+    def device(self) -> Any:
+        if self._device is None:
+            torch.cuda.init()
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        return self._device
 
     def stream(self) -> Any:
         return torch.cuda.Stream(device=self.device)
@@ -145,11 +151,15 @@ class CudaBackend:
         return int(round(start.elapsed_time(finish) * 1e6))
 
     def free(self) -> None:
+        """Give cached device and pinned host memory back between sizes (best effort)."""
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        host_empty = getattr(torch._C, "_host_emptyCache", None)  # pylint: disable=protected-access
-        if callable(host_empty):
-            host_empty()
+        try:
+            torch.cuda.empty_cache()
+            host_empty = getattr(torch._C, "_host_emptyCache", None)  # pylint: disable=protected-access
+            if callable(host_empty):
+                host_empty()
+        except Exception as exc:  # only memory held longer; never a reason to stop
+            print(f"[gpu_validate] freeing cached memory: {exc!r} (ignored)", flush=True)
 
     def bench(self, fn: Callable[[], Any], stream: Any) -> dict[str, Any]:
         """``triton.testing.do_bench`` of ``fn`` on ``stream`` (median ms), if triton imports."""
@@ -381,6 +391,7 @@ class Validation:
         self.overhead: dict[str, Any] = {}
         self.analysis: dict[str, Any] = {}
         self.worker_seen = False
+        self.stream = backend.stream()  # first: if the device is unusable, nothing else was started
         self.exporter = InMemorySpanExporter()
         self.tracer_provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)
         self.tracer_provider.add_span_processor(
@@ -391,7 +402,6 @@ class Validation:
         with bench_common.env(OTEL_HICACHE_ENABLED="true", OTEL_SDK_DISABLED="false"):
             self.tel = TransferTelemetry(self.tracer_provider, self.meter_provider,
                                          {"tp_rank": 0, "gpu_validate.backend": backend.name})
-        self.stream = backend.stream()
 
     # -- helpers -----------------------------------------------------------------------
     def _check_worker(self) -> None:
@@ -452,23 +462,28 @@ class Validation:
         backend, args = self.backend, self.args
         for nbytes in self.sizes:
             print(f"[gpu_validate] copies: {_mib(nbytes)} x {args.reps} per direction", flush=True)
-            dev, host = backend.buffers(nbytes)
-            try:
-                for direction in DIRECTIONS:
-                    dst, src = (host, dev) if direction == "offload" else (dev, host)
-                    for _ in range(2):  # warm-up, not reported
-                        backend.copy(dst, src, self.stream)
-                        backend.synchronize()
-                    for rep in range(args.reps):
-                        op, _handle = self._timed_copy("copies", direction, nbytes, dst, src)
-                        op["rep"] = rep
-                        self._check_worker()
-                    if not args.no_bench:
-                        self._bench(direction, nbytes, dst, src)
-            finally:
-                del dev, host
-                dst = src = None
-                backend.free()
+            with self.report.guard(f"phase: copies, {_mib(nbytes)}"):  # one size failing: the others still run
+                self._copies_of_size(nbytes)
+
+    def _copies_of_size(self, nbytes: int) -> None:
+        backend, args = self.backend, self.args
+        dev, host = backend.buffers(nbytes)
+        try:
+            for direction in DIRECTIONS:
+                dst, src = (host, dev) if direction == "offload" else (dev, host)
+                for _ in range(2):  # warm-up, not reported
+                    backend.copy(dst, src, self.stream)
+                    backend.synchronize()
+                for rep in range(args.reps):
+                    op, _handle = self._timed_copy("copies", direction, nbytes, dst, src)
+                    op["rep"] = rep
+                    self._check_worker()
+                if not args.no_bench:
+                    self._bench(direction, nbytes, dst, src)
+        finally:
+            del dev, host
+            dst = src = None
+            backend.free()
 
     def _bench(self, direction: str, nbytes: int, dst: Any, src: Any) -> None:
         entry: dict[str, Any] = {"direction": direction, "bytes": nbytes}
@@ -898,18 +913,22 @@ def _defaults(args: argparse.Namespace, dry: bool) -> None:
 
 
 def environment(backend: Any) -> dict[str, Any]:
+    """What ran. A backend that cannot describe itself leaves ``backend_environment_error``."""
     try:
         triton_version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         triton_version = "not installed"
     env = bench_common.machine("otel_hicache", otel_hicache.__version__, torch=torch.__version__,
                                triton=triton_version)
-    env.update(backend.environment())
     env["timestamp_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     # OTEL_HICACHE_* values (they tune the pipeline); other OTEL_* names only (headers may hold secrets)
     env["otel_hicache_variables"] = {k: v for k, v in os.environ.items() if k.startswith("OTEL_HICACHE_")}
     env["other_otel_variables_set"] = sorted(k for k in os.environ
                                              if k.startswith("OTEL_") and not k.startswith("OTEL_HICACHE_"))
+    try:
+        env.update(backend.environment())
+    except Exception as exc:  # the facts above are still worth having
+        env["backend_environment_error"] = repr(exc)
     return env
 
 
@@ -959,6 +978,9 @@ def main(argv: Sequence[str] | None = None, backend: Any = None, started: float 
     try:
         with report.guard("environment", "info"):
             results["environment"] = environment(backend)
+            if "backend_environment_error" in results["environment"]:
+                report.add("environment", "info", results["environment"]["backend_environment_error"][:120],
+                           "device facts", False)
         with report.guard("set-up"):
             validation = Validation(backend, args, report)
         if validation is not None:
