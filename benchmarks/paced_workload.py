@@ -9,7 +9,7 @@ carries ``workload.op`` (its index), so a receiver can tell which ops arrived.
 Measured in the process and written to ``--out`` (JSON):
 
 * ``truth``: ops, bytes, blocks and tokens per direction (what the counters must say);
-* ``submit``: the wall time of each op's submit (ms since the start) and the cost of the
+* ``submit``: the time of each op's submit (ms since ``start_unix_ns``) and the cost of the
   ``submit()`` call itself (ns), both as lists indexed by op;
 * ``samples``: once a second, RSS, the completion pipeline's size, the batch span
   processor's queue and the delivery counts;
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             samples.append(sample())
 
     t0 = time.monotonic()
+    start_unix_ns = time.time_ns()
     start_ns = time.perf_counter_ns()
     period_ns = int(1e9 / args.rate)
     thread = threading.Thread(target=sampler, name="sampler", daemon=True)
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         flushed = tel.force_flush(10.0) and flushed
     final = sample()
     result = {
-        "rate": args.rate, "seconds": args.seconds, "ops": total, "elapsed_s": elapsed, "flushed": flushed,
+        "rate": args.rate, "seconds": args.seconds, "ops": total, "start_unix_ns": start_unix_ns,
+        "elapsed_s": elapsed, "flushed": flushed,
         "truth": truth, "samples": samples, "final": final,
         "submit": {"ms": list(submit_ms), "cost_ns": list(submit_cost)},
     }

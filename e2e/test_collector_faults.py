@@ -1,0 +1,291 @@
+"""Faults with the real Collector in the path (the binary e2e/setup.sh built or installed).
+
+    workload process --OTLP--> Collector (killed and restarted by PID) --OTLP/HTTP--> sink
+
+The sink is the test's own OTLP/HTTP receiver (tests/otlp_receiver.py), so every span and
+every cumulative point that made it through is seen. Cases:
+
+* the Collector killed (SIGKILL) mid-run and restarted: the workload never sees an
+  exception and submit() keeps its cost; after the restart metrics resume and the
+  cumulative counters end exactly at the ground truth; spans sent after the restart
+  arrive (no gap once delivery recovered); every span the workload emitted is
+  delivered or counted as lost;
+* OTLP over TLS to the Collector with a self-signed certificate (and headers); a wrong
+  certificate fails visibly: a warning, counted failures, nothing delivered.
+
+Run by e2e/faults.sh (after e2e/setup.sh), from CI.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from otlp_receiver import HttpReceiver, make_certificates  # noqa: E402
+from paced_runs import final_counters, quantile, run_workload  # noqa: E402
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "otel-hicache" / "e2e"
+
+
+def _state() -> dict[str, str]:
+    path = CACHE / "state.env"
+    if not path.exists():
+        raise RuntimeError(f"{path} missing: run e2e/setup.sh first")
+    state = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            key, value = line.split("=", 1)
+            parts = shlex.split(value)
+            state[key.strip()] = parts[0] if parts else ""
+    return state
+
+
+STATE = _state()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class Collector:
+    """The pipeline test's OTLP hop as a process we can kill and restart by PID."""
+
+    def __init__(self, tmp: Path, sink: str, tls: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.sink = sink
+        self.tls = tls
+        self.grpc_port, self.http_port = _free_port(), _free_port()
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+        self.kind = STATE["E2E_PIPELINE"]
+        self.binary = STATE["E2E_OTLP_BIN"]
+        self.command = self._otelcol() if self.kind == "otelcol" else self._rotel()
+
+    def _otelcol(self) -> list[str]:
+        components = subprocess.run([self.binary, "components"], capture_output=True, text=True).stdout
+        otlphttp = "otlp_http" if any(line.strip().lstrip("- ").strip() == "name: otlp_http"
+                                      for line in components.splitlines()) else "otlphttp"
+        tls = ""
+        if self.tls:
+            tls = f', tls: {{cert_file: "{self.tls["cert"]}", key_file: "{self.tls["key"]}"}}'
+        config = self.tmp / "otelcol.yaml"
+        config.write_text(f"""# test-only configuration (e2e/test_collector_faults.py)
+receivers:
+  otlp:
+    protocols:
+      grpc: {{endpoint: "127.0.0.1:{self.grpc_port}"{tls}}}
+      http: {{endpoint: "127.0.0.1:{self.http_port}"{tls}}}
+processors:
+  batch: {{timeout: 100ms}}
+exporters:
+  {otlphttp}:
+    endpoint: "{self.sink}"
+    compression: none
+service:
+  telemetry:
+    metrics: {{level: none}}
+  pipelines:
+    traces: {{receivers: [otlp], processors: [batch], exporters: [{otlphttp}]}}
+    metrics: {{receivers: [otlp], processors: [batch], exporters: [{otlphttp}]}}
+""", encoding="utf-8")
+        return [self.binary, f"--config={config}"]
+
+    def _rotel(self) -> list[str]:
+        if self.tls:
+            raise RuntimeError("the rotel fallback is not configured for TLS here; the TLS case needs the Collector")
+        return [self.binary, "start", "--otlp-grpc-endpoint", f"127.0.0.1:{self.grpc_port}",
+                "--otlp-http-endpoint", f"127.0.0.1:{self.http_port}", "--otlp-receiver-logs-disabled",
+                "--exporter", "otlp", "--otlp-exporter-protocol", "http", "--otlp-exporter-compression", "none",
+                "--batch-timeout", "100ms",
+                "--otlp-exporter-traces-endpoint", f"{self.sink}/v1/traces",
+                "--otlp-exporter-metrics-endpoint", f"{self.sink}/v1/metrics",
+                "--otlp-exporter-logs-endpoint", f"{self.sink}/unused/v1/logs"]
+
+    def endpoint(self, protocol: str) -> str:
+        scheme = "https" if self.tls else "http"
+        host = "localhost" if self.tls else "127.0.0.1"
+        return f"{scheme}://{host}:{self.grpc_port if protocol == 'grpc' else self.http_port}"
+
+    def start(self) -> float:
+        """Start and wait until both receivers accept connections; returns the time.time() it was ready."""
+        self.starts += 1
+        log = open(self.tmp / f"collector-{self.starts}.log", "w", encoding="utf-8")
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not (_open(self.grpc_port) and _open(self.http_port)):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"collector did not start:\n{self.log()}")
+            time.sleep(0.05)
+        return time.time()
+
+    def kill(self) -> float:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+        return time.time()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def log(self) -> str:
+        return "\n".join(p.read_text(encoding="utf-8")[-2000:] for p in sorted(self.tmp.glob("collector-*.log")))
+
+
+@pytest.fixture
+def sink():
+    receiver = HttpReceiver()
+    yield receiver
+    receiver.stop()
+
+
+def _env(protocol: str, endpoint: str, **extra: str) -> dict[str, str]:
+    env = {
+        "OTEL_SERVICE_NAME": "hicache-collector-faults",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_METRIC_EXPORT_INTERVAL": "500",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+        "OTEL_HICACHE_SHUTDOWN_TIMEOUT_S": "5",
+    }
+    env.update(extra)
+    return env
+
+
+def _op_ids(sink: HttpReceiver) -> list[int]:
+    ids = []
+    for _resource, span in sink.received.spans():
+        for kv in span.attributes:
+            if kv.key == "workload.op":
+                ids.append(kv.value.int_value)
+    return ids
+
+
+def _wait_for(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_collector_killed_and_restarted(protocol, sink, tmp_path):
+    collector = Collector(tmp_path, sink.endpoint)
+    collector.start()
+    times: dict[str, float] = {}
+
+    def faults(process, _t0):
+        time.sleep(4.0)  # ~2.5 s of ops after the interpreter started
+        times["kill"] = collector.kill()
+        time.sleep(3.0)
+        times["ready"] = collector.start()
+
+    try:
+        run = run_workload(tmp_path, _env(protocol, collector.endpoint(protocol), OTEL_EXPORTER_OTLP_TIMEOUT="2"),
+                           "--rate", "200", "--seconds", "10", during=faults)
+        # the Collector batches for 100 ms and forwards: give the last points time to reach the sink
+        truth = run.result["truth"]
+        exact = _wait_for(lambda: final_counters(sink.received.metrics) == truth)
+    finally:
+        collector.stop()
+    start_s = run.result["start_unix_ns"] / 1e9
+    kill_ms, ready_ms = (times["kill"] - start_s) * 1e3, (times["ready"] - start_s) * 1e3
+    assert 500 < kill_ms < ready_ms < run.result["elapsed_s"] * 1e3 - 2000, (kill_ms, ready_ms)
+
+    # metrics resumed after the restart and the cumulative counters are exact
+    assert exact, (final_counters(sink.received.metrics), truth, collector.log())
+
+    # spans sent after the restart arrive: once the first post-restart op got through, no gap
+    submit_ms = run.result["submit"]["ms"]
+    arrived = set(_op_ids(sink))
+    after = [i for i, t in enumerate(submit_ms) if t >= ready_ms]
+    first = next((i for i in after if i in arrived), None)
+    assert first is not None, "no span submitted after the restart arrived"
+    missing = [i for i in after if i >= first and i not in arrived]
+    recovery_ms = submit_ms[first] - ready_ms
+    assert not missing, (len(missing), missing[:10])
+
+    # every span the workload emitted is delivered to the Collector or counted as lost
+    counts = {k: run.spans(k) for k in ("exported", "export_failed", "queue_full", "queued", "in_export")}
+    assert counts["queued"] == counts["in_export"] == 0, counts
+    assert counts["exported"] + counts["export_failed"] + counts["queue_full"] == run.result["ops"], counts
+    assert len(arrived) <= counts["exported"]  # the killed Collector loses what it held; never more arrives
+    if counts["export_failed"] or counts["queue_full"]:
+        assert run.stderr.count("could not export") + run.stderr.count("span export queue is full") >= 1
+        assert run.stderr.count("could not export") <= 1
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+
+    # submit() during the outage costs what it cost before
+    before, outage = run.costs_ns(0, kill_ms), run.costs_ns(kill_ms, ready_ms + 2000)
+    p99_before, p99_outage = quantile(before, 0.99), quantile(outage, 0.99)
+    print(f"\nkilled+restarted ({protocol}): {run.result['ops']} ops; spans at the sink {len(arrived)}, "
+          f"exported {counts['exported']}, export_failed {counts['export_failed']}, queue_full "
+          f"{counts['queue_full']}; first post-restart op delivered {recovery_ms:.0f} ms after the restart; "
+          f"submit p99 {p99_before / 1e3:.1f} us before, {p99_outage / 1e3:.1f} us during the outage, worst "
+          f"{max(before) / 1e3:.1f} / {max(outage) / 1e3:.1f} us")
+    assert p99_outage <= 3 * p99_before + 20_000, (p99_before, p99_outage)
+    assert max(outage) <= 5 * max(before) + 2_000_000, (max(before), max(outage))
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory):
+    return make_certificates(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_tls_to_the_collector(protocol, sink, certificates, tmp_path):
+    if STATE["E2E_PIPELINE"] != "otelcol":
+        pytest.skip("TLS is tested against the Collector; this machine's OTLP hop is the rotel fallback")
+    collector = Collector(tmp_path, sink.endpoint, tls=certificates)
+    collector.start()
+    try:
+        run = run_workload(tmp_path, _env(protocol, collector.endpoint(protocol),
+                                          OTEL_EXPORTER_OTLP_CERTIFICATE=certificates["ca"],
+                                          OTEL_EXPORTER_OTLP_HEADERS="x-hicache-tenant=team-a"),
+                           "--rate", "200", "--seconds", "1.5")
+        truth = run.result["truth"]
+        exact = _wait_for(lambda: final_counters(sink.received.metrics) == truth)
+        assert exact, (final_counters(sink.received.metrics), truth, collector.log())
+        assert _wait_for(lambda: len(_op_ids(sink)) == run.result["ops"]), len(_op_ids(sink))
+        assert run.spans("exported") == run.result["ops"]
+        assert "could not export" not in run.stderr
+
+        wrong = run_workload(tmp_path, _env(protocol, collector.endpoint(protocol),
+                                            OTEL_EXPORTER_OTLP_CERTIFICATE=certificates["wrong_ca"],
+                                            OTEL_EXPORTER_OTLP_TIMEOUT="1", OTEL_SERVICE_NAME="wrong-certificate"),
+                             "--rate", "200", "--seconds", "2", "--no-provider-flush", "--exit-without-shutdown")
+    finally:
+        collector.stop()
+    assert not any(
+        kv.value.string_value == "wrong-certificate"
+        for resource, _span in sink.received.spans() for kv in resource.attributes if kv.key == "service.name")
+    assert wrong.spans("exported") == 0 and wrong.spans("export_failed") > 0
+    assert wrong.stderr.count("could not export") == 1, wrong.stderr[-3000:]
+    print(f"\nTLS ({protocol}): {run.result['ops']} spans and exact counters through the Collector; wrong "
+          f"certificate: {wrong.spans('export_failed')} spans counted as export_failed, one warning, exit "
+          f"{wrong.exit_s:.1f} s after the last op")
