@@ -32,7 +32,7 @@ status then reflects only the wiring rows and checks that raised.
 
 Usage::
 
-    python benchmarks/gpu_validate.py --out docs/gpu-results/<date>-<gpu>.json   # CUDA, ~1 min
+    python benchmarks/gpu_validate.py --out docs/gpu-results/<date>-<gpu>.json   # CUDA
     python benchmarks/gpu_validate.py --dry --out /tmp/r.json                     # CPU, seconds
 
 A short table is printed last; full per-copy results and the environment go to ``--out``
