@@ -247,7 +247,8 @@ def _device_pool(kv_size: int, page_size: int, layers: int, dtype: Any) -> tuple
 
 
 def build_stack(policy: str = "write_through", page_size: int = 4, layers: int = 3,
-                kv_size: int = 64, host_ratio: float = 2.0) -> CacheStack:
+                kv_size: int = 64, host_ratio: float = 2.0,
+                tree_core_backend: Optional[str] = None) -> CacheStack:
     """Build ``UnifiedRadixCache`` + ``init_hicache`` the way the scheduler does.
 
     bfloat16 MHA device pool (``head_num=2, head_dim=8``), ``io_backend="direct"``,
@@ -255,6 +256,8 @@ def build_stack(policy: str = "write_through", page_size: int = 4, layers: int =
     ``--hicache-ratio`` (host pool size relative to the device pool).
     SGLang's ``RadixCacheMetricsCollector`` is attached before ``init_hicache``,
     as in production, so the dropped-token series are pre-seeded.
+    ``tree_core_backend`` selects SGLang's TreeCore (``"python"`` or ``"rust"``);
+    None keeps SGLang's default (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``).
     """
     install_cpu_support()
     import torch
@@ -269,7 +272,8 @@ def build_stack(policy: str = "write_through", page_size: int = 4, layers: int =
     kv, allocator = _device_pool(kv_size, page_size, layers, torch.bfloat16)
     params = CacheInitParams(req_to_token_pool=req_to_token,
                              token_to_kv_pool_allocator=allocator, page_size=page_size,
-                             disable=False, tree_components=(ComponentType.FULL,))
+                             disable=False, tree_components=(ComponentType.FULL,),
+                             tree_core_backend=tree_core_backend)
     cache = UnifiedRadixCache(params=params)
     cache.metrics_collector = _shared_metrics_collector()
     server_args = _publish_server_args(
@@ -306,16 +310,18 @@ def build_controller(page_size: int = 4, layers: int = 3, kv_size: int = 64):
     return controller, kv, allocator
 
 
-def controller_round_trip(controller, kv, allocator, n: int = 8) -> Dict[str, Any]:
-    """Engine-level write then load of ``n`` tokens; bit-exact. Two acks."""
+def controller_round_trip(controller, kv, allocator, n: int = 8, write_node_id: int = 7,
+                          load_node_id: int = 8) -> Dict[str, Any]:
+    """Engine-level write then load of ``n`` tokens; bit-exact. Two acks, whose
+    ``node_ids`` are ``[write_node_id]`` and ``[load_node_id]``."""
     import torch
 
     device_indices = allocator.alloc(n)
     _fill_random(kv, device_indices)
-    host_indices = controller.write(device_indices, node_id=7)
+    host_indices = controller.write(device_indices, node_id=write_node_id)
     write_ack = controller.ack_write_queue.pop(0)
     write_ack.finish_event.synchronize()
-    loaded = controller.load(host_indices, node_id=8)
+    loaded = controller.load(host_indices, node_id=load_node_id)
     controller.start_loading()
     load_ack = controller.ack_load_queue.pop(0)
     load_ack.finish_event.synchronize()
@@ -449,13 +455,16 @@ def write_back_eviction(stack: CacheStack, n: int = 8, start: int = 500,
     return result
 
 
-def decode_retraction(stack: CacheStack, n: int = 8, req_pool_idx: int = 0) -> Dict[str, Any]:
+def decode_retraction(stack: CacheStack, n: int = 8, req_pool_idx: int = 0,
+                      req: Any = None) -> Dict[str, Any]:
     """Decode retraction with ``backup_kv_cache`` / ``restore_kv_cache``.
 
     These call ``L2TransferEngine.submit_device_to_host`` / ``submit_host_to_device``
     directly: no ``HiCacheAck``, nothing in SGLang's counters. A request of
     ``seqlen`` tokens backs up ``seqlen - 1`` tokens (the last token's KV is not
     yet computed), padded up to a page: the copy moves that many slots.
+    ``req`` is the retracted request (for example a real ``schedule_batch.Req``
+    of ``n`` tokens); by default a stand-in with ``rid``, ``seqlen`` and ``kv``.
     """
     import torch
     from sglang.srt.utils.common import ceil_align
@@ -469,8 +478,12 @@ def decode_retraction(stack: CacheStack, n: int = 8, req_pool_idx: int = 0) -> D
     logical = n - 1
     before = [kv.k_buffer[layer][device_indices[:logical]].clone()
               for layer in range(kv.layer_num)]
-    req = SimpleNamespace(rid="retracted-0", seqlen=n,
-                          kv=SimpleNamespace(req_pool_idx=req_pool_idx))
+    if req is None:
+        req = SimpleNamespace(rid="retracted-0", seqlen=n,
+                              kv=SimpleNamespace(req_pool_idx=req_pool_idx))
+    else:
+        assert req.seqlen == n, (req.seqlen, n)
+        req.kv.req_pool_idx = req_pool_idx
     acks_before = (len(controller.ack_write_queue), len(controller.ack_load_queue))
     host_free_before = controller.mem_pool_host.available_size()
     backup = cache.backup_kv_cache(req)
