@@ -1,0 +1,208 @@
+"""A bounded soak with the real Collector in the path.
+
+    paced workload --OTLP gRPC--> Collector (e2e/setup.sh) --OTLP/HTTP--> counting sink
+
+Default: 5 minutes at 3,400 merged ops/s (1.02M ops), every op a span (spans at 100%),
+metrics every 5 s, configured only by ``OTEL_*`` variables. The sink (in this process)
+counts every span and keeps the newest cumulative point of every series. Checks, printed
+as a table:
+
+* the transfer counters at the sink equal the workload's ground truth, exactly;
+* every span arrived; export errors 0 (no failed export, no queue-full drop, no failed
+  metric export);
+* RSS stays flat (the last minute against the minute after warm-up) and so do the
+  completion pipeline's and the span processor's queue depths.
+
+Run ``bash e2e/setup.sh`` first. ``--seconds``/``--rate`` shorten it; exit status 1 when a
+check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "e2e"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2  # noqa: E402
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
+
+from collector_process import Collector  # noqa: E402
+from paced_runs import COUNTERS, run_workload  # noqa: E402
+
+
+class CountingSink:
+    """OTLP/HTTP receiver that keeps counts, not requests: spans per ``service.name`` and
+    the newest point of every transfer counter series."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spans = 0
+        self.requests = 0
+        self.newest: dict[tuple[str, tuple], Any] = {}
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/v1/traces":
+                    request = trace_service_pb2.ExportTraceServiceRequest()
+                    request.ParseFromString(body)
+                    n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                    with sink.lock:
+                        sink.spans += n
+                        sink.requests += 1
+                    payload = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                elif self.path == "/v1/metrics":
+                    request = metrics_service_pb2.ExportMetricsServiceRequest()
+                    request.ParseFromString(body)
+                    sink._points(request)
+                    payload = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
+                else:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _points(self, request: Any) -> None:
+        with self.lock:
+            for rm in request.resource_metrics:
+                for sm in rm.scope_metrics:
+                    for metric in sm.metrics:
+                        if metric.name not in COUNTERS:
+                            continue
+                        points = metric.sum.data_points if metric.HasField("sum") else metric.histogram.data_points
+                        for p in points:
+                            attrs = tuple(sorted((kv.key, getattr(kv.value, kv.value.WhichOneof("value")))
+                                                 for kv in p.attributes))
+                            key = (metric.name, attrs)
+                            old = self.newest.get(key)
+                            if old is None or p.time_unix_nano >= old.time_unix_nano:
+                                self.newest[key] = p
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        with self.lock:
+            for (name, attrs), p in self.newest.items():
+                direction = dict(attrs).get("hicache.direction")
+                if direction is None:
+                    continue
+                row = out.setdefault(direction, {"ops": 0, "bytes": 0, "blocks": 0, "tokens": 0})
+                row[COUNTERS[name]] += int(p.count) if name == "hicache.transfer.duration" else int(p.as_int)
+        return out
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _window(samples: list[dict[str, Any]], start_s: float, end_s: float, key: str) -> list[float]:
+    return [s[key] for s in samples if start_s <= s["t"] < end_s]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=300.0)
+    parser.add_argument("--rate", type=float, default=3400.0, help="merged ops per second")
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args(argv)
+
+    tmp = Path(tempfile.mkdtemp(prefix="hicache-soak."))
+    sink = CountingSink()
+    collector = Collector(tmp, sink.endpoint)
+    collector.start()
+    env = {
+        "OTEL_SERVICE_NAME": "hicache-soak",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint("grpc"),
+        "OTEL_METRIC_EXPORT_INTERVAL": "5000",
+    }
+    print(f"soak: {args.rate:,.0f} ops/s for {args.seconds:.0f} s ({int(args.rate * args.seconds):,} ops), spans at "
+          f"100%, through the {collector.kind} ({collector.binary.rsplit('/', 1)[-1]})", flush=True)
+    started = time.monotonic()
+    try:
+        run = run_workload(tmp, env, "--rate", str(args.rate), "--seconds", str(args.seconds), "--summary",
+                           "--no-op-attribute", timeout_s=args.seconds + 300)
+        result = run.result
+        truth = result["truth"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (sink.counters() != truth or sink.spans < result["ops"]):
+            time.sleep(0.2)
+    finally:
+        collector.stop()
+        sink.stop()
+    wall = time.monotonic() - started
+
+    samples = result["samples"]
+    end = samples[-1]["t"] if samples else 0.0
+    warm = (min(60.0, end / 5), min(120.0, 2 * end / 5))  # the minute after warm-up (shorter runs: scaled)
+    last = (end - (warm[1] - warm[0]), end + 1)
+    rss_warm = statistics.median(_window(samples, *warm, "rss"))
+    rss_last = statistics.median(_window(samples, *last, "rss"))
+    pipe_warm, pipe_last = max(_window(samples, *warm, "pipeline")), max(_window(samples, *last, "pipeline"))
+    spanq_warm, spanq_last = max(_window(samples, *warm, "span_queue")), max(_window(samples, *last, "span_queue"))
+    delivery = result["final"]["delivery"]
+    span_counts = [v for k, v in delivery.items() if k.startswith("spans:")]
+    metric_counts = [v for k, v in delivery.items() if k.startswith("metrics:")]
+    export_failed = sum(c["export_failed"] for c in span_counts)
+    queue_full = sum(c["queue_full"] for c in span_counts)
+    metric_failures = sum(c["failed"] for c in metric_counts)
+    submit = result["submit"]
+    growth = rss_last - rss_warm
+    checks = [
+        ("transfer counters at the sink = ground truth", sink.counters() == truth,
+         f"{sum(t['ops'] for t in truth.values()):,} ops, {sum(t['bytes'] for t in truth.values()) / 1e9:,.1f} GB"),
+        ("spans at the sink = ops (spans at 100%)", sink.spans == result["ops"],
+         f"{sink.spans:,} of {result['ops']:,}"),
+        ("export errors", export_failed == queue_full == metric_failures == 0,
+         f"export_failed {export_failed}, queue_full {queue_full}, failed metric exports {metric_failures}"),
+        ("RSS flat (last window vs after warm-up)", growth < 16 * 2**20,
+         f"{rss_warm / 2**20:.1f} -> {rss_last / 2**20:.1f} MiB ({growth / 2**20:+.1f} MiB)"),
+        ("completion queue flat (max per window)", pipe_last <= 2 * pipe_warm + 256,
+         f"{pipe_warm} -> {pipe_last} records"),
+        ("span export queue flat (max per window)", spanq_last <= 2 * spanq_warm + 512,
+         f"{spanq_warm} -> {spanq_last} spans"),
+    ]
+    figures = {
+        "ops": result["ops"], "seconds": result["elapsed_s"], "rate": result["ops"] / result["elapsed_s"],
+        "wall_s": wall, "spans_at_sink": sink.spans, "span_requests_at_sink": sink.requests,
+        "rss_mib": [round(s["rss"] / 2**20, 1) for s in samples],
+        "pipeline": [s["pipeline"] for s in samples], "span_queue": [s["span_queue"] for s in samples],
+        "submit": submit, "delivery": delivery, "truth": truth, "sink_counters": sink.counters(),
+        "checks": {name: ok for name, ok, _ in checks},
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1), encoding="utf-8")
+    print(f"\nsoak: {result['ops']:,} ops in {result['elapsed_s']:.0f} s ({figures['rate']:,.0f} ops/s), "
+          f"{wall:.0f} s wall; submit() p50 {submit['p50_ns'] / 1e3:.1f} us, p99 {submit['p99_ns'] / 1e3:.1f} us, "
+          f"p99.9 {submit['p999_ns'] / 1e3:.1f} us, max {submit['max_ns'] / 1e3:.0f} us")
+    print(f"RSS MiB every {max(1, len(samples) // 10)} s: "
+          + " ".join(f"{s['rss'] / 2**20:.0f}" for s in samples[:: max(1, len(samples) // 10)]))
+    width = max(len(name) for name, _, _ in checks)
+    for name, ok, detail in checks:
+        print(f"  {name:<{width}}  {'PASS' if ok else 'FAIL'}  {detail}")
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
