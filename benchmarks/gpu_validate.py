@@ -833,8 +833,10 @@ class Validation:
                         f"median {net:.2f} us (submit {_median(sub_us):.2f}, empty call {_median(emp_us):.2f}),"
                         f" p99 {_pct(sub_us, 0.99):.2f} us, n={len(sub_us)}", f"<= {TARGET_OVERHEAD_US:g} us median",
                         net <= TARGET_OVERHEAD_US)
+
+    def check_worker(self) -> None:
         self.report.add("completion worker running during the run", "wiring",
-                        "yes" if self.worker_seen else "no worker thread seen", "yes", self.worker_seen)
+                        "yes" if self.worker_seen else f"no {WORKER_THREAD} thread seen", "yes", self.worker_seen)
 
     def check_late_ack(self) -> None:
         ops = [op for op in self.ops if op["phase"] == "late_ack"]
@@ -991,7 +993,7 @@ def main(argv: Sequence[str] | None = None, backend: Any = None, started: float 
                                checks=report.rows, errors=report.errors)
                 try:
                     _write(out, results)
-                except OSError as exc:
+                except Exception as exc:  # the final write reports it in the table
                     print(f"[gpu_validate] cannot write {out}: {exc!r}", flush=True)
 
             for name, phase in (("phase: copies", v.phase_copies), ("phase: late ack", v.phase_late_ack),
@@ -1013,6 +1015,7 @@ def main(argv: Sequence[str] | None = None, backend: Any = None, started: float 
                 ("check: do_bench, bandwidth", v.check_bench_and_bandwidth, "info", ""),
                 ("check: anchor error", v.check_anchor, "target", f"< {TARGET_ANCHOR_US:g} us"),
                 ("check: caller overhead", v.check_overhead, "target", f"<= {TARGET_OVERHEAD_US:g} us median"),
+                ("check: worker", v.check_worker, "wiring", ""),
                 ("check: late ack", v.check_late_ack, "target", f"within {TARGET_RATIO:.0%}"),
             ):
                 with report.guard(name, kind, target):
@@ -1044,7 +1047,7 @@ def main(argv: Sequence[str] | None = None, backend: Any = None, started: float 
         results.update(complete=True, checks=report.rows, exit_status=1 if failures else 0)
         try:
             _write(out, results)
-        except OSError as exc:
+        except Exception as exc:  # pylint: disable=broad-except
             print(f"[gpu_validate] cannot write {out}: {exc!r}", flush=True)
         if args.watchdog_s > 0:
             faulthandler.cancel_dump_traceback_later()
@@ -1060,4 +1063,10 @@ def main(argv: Sequence[str] | None = None, backend: Any = None, started: float 
 
 
 if __name__ == "__main__":
-    sys.exit(main(started=_STARTED))
+    status = main(started=_STARTED)
+    # The table stays the last thing printed: leave without interpreter teardown, where
+    # extension modules (triton's nanobind) may print notices. Everything was shut down,
+    # flushed and written by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
