@@ -84,9 +84,12 @@ def test_dry_run_is_wired(tmp_path: Path) -> None:
         assert op["timing_source"] == "device_event" and op["anchored"] is True, op
         assert op["ratio_events"] == pytest.approx(1.0, abs=1e-6), op
         assert abs(op["span_ns"] - op["events_ns"]) <= 1000, op
-    for op in copies + late:  # inside its independent bracket
-        assert 0.5 < op["ratio_ref"] <= 1.0, op
-        assert op["host_before_ns"] - 50_000 <= op["span_start_ns"] <= op["host_after_ns"], op
+    for op in copies + late:  # inside its independent bracket, and placed at the copy on the wall clock
+        assert 0 < op["ratio_ref"] <= 1.0, op
+        # (1 ms of slack: the stand-in anchor's bracket can be stretched by a busy CPU)
+        assert op["host_before_ns"] - 1_000_000 <= op["span_start_ns"] <= op["host_after_ns"] + 1_000_000, op
+    largest = [op["ratio_ref"] for op in copies if op["bytes"] == max(o["bytes"] for o in copies)]
+    assert sorted(largest)[len(largest) // 2] > 0.9, largest
     for op in late:
         assert op["acked"] is True and "acked" in op["span_events"], op
         assert op["ack_delay_us"] >= settings["ack_delay_ms"] * 1e3 - 50, op
