@@ -59,3 +59,23 @@ def test_a_failing_anchor_factory_is_warned_once_and_leaves_spans_host_placed(wa
     anchor.maybe_refresh(10**19)
     assert not anchor.usable
     assert warnings_log.text.count("cannot record a wall-clock anchor") == 1
+
+
+def test_the_first_anchor_does_not_carry_the_factory_s_one_time_set_up():
+    """A CUDA factory creates its side stream on its first call, between the two host
+    readings: that sample would place every span early by half the set-up time."""
+    device = SkewedDevice(offset=0, wake=2_000)
+    calls = []
+
+    def factory():
+        if not calls:
+            device.advance(ms=4)  # stream creation before the event is recorded
+        calls.append(1)
+        return device.anchor_event()
+
+    anchor = WallClockAnchor(factory, interval_s=1.0, clock=device.host_ns)
+    anchor.refresh()
+    assert anchor.uncertainty_ns == 1_000
+    event = device.event().record(at_ns=device.time_ns() + 1_000_000)
+    device.advance(ms=2)
+    assert abs(anchor.wall_time_ns(event) - event.at_ns) <= anchor.uncertainty_ns
