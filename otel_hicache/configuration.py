@@ -14,9 +14,15 @@ plugins load) keeps whatever it sets. Variables read:
   their per-signal forms: read by the OTLP exporters themselves, as specified.
 * ``OTEL_TRACES_SAMPLER``, ``OTEL_TRACES_SAMPLER_ARG``: the SDK sampler.
 * ``OTEL_METRIC_EXPORT_INTERVAL`` (ms, default 60000) and ``OTEL_METRIC_EXPORT_TIMEOUT``.
+* ``OTEL_BSP_*`` (span batching) and the span limits (``OTEL_*_LIMIT``).
 * ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE`` and
   ``OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION`` (explicit or
   base2 exponential buckets), for every metric exporter.
+
+Every one of them is validated first (:mod:`otel_hicache.otel_environment`): a
+malformed value is warned about once, naming the variable, and its documented
+default is passed to the SDK constructor instead, so a bad value never raises
+into the host. ``os.environ`` is never modified.
 
 Per process: after ``fork()`` the child drops the parent's providers (without
 exporting the parent's frozen metrics again) and builds new ones on first use.
@@ -30,16 +36,14 @@ import os
 import threading
 from typing import Any, Sequence
 
+from . import otel_environment
 from .bounded_flush import shutdown_providers
 from .delivery import DeliveryAccount, exporter_name
 from .diagnostics import warn_once
 from .http_session import certificate_session
 from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
 from .process_exit import on_exit
-from .settings import env_float, sdk_disabled
-
-_KNOWN_EXPORTERS = ("otlp", "console", "none")
-_PROTOCOLS = ("grpc", "http/protobuf")
+from .settings import env_float
 
 
 class Configuration:
@@ -100,40 +104,8 @@ def shutdown(timeout_s: float | None = None) -> bool:
     return current.shutdown(timeout_s)
 
 
-def _exporter_names(variable: str) -> list[str]:
-    raw = os.environ.get(variable, "otlp")
-    names = [n.strip().lower() for n in raw.split(",") if n.strip()] or ["otlp"]
-    known = []
-    for name in names:
-        if name in _KNOWN_EXPORTERS:
-            known.append(name)
-        else:
-            warn_once(
-                f"exporter:{variable}:{name}",
-                "otel-hicache: %s=%r: unknown exporter %r (supported: otlp, console, none); skipping it",
-                variable,
-                raw,
-                name,
-            )
-    if "none" in known:
-        return []
-    return known
-
-
-def _protocol(signal: str) -> str:
-    for variable in (f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
-        raw = os.environ.get(variable)
-        if raw:
-            value = raw.strip().lower()
-            if value in _PROTOCOLS:
-                return value
-            warn_once(
-                f"protocol:{variable}",
-                "otel-hicache: %s=%r is not supported (grpc, http/protobuf); ignoring it",
-                variable,
-                raw,
-            )
-    return "grpc"
+_exporter_names = otel_environment.exporter_names
+_protocol = otel_environment.protocol
 
 
 def _span_exporters() -> list[Any]:
@@ -143,34 +115,15 @@ def _span_exporters() -> list[Any]:
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
             exporters.append(ConsoleSpanExporter())
-        elif _protocol("TRACES") == "grpc":
+        elif _protocol("traces") == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-            exporters.append(_construct(OTLPSpanExporter, "traces"))
+            exporters.append(_construct(OTLPSpanExporter, "traces", "grpc"))
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            exporters.append(_construct(OTLPSpanExporter, "traces"))
+            exporters.append(_construct(OTLPSpanExporter, "traces", "http/protobuf"))
     return [e for e in exporters if e is not None]
-
-
-def _metric_preferences() -> dict[str, Any]:
-    """The histogram aggregation preference for the console exporter (the OTLP
-    exporters read ``OTEL_EXPORTER_OTLP_METRICS_*`` themselves)."""
-    from opentelemetry.sdk.metrics import Histogram
-    from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
-
-    raw = os.environ.get("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "").strip().lower()
-    if raw == "base2_exponential_bucket_histogram":
-        return {"preferred_aggregation": {Histogram: ExponentialBucketHistogramAggregation()}}
-    if raw not in ("", "explicit_bucket_histogram"):
-        warn_once(
-            "histogram_aggregation",
-            "otel-hicache: OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION=%r is not "
-            "supported; using explicit_bucket_histogram",
-            raw,
-        )
-    return {}  # explicit buckets: the instruments' second-based advisory boundaries
 
 
 def _metric_exporters() -> list[Any]:
@@ -179,24 +132,28 @@ def _metric_exporters() -> list[Any]:
         if name == "console":
             from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
-            exporters.append(ConsoleMetricExporter(**_metric_preferences()))
-        elif _protocol("METRICS") == "grpc":
+            exporters.append(ConsoleMetricExporter(**otel_environment.console_metric_exporter()))
+        elif _protocol("metrics") == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
-            exporters.append(_construct(OTLPMetricExporter, "metrics"))
+            exporters.append(_construct(OTLPMetricExporter, "metrics", "grpc"))
         else:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-            exporters.append(_construct(OTLPMetricExporter, "metrics"))
+            exporters.append(_construct(OTLPMetricExporter, "metrics", "http/protobuf"))
     return [e for e in exporters if e is not None]
 
 
-def _construct(cls: Any, signal: str) -> Any:
-    """An OTLP exporter from the environment; a bad endpoint or certificate warns, never raises."""
+def _construct(cls: Any, signal: str, protocol: str) -> Any:
+    """An OTLP exporter from the environment, malformed values replaced by their defaults
+    (:func:`otel_environment.otlp_exporter`); None, warned about, when it cannot be built."""
+    settings = otel_environment.otlp_exporter(signal, protocol)
+    if settings is None:
+        return None  # a CA certificate that cannot be read, over TLS: warned
     try:
         if ".proto.http" in cls.__module__:  # OTEL_EXPORTER_OTLP_CERTIFICATE over REQUESTS_CA_BUNDLE
-            return cls(session=certificate_session())
-        return cls()
+            settings.kwargs["session"] = certificate_session()
+        return otel_environment.construct(cls, settings)
     except Exception as exc:
         warn_once(
             f"exporter:{signal}",
@@ -210,28 +167,31 @@ def _construct(cls: Any, signal: str) -> Any:
 
 
 def _build() -> Configuration:
-    if sdk_disabled():
+    if otel_environment.sdk_disabled():
         from opentelemetry.metrics import NoOpMeterProvider
         from opentelemetry.trace import NoOpTracerProvider
 
         return Configuration(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    resource = Resource.create()
-    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+    # malformed OTEL_* values: warned about once, their defaults passed explicitly
+    resource = otel_environment.resource()
+    tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False, **otel_environment.tracer_provider())
     delivery = DeliveryAccount()  # every exporter counted: delivered, lost, still on its way
+    batching = otel_environment.batch_span_processor()
     for exporter in _span_exporters():
         name = exporter_name(exporter)
-        processor = BatchSpanProcessor(delivery.span_exporter(exporter, name))
+        processor = BatchSpanProcessor(delivery.span_exporter(exporter, name), **batching)
         delivery.watch(processor, name)
         tracer_provider.add_span_processor(processor)
-    readers = [PeriodicExportingMetricReader(delivery.metric_exporter(e, exporter_name(e)))
+    reading = otel_environment.metric_reader()
+    readers = [PeriodicExportingMetricReader(delivery.metric_exporter(e, exporter_name(e)), **reading)
                for e in _metric_exporters()]
-    meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
+    meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False,
+                                   **otel_environment.meter_provider())
     return Configuration(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
                          delivery=delivery)
 
