@@ -12,7 +12,7 @@ Measured in the process and written to ``--out`` (JSON):
 * ``submit``: the time of each op's submit (ms since ``start_unix_ns``) and the cost of the
   ``submit()`` call itself (ns), both as lists indexed by op;
 * ``samples``: once a second, RSS, the completion pipeline's size, the batch span
-  processor's queue and the delivery counts;
+  processor's queue, the completion worker's CPU time and the delivery counts;
 * ``delivery``: the delivery counts after the final flush (before shutdown), and the
   seconds ``shutdown()`` took.
 
@@ -80,13 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
     progress = [0]
 
+    def worker_cpu_s() -> float:
+        for thread in threading.enumerate():
+            if thread.name == "otel-hicache-completion" and thread.ident is not None:
+                try:
+                    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+                except (AttributeError, OSError):
+                    return 0.0
+        return 0.0
+
     def sample() -> dict[str, Any]:
         pipeline = tel._pipeline  # pylint: disable=protected-access
         delivery = config.delivery.snapshot() if config.delivery is not None else {}
         queued = sum(v.get("queued", 0) for k, v in delivery.items() if k.startswith("spans:"))
         return {"t": round(time.monotonic() - t0, 3), "ops": progress[0], "rss": rss_bytes(),
                 "pipeline": pipeline.size() if pipeline is not None else 0,
-                "span_queue": queued, "delivery": delivery}
+                "span_queue": queued, "worker_cpu_s": round(worker_cpu_s(), 4), "delivery": delivery}
 
     def sampler() -> None:
         while not done.wait(1.0):

@@ -11,7 +11,8 @@ as a table:
 * every span arrived; export errors 0 (no failed export, no queue-full drop, no failed
   metric export);
 * RSS stays flat (the last minute against the minute after warm-up) and so do the
-  completion pipeline's and the span processor's queue depths.
+  completion pipeline's and the span processor's queue depths and the completion
+  worker's CPU time per op.
 
 Run ``bash e2e/setup.sh`` first. ``--seconds``/``--rate`` shorten it; exit status 1 when a
 check fails.
@@ -161,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     rss_last = statistics.median(_window(samples, *last, "rss"))
     pipe_warm, pipe_last = max(_window(samples, *warm, "pipeline")), max(_window(samples, *last, "pipeline"))
     spanq_warm, spanq_last = max(_window(samples, *warm, "span_queue")), max(_window(samples, *last, "span_queue"))
+    def worker_us_per_op(window: tuple[float, float]) -> float:
+        inside = [x for x in samples if window[0] <= x["t"] < window[1]]
+        ops = inside[-1]["ops"] - inside[0]["ops"]
+        return (inside[-1]["worker_cpu_s"] - inside[0]["worker_cpu_s"]) / max(1, ops) * 1e6
+
+    cpu_warm, cpu_last = worker_us_per_op(warm), worker_us_per_op(last)
     delivery = result["final"]["delivery"]
     span_counts = [v for k, v in delivery.items() if k.startswith("spans:")]
     metric_counts = [v for k, v in delivery.items() if k.startswith("metrics:")]
@@ -182,12 +189,15 @@ def main(argv: list[str] | None = None) -> int:
          f"{pipe_warm} -> {pipe_last} records"),
         ("span export queue flat (max per window)", spanq_last <= 2 * spanq_warm + 512,
          f"{spanq_warm} -> {spanq_last} spans"),
+        ("completion worker CPU per op flat", cpu_last <= 1.5 * cpu_warm + 5,
+         f"{cpu_warm:.1f} -> {cpu_last:.1f} us per op"),
     ]
     figures = {
         "ops": result["ops"], "seconds": result["elapsed_s"], "rate": result["ops"] / result["elapsed_s"],
         "wall_s": wall, "spans_at_sink": sink.spans, "span_requests_at_sink": sink.requests,
         "rss_mib": [round(s["rss"] / 2**20, 1) for s in samples],
         "pipeline": [s["pipeline"] for s in samples], "span_queue": [s["span_queue"] for s in samples],
+        "worker_cpu_s": [s["worker_cpu_s"] for s in samples],
         "submit": submit, "delivery": delivery, "truth": truth, "sink_counters": sink.counters(),
         "checks": {name: ok for name, ok, _ in checks},
     }

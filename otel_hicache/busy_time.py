@@ -6,12 +6,20 @@ factor when transfers overlap, and ``rate(bytes)`` alone includes idle time.
 not already covered, so ``rate(bytes) / rate(busy_time)`` is the throughput
 while the link was busy. Intervals may arrive in any order; those ending more
 than ``horizon_ns`` before the newest one are forgotten (an interval arriving
-that late is counted in full).
+that late is counted in full), and so are those ending before the cutoff the
+completion pipeline passes to :meth:`BusyTimeTracker.forget_before` (no interval
+still to come can start before it). Forgetting is lazy: expired intervals are
+deleted in bulk once they are half the list, so each costs O(1) amortized (a
+one-by-one delete from the front of a list of 200k intervals, 120 s at 1,700
+ops/s, cost 46 us per op).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+
+
+_BULK = 1024  # expired intervals deleted together at the latest
 
 
 class BusyTimeTracker:
@@ -48,12 +56,17 @@ class BusyTimeTracker:
         return (end_ns - start_ns) - covered
 
     def _prune(self) -> None:
-        cutoff = self._latest_end - self._horizon_ns
+        self.forget_before(self._latest_end - self._horizon_ns)
+
+    def forget_before(self, cutoff_ns: int) -> None:
+        """Forget intervals ending before ``cutoff_ns`` (lazily, in bulk): an
+        interval added later that overlaps them is counted in full."""
         ends = self._ends
-        if ends and ends[0] < cutoff:
-            n = bisect_left(ends, cutoff)
-            del self._starts[:n]
-            del ends[:n]
+        if ends and ends[0] < cutoff_ns:
+            n = bisect_left(ends, cutoff_ns)
+            if n >= _BULK or 2 * n >= len(ends):
+                del self._starts[:n]
+                del ends[:n]
 
     def __len__(self) -> int:
         return len(self._starts)

@@ -33,7 +33,7 @@ from .busy_time import BusyTimeTracker
 from .clock import WallClockAnchor
 from .device import anchor_factory_for
 from .diagnostics import logger, warn_once
-from .records import DIRECTIONS, S_ACK_NS, TransferRecord, validate
+from .records import DIRECTIONS, S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
 from .timing import is_complete, resolve, resolve_host_clock
 
 
@@ -76,6 +76,8 @@ _IDLE_WAIT_S = 0.01
 _ACTIVE_GRACE_S = 0.1
 _ACK_SCAN_INTERVAL_NS = 5_000_000
 _GIL_YIELD_EVERY = 16  # records completed between two voluntary GIL releases
+_BUSY_LATE_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
+_BUSY_FORGET_INTERVAL_NS = 100_000_000
 
 
 class CompletionPipeline:
@@ -110,6 +112,7 @@ class CompletionPipeline:
         self._awaiting: list[tuple[TransferRecord, Any]] = []
         self._last_ack_scan = 0
         self._busy = {d: BusyTimeTracker() for d in DIRECTIONS}
+        self._last_busy_forget = 0
         self._anchor: WallClockAnchor | None = None
         self._anchor_resolved = False
         self._sinks: Sinks | None = None
@@ -246,6 +249,8 @@ class CompletionPipeline:
                 except Exception as exc:  # a record is handled once, whatever a sink does
                     self._internal_error(sinks, record, exc)
             self._pending = still
+        if now - self._last_busy_forget >= _BUSY_FORGET_INTERVAL_NS:
+            self._forget_busy_intervals(now)
         # 4. acks: watched ones every cycle (cheap), the rest (and timeouts) every 5 ms
         watched = self._watch_acks(now) if self._awaiting else 0
         if self._awaiting and (self._drain_all or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS
@@ -259,6 +264,25 @@ class CompletionPipeline:
         metrics.flush()
         if self._flush_waiters:
             self._release_flush_waiters()
+
+    def _forget_busy_intervals(self, now: int) -> None:
+        """No op still in flight started (on the device) much before it was
+        submitted: busy intervals ending before the oldest submit time, less a
+        margin, can never overlap one still to come. Keeps the union's memory
+        and cost to the ops in flight, not 120 s of history."""
+        self._last_busy_forget = now
+        oldest = min((r.submit_ns for r in self._pending), default=now)
+        queue = self.queue
+        if queue:  # a backlog not taken in yet (overload): its oldest op too
+            try:
+                queued = queue[0][S_SUBMIT_NS]
+                if isinstance(queued, int):
+                    oldest = min(oldest, queued)
+            except IndexError:  # the worker is the only consumer, but never trust a race
+                pass
+        cutoff = min(oldest, now) - _BUSY_LATE_MARGIN_NS
+        for tracker in self._busy.values():
+            tracker.forget_before(cutoff)
 
     def _release_flush_waiters(self) -> None:
         """A flush is done once every record submitted before it was taken in and
