@@ -1,12 +1,17 @@
-"""The fault matrix, in-process rows.
+"""The fault matrix, in-process rows: queue overflow, events that raise or never complete,
+concurrent submitters, fork and spawn children, shutdown with work in flight.
 
-Each case checks that the caller never sees an exception, that ``submit()``
-never blocks longer than its normal cost (its worst case and p99 compared with
-the same statistic measured in the same test without the fault: ratios with
-generous bounds, never absolute times), that counters stay exact for
-everything recorded, and that what could not be delivered is counted in a
-self-metric and warned about once. Each test prints a one-line summary
-(``pytest -s``); the measured values are also in the assertion messages.
+Each case checks that the caller never sees an exception, that counters stay
+exact for everything recorded, that what could not be delivered is counted in a
+self-metric and warned about once, and that ``submit()`` never blocks longer
+than its normal cost. That cost is measured in the same test without the fault
+and compared with ratios, never absolute times (the machine is shared and
+noisy): the p99, and the worst case at the same number of calls (a worst case
+grows with the number of calls: one OS preemption or garbage collection in a
+million). Where ``submit()`` could wait for something long (a worker cycle,
+``shutdown()``), even the overall worst case must stay well below its duration.
+Each test prints a one-line summary (``pytest -s``); the measured values are
+also in the assertion messages.
 """
 
 from __future__ import annotations
@@ -319,10 +324,16 @@ def test_queue_overflow_at_10x_the_sustainable_rate(rig, overflow_env, warnings_
     dropped = r.counter("otel_hicache.records.dropped", reason="queue_full")
     summary = (f"overflow: sustainable {sustainable:,.0f}/s (tracemalloc on), offered {calls / seconds:,.0f}/s "
                f"({calls / seconds / sustainable:.1f}x) for {seconds:.2f} s: {calls} submits, {accepted} accepted, "
-               f"{dropped:.0f} dropped (queue_full); held record {record_bytes:.0f} B, peak growth "
-               f"{growth / 1e3:.0f} kB <= cap x record {cap * record_bytes / 1e3:.0f} kB, held max {held_max[0]}; "
+               f"{dropped:.0f} dropped (queue_full), a worker cycle {cap / sustainable * 1e3:.0f} ms; held record "
+               f"{record_bytes:.0f} B, peak growth {growth / 1e3:.0f} kB <= cap x record "
+               f"{cap * record_bytes / 1e3:.0f} kB, held max {held_max[0]}; "
                f"submit below capacity {fmt(base_t)} | overflow {fmt(over_t)}")
     print("\n" + summary)
+    # no stall: a refused submit() costs no more than one below capacity, and not even the
+    # overall worst case comes near waiting for a worker cycle (taking in and completing the
+    # cap's worth of records: cap / sustainable rate)
+    assert_no_stall(over_t, base_t, summary)
+    assert over_t["max"] <= 0.5 * cap / sustainable * 1e6, summary
     assert calls / seconds > 5 * sustainable, summary  # really offered far beyond what the worker completes
     assert base_accepted == base_calls, summary  # the baseline never overflowed
     assert dropped > 0 and held_max[0] <= cap, summary
@@ -336,8 +347,6 @@ def test_queue_overflow_at_10x_the_sustainable_rate(rig, overflow_env, warnings_
     assert len([x for x in warnings_log.records if "queue full" in x.getMessage()]) == 1
     # bounded memory: never more than the cap's worth of held records
     assert growth <= cap * record_bytes, summary
-    # no stall: a refused submit() costs no more than one below capacity
-    assert_no_stall(over_t, base_t, summary)
 
 
 # -- 2. events that raise, never complete, complete out of order; a small cap ------------
@@ -363,7 +372,9 @@ class Round:
     def __init__(self, r: Rig, kinds: Sequence[str], rng: Any, next_id: Callable[[], int],
                  submit: Callable[..., Any]) -> None:
         self.r, self.kinds, self.rng, self.next_id, self.submit = r, kinds, rng, next_id, submit
-        self.good: dict[int, tuple[int, bool]] = {}  # op bytes (unique) -> (device duration, acked)
+        # op bytes (unique) -> (device duration or -1 on the host clock, hicache.acked: True,
+        # False when the ack wait timed out, None when no ack was expected)
+        self.good: dict[int, tuple[int, bool | None]] = {}
         self.failed = {"event_error": 0, "transfer_timeout": 0}
 
     def run(self, overflow: bool) -> int:
@@ -386,7 +397,8 @@ class Round:
             handle = self.submit("onboard", POOLS, op, 64, ev0, ev1, True, expect_ack=expect_ack)
             assert handle is not None, (kind, r.pipeline.size())  # every slot of the cap usable
             if kind.startswith("good"):
-                self.good[op] = (duration if kind != "good_host_clock" else -1, kind == "good_acked")
+                self.good[op] = (duration if kind != "good_host_clock" else -1,
+                                 {"good_acked": True, "good_never_acked": False}.get(kind))
                 if kind == "good_acked":
                     to_ack.append(handle)
             else:
@@ -417,7 +429,7 @@ def test_raising_stuck_and_out_of_order_events_mixed_with_good_ops(rig, small_ca
     submit = Timed(r.tel.submit)
 
     def rounds(n: int, faults: bool) -> tuple[dict, dict, int]:
-        good: dict[int, tuple[int, bool]] = {}
+        good: dict[int, tuple[int, bool | None]] = {}
         failed = {"event_error": 0, "transfer_timeout": 0}
         refused = 0
         for i in range(n):
@@ -451,12 +463,12 @@ def test_raising_stuck_and_out_of_order_events_mixed_with_good_ops(rig, small_ca
     for op, (duration, acked) in good.items():
         if duration >= 0:
             assert by_op[op][4] == duration, (op, by_op[op], duration)
-        assert bool(by_op[op][5]) == acked, (op, by_op[op], acked)
+        assert by_op[op][5] is acked, (op, by_op[op], acked)
     onboard = {"hicache.direction": "onboard"}
     assert r.counter("hicache.transfer.bytes", **onboard) == sum(good), summary
     assert r.counter("hicache.transfer.blocks", **onboard) == len(good), summary
     assert r.count("hicache.transfer.duration", **onboard) == len(good), summary
-    assert r.count("hicache.transfer.ack_delay", **onboard) == sum(acked for _, acked in good.values()), summary
+    assert r.count("hicache.transfer.ack_delay", **onboard) == sum(a is True for _, a in good.values()), summary
     assert r.counter("hicache.transfer.inflight", **onboard) == 0, summary
     # the faulty ones: error spans, counted by reason, and not in the transfer metrics
     assert r.spans.errors == failed, summary
@@ -523,9 +535,10 @@ def expected_bytes(run: int, threads: int, per_thread: int) -> dict[str, int]:
 
 
 def test_concurrent_submitters_acks_and_flushes(rig, roomy_env, thread_errors):
-    """8 threads x 5000 ops while another thread acks half of them as they come, another calls
-    force_flush() and a third advances the clock: every op reported exactly once (span ids and
-    trace ids unique), counters exact, acks all seen, nothing raised anywhere."""
+    """8 threads x 5000 ops while another thread acks half of them as they come and another
+    calls force_flush() (and advances the clock) in a loop: every op reported exactly once (span
+    ids and trace ids unique), counters exact, every ack seen, nothing raised in any thread, and
+    submit() costs what it costs with the submitters alone."""
     threads, per_thread = 8, 5000
     r = rig(spans=CountingSpanExporter(keep=True))
 
@@ -733,7 +746,9 @@ def test_shutdown_with_work_in_flight(rig, shutdown_env, warnings_log, thread_er
     assert r.counter("hicache.transfer.inflight") == 0, summary
     assert len([x for x in warnings_log.records if "in flight at shutdown" in x.getMessage()]) == 1
     assert submitter.refused > 0, summary  # it kept calling after shutdown
+    # submit() never waits for shutdown(): not in the tail, not once
     assert_no_stall(fault_t, base_t, summary)
+    assert fault_t["max"] <= 0.25 * shutdown_s * 1e6, summary
 
 
 def test_shutdown_with_nothing_stuck_returns_without_waiting_for_the_bound(rig, shutdown_env):
@@ -757,6 +772,7 @@ def test_shutdown_with_nothing_stuck_returns_without_waiting_for_the_bound(rig, 
 # -- 4. fork and spawn children, each exporting its own over OTLP --------------------------------
 CHILD_INTERVAL_MS = 100
 PHASE_OPS = 1000
+TAIL_OPS = 10
 PROCESS_SCRIPT = textwrap.dedent(
     """
     import json, multiprocessing, os, sys, time
@@ -766,6 +782,7 @@ PROCESS_SCRIPT = textwrap.dedent(
     OUT = sys.argv[1]
     INTERVAL_MS = int(sys.argv[2])
     OPS = int(sys.argv[3])
+    TAIL = int(sys.argv[4])
     TIMES = []
 
     def report(tel, n, nbytes):
@@ -778,11 +795,13 @@ PROCESS_SCRIPT = textwrap.dedent(
 
     def phases(tel, nbytes):
         # two phases, each followed by eight export intervals: periodic exports must show the
-        # cumulative counter at the first phase's total, then at both phases' total
+        # cumulative counter at the first phase's total, then at both phases' total; then a tail
+        # of ops submitted just before the process ends: only its shutdown can deliver those
         report(tel, OPS, nbytes)
         time.sleep(8 * INTERVAL_MS / 1e3)
         report(tel, OPS, nbytes)
         time.sleep(8 * INTERVAL_MS / 1e3)
+        report(tel, TAIL, nbytes)
 
     def save(role, **extra):
         with open(os.path.join(OUT, role + ".json"), "w") as f:
@@ -790,19 +809,19 @@ PROCESS_SCRIPT = textwrap.dedent(
 
     def fork_child(nbytes):
         # the parent's TransferTelemetry, inherited: its worker and exporters are rebuilt here.
-        # Shut down explicitly: multiprocessing drops the exit hooks a forked child inherited.
+        # Shut down by hand: multiprocessing drops the exit hooks a forked child inherited.
         del TIMES[:]
         phases(TEL, nbytes)
+        save("fork")
         TEL.shutdown()
         otel_hicache.shutdown()
-        save("fork")
 
     def spawn_child(nbytes):
-        # its own configure() and TransferTelemetry; the final export is left to the exit hooks
+        # its own configure() and TransferTelemetry; the tail is left to the exit hooks
         os.environ["OTEL_RESOURCE_ATTRIBUTES"] = "role=spawn"
-        os.environ["OTEL_METRIC_EXPORT_INTERVAL"] = str(INTERVAL_MS)
         otel_hicache.configure()
-        phases(TransferTelemetry(attributes={"tp_rank": 1}), nbytes)
+        tel = TransferTelemetry(attributes={"tp_rank": 1})
+        phases(tel, nbytes)
         save("spawn")
 
     if __name__ == "__main__":
@@ -810,17 +829,16 @@ PROCESS_SCRIPT = textwrap.dedent(
         otel_hicache.configure()
         TEL = TransferTelemetry(attributes={"tp_rank": 0})
         report(TEL, OPS, 10)
-        assert TEL.force_flush(5)          # the parent's pre-fork point: exported once, here
+        assert TEL.force_flush(5)
         report(TEL, OPS, 10)               # in flight at the fork: the parent's, never the child's
-        os.environ.update(OTEL_RESOURCE_ATTRIBUTES="role=fork", OTEL_METRIC_EXPORT_INTERVAL=str(INTERVAL_MS))
+        os.environ["OTEL_RESOURCE_ATTRIBUTES"] = "role=fork"  # read by the child's configure()
         fork = multiprocessing.get_context("fork").Process(target=fork_child, args=(7,))
         fork.start()
-        os.environ.update(OTEL_RESOURCE_ATTRIBUTES="role=parent", OTEL_METRIC_EXPORT_INTERVAL="600000")
+        os.environ["OTEL_RESOURCE_ATTRIBUTES"] = "role=parent"
         spawn = multiprocessing.get_context("spawn").Process(target=spawn_child, args=(3,))
         spawn.start()
         del TIMES[:]                       # the parent's submits while its children run
-        report(TEL, OPS, 10)
-        assert TEL.force_flush(5)          # the parent keeps advancing after the fork
+        report(TEL, OPS, 10)               # the parent keeps advancing after the fork
         fork.join(60)
         spawn.join(60)
         report(TEL, OPS, 10)
@@ -840,8 +858,8 @@ def otlp_http() -> Any:
 
 
 def _by_role(received: Any) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
-    """Spans per resource ``role``, and the offload bytes counter of each metric request per role,
-    in arrival order."""
+    """Spans per resource ``role``, and the offload bytes counter of each metric export per role,
+    in the order of collection (the points' time, whichever process sent them and whenever)."""
     spans: dict[str, list[Any]] = {}
     for resource, span in received.spans():
         spans.setdefault(otlp_attributes(resource.attributes).get("role"), []).append(span)
@@ -854,10 +872,11 @@ def _by_role(received: Any) -> tuple[dict[str, list[Any]], dict[str, list[float]
             for sm in rm.scope_metrics:
                 for m in sm.metrics:
                     if m.name == "hicache.transfer.bytes":
-                        series.setdefault(role, []).append(sum(
-                            p.as_int for p in m.sum.data_points
-                            if otlp_attributes(p.attributes).get("hicache.direction") == "offload"))
-    return spans, series
+                        points = [p for p in m.sum.data_points
+                                  if otlp_attributes(p.attributes).get("hicache.direction") == "offload"]
+                        series.setdefault(role, []).append(
+                            (max(p.time_unix_nano for p in points), sum(p.as_int for p in points)))
+    return spans, {role: [value for _, value in sorted(values)] for role, values in series.items()}
 
 
 def test_fork_and_spawn_children_export_their_own_over_otlp(tmp_path, otlp_http):
@@ -871,10 +890,11 @@ def test_fork_and_spawn_children_export_their_own_over_otlp(tmp_path, otlp_http)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(OTEL_SERVICE_NAME="fault-matrix", OTEL_EXPORTER_OTLP_ENDPOINT=otlp_http.endpoint,
                OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf", OTEL_HICACHE_POLL_INTERVAL_MS="1",
-               OTEL_METRIC_EXPORT_INTERVAL="600000",
+               OTEL_METRIC_EXPORT_INTERVAL=str(CHILD_INTERVAL_MS),
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, str(script), str(tmp_path), str(CHILD_INTERVAL_MS), str(PHASE_OPS)],
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), str(CHILD_INTERVAL_MS), str(PHASE_OPS),
+                           str(TAIL_OPS)],
                           env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - t0
     assert done.returncode == 0, done.stdout + done.stderr
@@ -892,23 +912,26 @@ def test_fork_and_spawn_children_export_their_own_over_otlp(tmp_path, otlp_http)
                + "; ".join(f"in the {role} child {fmt(t[0])}" for role, t in times.items()))
     print("\n" + summary)
     # each process exported its own spans, once: unique span ids and trace ids across all three
-    assert counts == {"parent": 4 * phase, "fork": 2 * phase, "spawn": 2 * phase}, summary
+    child_ops = 2 * phase + TAIL_OPS
+    assert counts == {"parent": 4 * phase, "fork": child_ops, "spawn": child_ops}, summary
     every = [s for role in spans for s in spans[role]]
     assert len({s.span_id for s in every}) == len(every), summary
     assert len({s.trace_id for s in every}) == len(every), summary
     for role, nbytes in (("parent", 10), ("fork", 7), ("spawn", 3)):
         assert {otlp_attributes(s.attributes)["hicache.bytes"] for s in spans[role]} == {nbytes}, summary
-    # the parent: its first batch exported before the fork (once), then two more batches, then one
-    # at shutdown; a child exporting the parent's copy would repeat a pre-fork total (1x or 2x)
+    # the parent: advancing after the fork (two batches before it, one while the children run, one
+    # after), never back: a child exporting the parent's copy (its reader thread restarted by the
+    # SDK after the fork) would put a pre-fork total after a later one, in collection order
     parent, batch = series["parent"], phase * 10
-    assert parent[:3] == [batch, 3 * batch, 4 * batch] and set(parent[3:]) <= {4 * batch}, summary
+    assert parent == sorted(parent) and parent[-1] == 4 * batch and 3 * batch in parent, summary
+    assert set(parent) <= set(range(0, 4 * batch + 1, 10)), summary
     # each child: only its own ops, advancing across export intervals, never frozen
     for role, nbytes in (("fork", 7), ("spawn", 3)):
         values = series[role]
-        assert values == sorted(values) and values[-1] == 2 * phase * nbytes, (role, summary)
-        assert set(values) <= set(range(0, 2 * phase * nbytes + 1, nbytes)), (role, summary)
-        # periodic exports between the phases, and after the second (besides the two at shutdown)
-        assert values.count(phase * nbytes) >= 2 and values.count(2 * phase * nbytes) >= 4, (role, summary)
+        assert values == sorted(values) and values[-1] == child_ops * nbytes, (role, summary)
+        assert set(values) <= set(range(0, child_ops * nbytes + 1, nbytes)), (role, summary)
+        # periodic exports after each phase: the counter advances between export intervals
+        assert values.count(phase * nbytes) >= 2 and values.count(2 * phase * nbytes) >= 2, (role, summary)
     for fault_t, base_t in times.values():
         assert_no_stall(fault_t, base_t, summary)
 
