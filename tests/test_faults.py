@@ -48,7 +48,7 @@ POOLS = {"kv": 64}  # one block per op at page size 64: the blocks counter count
 OP_BYTES = 4096
 
 
-# -- shared helpers ---------------------------------------------------------------------
+# -- shared utilities ----------------------------------------------------------------------
 class CountingSpanExporter(SpanExporter):
     """Counts exported spans by status. With ``keep=True`` it also keeps, per span, its ids and the
     attributes the tests check (never the span itself); without, it holds no memory per span."""
