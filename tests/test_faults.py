@@ -584,15 +584,15 @@ def test_concurrent_submitters_acks_and_flushes(rig, roomy_env, thread_errors):
             r.device.advance(ms=1)
             time.sleep(0.002)
 
-    helpers = [threading.Thread(target=acker, name="acker"), threading.Thread(target=flusher, name="flusher")]
+    others = [threading.Thread(target=acker, name="acker"), threading.Thread(target=flusher, name="flusher")]
     t0 = time.perf_counter()
-    for t in helpers + workers:
+    for t in others + workers:
         t.start()
     for w in workers:
         w.join()
     submit_s = time.perf_counter() - t0
     done.set()
-    for t in helpers:
+    for t in others:
         t.join()
     r.device.advance(ms=10)
     assert wait_until(lambda: r.flush(1.0) and r.pipeline.size() == 0)
