@@ -163,7 +163,10 @@ class CompletionPipeline:
         self._stopping = True
         self._wake.set()
         self._worker.join(max(0.1, deadline - time.monotonic()))
-        return flushed and not self._worker.is_alive()
+        stopped = not self._worker.is_alive()
+        if stopped and self.queue:
+            self._drop_queued_at_shutdown()  # appended by a submit() that raced the final cycle
+        return flushed and stopped
 
     # -- worker ------------------------------------------------------------
     def _run(self) -> None:
@@ -311,6 +314,21 @@ class CompletionPipeline:
         self.held = 0
         self._report_queue_full(sinks.metrics)
         sinks.metrics.flush()
+        if self.queue:
+            self._drop_queued_at_shutdown()
+
+    def _drop_queued_at_shutdown(self) -> None:
+        """Records submitted but never taken in (the worker has stopped): counted, not lost silently."""
+        sinks = self._sinks_now()
+        count = 0
+        while self.queue:
+            self.queue.popleft()
+            count += 1
+        if count:
+            sinks.metrics.dropped_records(sc.DROP_SHUTDOWN, count)
+            sinks.metrics.flush()
+            warn_once("shutdown:queued", "otel-hicache: %d transfers submitted during shutdown were not reported",
+                      count)
 
     def _report_queue_full(self, metrics: Any) -> None:
         refused = int(repr(self.refused)[6:-1])  # "count(N)": read without incrementing

@@ -545,3 +545,15 @@ def test_busy_intervals_are_kept_only_around_the_ops_in_flight(harness):
     live = 50 * 5  # one direction's intervals in the 5 s margin
     assert held <= max(2 * live, live + 1024), (held, per_direction)
     assert held < per_direction / 2
+
+
+def test_a_submit_racing_shutdown_is_counted_not_lost(harness):
+    """A submit() that read the pipeline before shutdown() and appended after the
+    worker's final cycle: its record is counted as dropped{reason=shutdown}."""
+    h = harness()
+    pipeline = h.tel._pipeline  # pylint: disable=protected-access
+    h.tel.shutdown()
+    pipeline.queue.append(submission("offload", {"kv": 64}, 4096, 64, submit_ns=h.device.time_ns()))
+    pipeline._drop_queued_at_shutdown()  # what stop() does when it finds such a record
+    assert not pipeline.queue
+    assert h.value("otel_hicache.records.dropped", reason="shutdown") == 1
