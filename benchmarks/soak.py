@@ -39,7 +39,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2  # noqa
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 
 from collector_process import Collector  # noqa: E402
-from paced_runs import COUNTERS, run_workload  # noqa: E402
+from paced_runs import NewestPoints, run_workload  # noqa: E402
 
 
 class CountingSink:
@@ -50,7 +50,7 @@ class CountingSink:
         self.lock = threading.Lock()
         self.spans = 0
         self.requests = 0
-        self.newest: dict[tuple[str, tuple], Any] = {}
+        self.points = NewestPoints()
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -88,30 +88,11 @@ class CountingSink:
 
     def _points(self, request: Any) -> None:
         with self.lock:
-            for rm in request.resource_metrics:
-                for sm in rm.scope_metrics:
-                    for metric in sm.metrics:
-                        if metric.name not in COUNTERS:
-                            continue
-                        points = metric.sum.data_points if metric.HasField("sum") else metric.histogram.data_points
-                        for p in points:
-                            attrs = tuple(sorted((kv.key, getattr(kv.value, kv.value.WhichOneof("value")))
-                                                 for kv in p.attributes))
-                            key = (metric.name, attrs)
-                            old = self.newest.get(key)
-                            if old is None or p.time_unix_nano >= old.time_unix_nano:
-                                self.newest[key] = p
+            self.points.add(request)
 
     def counters(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
         with self.lock:
-            for (name, attrs), p in self.newest.items():
-                direction = dict(attrs).get("hicache.direction")
-                if direction is None:
-                    continue
-                row = out.setdefault(direction, {"ops": 0, "bytes": 0, "blocks": 0, "tokens": 0})
-                row[COUNTERS[name]] += int(p.count) if name == "hicache.transfer.duration" else int(p.as_int)
-        return out
+            return self.points.counters()
 
     def stop(self) -> None:
         self.server.shutdown()

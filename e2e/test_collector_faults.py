@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "e2e"))
 
 from collector_process import STATE, Collector  # noqa: E402
 from otlp_receiver import HttpReceiver, make_certificates  # noqa: E402
-from paced_runs import final_counters, quantile, run_workload  # noqa: E402
+from paced_runs import final_counters, otlp_env, quantile, run_workload  # noqa: E402
 
 
 @pytest.fixture
@@ -41,16 +41,7 @@ def sink():
 
 
 def _env(protocol: str, endpoint: str, **extra: str) -> dict[str, str]:
-    env = {
-        "OTEL_SERVICE_NAME": "hicache-collector-faults",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-        "OTEL_METRIC_EXPORT_INTERVAL": "500",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-        "OTEL_HICACHE_SHUTDOWN_TIMEOUT_S": "5",
-    }
-    env.update(extra)
-    return env
+    return otlp_env("hicache-collector-faults", protocol, endpoint, OTEL_HICACHE_SHUTDOWN_TIMEOUT_S="5", **extra)
 
 
 def _op_ids(sink: HttpReceiver) -> list[int]:

@@ -102,3 +102,13 @@ def harness() -> Any:
 def warnings_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     caplog.set_level(logging.WARNING, logger="otel_hicache")
     return caplog
+
+
+@pytest.fixture
+def fresh_configuration() -> Any:
+    """No providers from an earlier configure(); the ones a test builds are shut down after it."""
+    from otel_hicache import configuration
+
+    configuration._configured = None  # pylint: disable=protected-access
+    yield
+    configuration.shutdown(1.0)

@@ -76,11 +76,14 @@ COUNTERS = {"hicache.transfer.bytes": "bytes", "hicache.transfer.blocks": "block
             "hicache.transfer.tokens": "tokens", "hicache.transfer.duration": "ops"}
 
 
-def final_counters(metric_requests: Sequence[Any]) -> dict[str, dict[str, int]]:
-    """Per direction, the transfer counters as a receiver last saw them: the newest
-    cumulative point of every series, summed (ops from the duration histogram's count)."""
-    newest: dict[tuple[str, tuple], Any] = {}
-    for request in metric_requests:
+class NewestPoints:
+    """The newest cumulative point of every transfer counter series, fed one OTLP
+    metrics request at a time (a receiver may see series split over requests)."""
+
+    def __init__(self) -> None:
+        self.newest: dict[tuple[str, tuple], Any] = {}
+
+    def add(self, request: Any) -> None:
         for rm in request.resource_metrics:
             for sm in rm.scope_metrics:
                 for metric in sm.metrics:
@@ -89,17 +92,42 @@ def final_counters(metric_requests: Sequence[Any]) -> dict[str, dict[str, int]]:
                     points = metric.sum.data_points if metric.HasField("sum") else metric.histogram.data_points
                     for p in points:
                         attrs = tuple(sorted((kv.key, getattr(kv.value, kv.value.WhichOneof("value")))
-                                           for kv in p.attributes))
+                                             for kv in p.attributes))
                         key = (metric.name, attrs)
-                        if key not in newest or p.time_unix_nano >= newest[key].time_unix_nano:
-                            newest[key] = p
-    out: dict[str, dict[str, int]] = {}
-    for (name, attrs), p in newest.items():
-        direction = next((v for k, v in attrs if k == "hicache.direction"), None)
-        if direction is None:
-            continue
-        field = COUNTERS[name]
-        value = int(p.count) if name == "hicache.transfer.duration" else int(p.as_int or p.as_double)
-        row = out.setdefault(direction, {"ops": 0, "bytes": 0, "blocks": 0, "tokens": 0})
-        row[field] += value
-    return out
+                        old = self.newest.get(key)
+                        if old is None or p.time_unix_nano >= old.time_unix_nano:
+                            self.newest[key] = p
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Per direction: ops (the duration histogram's count), bytes, blocks, tokens."""
+        out: dict[str, dict[str, int]] = {}
+        for (name, attrs), p in self.newest.items():
+            direction = dict(attrs).get("hicache.direction")
+            if direction is None:
+                continue
+            row = out.setdefault(direction, {"ops": 0, "bytes": 0, "blocks": 0, "tokens": 0})
+            row[COUNTERS[name]] += int(p.count) if name == "hicache.transfer.duration" else int(p.as_int)
+        return out
+
+
+def final_counters(metric_requests: Sequence[Any]) -> dict[str, dict[str, int]]:
+    """Per direction, the transfer counters as a receiver last saw them: the newest
+    cumulative point of every series, summed."""
+    points = NewestPoints()
+    for request in metric_requests:
+        points.add(request)
+    return points.counters()
+
+
+def otlp_env(service: str, protocol: str, endpoint: str, **extra: str) -> dict[str, str]:
+    """The standard OTEL_* variables of a fault-test workload: metrics every 500 ms,
+    span batches every 100 ms."""
+    env = {
+        "OTEL_SERVICE_NAME": service,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_METRIC_EXPORT_INTERVAL": "500",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    env.update(extra)
+    return env

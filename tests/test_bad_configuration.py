@@ -28,11 +28,7 @@ PARENT_ON = "ParentBased{root:AlwaysOnSampler,"
 HTTP = {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_configuration():
-    configuration._configured = None  # pylint: disable=protected-access
-    yield
-    configuration.shutdown(1.0)
+pytestmark = pytest.mark.usefixtures("fresh_configuration")
 
 
 # -- what the built SDK objects hold --------------------------------------------------------------

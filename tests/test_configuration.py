@@ -13,11 +13,7 @@ import otel_hicache
 from otel_hicache import configuration
 
 
-@pytest.fixture(autouse=True)
-def _fresh_configuration():
-    configuration._configured = None  # pylint: disable=protected-access
-    yield
-    configuration.shutdown(1.0)
+pytestmark = pytest.mark.usefixtures("fresh_configuration")
 
 
 def span_exporters(conf):

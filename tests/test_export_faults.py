@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from otlp_receiver import GrpcReceiver, HttpReceiver, StallingServer, closed_port
-from paced_runs import final_counters, quantile, run_workload
+from paced_runs import final_counters, otlp_env, quantile, run_workload
 
 PROTOCOLS = {"grpc": GrpcReceiver, "http/protobuf": HttpReceiver}
 RATE, SECONDS = 400, 2.5
@@ -21,16 +21,8 @@ SHUTDOWN_BOUND_S = 2.0
 
 
 def _env(protocol: str, endpoint: str, **extra: str) -> dict[str, str]:
-    env = {
-        "OTEL_SERVICE_NAME": "hicache-faults",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-        "OTEL_METRIC_EXPORT_INTERVAL": "500",
-        "OTEL_BSP_SCHEDULE_DELAY": "100",
-        "OTEL_HICACHE_SHUTDOWN_TIMEOUT_S": str(SHUTDOWN_BOUND_S),
-    }
-    env.update(extra)
-    return env
+    return otlp_env("hicache-faults", protocol, endpoint,
+                    OTEL_HICACHE_SHUTDOWN_TIMEOUT_S=str(SHUTDOWN_BOUND_S), **extra)
 
 
 def _span_accounting(run) -> dict[str, int]:
