@@ -6,15 +6,9 @@ import logging
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from otel_hicache import TransferTelemetry
+from harness import Harness
 from otel_hicache.diagnostics import reset_warnings
-from otel_hicache.testing import SimulatedDevice
 
 _ENV_PREFIXES = ("OTEL_",)
 
@@ -28,60 +22,6 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("OTEL_HICACHE_POLL_INTERVAL_MS", "0.5")
     reset_warnings()
-
-
-class Harness:
-    """A TransferTelemetry wired to a simulated device and in-memory SDK sinks."""
-
-    def __init__(self, sampler: Any = None, attributes: dict | None = None, fast_path: bool = True) -> None:
-        self.device = SimulatedDevice()
-        self.spans = InMemorySpanExporter()
-        self.tracer_provider = TracerProvider(sampler=sampler, shutdown_on_exit=False)
-        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
-        self.tel = TransferTelemetry(
-            self.tracer_provider,
-            self.meter_provider,
-            attributes if attributes is not None else {"tp_rank": 0},
-            clock=self.device.time_ns,
-            anchor_event_factory=self.device.anchor_event,
-        )
-
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait for the worker to process everything completed (no metric collection:
-        each collection resets exemplars)."""
-        pipeline = self.tel._pipeline  # pylint: disable=protected-access
-        return pipeline.flush(timeout_s) if pipeline is not None else True
-
-    def finished(self) -> list[Any]:
-        assert self.flush()
-        return list(self.spans.get_finished_spans())
-
-    def points(self, name: str) -> list[Any]:
-        assert self.flush()
-        data = self.reader.get_metrics_data()
-        found = []
-        for rm in data.resource_metrics if data else ():
-            for sm in rm.scope_metrics:
-                for metric in sm.metrics:
-                    if metric.name == name:
-                        found.extend(metric.data.data_points)
-        return found
-
-    def value(self, name: str, **attrs: Any) -> Any:
-        """The sum of the counter points, or the one histogram point, whose attributes include ``attrs``."""
-        matches = [p for p in self.points(name) if all(p.attributes.get(k) == v for k, v in attrs.items())]
-        assert matches, (name, attrs, [dict(p.attributes) for p in self.points(name)])
-        if hasattr(matches[0], "value"):
-            return sum(p.value for p in matches)
-        assert len(matches) == 1, (name, attrs, [dict(p.attributes) for p in matches])
-        return matches[0]
-
-    def close(self) -> None:
-        self.tel.shutdown()
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
 
 
 @pytest.fixture

@@ -31,15 +31,11 @@ from array import array
 from typing import Any, Callable, Sequence
 
 import pytest
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import StatusCode
 
-from otel_hicache import TransferTelemetry
+from harness import Harness
 from otel_hicache import semconv as sc
-from otel_hicache.testing import SimulatedDevice
 from otlp_receiver import HttpReceiver
 from otlp_receiver import attributes as otlp_attributes
 
@@ -77,18 +73,11 @@ class CountingSpanExporter(SpanExporter):
         pass
 
 
-class Rig:
+class Rig(Harness):
     """A TransferTelemetry on a simulated device: spans at 100% into ``spans``, metrics on."""
 
     def __init__(self, spans: SpanExporter | None = None) -> None:
-        self.device = SimulatedDevice()
-        self.spans = spans if spans is not None else CountingSpanExporter()
-        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
-        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
-        self.tel = TransferTelemetry(self.tracer_provider, self.meter_provider, {"tp_rank": 0},
-                                     clock=self.device.time_ns, anchor_event_factory=self.device.anchor_event)
+        super().__init__(spans=spans if spans is not None else CountingSpanExporter())
         self.pipeline = self.tel._pipeline  # pylint: disable=protected-access
 
     def done_copy(self) -> tuple[Any, Any]:
@@ -110,11 +99,6 @@ class Rig:
     def count(self, name: str, **attrs: Any) -> int:
         """Points recorded into a histogram (one per completed op)."""
         return sum(p.count for p in self.points(name, **attrs))
-
-    def close(self) -> None:
-        self.tel.shutdown()
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
 
 
 @pytest.fixture
