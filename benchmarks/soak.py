@@ -1,6 +1,6 @@
 """A bounded soak with the real Collector in the path.
 
-    paced workload --OTLP gRPC--> Collector (e2e/setup.sh) --OTLP/HTTP--> counting sink
+    paced workload --OTLP gRPC--> Collector (deploy/local/stack.sh) --OTLP/HTTP--> counting sink
 
 Default: 5 minutes at 3,400 merged ops/s (1.02M ops), every op a span (spans at 100%),
 metrics every 5 s, configured only by ``OTEL_*`` variables. The sink (in this process)
@@ -14,7 +14,7 @@ as a table:
   completion pipeline's and the span processor's queue depths and the completion
   worker's CPU time per op.
 
-Run ``bash e2e/setup.sh`` first. ``--seconds``/``--rate`` shorten it; exit status 1 when a
+Run ``bash deploy/local/stack.sh install`` first. ``--seconds``/``--rate`` shorten it; exit status 1 when a
 check fails.
 """
 

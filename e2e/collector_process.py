@@ -1,35 +1,26 @@
-"""The OTLP hop of the pipeline test (the Collector e2e/setup.sh built, or its rotel
-fallback) as a process that can be started, killed and restarted by PID, forwarding
-everything over OTLP/HTTP to a sink. Used by e2e/test_collector_faults.py and
-benchmarks/soak.py."""
+"""The real OpenTelemetry Collector (the binary deploy/local/stack.sh installs) as a
+process that can be started, killed and restarted by PID, forwarding everything over
+OTLP/HTTP to a sink. Used by e2e/test_collector_faults.py and benchmarks/soak.py."""
 
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "otel-hicache" / "e2e"
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _state() -> dict[str, str]:
-    path = CACHE / "state.env"
-    if not path.exists():
-        raise RuntimeError(f"{path} missing: run e2e/setup.sh first")
-    state = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if "=" in line and not line.lstrip().startswith("#"):
-            key, value = line.split("=", 1)
-            parts = shlex.split(value)
-            state[key.strip()] = parts[0] if parts else ""
-    return state
-
-
-STATE = _state()
+def collector_binary() -> str:
+    """The Collector `deploy/local/stack.sh path otelcol` resolves (run its install first)."""
+    proc = subprocess.run(["bash", str(ROOT / "deploy/local/stack.sh"), "path", "otelcol"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip() or "deploy/local/stack.sh path otelcol failed")
+    return proc.stdout.strip()
 
 
 def _free_port() -> int:
@@ -45,7 +36,7 @@ def _open(port: int) -> bool:
 
 
 class Collector:
-    """The pipeline test's OTLP hop as a process we can kill and restart by PID."""
+    """The Collector as a process we can kill and restart by PID."""
 
     def __init__(self, tmp: Path, sink: str, tls: dict[str, str] | None = None) -> None:
         self.tmp = tmp
@@ -54,14 +45,10 @@ class Collector:
         self.grpc_port, self.http_port = _free_port(), _free_port()
         self.process: subprocess.Popen | None = None
         self.starts = 0
-        self.kind = STATE["E2E_PIPELINE"]
-        self.binary = STATE["E2E_OTLP_BIN"]
-        self.command = self._otelcol() if self.kind == "otelcol" else self._rotel()
+        self.binary = collector_binary()
+        self.command = self._otelcol()
 
     def _otelcol(self) -> list[str]:
-        components = subprocess.run([self.binary, "components"], capture_output=True, text=True).stdout
-        otlphttp = "otlp_http" if any(line.strip().lstrip("- ").strip() == "name: otlp_http"
-                                      for line in components.splitlines()) else "otlphttp"
         tls = ""
         if self.tls:
             tls = f', tls: {{cert_file: "{self.tls["cert"]}", key_file: "{self.tls["key"]}"}}'
@@ -75,28 +62,17 @@ receivers:
 processors:
   batch: {{timeout: 100ms}}
 exporters:
-  {otlphttp}:
+  otlp_http:
     endpoint: "{self.sink}"
     compression: none
 service:
   telemetry:
     metrics: {{level: none}}
   pipelines:
-    traces: {{receivers: [otlp], processors: [batch], exporters: [{otlphttp}]}}
-    metrics: {{receivers: [otlp], processors: [batch], exporters: [{otlphttp}]}}
+    traces: {{receivers: [otlp], processors: [batch], exporters: [otlp_http]}}
+    metrics: {{receivers: [otlp], processors: [batch], exporters: [otlp_http]}}
 """, encoding="utf-8")
         return [self.binary, f"--config={config}"]
-
-    def _rotel(self) -> list[str]:
-        if self.tls:
-            raise RuntimeError("the rotel fallback is not configured for TLS here; the TLS case needs the Collector")
-        return [self.binary, "start", "--otlp-grpc-endpoint", f"127.0.0.1:{self.grpc_port}",
-                "--otlp-http-endpoint", f"127.0.0.1:{self.http_port}", "--otlp-receiver-logs-disabled",
-                "--exporter", "otlp", "--otlp-exporter-protocol", "http", "--otlp-exporter-compression", "none",
-                "--batch-timeout", "100ms",
-                "--otlp-exporter-traces-endpoint", f"{self.sink}/v1/traces",
-                "--otlp-exporter-metrics-endpoint", f"{self.sink}/v1/metrics",
-                "--otlp-exporter-logs-endpoint", f"{self.sink}/unused/v1/logs"]
 
     def endpoint(self, protocol: str) -> str:
         scheme = "https" if self.tls else "http"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fault tests with the real Collector in the path (e2e/test_collector_faults.py): the
 # Collector killed and restarted by PID mid-run, OTLP over TLS with a self-signed
-# certificate and a wrong one. Run e2e/setup.sh first. Extra arguments go to pytest.
+# certificate and a wrong one. Run deploy/local/stack.sh install first. Extra arguments go to pytest.
 #
 # Environment: HICACHE_DEV_VENV (the repo venv, default .venv).
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""Faults with the real Collector in the path (the binary e2e/setup.sh built or installed).
+"""Faults with the real Collector in the path (the binary deploy/local/stack.sh installs).
 
     workload process --OTLP--> Collector (killed and restarted by PID) --OTLP/HTTP--> sink
 
@@ -13,7 +13,7 @@ every cumulative point that made it through is seen. Cases:
 * OTLP over TLS to the Collector with a self-signed certificate (and headers); a wrong
   certificate fails visibly: a warning, counted failures, nothing delivered.
 
-Run by e2e/faults.sh (after e2e/setup.sh), from CI.
+Run by e2e/faults.sh (after deploy/local/stack.sh install), from CI.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "e2e"))
 
-from collector_process import STATE, Collector  # noqa: E402
+from collector_process import Collector  # noqa: E402
 from otlp_receiver import HttpReceiver, make_certificates  # noqa: E402
 from paced_runs import final_counters, otlp_env, quantile, run_workload  # noqa: E402
 
@@ -128,8 +128,6 @@ def certificates(tmp_path_factory):
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_tls_to_the_collector(protocol, sink, certificates, tmp_path):
-    if STATE["E2E_PIPELINE"] != "otelcol":
-        pytest.skip("TLS is tested against the Collector; this machine's OTLP hop is the rotel fallback")
     collector = Collector(tmp_path, sink.endpoint, tls=certificates)
     collector.start()
     try:

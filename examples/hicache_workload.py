@@ -392,6 +392,7 @@ class WorkloadConfig:
     max_op_pages: int = 12
     swa_window: int = 256
     draft_layers: int = 1
+    rate: float = 0.0  # ops per second; 0: as fast as the copies go
 
     def pools(self) -> list[PoolSpec]:
         specs = [PoolSpec("kv", self.layers, self.kv_heads, self.head_dim)]
@@ -571,7 +572,12 @@ class HiCacheWorkload:
     def run(self, tel: TransferTelemetry, progress: Any = None, tracer: Any = None) -> dict[str, DirectionSummary]:
         """Run every op; with ``tracer``, each inside a ``example.scheduler_step`` span (the
         transfer spans become its children, as under a request span in a server)."""
+        started = time.monotonic()
         for i in range(self.cfg.ops):
+            if self.cfg.rate > 0:  # paced: op i starts i/rate seconds in (a serving process is never flat out)
+                delay = started + i / self.cfg.rate - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
             if tracer is None:
                 self._step(tel, i)
             else:
@@ -717,6 +723,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = WorkloadConfig()
     parser = argparse.ArgumentParser(
@@ -747,6 +760,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="sliding-window pool window in tokens, 0 for none (default %(default)s)")
     parser.add_argument("--draft-layers", type=_non_negative, default=defaults.draft_layers,
                         help="draft-model layers whose KV moves along (bytes only), 0 for none (default %(default)s)")
+    parser.add_argument("--rate", type=_non_negative_float, default=defaults.rate, metavar="OPS_PER_S",
+                        help="pace the ops at this many per second (default: unpaced), e.g. to watch the "
+                        "series of a running collector")
     parser.add_argument("--cpu-threads", type=_positive, default=1,
                         help="torch threads for copies on CPU (default %(default)s, like one copy engine: "
                         "more is faster on an idle machine but far noisier when cores are shared)")
@@ -787,7 +803,7 @@ def main(argv: list[str] | None = None) -> int:
         ops=args.ops, seed=args.seed, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
         page_size=args.page_size, pool_tokens=args.pool_tokens, host_ratio=args.host_ratio,
         max_op_pages=min(args.max_op_pages, max(1, args.pool_tokens // args.page_size // 2)),
-        swa_window=args.swa_window, draft_layers=args.draft_layers,
+        swa_window=args.swa_window, draft_layers=args.draft_layers, rate=args.rate,
     )
     say = (lambda *a: None) if args.quiet else print
     use_env = args.export == "env" or (args.export == "auto" and export_requested())
