@@ -1,194 +1,73 @@
 #!/usr/bin/env bash
-# The real pipeline test, no Docker: starts on 127.0.0.1
+# The real pipeline test, what a user runs, no Docker:
 #
-#   example workload --OTLP gRPC :14317--> OpenTelemetry Collector core (or rotel, see setup.sh)
-#     metrics --OTLP/HTTP--> vmagent :18429 --remote write--> Prometheus :19090
-#                                (with deploy/prometheus/rules/*.yml loaded)
-#     traces  --OTLP/HTTP--> Arize Phoenix :16006 (gRPC :16007)
+#   deploy/local/stack.sh up      the real Collector, Jaeger v2 and Prometheus 3, from the
+#                                 files docker-compose.yml mounts, unchanged, on 127.0.0.1
+#   examples/hicache_workload.py  --OTLP gRPC :4317-->  Collector  --OTLP--> Jaeger
+#   e2e/sglang_workload.py        (the real SGLang 0.5.23 HiCache code on CPU, loaded
+#                                 through SGLang's plugin entry point)
+#                                           Prometheus --scrape :8889--> Collector
 #
-# runs examples/hicache_workload.py against the Collector with only the standard OTEL_*
-# variables, then e2e/check_pipeline.py: counters vs the workload's ground truth, every
-# PromQL expression of the shipped rules and dashboards, spans and their parents in the
-# trace store, promtool, and the Docker deployment's structure. Run e2e/setup.sh first.
-# Everything is stopped by PID on exit; logs stay in the temp dir (printed on failure).
+# Both workloads are configured only by the standard OTEL_* variables. Then
+# e2e/check_pipeline.py checks what a user would look at, through the APIs the UIs use:
+# Jaeger's HTTP API, Prometheus' HTTP API (counters vs ground truth, every documented
+# series, rules, alerts, dashboard queries, exemplars that open in Jaeger), the
+# Collector's own metrics, promtool.
 #
-# Environment: HICACHE_DEV_VENV (the repo venv, default .venv), HICACHE_E2E_OPS (default 300),
-# HICACHE_E2E_KEEP=1 keeps the temp dir after a successful run, HICACHE_E2E_PORT_OFFSET=N
-# moves every port up by N.
+# Run `deploy/local/stack.sh install` first. The stack's pids, logs and data live in a
+# temp dir (HICACHE_STACK_STATE), stopped by `down -v` on exit; printed on failure.
+#
+# Environment: HICACHE_DEV_VENV (the repo venv, default .venv), HICACHE_E2E_OPS (default
+# 600), HICACHE_E2E_RATE (ops/s, default 40: spread over several scrapes), HICACHE_E2E_KEEP=1
+# keeps the temp dir after a successful run.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cache="${XDG_CACHE_HOME:-$HOME/.cache}/otel-hicache/e2e"
 py="${HICACHE_DEV_VENV:-$root/.venv}/bin/python"
-ops="${HICACHE_E2E_OPS:-1000}"
-
-off="${HICACHE_E2E_PORT_OFFSET:-0}"   # shifts every port below, for a clash with something else
-OTLP_GRPC=$((14317 + off)) OTLP_HTTP=$((14318 + off)) COL_METRICS=$((18888 + off))
-PROM=$((19090 + off)) VMAGENT=$((18429 + off)) PHX_HTTP=$((16006 + off)) PHX_GRPC=$((16007 + off))
-
-[ -r "$cache/state.env" ] || { echo "run: $cache/state.env missing: run e2e/setup.sh first" >&2; exit 1; }
-# shellcheck source=/dev/null
-. "$cache/state.env"
+stack="$root/deploy/local/stack.sh"
+ops="${HICACHE_E2E_OPS:-600}"
+rate="${HICACHE_E2E_RATE:-40}"
 [ -x "$py" ] || { echo "run: no repo venv at $py (bash scripts/bootstrap.sh creates it)" >&2; exit 1; }
+since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
 
 tmp="$(mktemp -d -t hicache-e2e.XXXXXX)"
-pids=() names=()
+export HICACHE_STACK_STATE="$tmp/stack"
 status=1
 cleanup() {
-  local i
-  for i in "${!pids[@]}"; do kill "${pids[$i]}" 2>/dev/null || true; done
-  for i in "${!pids[@]}"; do wait "${pids[$i]}" 2>/dev/null || true; done
+  bash "$stack" down -v >/dev/null 2>&1 || true
   if [ "$status" -ne 0 ]; then
-    for i in "${!names[@]}"; do
-      echo "---- last lines of ${names[$i]}.log ($tmp/${names[$i]}.log) ----"
-      tail -n 30 "$tmp/${names[$i]}.log" 2>/dev/null || true
+    local log
+    for log in "$tmp"/stack/*.log "$tmp"/*.log; do
+      [ -e "$log" ] || continue
+      echo "---- last lines of $log ----"; tail -n 30 "$log"
     done
-    echo "run: FAILED; logs and configs kept in $tmp"
+    echo "run: FAILED; logs kept in $tmp"
   elif [ "${HICACHE_E2E_KEEP:-0}" = 1 ]; then
-    echo "run: logs and configs kept in $tmp"
+    echo "run: logs kept in $tmp"
   else
     rm -rf "$tmp"
   fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
-start() {  # start NAME COMMAND...: in the background, output to $tmp/NAME.log
-  local name="$1"; shift
-  "$@" >"$tmp/$name.log" 2>&1 &
-  pids+=($!) names+=("$name")
-}
-alive() {  # fail early when a component died instead of waiting for its timeout
-  local i
-  for i in "${!pids[@]}"; do
-    kill -0 "${pids[$i]}" 2>/dev/null || { echo "run: ${names[$i]} exited early" >&2; return 1; }
-  done
-}
-wait_for() {  # wait_for WHAT CHECK...: up to 60 s
-  local what="$1"; shift
-  local i
-  for i in $(seq 1 600); do
-    "$@" >/dev/null 2>&1 && return 0
-    alive || return 1
-    sleep 0.1
-  done
-  echo "run: timed out waiting for $what" >&2; return 1
-}
-http_ok() { curl -sf -o /dev/null "$1"; }
-tcp_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
 
-for port in $OTLP_GRPC $OTLP_HTTP $COL_METRICS $PROM $VMAGENT $PHX_HTTP $PHX_GRPC; do
-  if tcp_open "$port"; then
-    echo "run: port $port on 127.0.0.1 is already in use (HICACHE_E2E_PORT_OFFSET=N moves them all)" >&2; exit 1
-  fi
-done
-if [ "$E2E_PIPELINE" = otelcol ]; then
-  echo "pipeline: otelcol-core $E2E_OTLP_VERSION (Prometheus $E2E_PROMETHEUS_VERSION, vmagent $E2E_VM_VERSION, Phoenix $E2E_PHOENIX_VERSION)"
-else
-  echo "pipeline: rotel $E2E_OTLP_VERSION (fallback: ${E2E_FALLBACK_REASON:-unknown}) (Prometheus $E2E_PROMETHEUS_VERSION, vmagent $E2E_VM_VERSION, Phoenix $E2E_PHOENIX_VERSION)"
-fi
 t_stack=$EPOCHREALTIME
+bash "$stack" up
+echo "run: stack up in $(since "$t_stack") s"
 
-# -- Prometheus: remote-write receiver, the shipped rules, fast evaluation --------------
-cat > "$tmp/prometheus.yml" <<EOF
-# test-only configuration generated by e2e/run.sh
-global:
-  scrape_interval: 1s
-  scrape_timeout: 1s
-  evaluation_interval: 1s
-# vmagent may deliver an older sample of a series after a newer one (the SDK exports every
-# 250 ms and once more at shutdown); Prometheus rejects the whole block otherwise, final
-# values included
-storage:
-  tsdb:
-    out_of_order_time_window: 10m
-rule_files:
-  - $root/deploy/prometheus/rules/*.yml
-scrape_configs:
-  - job_name: prometheus
-    static_configs: [{targets: ["127.0.0.1:$PROM"]}]
-EOF
-if [ "$E2E_PIPELINE" = otelcol ]; then  # the Collector's own metrics (otelcol_*), as in deploy/
-  cat >> "$tmp/prometheus.yml" <<EOF
-  - job_name: otel-collector-self
-    static_configs: [{targets: ["127.0.0.1:$COL_METRICS"]}]
-EOF
-fi
-start prometheus "$E2E_PROMETHEUS" --config.file="$tmp/prometheus.yml" --storage.tsdb.path="$tmp/prometheus-data" \
-  --web.listen-address="127.0.0.1:$PROM" --web.enable-remote-write-receiver
-
-# -- vmagent: OTLP/HTTP metrics in, Prometheus remote write out ---------------------------
-start vmagent "$E2E_VMAGENT" -httpListenAddr="127.0.0.1:$VMAGENT" \
-  -remoteWrite.url="http://127.0.0.1:$PROM/api/v1/write" -remoteWrite.forcePromProto \
-  -remoteWrite.tmpDataPath="$tmp/vmagent-data" -remoteWrite.flushInterval=200ms -remoteWrite.queues=1 \
-  -opentelemetry.usePrometheusNaming
-
-# -- Arize Phoenix: OTLP trace store with a query API --------------------------------------
-# (its gRPC listener binds every interface whatever PHOENIX_HOST says; nothing here uses it)
-start phoenix env PHOENIX_HOST=127.0.0.1 PHOENIX_PORT="$PHX_HTTP" PHOENIX_GRPC_PORT="$PHX_GRPC" \
-  PHOENIX_WORKING_DIR="$tmp/phoenix-data" PHOENIX_TELEMETRY_ENABLED=false "$E2E_PHOENIX" serve
-
-# -- the OTLP hop ------------------------------------------------------------------------
-if [ "$E2E_PIPELINE" = otelcol ]; then
-  # the OTLP/HTTP exporter's type is otlp_http in recent releases (otlphttp is an alias)
-  otlphttp=otlphttp
-  "$E2E_OTLP_BIN" components 2>/dev/null | grep -qE '^\s*-?\s*name:\s*otlp_http\s*$' && otlphttp=otlp_http
-  cat > "$tmp/otelcol.yaml" <<EOF
-# test-only configuration generated by e2e/run.sh (core components only)
-receivers:
-  otlp:
-    protocols:
-      grpc: {endpoint: "127.0.0.1:$OTLP_GRPC"}
-      http: {endpoint: "127.0.0.1:$OTLP_HTTP"}
-processors:
-  memory_limiter: {check_interval: 1s, limit_mib: 512, spike_limit_mib: 128}
-  batch: {timeout: 200ms}
-exporters:
-  debug: {verbosity: basic}
-  $otlphttp/metrics:
-    metrics_endpoint: "http://127.0.0.1:$VMAGENT/opentelemetry/v1/metrics"
-    compression: none
-  $otlphttp/traces:
-    traces_endpoint: "http://127.0.0.1:$PHX_HTTP/v1/traces"
-service:
-  telemetry:
-    metrics:
-      level: normal
-      readers:
-        - pull: {exporter: {prometheus: {host: 127.0.0.1, port: $COL_METRICS}}}
-  pipelines:
-    traces: {receivers: [otlp], processors: [memory_limiter, batch], exporters: [$otlphttp/traces, debug]}
-    metrics: {receivers: [otlp], processors: [memory_limiter, batch], exporters: [$otlphttp/metrics, debug]}
-EOF
-  "$E2E_OTLP_BIN" validate --config="$tmp/otelcol.yaml" >"$tmp/otelcol-validate.log" 2>&1 \
-    || { cat "$tmp/otelcol-validate.log" >&2; exit 1; }
-  start otelcol "$E2E_OTLP_BIN" --config="$tmp/otelcol.yaml"
-else
-  # (rotel wants a logs endpoint even with its logs receiver off; nothing is sent there)
-  start rotel "$E2E_OTLP_BIN" start --otlp-grpc-endpoint "127.0.0.1:$OTLP_GRPC" \
-    --otlp-http-endpoint "127.0.0.1:$OTLP_HTTP" --otlp-receiver-logs-disabled \
-    --exporter otlp --otlp-exporter-protocol http --otlp-exporter-compression none --batch-timeout 200ms \
-    --otlp-exporter-traces-endpoint "http://127.0.0.1:$PHX_HTTP/v1/traces" \
-    --otlp-exporter-metrics-endpoint "http://127.0.0.1:$VMAGENT/opentelemetry/v1/metrics" \
-    --otlp-exporter-logs-endpoint "http://127.0.0.1:$VMAGENT/unused/v1/logs"
-fi
-
-wait_for Prometheus http_ok "http://127.0.0.1:$PROM/-/ready"
-wait_for vmagent http_ok "http://127.0.0.1:$VMAGENT/health"
-wait_for "the OTLP receiver" tcp_open "$OTLP_GRPC"
-wait_for Phoenix http_ok "http://127.0.0.1:$PHX_HTTP/healthz"
-echo "run: stack up in $(since "$t_stack") s ($tmp)"
-
-# -- the workload, configured only by standard OTEL_* variables ---------------------------
-# Metrics every 250 ms, so rates over the ~1.5 s run have several points.
+# -- the workloads, configured only by standard OTEL_* variables ---------------------------
+# Metrics every second: the shipped Prometheus scrapes every 5 s, and the paced run spans
+# several scrapes, so every rate() of the rules and dashboard has points to work on.
+export OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 OTEL_METRIC_EXPORT_INTERVAL=1000
 t_run=$EPOCHREALTIME
-OTEL_SERVICE_NAME=hicache-e2e OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$OTLP_GRPC" OTEL_METRIC_EXPORT_INTERVAL=250 \
-  "$py" "$root/examples/hicache_workload.py" --ops "$ops" --layers 2 --pool-tokens 2048 \
-  --truth-json "$tmp/truth.json" 2>&1 | tee "$tmp/workload.log"
-echo "run: workload done in $(since "$t_run") s"
+OTEL_SERVICE_NAME=hicache-e2e "$py" "$root/examples/hicache_workload.py" --ops "$ops" --rate "$rate" \
+  --layers 2 --pool-tokens 2048 --truth-json "$tmp/truth.json" 2>&1 | tee "$tmp/workload.log"
+OTEL_SERVICE_NAME=hicache-e2e-sglang "$py" "$root/e2e/sglang_workload.py" --truth-json "$tmp/sglang-truth.json" \
+  2>"$tmp/sglang-workload.log" | tee -a "$tmp/sglang-workload.log"
+echo "run: workloads done in $(since "$t_run") s"
 
 t_check=$EPOCHREALTIME
-"$py" "$root/e2e/check_pipeline.py" --repo "$root" --truth "$tmp/truth.json" \
-  --prometheus "http://127.0.0.1:$PROM" --phoenix "http://127.0.0.1:$PHX_HTTP" \
-  --promtool "$E2E_PROMTOOL" --prometheus-config "$tmp/prometheus.yml" --service hicache-e2e
-echo "run: checks done in $(since "$t_check") s; run total $(since "$t_run") s (stack start-up excluded)"
+"$py" "$root/e2e/check_pipeline.py" --repo "$root" --truth "$tmp/truth.json" --sglang-truth "$tmp/sglang-truth.json" \
+  --prometheus http://127.0.0.1:9090 --jaeger http://127.0.0.1:16686 --collector-metrics http://127.0.0.1:8888/metrics \
+  --promtool "$(bash "$stack" path promtool)" --service hicache-e2e --sglang-service hicache-e2e-sglang
+echo "run: checks done in $(since "$t_check") s; workloads and checks $(since "$t_run") s, total with stack start-up $(since "$t_stack") s"
 status=0
