@@ -1,6 +1,6 @@
 """``ack_watch``: the ack time of ops whose consumer never calls ``ack()``.
 
-Frameworks consume acks in many places (pop, clear, reset). Instead of patching
+Frameworks consume acks in many places (pop, clear, reset). Instead of wrapping
 each consumer, an op can name the container its ack sits in; the worker stamps
 the ack time when the item is gone from it.
 """

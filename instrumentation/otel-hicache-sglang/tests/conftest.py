@@ -83,10 +83,22 @@ class Instrumented:
 
 
 @pytest.fixture
-def instrumented(sglang_cpu: Any) -> Any:
-    inst = Instrumented()
-    yield inst
-    inst.close()
+def make_instrumented(sglang_cpu: Any) -> Any:
+    """Instrument now (after what the test changed in SGLang first); closed at teardown."""
+    made: list[Instrumented] = []
+
+    def make() -> Instrumented:
+        made.append(Instrumented())
+        return made[-1]
+
+    yield make
+    for inst in reversed(made):
+        inst.close()
+
+
+@pytest.fixture
+def instrumented(make_instrumented: Any) -> Any:
+    return make_instrumented()
 
 
 @pytest.fixture

@@ -30,11 +30,11 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 import otel_hicache
 from otel_hicache import environment_variables as ev
 from otel_hicache.diagnostics import logger, warn_once
-from otel_hicache.patching import Incompatible, Patch, PatchSet
 from otel_hicache.settings import env_bool, sdk_disabled
 
 from . import cache_events
 from .package import _instruments
+from .patching import Group, Incompatible, Patcher
 from .transfers import OFFLOAD, ONBOARD, TransferObserver
 from .version import __version__
 
@@ -66,54 +66,45 @@ def _check_transfers() -> None:
     _require_fields(L2_TRANSFER, "L2Transfer", TRANSFER_FIELDS)
 
 
-def _patches(observer: TransferObserver) -> PatchSet:
-    patches = PatchSet("SGLang")
-    patches.add(
-        "L1<->L2 transfers",
-        [
-            Patch(L2_TRANSFER, "L2TransferEngine", "submit_device_to_host",
-                  lambda f: observer.wrap_submit(f, OFFLOAD)),
-            Patch(L2_TRANSFER, "L2TransferEngine", "submit_host_to_device",
-                  lambda f: observer.wrap_submit(f, ONBOARD)),
-            Patch(CACHE_CONTROLLER, "HiCacheController", "__init__", observer.wrap_init),
-            Patch(CACHE_CONTROLLER, "HiCacheController", "start_writing",
-                  lambda f: observer.wrap_start(f, OFFLOAD, "ack_write_queue")),
-            Patch(CACHE_CONTROLLER, "HiCacheController", "start_loading",
-                  lambda f: observer.wrap_start(f, ONBOARD, "ack_load_queue")),
-        ],
-        check=_check_transfers,
-    )
-    patches.add(
-        "dropped tokens",
-        [Patch(UNIFIED_RADIX_CACHE, "UnifiedRadixCache", "_record_dropped_tokens",
-               lambda f: cache_events.wrap_record_dropped_tokens(observer, f))],
-    )
+def _base_component() -> Any:
+    return getattr(sys.modules[UNIFIED_RADIX_CACHE], "BASE_COMPONENT_TYPE")
 
-    def base_component() -> Any:
-        return getattr(sys.modules[UNIFIED_RADIX_CACHE], "BASE_COMPONENT_TYPE")
 
-    patches.add(
-        "evictions",
-        [
-            Patch(BASE_PREFIX_CACHE, "BasePrefixCache", "update_eviction_metrics",
-                  lambda f: cache_events.wrap_update_eviction_metrics(observer, f)),
-            Patch(UNIFIED_RADIX_CACHE, "UnifiedRadixCache", "evict_host",
-                  lambda f: cache_events.wrap_evict_host(observer, f, base_component())),
-        ],
-    )
-    patches.add(
-        "prefix hits",
-        [Patch(SCHEDULE_BATCH, None, "split_cached_prefix_by_tier",
-               lambda f: cache_events.wrap_split_cached_prefix_by_tier(observer, f))],
-    )
-    return patches
+def _check_evictions() -> None:
+    if not hasattr(sys.modules[UNIFIED_RADIX_CACHE], "BASE_COMPONENT_TYPE"):
+        raise Incompatible(f"{UNIFIED_RADIX_CACHE}.BASE_COMPONENT_TYPE not found")
+
+
+def _groups(observer: TransferObserver) -> list[Group]:
+    """What is wrapped (``docs/sglang.md``), all or nothing per group."""
+    return [
+        Group("L1<->L2 transfers", [
+            (L2_TRANSFER, "L2TransferEngine.submit_device_to_host", observer.submit_wrapper(OFFLOAD)),
+            (L2_TRANSFER, "L2TransferEngine.submit_host_to_device", observer.submit_wrapper(ONBOARD)),
+            (CACHE_CONTROLLER, "HiCacheController.__init__", observer.wrap_init),
+            (CACHE_CONTROLLER, "HiCacheController.start_writing", observer.start_wrapper(OFFLOAD, "ack_write_queue")),
+            (CACHE_CONTROLLER, "HiCacheController.start_loading", observer.start_wrapper(ONBOARD, "ack_load_queue")),
+        ], check=_check_transfers),
+        Group("dropped tokens", [
+            (UNIFIED_RADIX_CACHE, "UnifiedRadixCache._record_dropped_tokens",
+             cache_events.record_dropped_tokens(observer)),
+        ]),
+        Group("evictions", [
+            (BASE_PREFIX_CACHE, "BasePrefixCache.update_eviction_metrics",
+             cache_events.update_eviction_metrics(observer)),
+            (UNIFIED_RADIX_CACHE, "UnifiedRadixCache.evict_host", cache_events.evict_host(observer, _base_component)),
+        ], check=_check_evictions),
+        Group("prefix hits", [
+            (SCHEDULE_BATCH, "split_cached_prefix_by_tier", cache_events.split_cached_prefix_by_tier(observer)),
+        ]),
+    ]
 
 
 class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-method
     """Instruments SGLang HiCache's L1<->L2 transfers and cache events."""
 
     _observer: TransferObserver | None = None
-    _patch_set: PatchSet | None = None
+    _patcher: Patcher | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -131,14 +122,14 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
             return otel_hicache.TransferTelemetry(tracer_provider, meter_provider, attributes=ranks)
 
         self._observer = TransferObserver(make_telemetry)
-        self._patch_set = _patches(self._observer)
-        self._patch_set.apply()
+        self._patcher = Patcher("SGLang", _groups(self._observer))
+        self._patcher.instrument()
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        patch_set, observer = self._patch_set, self._observer
-        self._patch_set = self._observer = None
-        if patch_set is not None:
-            patch_set.restore()
+        patcher, observer = self._patcher, self._observer
+        self._patcher = self._observer = None
+        if patcher is not None:
+            patcher.uninstrument()
         telemetry = observer.telemetry if observer is not None else None
         if telemetry is not None:
             telemetry.shutdown()  # reports what was recorded; bounded
@@ -151,7 +142,7 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
 
     def instrumented_groups(self) -> list[str]:
         """Which patch groups are in place (the rest were incompatible or not imported yet)."""
-        return self._patch_set.applied() if self._patch_set is not None else []
+        return self._patcher.applied() if self._patcher is not None else []
 
 
 def plugin() -> None:

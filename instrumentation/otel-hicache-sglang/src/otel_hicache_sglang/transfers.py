@@ -26,7 +26,6 @@ transfer).
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 import weakref
@@ -35,6 +34,7 @@ from typing import Any, Callable
 from otel_hicache import TransferTelemetry
 from otel_hicache.diagnostics import logger, warn_once
 
+from .patching import MISSING, arg, missing
 from .ranks import rank_attributes
 
 OFFLOAD = "offload"
@@ -148,47 +148,51 @@ class TransferObserver:
         return info
 
     # -- engine wrappers (every copy) -------------------------------------------
-    def wrap_submit(self, original: Callable[..., Any], direction: str) -> Callable[..., Any]:
+    def submit_wrapper(self, direction: str) -> Callable[..., Any]:
+        """For ``L2TransferEngine.submit_*(transfers, ...)``."""
         observer = self
         clock = time.time_ns
 
-        @functools.wraps(original)
-        def submit(engine: Any, transfers: Any, *args: Any, **kwargs: Any) -> Any:
+        def _wrap_submit(wrapped: Callable[..., Any], engine: Any, args: tuple, kwargs: dict) -> Any:
             telemetry = observer.telemetry
             if telemetry is None:
                 telemetry = observer.telemetry_now()  # the first copy of a process with no controller yet
             if telemetry is None or not telemetry.enabled:
-                return original(engine, transfers, *args, **kwargs)
+                return wrapped(*args, **kwargs)
             start_ns = clock()
-            completion = original(engine, transfers, *args, **kwargs)
+            completion = wrapped(*args, **kwargs)
             end_ns = clock()
             try:
+                transfers = arg(args, kwargs, 0, "transfers")
+                if transfers is MISSING:
+                    missing(wrapped, "transfers", "its direct copies are not reported, its merged ops carry no "
+                            "hicache.draft_bytes")
                 captured = getattr(observer._local, "captured", None)
                 if captured is not None:  # inside start_writing/start_loading: wait for its ack
                     captured.append((engine, transfers, completion, start_ns, end_ns))
-                else:
+                elif transfers is not MISSING:
                     observer._report_direct(telemetry, direction, engine, transfers, completion, start_ns, end_ns)
             except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
                 warn_once("sglang:submit", "otel-hicache: could not report an L2 copy (%r)", exc)
             return completion
 
-        return submit
+        return _wrap_submit
 
     # -- controller wrappers (merged ops with an ack) ------------------------------
-    def wrap_start(self, original: Callable[..., Any], direction: str, ack_queue: str) -> Callable[..., Any]:
+    def start_wrapper(self, direction: str, ack_queue: str) -> Callable[..., Any]:
+        """For ``HiCacheController.start_writing/start_loading()``."""
         observer = self
 
-        @functools.wraps(original)
-        def start(controller: Any, *args: Any, **kwargs: Any) -> Any:
+        def _wrap_start(wrapped: Callable[..., Any], controller: Any, args: tuple, kwargs: dict) -> Any:
             telemetry = observer.telemetry
             if telemetry is None or not telemetry.enabled:
-                return original(controller, *args, **kwargs)
+                return wrapped(*args, **kwargs)
             local = observer._local
             outer = getattr(local, "captured", None)
             captured: list[Any] = []
             local.captured = captured
             try:
-                result = original(controller, *args, **kwargs)
+                result = wrapped(*args, **kwargs)
             except BaseException:
                 local.captured = outer
                 observer._report_unpaired(telemetry, direction, captured)
@@ -201,17 +205,12 @@ class TransferObserver:
                     warn_once("sglang:start", "otel-hicache: could not report a merged op (%r)", exc)
             return result
 
-        return start
+        return _wrap_start
 
-    def wrap_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        observer = self
-
-        @functools.wraps(original)
-        def __init__(controller: Any, *args: Any, **kwargs: Any) -> None:
-            original(controller, *args, **kwargs)
-            observer.controller_created(controller)
-
-        return __init__
+    def wrap_init(self, wrapped: Callable[..., Any], controller: Any, args: tuple, kwargs: dict) -> None:
+        """``HiCacheController.__init__``: then start this process's telemetry."""
+        wrapped(*args, **kwargs)
+        self.controller_created(controller)
 
     # -- reporting ------------------------------------------------------------
     def _report_merged(self, telemetry: TransferTelemetry, direction: str, controller: Any, ack_queue: str,
@@ -258,6 +257,8 @@ class TransferObserver:
     def _report_direct(self, telemetry: TransferTelemetry, direction: str, engine: Any, transfers: Any,
                        completion: Any, start_ns: int, end_ns: int) -> None:
         """A copy nobody acks: tokens per pool and bytes from its transfer list."""
+        if transfers is MISSING:
+            return
         info = self._engines.get(engine)
         pool_names = info.pool_names if info is not None else {}
         pools: dict[str, int] = {}
@@ -291,6 +292,8 @@ class TransferObserver:
     @classmethod
     def _draft_bytes(cls, transfers: Any) -> int:
         total = 0
+        if transfers is MISSING:
+            return total
         for transfer in transfers:
             if getattr(transfer, "is_draft", False):
                 total += cls._draft_layer_bytes(transfer, int(transfer.host_indices.numel()))

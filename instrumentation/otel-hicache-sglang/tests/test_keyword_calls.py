@@ -1,0 +1,167 @@
+"""The wrappers read SGLang's parameters by position or by name: the real SGLang objects
+called with keywords report exactly what positional calls report, and a parameter that
+a later SGLang renames and passes by keyword costs what it carried, never the call.
+
+``start_writing``/``start_loading`` take no parameters; their merged ops are driven
+here with their engine's ``transfers`` passed by keyword instead.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+# timings: differ from run to run
+VOLATILE = {"hicache.ack_delay_us", "hicache.queue_wait_us", "hicache.bandwidth_bytes_per_second"}
+
+
+def _reports(spans: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(s.name, {k: v for k, v in s.attributes.items() if k not in VOLATILE}) for s in spans]
+
+
+def by_keyword(monkeypatch: pytest.MonkeyPatch, obj: Any, method: str, *names: str) -> None:
+    """SGLang's own calls of ``obj.method(...)`` reach the (wrapped) class attribute with
+    their positional arguments passed as ``names`` by keyword."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        assert len(args) <= len(names), (method, args)
+        kwargs.update(zip(names, args))
+        return getattr(type(obj), method)(obj, **kwargs)
+
+    monkeypatch.setattr(obj, method, call, raising=False)
+
+
+def _transfers(controller: Any, allocator: Any, n: int = 8) -> tuple[Any, Any, Any]:
+    device_indices = allocator.alloc(n)
+    host_indices = controller.mem_pool_host.alloc(n)
+    return controller._l2_transfers(host_indices, device_indices), host_indices, device_indices
+
+
+def test_direct_copies_with_transfers_by_keyword_report_as_positional(instrumented, sglang_cpu):
+    controller, _kv, allocator = sglang_cpu.build_controller()
+    engine = controller.l2_transfer_engine
+    transfers, host_indices, device_indices = _transfers(controller, allocator)
+    layers = controller.transfer_layer_id_max
+    engine.submit_device_to_host(transfers).finish_event.synchronize()
+    engine.submit_device_to_host(transfers=transfers).finish_event.synchronize()
+    engine.submit_host_to_device(transfers, transfer_layer_id_max=layers).finish_event.synchronize()
+    engine.submit_host_to_device(transfers=transfers, transfer_layer_id_max=layers).finish_event.synchronize()
+    offload, offload_kw, onboard, onboard_kw = _reports(instrumented.finished())
+    assert offload == offload_kw and onboard == onboard_kw
+    assert offload[0] == "hicache.offload" and onboard[0] == "hicache.onboard"
+    assert offload[1]["hicache.origin"] == "direct" and offload[1]["hicache.tokens"] == 8
+    assert instrumented.metric("hicache.transfer.tokens", **{"hicache.origin": "direct"}) == 4 * 8
+    controller.mem_pool_host.free(host_indices)
+    allocator.free(device_indices)
+
+
+def test_merged_ops_and_retraction_with_transfers_by_keyword_report_as_positional(instrumented, sglang_cpu,
+                                                                                   monkeypatch):
+    def run(keyword: bool) -> tuple[list[Any], dict[str, float]]:
+        before = {origin: instrumented.metric("hicache.transfer.tokens", **{"hicache.origin": origin})
+                  for origin in ("merged_op", "direct")}
+        stack = sglang_cpu.build_stack("write_through")
+        if keyword:
+            engine = stack.controller.l2_transfer_engine
+            by_keyword(monkeypatch, engine, "submit_device_to_host", "transfers")
+            by_keyword(monkeypatch, engine, "submit_host_to_device", "transfers")
+        assert sglang_cpu.write_through_round_trip(stack)["offload_tokens"] == 12
+        assert sglang_cpu.decode_retraction(stack)["bit_exact"] is True
+        spans = _reports(instrumented.finished())
+        instrumented.spans.clear()
+        return spans, {origin: instrumented.metric("hicache.transfer.tokens", **{"hicache.origin": origin})
+                       - value for origin, value in before.items()}
+
+    positional, positional_tokens = run(keyword=False)
+    keyword, keyword_tokens = run(keyword=True)
+    assert [(name, a["hicache.origin"]) for name, a in positional] == [
+        ("hicache.offload", "merged_op"), ("hicache.onboard", "merged_op"),
+        ("hicache.offload", "direct"), ("hicache.onboard", "direct")]
+    assert keyword == positional
+    assert keyword_tokens == positional_tokens == {"merged_op": 24, "direct": 16}
+
+
+def test_cache_events_by_keyword_count_as_positional(instrumented, sglang_cpu, monkeypatch):
+    from sglang.srt.managers import schedule_batch
+
+    stack = sglang_cpu.build_stack("write_through")
+    cache = stack.cache
+
+    def counts() -> dict[str, float]:
+        return {
+            "dropped": instrumented.metric("hicache.dropped_tokens", reason="host_pressure"),
+            "device": instrumented.metric("hicache.evicted_tokens", **{"hicache.tier": "device"}),
+            "host": instrumented.metric("hicache.evicted_tokens", **{"hicache.tier": "host"}),
+            "prefix": sum(instrumented.metric("hicache.prefix.tokens", **{"hicache.tier": tier})
+                          for tier in ("device", "host", "storage")),
+        }
+
+    start = counts()
+    cache._record_dropped_tokens(5, "host_pressure")
+    cache.update_eviction_metrics(3, time.perf_counter())
+    assert schedule_batch.split_cached_prefix_by_tier(100, 40, 10) == (60, 30, 10)
+    host_evicted = sglang_cpu.host_eviction(stack)["host_evicted_tokens"]
+    positional = {k: v - start[k] for k, v in counts().items()}
+
+    start = counts()
+    cache._record_dropped_tokens(dropped_tokens=5, reason="host_pressure")
+    cache.update_eviction_metrics(num_evicted=3, start_time=time.perf_counter())
+    assert schedule_batch.split_cached_prefix_by_tier(prefix_len=100, host_hit_len=40, storage_hit_len=10) == (
+        60, 30, 10)
+    by_keyword(monkeypatch, cache, "evict_host", "num_tokens", "component_type")
+    host_evicted_kw = sglang_cpu.host_eviction(stack, start=1700)["host_evicted_tokens"]
+    keyword = {k: v - start[k] for k, v in counts().items()}
+
+    assert host_evicted == host_evicted_kw > 0
+    assert positional["dropped"] == 5 and positional["prefix"] == 100 and positional["host"] == host_evicted
+    assert positional["device"] >= 3  # and what host_eviction evicted from the device
+    assert keyword == positional
+
+
+def test_a_renamed_parameter_passed_by_keyword_costs_the_report_never_the_call(monkeypatch, make_instrumented,
+                                                                                sglang_cpu, warnings_log):
+    """As if a later SGLang renamed ``transfers`` and ``dropped_tokens`` and passed them by keyword."""
+    from sglang.srt.mem_cache.l2_transfer import L2TransferEngine
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    submit, record = L2TransferEngine.submit_device_to_host, UnifiedRadixCache._record_dropped_tokens
+
+    def submit_device_to_host(self: Any, transfer_list: Any) -> Any:
+        return submit(self, transfer_list)
+
+    def _record_dropped_tokens(self: Any, num_tokens: int, reason: str) -> None:
+        return record(self, num_tokens, reason)
+
+    monkeypatch.setattr(L2TransferEngine, "submit_device_to_host", submit_device_to_host)
+    monkeypatch.setattr(UnifiedRadixCache, "_record_dropped_tokens", _record_dropped_tokens)
+    instrumented = make_instrumented()
+
+    controller, _kv, allocator = sglang_cpu.build_controller()
+    engine = controller.l2_transfer_engine
+    transfers, host_indices, device_indices = _transfers(controller, allocator)
+    for _ in range(2):  # a direct copy: SGLang's call succeeds, the copy is not reported
+        completion = engine.submit_device_to_host(transfer_list=transfers)
+        completion.finish_event.synchronize()
+        assert type(completion).__name__ == "TransferCompletion"
+    by_keyword(monkeypatch, engine, "submit_device_to_host", "transfer_list")
+    acks = sglang_cpu.controller_round_trip(controller, _kv, allocator)  # a merged op: still counted from its ack
+    spans = instrumented.finished()
+    assert [(s.name, s.attributes["hicache.origin"]) for s in spans] == [
+        ("hicache.offload", "merged_op"), ("hicache.onboard", "merged_op")]
+    assert spans[0].attributes["hicache.tokens"] == acks["offload_tokens"] == 8
+
+    stack = sglang_cpu.build_stack("write_through")
+    before = instrumented.metric("hicache.dropped_tokens", reason="host_pressure")
+    assert stack.cache._record_dropped_tokens(num_tokens=4, reason="host_pressure") is None
+    assert instrumented.metric("hicache.dropped_tokens", reason="host_pressure") == before
+
+    messages = [r.getMessage() for r in warnings_log.records]
+    renamed = [m for m in messages if "without a parameter" in m]
+    assert len(renamed) == 2, messages
+    assert "submit_device_to_host() without a parameter 'transfers'" in renamed[0]
+    assert "_record_dropped_tokens() without a parameter 'dropped_tokens'" in renamed[1]
+    assert not [m for m in messages if "could not" in m or "does not match" in m], messages
+    controller.mem_pool_host.free(host_indices)
+    allocator.free(device_indices)
