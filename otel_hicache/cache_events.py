@@ -15,10 +15,9 @@ tier, every eviction tier, and the known drop reasons for the ``kv`` pool.
 
 from __future__ import annotations
 
-import os
-import weakref
 from typing import Any, Mapping
 
+from . import fork
 from . import semconv as sc
 from .diagnostics import warn_once
 from .version import __version__
@@ -55,15 +54,7 @@ class CacheEvents:
         self._static = dict(attributes or {})
         self._reset()
         self._bound: list[Any] = []
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.ref(self)
-
-            def _child() -> None:
-                events = ref()
-                if events is not None:
-                    events._reset()  # the parent's counts are the parent's
-
-            os.register_at_fork(after_in_child=_child)
+        fork.after_fork_in_child(self._reset)  # the parent's counts are the parent's
 
     def _reset(self) -> None:
         self._totals: dict[str, dict[tuple[tuple[str, Any], ...], int]] = {

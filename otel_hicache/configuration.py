@@ -36,7 +36,7 @@ import os
 import threading
 from typing import Any, Sequence
 
-from . import otel_environment
+from . import fork, otel_environment
 from .bounded_flush import shutdown_providers
 from .delivery import DeliveryAccount, exporter_name
 from .diagnostics import warn_once
@@ -69,6 +69,7 @@ class Configuration:
 
 _lock = threading.RLock()
 _configured: Configuration | None = None
+_fork_registered = False
 
 
 def configure(force: bool = False) -> Configuration:
@@ -192,6 +193,10 @@ def _build() -> Configuration:
                for e in _metric_exporters()]
     meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False,
                                    **otel_environment.meter_provider())
+    global _fork_registered
+    if not _fork_registered:  # once, and after the SDK objects registered theirs (otel_hicache.fork)
+        fork.after_fork_in_child(_after_fork_in_child)
+        _fork_registered = True
     return Configuration(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
                          delivery=delivery)
 
@@ -228,5 +233,3 @@ def _after_fork_in_child() -> None:
 
 
 on_exit(_at_exit, priority=10)  # after every TransferTelemetry (priority 20)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

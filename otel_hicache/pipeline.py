@@ -24,10 +24,10 @@ import itertools
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Any, Callable
 
+from . import fork
 from . import semconv as sc
 from .busy_time import BusyTimeTracker
 from .clock import WallClockAnchor
@@ -92,17 +92,10 @@ class CompletionPipeline:
         self._build_sinks = build_sinks
         self._clock = clock
         self._anchor_factory = anchor_factory
+        self._forked = False
         self._init_state()
         self._start_worker()
-        if hasattr(os, "register_at_fork"):
-            ref = weakref.WeakMethod(self._after_fork_in_child)
-
-            def _child() -> None:
-                method = ref()
-                if method is not None:
-                    method()
-
-            os.register_at_fork(after_in_child=_child)
+        fork.after_fork_in_child(self._after_fork_in_child)
 
     # -- state -----------------------------------------------------------
     def _init_state(self) -> None:
@@ -133,6 +126,7 @@ class CompletionPipeline:
 
     def _after_fork_in_child(self) -> None:
         self._init_state()
+        self._forked = True
         self._start_worker()
 
     def size(self) -> int:
@@ -201,6 +195,12 @@ class CompletionPipeline:
         return sinks
 
     def _cycle(self) -> None:
+        if self._forked and self._sinks is None and not (self.queue or self._flush_waiters or self._stopping):
+            # A forked child's worker starts inside the at-fork callbacks, before other
+            # libraries' ones re-create the locks their threads held at fork (the SDK's,
+            # its resource detectors' thread pool): build its providers only once the
+            # child calls us (a submit, a flush), which is after fork() returned.
+            return
         sinks = self._sinks_now()
         metrics = sinks.metrics
         queue = self.queue
