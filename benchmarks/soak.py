@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         "OTEL_METRIC_EXPORT_INTERVAL": "5000",
     }
     print(f"soak: {args.rate:,.0f} ops/s for {args.seconds:.0f} s ({int(args.rate * args.seconds):,} ops), spans at "
-          f"100%, through the {collector.kind} ({collector.binary.rsplit('/', 1)[-1]})", flush=True)
+          f"100%, through the Collector ({collector.binary})", flush=True)
     started = time.monotonic()
     try:
         run = run_workload(tmp, env, "--rate", str(args.rate), "--seconds", str(args.seconds), "--summary",
