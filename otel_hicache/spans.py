@@ -12,7 +12,10 @@ Two builders share one attribute set:
   provider's sampler and id generator itself and hands a finished
   ``ReadableSpan`` to the provider's span processors. It skips the ``Tracer``
   API's per-span overhead (mostly attribute re-validation: our attributes are
-  built here with known types); processors' ``on_start`` is not called.
+  built here with known types); processors' ``on_start`` is not called. The
+  tracer's span limits (``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``, the value-length and
+  event limits, or the provider's own ``SpanLimits``) apply as on the API path:
+  the same bounded containers, filled in the same order.
 * :class:`ApiSpanBuilder`: the public ``Tracer`` API, for any other provider or
   with ``OTEL_HICACHE_SPAN_FAST_PATH=false``.
 """
@@ -30,6 +33,7 @@ from .records import ONBOARD, TIERS, TransferRecord
 from .version import __version__
 
 SPAN_NAMES = {"offload": sc.SPAN_OFFLOAD, ONBOARD: sc.SPAN_ONBOARD}
+_ACK_ATTRIBUTES = 2  # hicache.acked and hicache.ack_delay_us, set at finish
 
 
 def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[str, Any]:
@@ -132,7 +136,9 @@ class FastSpanBuilder:
     """Finished ``ReadableSpan``s straight to an SDK provider's processors."""
 
     def __init__(self, tracer_provider: Any, static: Mapping[str, Any]) -> None:
+        from opentelemetry.attributes import BoundedAttributes
         from opentelemetry.sdk.trace import Event, ReadableSpan, Tracer
+        from opentelemetry.sdk.util import BoundedList
 
         tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
         if not isinstance(tracer, Tracer):
@@ -144,6 +150,9 @@ class FastSpanBuilder:
         self._resource = tracer.resource
         self._processor = tracer.span_processor
         self._scope = tracer._instrumentation_scope  # pylint: disable=protected-access
+        self._limits = tracer._span_limits  # pylint: disable=protected-access
+        self._bounded_attributes = BoundedAttributes
+        self._bounded_list = BoundedList
         self._enabled = getattr(tracer, "_is_enabled", lambda: True)
         self._event = Event
         self._readable = ReadableSpan
@@ -181,20 +190,32 @@ class FastSpanBuilder:
             record.exemplar_context = set_span_in_context(NonRecordingSpan(context))
         if result.attributes:
             attrs.update(result.attributes)
+        limits = self._limits
+        if limits.max_span_attribute_length is not None or len(attrs) + _ACK_ATTRIBUTES > limits.max_span_attributes:
+            # limits that bite: the SDK Span's own container (it validates every value,
+            # which is what the fast path otherwise saves), so the result is the API path's
+            attrs = self._bounded_attributes(limits.max_span_attributes, attrs, immutable=False,
+                                             max_value_len=limits.max_span_attribute_length)
         return (parent, attrs)
 
     def finish(self, record: TransferRecord, state: Any) -> None:
         if state is None:
             return
         parent, attrs = state
-        _ack_attributes(record, attrs)
+        ack: dict[str, Any] = {}
+        _ack_attributes(record, ack)
+        for key, value in ack.items():  # one by one, as Span.set_attributes: the oldest give way
+            attrs[key] = value
+        events = _events(record, lambda name, ts: self._event(name, None, ts))
+        if len(events) > self._limits.max_events:
+            events = self._bounded_list.from_seq(self._limits.max_events, events)
         span = self._readable(
             name=SPAN_NAMES[record.direction],
             context=record.span_context,
             parent=parent,
             resource=self._resource,
             attributes=attrs,
-            events=_events(record, lambda name, ts: self._event(name, None, ts)),
+            events=events,
             kind=SpanKind.INTERNAL,
             status=_status(record),
             start_time=record.start_ns,

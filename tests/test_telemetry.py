@@ -291,7 +291,7 @@ def test_bad_input_is_counted_and_warned_once_never_raised(harness, warnings_log
 
 @pytest.mark.parametrize("direction, pools, num_bytes, page_size", BAD_INPUTS)
 def test_strict_mode_raises_in_the_caller(harness, monkeypatch, direction, pools, num_bytes, page_size):
-    monkeypatch.setenv("OTEL_HICACHE_STRICT", "1")
+    monkeypatch.setenv("OTEL_HICACHE_STRICT", "true")
     h = harness()
     with pytest.raises((TypeError, ValueError)):
         h.tel.submit(direction, pools, num_bytes, page_size)
@@ -557,3 +557,40 @@ def test_a_submit_racing_shutdown_is_counted_not_lost(harness):
     pipeline._drop_queued_at_shutdown()  # what stop() does when it finds such a record
     assert not pipeline.queue
     assert h.value("otel_hicache.records.dropped", reason="shutdown") == 1
+
+
+@pytest.mark.parametrize("fast_path", ["true", "false"])
+def test_span_limits_apply_on_both_span_paths(harness, monkeypatch, fast_path):
+    # 4 attributes of at most 5 characters, 1 event: the fast path ignored these once
+    # (17 attributes, values untruncated); both paths must give the SDK's Span result
+    monkeypatch.setenv("OTEL_HICACHE_SPAN_FAST_PATH", fast_path)
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "4")
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "5")
+    monkeypatch.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", "1")
+    h = harness(attributes={"tp_rank": 0, "model": "a-long-model-name"})
+    handle = onboard_1408(h)
+    h.device.advance(ms=10)
+    h.tel.ack(handle)
+    [span] = h.finished()
+    # the SDK keeps the newest attributes; the ack fields come last
+    assert dict(span.attributes) == {"hicache.bandwidth_bytes_per_second": pytest.approx(161_480_704 / 6.781e-3),
+                                     "hicache.queue_wait_us": 200.0, "hicache.acked": True,
+                                     "hicache.ack_delay_us": pytest.approx(10_000 - 6_781 - 200, abs=1)}
+    assert span.dropped_attributes == 14  # 18 attributes in all
+    assert [e.name for e in span.events] == ["acked"] and span.dropped_events == 1
+    assert span.end_time - span.start_time == 6_781_000  # the limits change nothing measured
+
+
+@pytest.mark.parametrize("fast_path", ["true", "false"])
+def test_span_value_length_limit_truncates_strings_on_both_paths(harness, monkeypatch, fast_path):
+    monkeypatch.setenv("OTEL_HICACHE_SPAN_FAST_PATH", fast_path)
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "5")
+    h = harness(attributes={"tp_rank": 0, "model": "a-long-model-name"})
+    handle = onboard_1408(h)
+    h.device.advance(ms=10)
+    h.tel.ack(handle)
+    [span] = h.finished()
+    assert span.attributes["model"] == "a-lon"
+    assert span.attributes["hicache.direction"] == "onboa"
+    assert span.attributes["hicache.pool.names"] == ("kv",)
+    assert span.attributes["hicache.blocks"] == 22
