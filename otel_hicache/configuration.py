@@ -43,7 +43,7 @@ from .diagnostics import warn_once
 from .http_session import certificate_session
 from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
 from .process_exit import on_exit
-from .settings import env_float
+from .settings import env_float, sdk_disabled
 
 
 class Configuration:
@@ -168,7 +168,7 @@ def _construct(cls: Any, signal: str, protocol: str) -> Any:
 
 
 def _build() -> Configuration:
-    if otel_environment.sdk_disabled():
+    if sdk_disabled():
         from opentelemetry.metrics import NoOpMeterProvider
         from opentelemetry.trace import NoOpTracerProvider
 

@@ -2,7 +2,7 @@
 
 Instrumentation must never raise into the host application: misuse and
 failures are reported once per distinct problem through the ``otel_hicache``
-logger, and counted in self-metrics. ``OTEL_HICACHE_STRICT=1`` turns API misuse
+logger, and counted in self-metrics. ``OTEL_HICACHE_STRICT=true`` turns API misuse
 into exceptions for tests.
 """
 

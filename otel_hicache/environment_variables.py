@@ -8,7 +8,8 @@ One constant per variable, each with its default, in the style of
 specified meaning; see :mod:`otel_hicache.configuration`.
 
 A malformed value never crashes the host: a one-time warning names the
-variable and the documented default is used instead.
+variable and the documented default is used instead. Booleans are ``true`` or
+``false`` (case-insensitive), as the OTel specification defines them.
 """
 
 OTEL_HICACHE_ENABLED = "OTEL_HICACHE_ENABLED"
@@ -24,7 +25,7 @@ OTEL_HICACHE_STRICT = "OTEL_HICACHE_STRICT"
 """
 .. envvar:: OTEL_HICACHE_STRICT
 
-``1``/``true`` makes misuse of the API (unknown direction, negative or
+``true`` makes misuse of the API (unknown direction, negative or
 non-integer counts, ``page_size < 1``) raise ``ValueError``/``TypeError`` in the
 caller instead of being counted and warned about. Meant for tests.
 Default: ``false``

@@ -704,10 +704,3 @@ def resource() -> Any:
         _warn("OTEL_SERVICE_NAME", repr(raw), "is blank", repr(name))
         built = built.merge(Resource({SERVICE_NAME: name}))
     return built
-
-
-def sdk_disabled() -> bool:
-    """``OTEL_SDK_DISABLED``: only ``true`` disables (as the SDK reads it); any value other
-    than ``true`` or ``false`` is warned about."""
-    value = _value("OTEL_SDK_DISABLED", _choice(("true", "false"), "a boolean"), "false (enabled)")
-    return value == "true"

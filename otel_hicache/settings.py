@@ -1,7 +1,9 @@
-"""Typed, validated reading of environment variables.
+"""Typed, validated reading of environment variables: the one env reader of otel-hicache.
 
 Every reader falls back to the documented default and warns once, naming the
-variable, when a value is malformed; none of them raises.
+variable, when a value is malformed; none of them raises. Booleans are the OTel
+specification's: ``true`` or ``false``, case-insensitive (as the SDK reads
+``OTEL_SDK_DISABLED``); ``1``, ``yes`` or ``on`` are malformed.
 """
 
 from __future__ import annotations
@@ -12,20 +14,14 @@ import os
 from .diagnostics import warn_once
 from .environment_variables import DEFAULTS
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
 def env_bool(name: str, default: bool | None = None) -> bool:
     default = DEFAULTS[name] if default is None else default
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
     value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
+    if value in ("true", "false"):
+        return value == "true"
     warn_once(
         f"env:{name}",
         "otel-hicache: %s=%r is not a boolean (true/false); using the default %s",
@@ -81,5 +77,13 @@ def env_int(name: str, default: int | None = None, minimum: int = 1) -> int:
 
 
 def sdk_disabled() -> bool:
-    """``OTEL_SDK_DISABLED`` as the SDK reads it (only ``true`` disables)."""
-    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    """``OTEL_SDK_DISABLED`` as the SDK reads it: only ``true`` disables; a value other
+    than ``true`` or ``false`` is warned about once (it leaves the SDK enabled)."""
+    raw = os.environ.get("OTEL_SDK_DISABLED")
+    if raw is None or raw.strip() == "":
+        return False
+    value = raw.strip().lower()
+    if value not in ("true", "false"):
+        warn_once("env:OTEL_SDK_DISABLED", "otel-hicache: OTEL_SDK_DISABLED=%r is not a boolean (true/false); "
+                  "using false (enabled) instead", raw)
+    return value == "true"

@@ -23,10 +23,19 @@ def test_defaults_when_unset():
     assert env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S) == 5.0
 
 
-@pytest.mark.parametrize("raw, expected", [("false", False), ("0", False), ("TRUE", True), ("on", True)])
-def test_booleans(monkeypatch, raw, expected):
+@pytest.mark.parametrize("raw, expected", [("false", False), ("False", False), ("TRUE", True), (" true ", True)])
+def test_booleans(monkeypatch, warnings_log, raw, expected):
     monkeypatch.setenv(ev.OTEL_HICACHE_ENABLED, raw)
     assert env_bool(ev.OTEL_HICACHE_ENABLED) is expected
+    assert not warnings_log.records
+
+
+@pytest.mark.parametrize("raw", ["0", "1", "on", "yes", "off"])
+def test_booleans_are_the_specifications_true_and_false_only(monkeypatch, warnings_log, raw):
+    monkeypatch.setenv(ev.OTEL_HICACHE_STRICT, raw)
+    assert env_bool(ev.OTEL_HICACHE_STRICT) is False  # the default, with one warning naming the variable
+    [record] = warnings_log.records
+    assert ev.OTEL_HICACHE_STRICT in record.getMessage() and repr(raw) in record.getMessage()
 
 
 @pytest.mark.parametrize(
