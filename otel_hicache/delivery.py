@@ -36,8 +36,6 @@ from . import semconv as sc
 from .diagnostics import logger, warn_once
 from .version import __version__
 
-UNDELIVERED_REASONS = (sc.UNDELIVERED_EXPORT_FAILED, sc.UNDELIVERED_QUEUE_FULL)
-
 
 class _Counts:
     """One exporter's counts (ints under a lock: updated once per export batch)."""

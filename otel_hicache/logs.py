@@ -30,10 +30,6 @@ class TransferLog:
     def __init__(self) -> None:
         self.totals = {d: CumulativeTotals() for d in DIRECTIONS}
 
-    @staticmethod
-    def enabled() -> bool:
-        return logger.isEnabledFor(logging.DEBUG)
-
     def completed(self, record: TransferRecord, busy_added_ns: int) -> None:
         totals = self.totals[record.direction]
         totals.events += 1

@@ -119,6 +119,7 @@ class CompletionPipeline:
         # concurrent submitters never lose one, and it takes no memory per refusal
         self.refused = itertools.count()
         self._refused_reported = 0
+        self._refused_reads = 0
 
     def _start_worker(self) -> None:
         self._worker = threading.Thread(target=self._run, name="otel-hicache-completion", daemon=True)
@@ -331,7 +332,10 @@ class CompletionPipeline:
                       count)
 
     def _report_queue_full(self, metrics: Any) -> None:
-        refused = int(repr(self.refused)[6:-1])  # "count(N)": read without incrementing
+        # next() is the count's only reader: it returns the calls so far, submit()'s
+        # refusals and the reads here (each read is one call of its own)
+        refused = next(self.refused) - self._refused_reads
+        self._refused_reads += 1
         drops = refused - self._refused_reported
         self._refused_reported = refused
         if drops:

@@ -54,7 +54,6 @@ HOST_CLOCK = "host_clock"
     S_ACK_WATCH,
     S_ACK_NS,
 ) = range(16)
-SUBMISSION_LENGTH = 16
 
 
 def submission(

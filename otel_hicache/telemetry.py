@@ -324,7 +324,6 @@ class TransferTelemetry:
         timeout = self._shutdown_timeout_s
         deadline = time.monotonic() + timeout
         pipeline.stop(timeout)
-        self._pipeline = None
         remaining = max(0.1, deadline - time.monotonic())
         tracer_provider, meter_provider = self._providers
         flush_providers(tracer_provider, meter_provider, remaining)
