@@ -1,28 +1,53 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment and install the pinned
-# requirements (requirements/dev.txt, then SGLang for the CPU integration tests:
-# requirements/sglang-cpu.txt, --no-deps), this checkout and its SGLang adapter.
-# Prints the venv path on its last line.
+# Create (or reuse) the project's virtual environment. Prints the venv path on its last line.
+#
+#   scripts/bootstrap.sh demo   what the main job needs: requirements/demo.txt (torch, the
+#                               OpenTelemetry SDK and OTLP exporters) and this checkout
+#   scripts/bootstrap.sh dev    (default) everything the tests and benchmarks need:
+#                               requirements/dev.txt, then SGLang for the CPU integration
+#                               tests (requirements/sglang-cpu.txt, --no-deps), this
+#                               checkout and its SGLang adapter
+#
+# A venv set up for dev serves demo too. Each profile is reused while its pins and the
+# Python version stay the same (a stamp per profile in the venv).
 #   HICACHE_DEV_VENV  where the venv lives (default: .venv in the checkout)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+profile="${1:-dev}"
 venv="${HICACHE_DEV_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
-stamp_want="$(cat "$root/requirements/dev.txt" "$root/requirements/sglang-cpu.txt" | sha256sum | cut -c1-16)-$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+req="$root/requirements"
+case "$profile" in
+  demo) files=("$req/demo.txt") ;;
+  dev) files=("$req/demo.txt" "$req/dev.txt" "$req/sglang-cpu.txt") ;;
+  *) echo "usage: scripts/bootstrap.sh [demo|dev]" >&2; exit 2 ;;
+esac
+pyver="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+stamp() { echo "$(cat "$@" | sha256sum | cut -c1-16)-$pyver"; }
+want="$(stamp "${files[@]}")"
 if [ ! -x "$venv/bin/python" ]; then
   echo "bootstrap: creating $venv" >&2
   "$python" -m venv "$venv"
 fi
-if [ "$(cat "$venv/.requirements-stamp" 2>/dev/null || true)" != "$stamp_want" ]; then
-  echo "bootstrap: installing pinned requirements" >&2
+if [ "$(cat "$venv/.stamp-$profile" 2>/dev/null || true)" != "$want" ]; then
+  echo "bootstrap: installing the pinned $profile requirements" >&2
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  "$venv/bin/python" -m pip install -q -r "$root/requirements/dev.txt" >&2
-  "$venv/bin/python" -m pip install -q --no-deps -r "$root/requirements/sglang-cpu.txt" >&2
-  echo "$stamp_want" > "$venv/.requirements-stamp"
+  if [ "$profile" = demo ]; then
+    "$venv/bin/python" -m pip install -q -r "$req/demo.txt" >&2
+  else
+    "$venv/bin/python" -m pip install -q -r "$req/dev.txt" >&2
+    "$venv/bin/python" -m pip install -q --no-deps -r "$req/sglang-cpu.txt" >&2
+    stamp "$req/demo.txt" > "$venv/.stamp-demo"  # dev holds demo's pins
+  fi
+  echo "$want" > "$venv/.stamp-$profile"
 else
-  echo "bootstrap: reusing $venv" >&2
+  echo "bootstrap: reusing $venv ($profile)" >&2
 fi
 # always (re)install this checkout: a reused venv may point at another clone
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation \
-  -e "$root" -e "$root/instrumentation/otel-hicache-sglang" >&2
+if [ "$profile" = demo ]; then
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
+else
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation \
+    -e "$root" -e "$root/instrumentation/otel-hicache-sglang" >&2
+fi
 echo "$venv"
