@@ -23,9 +23,8 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from deploy_files import ROOT, VERSIONS, versions
 COMPOSE = ROOT / "docker-compose.yml"
-VERSIONS = ROOT / "deploy" / "versions.env"
 MODULE = ROOT / "deploy" / "local" / "composecheck"
 PASSWORD_VAR = "GF_SECURITY_ADMIN_PASSWORD"
 
@@ -45,16 +44,6 @@ USER_PORTS = {
 }
 # dependencies that must be healthy, not merely started, before their dependents start
 HEALTHY_DEPENDENCIES = ("jaeger", "prometheus")
-
-
-def versions() -> dict[str, str]:
-    out = {}
-    for line in VERSIONS.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            out[key.strip()] = value.strip()
-    return out
 
 
 # -- the loader binary ------------------------------------------------------------------

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-VERSIONS = ROOT / "deploy" / "versions.env"
+from deploy_files import ROOT, VERSIONS, StrictLoader, load_yaml, versions
 
 # compose image -> the versions.env variable its tag comes from, and the tag's prefix
 IMAGES = {
@@ -20,21 +19,6 @@ IMAGES = {
     "prom/prometheus": ("PROMETHEUS_VERSION", "v"),
     "grafana/grafana": ("GRAFANA_VERSION", ""),
 }
-
-
-class StrictLoader(yaml.SafeLoader):
-    """PyYAML keeps the last of two equal keys without a word; Compose refuses the file."""
-
-    def construct_mapping(self, node, deep=False):
-        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
-        duplicates = sorted({k for k in keys if keys.count(k) > 1}, key=str)
-        if duplicates:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate keys {duplicates}", node.start_mark)
-        return super().construct_mapping(node, deep=deep)
-
-
-def load_yaml(path: Path):
-    return yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader)
 
 
 def test_strict_loader_refuses_duplicate_keys():
@@ -46,16 +30,6 @@ def test_strict_loader_refuses_duplicate_keys():
                                   "deploy/jaeger/config.yaml", "deploy/prometheus/prometheus.yml"])
 def test_shipped_yaml_has_no_duplicate_keys(path):
     assert load_yaml(ROOT / path)
-
-
-def versions() -> dict[str, str]:
-    out = {}
-    for line in VERSIONS.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            out[key] = value
-    return out
 
 
 def requires(go_mod: Path) -> dict[str, str]:

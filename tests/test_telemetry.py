@@ -559,19 +559,24 @@ def test_a_submit_racing_shutdown_is_counted_not_lost(harness):
     assert h.value("otel_hicache.records.dropped", reason="shutdown") == 1
 
 
-@pytest.mark.parametrize("fast_path", ["true", "false"])
-def test_span_limits_apply_on_both_span_paths(harness, monkeypatch, fast_path):
-    # 4 attributes of at most 5 characters, 1 event: the fast path ignored these once
-    # (17 attributes, values untruncated); both paths must give the SDK's Span result
+def _span_under_limits(harness, monkeypatch, fast_path, **limits):
     monkeypatch.setenv("OTEL_HICACHE_SPAN_FAST_PATH", fast_path)
-    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "4")
-    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "5")
-    monkeypatch.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", "1")
+    for name, value in limits.items():
+        monkeypatch.setenv(name, value)
     h = harness(attributes={"tp_rank": 0, "model": "a-long-model-name"})
     handle = onboard_1408(h)
     h.device.advance(ms=10)
     h.tel.ack(handle)
     [span] = h.finished()
+    return span
+
+
+@pytest.mark.parametrize("fast_path", ["true", "false"])
+def test_span_limits_apply_on_both_span_paths(harness, monkeypatch, fast_path):
+    # 4 attributes of at most 5 characters, 1 event: the fast path ignored these once
+    # (17 attributes, values untruncated); both paths must give the SDK's Span result
+    span = _span_under_limits(harness, monkeypatch, fast_path, OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT="4",
+                              OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT="5", OTEL_SPAN_EVENT_COUNT_LIMIT="1")
     # the SDK keeps the newest attributes; the ack fields come last
     assert dict(span.attributes) == {"hicache.bandwidth_bytes_per_second": pytest.approx(161_480_704 / 6.781e-3),
                                      "hicache.queue_wait_us": 200.0, "hicache.acked": True,
@@ -583,13 +588,7 @@ def test_span_limits_apply_on_both_span_paths(harness, monkeypatch, fast_path):
 
 @pytest.mark.parametrize("fast_path", ["true", "false"])
 def test_span_value_length_limit_truncates_strings_on_both_paths(harness, monkeypatch, fast_path):
-    monkeypatch.setenv("OTEL_HICACHE_SPAN_FAST_PATH", fast_path)
-    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "5")
-    h = harness(attributes={"tp_rank": 0, "model": "a-long-model-name"})
-    handle = onboard_1408(h)
-    h.device.advance(ms=10)
-    h.tel.ack(handle)
-    [span] = h.finished()
+    span = _span_under_limits(harness, monkeypatch, fast_path, OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT="5")
     assert span.attributes["model"] == "a-lon"
     assert span.attributes["hicache.direction"] == "onboa"
     assert span.attributes["hicache.pool.names"] == ("kv",)
