@@ -23,8 +23,10 @@
 # `jaeger:...`, Prometheus scrapes `otel-collector:8889`). `up` starts the Collector and
 # Prometheus in a private mount namespace whose /etc/hosts maps those names to 127.0.0.1
 # (`unshare --mount`, or `unshare --user --map-root-user --mount` without root), so the
-# files stay identical to what compose mounts. Where no namespace can be made, it says so
-# and runs Prometheus from a copy of prometheus.yml with the targets on 127.0.0.1.
+# files stay identical to what compose mounts. Where no namespace can be made (or with
+# HICACHE_STACK_NAMESPACE=false), it says so and runs Prometheus from a copy of
+# prometheus.yml with the targets on 127.0.0.1, and the Collector with its Jaeger endpoint
+# set on the command line.
 #
 # Binaries, in this order: a variable naming one (HICACHE_OTELCOL_BIN, HICACHE_JAEGER_BIN,
 # HICACHE_PROMETHEUS_BIN, HICACHE_PROMTOOL_BIN), used as it is; one on PATH (otelcol-contrib,
@@ -181,6 +183,7 @@ health_url() {
 # hosts file on /etc/hosts. Sets NS (a command prefix) or leaves it empty.
 namespace_prefix() {
   NS=()
+  [ "${HICACHE_STACK_NAMESPACE:-true}" = false ] && return
   local try
   for try in "unshare --mount --propagation private" "unshare --user --map-root-user --mount --propagation private"; do
     # shellcheck disable=SC2086
