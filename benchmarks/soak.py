@@ -113,16 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="hicache-soak."))
     sink = CountingSink()
     collector = Collector(tmp, sink.endpoint)
-    collector.start()
-    env = {
-        "OTEL_SERVICE_NAME": "hicache-soak",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint("grpc"),
-        "OTEL_METRIC_EXPORT_INTERVAL": "5000",
-    }
-    print(f"soak: {args.rate:,.0f} ops/s for {args.seconds:.0f} s ({int(args.rate * args.seconds):,} ops), spans at "
-          f"100%, through the Collector ({collector.binary})", flush=True)
-    started = time.monotonic()
-    try:
+    try:  # the Collector and the sink stop whatever happens (a crash here once left the Collector running)
+        collector.start()
+        env = {
+            "OTEL_SERVICE_NAME": "hicache-soak",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint("grpc"),
+            "OTEL_METRIC_EXPORT_INTERVAL": "5000",
+        }
+        print(f"soak: {args.rate:,.0f} ops/s for {args.seconds:.0f} s ({int(args.rate * args.seconds):,} ops), "
+              f"spans at 100%, through the Collector ({collector.binary})", flush=True)
+        started = time.monotonic()
         run = run_workload(tmp, env, "--rate", str(args.rate), "--seconds", str(args.seconds), "--summary",
                            "--no-op-attribute", timeout_s=args.seconds + 300)
         result = run.result

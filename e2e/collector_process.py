@@ -87,6 +87,7 @@ service:
         deadline = time.monotonic() + 30
         while not (_open(self.grpc_port) and _open(self.http_port)):
             if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()  # never leave one behind
                 raise RuntimeError(f"collector did not start:\n{self.log()}")
             time.sleep(0.05)
         return time.time()
