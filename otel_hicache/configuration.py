@@ -7,7 +7,9 @@ plugins load) keeps whatever it sets. Variables read:
 * ``OTEL_SDK_DISABLED``: ``true`` gives no-op providers (and disables otel-hicache).
 * ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``: the resource (SDK rules).
 * ``OTEL_TRACES_EXPORTER``, ``OTEL_METRICS_EXPORTER``: comma-separated list of
-  ``otlp`` (default), ``console``, ``none``. Unknown names are warned about and skipped.
+  ``otlp`` (default), ``console``, ``none``, or any exporter installed in the SDK's
+  entry-point groups (``otlp_proto_grpc``, ``otlp_proto_http``, ``prometheus``...), as the
+  SDK's own configurator resolves them. Unknown names are warned about and skipped.
 * ``OTEL_EXPORTER_OTLP_PROTOCOL`` and ``OTEL_EXPORTER_OTLP_{TRACES,METRICS}_PROTOCOL``:
   ``grpc`` (default, as the Python SDK's ``otlp`` exporter) or ``http/protobuf``.
 * ``OTEL_EXPORTER_OTLP_{ENDPOINT,HEADERS,CERTIFICATE,TIMEOUT,COMPRESSION}`` and
@@ -109,6 +111,10 @@ _exporter_names = otel_environment.exporter_names
 _protocol = otel_environment.protocol
 
 
+# The OTLP names: ours (the validated path, with the certificate session over HTTP).
+_OTLP = {"otlp": None, "otlp_proto_grpc": "grpc", "otlp_proto_http": "http/protobuf"}
+
+
 def _span_exporters() -> list[Any]:
     exporters = []
     for name in _exporter_names("OTEL_TRACES_EXPORTER"):
@@ -116,33 +122,54 @@ def _span_exporters() -> list[Any]:
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
             exporters.append(ConsoleSpanExporter())
-        elif _protocol("traces") == "grpc":
+        elif name in _OTLP and (_OTLP[name] or _protocol("traces")) == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
             exporters.append(_construct(OTLPSpanExporter, "traces", "grpc"))
-        else:
+        elif name in _OTLP:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             exporters.append(_construct(OTLPSpanExporter, "traces", "http/protobuf"))
+        else:
+            exporters.append(_from_entry_point("OTEL_TRACES_EXPORTER", name))
     return [e for e in exporters if e is not None]
 
 
-def _metric_exporters() -> list[Any]:
-    exporters = []
+def _metric_exporters() -> tuple[list[Any], list[Any]]:
+    """The metric exporters (each gets a periodic reader) and the readers an entry point
+    gives directly (``prometheus``: a pull reader serving its own endpoint)."""
+    from opentelemetry.sdk.metrics.export import MetricReader
+
+    exporters, readers = [], []
     for name in _exporter_names("OTEL_METRICS_EXPORTER"):
         if name == "console":
             from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
             exporters.append(ConsoleMetricExporter(**otel_environment.console_metric_exporter()))
-        elif _protocol("metrics") == "grpc":
+        elif name in _OTLP and (_OTLP[name] or _protocol("metrics")) == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
             exporters.append(_construct(OTLPMetricExporter, "metrics", "grpc"))
-        else:
+        elif name in _OTLP:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
             exporters.append(_construct(OTLPMetricExporter, "metrics", "http/protobuf"))
-    return [e for e in exporters if e is not None]
+        else:
+            made = _from_entry_point("OTEL_METRICS_EXPORTER", name)
+            (readers if isinstance(made, MetricReader) else exporters).append(made)
+    return [e for e in exporters if e is not None], [r for r in readers if r is not None]
+
+
+def _from_entry_point(variable: str, name: str) -> Any:
+    """An exporter (or metric reader) from the SDK's entry-point group, built as the SDK's
+    own configurator builds it (no arguments: it reads its own environment); None, warned
+    about, when it cannot be built."""
+    try:
+        return otel_environment.exporter_entry_point(variable, name).load()()
+    except Exception as exc:
+        warn_once(f"exporter:{variable}:{name}:build", "otel-hicache: %s=%s: cannot create that exporter (%r); "
+                  "skipping it", variable, name, exc)
+        return None
 
 
 def _construct(cls: Any, signal: str, protocol: str) -> Any:
@@ -189,8 +216,9 @@ def _build() -> Configuration:
         delivery.watch(processor, name)
         tracer_provider.add_span_processor(processor)
     reading = otel_environment.metric_reader()
+    exporters, pull_readers = _metric_exporters()
     readers = [PeriodicExportingMetricReader(delivery.metric_exporter(e, exporter_name(e)), **reading)
-               for e in _metric_exporters()]
+               for e in exporters] + pull_readers
     meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False,
                                    **otel_environment.meter_provider())
     global _fork_registered

@@ -64,11 +64,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "the valid entries (malformed ones are dropped)",
     ),
     "OTEL_TRACES_EXPORTER": (
-        "comma-separated `otlp`, `console`, `none`",
+        "comma-separated `otlp`, `console`, `none` or installed entry-point names",
         "the known names (unknown ones are skipped)",
     ),
     "OTEL_METRICS_EXPORTER": (
-        "comma-separated `otlp`, `console`, `none`",
+        "comma-separated `otlp`, `console`, `none` or installed entry-point names",
         "the known names (unknown ones are skipped)",
     ),
     "OTEL_EXPORTER_OTLP_PROTOCOL": ("`grpc`, `http/protobuf`", "`grpc`"),
@@ -257,21 +257,40 @@ def _endpoint_parser(protocol: str) -> Callable[[str], str]:
 # -- exporters ----------------------------------------------------------------------------------
 
 
+# The SDK's own entry-point groups: what OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER name
+# (otlp_proto_grpc, otlp_proto_http, console, prometheus, ... whatever is installed).
+ENTRY_POINT_GROUPS = {
+    "OTEL_TRACES_EXPORTER": "opentelemetry_traces_exporter",
+    "OTEL_METRICS_EXPORTER": "opentelemetry_metrics_exporter",
+}
+
+
+def exporter_entry_point(variable: str, name: str) -> Any:
+    """The installed entry point ``name`` of the SDK's exporter group for ``variable``, or None."""
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group=ENTRY_POINT_GROUPS[variable], name=name))
+    return found[0] if found else None
+
+
 def exporter_names(variable: str) -> list[str]:
-    """``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: the known names; unknown ones warned and skipped."""
+    """``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``: ``otlp``, ``console``, ``none``
+    or the name of an installed exporter entry point; other names are warned about and skipped."""
     raw = os.environ.get(variable, "otlp")
     names = [n.strip().lower() for n in raw.split(",") if n.strip()] or ["otlp"]
     known = []
     for name in names:
-        if name in EXPORTERS:
+        if name in EXPORTERS or exporter_entry_point(variable, name) is not None:
             known.append(name)
         else:
             warn_once(
                 f"exporter:{variable}:{name}",
-                "otel-hicache: %s=%r: unknown exporter %r (supported: otlp, console, none); skipping it",
+                "otel-hicache: %s=%r: unknown exporter %r (otlp, console, none, or an installed %s entry "
+                "point); skipping it",
                 variable,
                 raw,
                 name,
+                ENTRY_POINT_GROUPS[variable],
             )
     if "none" in known:
         return []

@@ -201,7 +201,7 @@ BAD = [
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json", HTTP, {"span.module": "http", "metric.module": "http"},
      "ignoring it"),
     ("OTEL_TRACES_EXPORTER", "zipkin,otlp", {}, {"span_exporters": 1, "span.module": "grpc"}, "skipping it"),
-    ("OTEL_METRICS_EXPORTER", "prometheus", {}, {"metric_readers": 0}, "skipping it"),
+    ("OTEL_METRICS_EXPORTER", "carrier_pigeon", {}, {"metric_readers": 0}, "skipping it"),
     # metric preferences, exemplars
     ("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "sometimes", {}, {"temporality": ["CUMULATIVE"]},
      "cumulative"),
@@ -349,7 +349,7 @@ ALL_BAD = {
     "OTEL_SERVICE_NAME": "  ",
     "OTEL_RESOURCE_ATTRIBUTES": "k=v,,x",
     "OTEL_TRACES_EXPORTER": "zipkin,otlp",
-    "OTEL_METRICS_EXPORTER": "otlp,prometheus",
+    "OTEL_METRICS_EXPORTER": "otlp,carrier_pigeon",
     "OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon",
     "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/json",
     "OTEL_EXPORTER_OTLP_ENDPOINT": "not a url",

@@ -72,15 +72,62 @@ def test_console_and_none(monkeypatch):
 
 
 def test_unknown_exporter_and_protocol_warn_naming_the_variable(monkeypatch, warnings_log):
-    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin,otlp")
-    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin,otlp")  # no zipkin exporter is installed
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "carrier_pigeon")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
     conf = otel_hicache.configure()
     assert span_exporters(conf) == ["opentelemetry.exporter.otlp.proto.grpc.trace_exporter.OTLPSpanExporter"]
     assert metric_readers(conf) == []
     assert "OTEL_TRACES_EXPORTER='zipkin,otlp': unknown exporter 'zipkin'" in warnings_log.text
-    assert "OTEL_METRICS_EXPORTER='prometheus'" in warnings_log.text
+    assert "opentelemetry_traces_exporter entry point" in warnings_log.text
+    assert "OTEL_METRICS_EXPORTER='carrier_pigeon'" in warnings_log.text
     assert "OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon'" in warnings_log.text
+
+
+@pytest.mark.parametrize("name, exporter", [
+    ("otlp_proto_http", "opentelemetry.exporter.otlp.proto.http.trace_exporter.OTLPSpanExporter"),
+    ("otlp_proto_grpc", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter.OTLPSpanExporter"),
+])
+def test_exporters_by_their_sdk_entry_point_names(monkeypatch, warnings_log, name, exporter):
+    # the names the SDK's own configurator takes; the OTLP ones keep our validated path
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", name)
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", name)
+    conf = otel_hicache.configure()
+    assert span_exporters(conf) == [exporter]
+    [reader] = metric_readers(conf)
+    assert type(reader._exporter.inner).__module__ == exporter.rsplit(".", 1)[0].replace("trace_exporter", "metric_exporter")
+    assert "unknown exporter" not in warnings_log.text
+
+
+def test_prometheus_metrics_exporter_serves_the_exact_counters(monkeypatch, harness):
+    """OTEL_METRICS_EXPORTER=prometheus: the SDK's entry point gives a pull reader with its own
+    HTTP endpoint (OTEL_EXPORTER_PROMETHEUS_HOST/PORT); our series are on it."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "127.0.0.1")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", str(port))
+    conf = otel_hicache.configure()
+    [reader] = metric_readers(conf)
+    assert type(reader).__name__.endswith("PrometheusMetricReader")
+    tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 3})
+    try:
+        for _ in range(3):
+            tel.submit("offload", {"kv": 64}, 1000, 64, expect_ack=False, host_start_ns=1, host_end_ns=2)
+        # the worker has recorded them (no force_flush: each one queues a collection that the
+        # pull reader serves with the next scrape, beside the scrape's own)
+        assert tel._pipeline.flush(5)  # pylint: disable=protected-access
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        tel.shutdown()
+    [line] = [l for l in body.splitlines() if l.startswith("hicache_transfer_bytes_total{")
+              and 'hicache_direction="offload"' in l and 'hicache_origin="direct"' in l]
+    assert 'tp_rank="3"' in line and line.endswith(" 3000.0")
 
 
 def test_exponential_histogram_preference_is_honoured(monkeypatch):
@@ -197,3 +244,24 @@ def test_per_signal_http_endpoint(monkeypatch):
     [reader] = metric_readers(conf)
     assert reader._exporter.inner._endpoint == "http://localhost:4318/v1/metrics"
     assert reader._exporter.inner._compression.value == "gzip"
+
+
+def test_an_entry_point_exporter_that_cannot_be_built_is_warned_about_and_skipped(monkeypatch, warnings_log):
+    from otel_hicache import otel_environment
+
+    class Broken:
+        def __init__(self):
+            raise RuntimeError("needs a collector address")
+
+    class EntryPoint:
+        def load(self):
+            return Broken
+
+    real = otel_environment.exporter_entry_point
+    monkeypatch.setattr(otel_environment, "exporter_entry_point",
+                        lambda variable, name: EntryPoint() if name == "broken" else real(variable, name))
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "broken,console")
+    conf = otel_hicache.configure()  # must not raise
+    assert span_exporters(conf) == ["opentelemetry.sdk.trace.export.ConsoleSpanExporter"]
+    assert "OTEL_TRACES_EXPORTER=broken: cannot create that exporter" in warnings_log.text
+    assert "needs a collector address" in warnings_log.text
