@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 from . import fork, otel_environment
 from .bounded_flush import shutdown_providers
-from .delivery import DeliveryAccount, exporter_name
+from .delivery import DeliveryAccount
 from .diagnostics import warn_once
 from .http_session import certificate_session
 from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
@@ -115,29 +115,34 @@ _protocol = otel_environment.protocol
 _OTLP = {"otlp": None, "otlp_proto_grpc": "grpc", "otlp_proto_http": "http/protobuf"}
 
 
-def _span_exporters() -> list[Any]:
+# The ``exporter`` label of the delivery self-metrics, by protocol.
+_LABELS = {"grpc": "otlp_grpc", "http/protobuf": "otlp_http"}
+
+
+def _span_exporters() -> list[tuple[Any, str]]:
+    """(exporter, its ``exporter`` label) for each name of OTEL_TRACES_EXPORTER."""
     exporters = []
     for name in _exporter_names("OTEL_TRACES_EXPORTER"):
         if name == "console":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-            exporters.append(ConsoleSpanExporter())
-        elif name in _OTLP and (_OTLP[name] or _protocol("traces")) == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            exporters.append(_construct(OTLPSpanExporter, "traces", "grpc"))
+            exporters.append((ConsoleSpanExporter(), name))
         elif name in _OTLP:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporters.append(_construct(OTLPSpanExporter, "traces", "http/protobuf"))
+            protocol = _OTLP[name] or _protocol("traces")
+            if protocol == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            else:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            exporters.append((_construct(OTLPSpanExporter, "traces", protocol), _LABELS[protocol]))
         else:
-            exporters.append(_from_entry_point("OTEL_TRACES_EXPORTER", name))
-    return [e for e in exporters if e is not None]
+            exporters.append((_from_entry_point("OTEL_TRACES_EXPORTER", name), name))
+    return [(e, label) for e, label in exporters if e is not None]
 
 
-def _metric_exporters() -> tuple[list[Any], list[Any]]:
-    """The metric exporters (each gets a periodic reader) and the readers an entry point
-    gives directly (``prometheus``: a pull reader serving its own endpoint)."""
+def _metric_exporters() -> tuple[list[tuple[Any, str]], list[Any]]:
+    """(exporter, its ``exporter`` label) for each name of OTEL_METRICS_EXPORTER that each get
+    a periodic reader, and the readers an entry point gives directly (``prometheus``: a pull
+    reader serving its own endpoint)."""
     from opentelemetry.sdk.metrics.export import MetricReader
 
     exporters, readers = [], []
@@ -145,19 +150,21 @@ def _metric_exporters() -> tuple[list[Any], list[Any]]:
         if name == "console":
             from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
-            exporters.append(ConsoleMetricExporter(**otel_environment.console_metric_exporter()))
-        elif name in _OTLP and (_OTLP[name] or _protocol("metrics")) == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-
-            exporters.append(_construct(OTLPMetricExporter, "metrics", "grpc"))
+            exporters.append((ConsoleMetricExporter(**otel_environment.console_metric_exporter()), name))
         elif name in _OTLP:
-            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-            exporters.append(_construct(OTLPMetricExporter, "metrics", "http/protobuf"))
+            protocol = _OTLP[name] or _protocol("metrics")
+            if protocol == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+            else:
+                from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+            exporters.append((_construct(OTLPMetricExporter, "metrics", protocol), _LABELS[protocol]))
         else:
             made = _from_entry_point("OTEL_METRICS_EXPORTER", name)
-            (readers if isinstance(made, MetricReader) else exporters).append(made)
-    return [e for e in exporters if e is not None], [r for r in readers if r is not None]
+            if isinstance(made, MetricReader):
+                readers.append(made)
+            else:
+                exporters.append((made, name))
+    return [(e, label) for e, label in exporters if e is not None], readers
 
 
 def _from_entry_point(variable: str, name: str) -> Any:
@@ -179,7 +186,7 @@ def _construct(cls: Any, signal: str, protocol: str) -> Any:
     if settings is None:
         return None  # a CA certificate that cannot be read, over TLS: warned
     try:
-        if ".proto.http" in cls.__module__:  # OTEL_EXPORTER_OTLP_CERTIFICATE over REQUESTS_CA_BUNDLE
+        if protocol != "grpc":  # OTEL_EXPORTER_OTLP_CERTIFICATE over REQUESTS_CA_BUNDLE
             settings.kwargs["session"] = certificate_session()
         return otel_environment.construct(cls, settings)
     except Exception as exc:
@@ -210,15 +217,14 @@ def _build() -> Configuration:
     tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False, **otel_environment.tracer_provider())
     delivery = DeliveryAccount()  # every exporter counted: delivered, lost, still on its way
     batching = otel_environment.batch_span_processor()
-    for exporter in _span_exporters():
-        name = exporter_name(exporter)
+    for exporter, name in _span_exporters():
         processor = BatchSpanProcessor(delivery.span_exporter(exporter, name), **batching)
         delivery.watch(processor, name)
         tracer_provider.add_span_processor(processor)
     reading = otel_environment.metric_reader()
     exporters, pull_readers = _metric_exporters()
-    readers = [PeriodicExportingMetricReader(delivery.metric_exporter(e, exporter_name(e)), **reading)
-               for e in exporters] + pull_readers
+    readers = [PeriodicExportingMetricReader(delivery.metric_exporter(e, name), **reading)
+               for e, name in exporters] + pull_readers
     meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False,
                                    **otel_environment.meter_provider())
     global _fork_registered

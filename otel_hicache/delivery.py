@@ -53,19 +53,6 @@ class _Counts:
         self.queue_size: Callable[[], int] | None = None
 
 
-def exporter_name(exporter: Any) -> str:
-    """``otlp_grpc``, ``otlp_http``, ``console`` or the class name: the ``exporter`` attribute."""
-    cls = type(exporter)
-    if cls.__name__.startswith("Console"):
-        return "console"
-    module = cls.__module__
-    if ".otlp.proto.grpc" in module:
-        return "otlp_grpc"
-    if ".otlp.proto.http" in module:
-        return "otlp_http"
-    return cls.__name__
-
-
 def _endpoint_of(exporter: Any) -> str:
     return str(getattr(exporter, "_endpoint", None) or type(exporter).__name__)
 
