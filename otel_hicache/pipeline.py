@@ -27,13 +27,16 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from . import environment_variables as ev
 from . import fork
 from . import semconv as sc
 from .busy_time import BusyTimeTracker
 from .clock import WallClockAnchor
 from .device import anchor_factory_for
 from .diagnostics import logger, warn_once
+from .environment_variables import DEFAULTS
 from .records import DIRECTIONS, S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
+from .settings import env_float, env_int
 from .timing import is_complete, resolve, resolve_host_clock
 
 
@@ -49,6 +52,8 @@ class Sinks:
 
 
 class PipelineSettings:
+    """The worker's knobs; the defaults are the documented ones (environment_variables.DEFAULTS)."""
+
     __slots__ = (
         "max_queue_size",
         "poll_interval_s",
@@ -59,17 +64,28 @@ class PipelineSettings:
 
     def __init__(
         self,
-        max_queue_size: int = 16384,
-        poll_interval_s: float = 0.001,
-        ack_timeout_s: float = 30.0,
-        transfer_timeout_s: float = 60.0,
-        anchor_interval_s: float = 1.0,
+        max_queue_size: int = DEFAULTS[ev.OTEL_HICACHE_MAX_QUEUE_SIZE],
+        poll_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_POLL_INTERVAL_MS] / 1e3,
+        ack_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_ACK_TIMEOUT_S],
+        transfer_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S],
+        anchor_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_ANCHOR_INTERVAL_S],
     ) -> None:
         self.max_queue_size = max_queue_size
         self.poll_interval_s = poll_interval_s
         self.ack_timeout_ns = int(ack_timeout_s * 1e9)
         self.transfer_timeout_ns = int(transfer_timeout_s * 1e9)
         self.anchor_interval_s = anchor_interval_s
+
+    @classmethod
+    def from_environment(cls) -> "PipelineSettings":
+        """From the ``OTEL_HICACHE_*`` variables (malformed ones: warned, the default used)."""
+        return cls(
+            max_queue_size=env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE),
+            poll_interval_s=env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS, minimum=0.01) / 1e3,
+            ack_timeout_s=env_float(ev.OTEL_HICACHE_ACK_TIMEOUT_S),
+            transfer_timeout_s=env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S),
+            anchor_interval_s=env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01),
+        )
 
 
 _IDLE_WAIT_S = 0.01

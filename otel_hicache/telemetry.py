@@ -30,7 +30,7 @@ from .metrics import TransferMetrics
 from .process_exit import on_exit
 from .pipeline import CompletionPipeline, PipelineSettings, Sinks
 from .records import S_ACK_NS, TransferRecord, submission, validate
-from .settings import env_bool, env_float, env_int, sdk_disabled
+from .settings import env_bool, env_float, sdk_disabled
 from .spans import _valid_value, make_span_builder
 
 
@@ -119,13 +119,7 @@ class TransferTelemetry:
         self.enabled = False
         if not (env_bool(ev.OTEL_HICACHE_ENABLED) and not sdk_disabled()):
             return
-        settings = PipelineSettings(
-            max_queue_size=env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE),
-            poll_interval_s=env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS, minimum=0.01) / 1e3,
-            ack_timeout_s=env_float(ev.OTEL_HICACHE_ACK_TIMEOUT_S),
-            transfer_timeout_s=env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S),
-            anchor_interval_s=env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01),
-        )
+        settings = PipelineSettings.from_environment()
         self._cap = settings.max_queue_size
         self._pipeline = CompletionPipeline(settings, self._build_sinks, self._clock, anchor_event_factory)
         self.enabled = True
