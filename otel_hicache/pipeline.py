@@ -21,7 +21,6 @@ After ``fork()`` the child starts with an empty pipeline and a new worker
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
 from collections import deque

@@ -20,7 +20,7 @@ from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 import otel_hicache
-from otel_hicache import configuration, otel_environment
+from otel_hicache import otel_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXECUTABLE_SERVICE = f"unknown_service:{os.path.basename(sys.executable)}"

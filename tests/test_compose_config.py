@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from deploy_files import ROOT, VERSIONS, versions
+from deploy_files import ROOT, versions
 COMPOSE = ROOT / "docker-compose.yml"
 MODULE = ROOT / "deploy" / "local" / "composecheck"
 PASSWORD_VAR = "GF_SECURITY_ADMIN_PASSWORD"

@@ -10,7 +10,6 @@ import pytest
 from opentelemetry import metrics, trace
 
 import otel_hicache
-from otel_hicache import configuration
 
 
 pytestmark = pytest.mark.usefixtures("fresh_configuration")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-from opentelemetry import trace
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 
