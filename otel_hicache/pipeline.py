@@ -332,6 +332,10 @@ class CompletionPipeline:
         sinks.metrics.flush()
         if self.queue:
             self._drop_queued_at_shutdown()
+        with self._lock:  # nothing is in flight any more: a flush() waiting elsewhere is done
+            waiters, self._flush_waiters = self._flush_waiters, []
+        for _target, done in waiters:
+            done.set()
 
     def _drop_queued_at_shutdown(self) -> None:
         """Records submitted but never taken in (the worker has stopped): counted, not lost silently."""
