@@ -38,7 +38,7 @@ import os
 import threading
 from typing import Any, Sequence
 
-from . import fork, otel_environment
+from . import fork, otel_environment, sdk_internals
 from .bounded_flush import shutdown_providers
 from .delivery import DeliveryAccount
 from .diagnostics import warn_once
@@ -259,11 +259,7 @@ def _after_fork_in_child() -> None:
             return None
 
     for reader in parent.metric_readers:
-        if hasattr(reader, "_exporter"):
-            reader._exporter = _Discard()  # pylint: disable=protected-access
-        event = getattr(reader, "_shutdown_event", None)
-        if event is not None:
-            event.set()  # stops the reader thread the SDK restarted in this child
+        sdk_internals.stop_reader_in_fork_child(reader, _Discard())
 
 
 on_exit(_at_exit, priority=10)  # after every TransferTelemetry (priority 20)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from . import sdk_internals
 from . import semconv as sc
 from .diagnostics import logger, warn_once
 from .version import __version__
@@ -54,7 +55,7 @@ class _Counts:
 
 
 def _endpoint_of(exporter: Any) -> str:
-    return str(getattr(exporter, "_endpoint", None) or type(exporter).__name__)
+    return sdk_internals.exporter_endpoint(exporter) or type(exporter).__name__
 
 
 class DeliveryAccount:
@@ -86,15 +87,13 @@ class DeliveryAccount:
         on a full queue, and read its queue depth. False (warned once) when this
         SDK version does not expose them."""
         counts = self._spans.setdefault(name, _Counts())
-        batch = getattr(processor, "_batch_processor", None)
-        queue = getattr(batch, "_queue", None)
-        sdk_metrics = getattr(batch, "_metrics", None)
-        if batch is None or queue is None or sdk_metrics is None:
+        hooks = sdk_internals.batch_queue(processor)
+        if hooks is None:
             warn_once("delivery:watch", "otel-hicache: this OpenTelemetry SDK's batch span processor does not "
                       "expose its queue; spans it drops on a full queue are not counted")
             return False
-        counts.queue_size = lambda: len(queue)
-        batch._metrics = _CountingProcessorMetrics(sdk_metrics, counts, self._lock, name)  # pylint: disable=protected-access
+        counts.queue_size = hooks.size
+        hooks.install_metrics(_CountingProcessorMetrics(hooks.metrics, counts, self._lock, name))
         return True
 
     # -- reading ---------------------------------------------------------------------
@@ -237,10 +236,8 @@ def _counting_metric_exporter(inner: Any, name: str, counts: _Counts, lock: thre
         preferences, counting failed exports."""
 
         def __init__(self) -> None:
-            super().__init__(
-                preferred_temporality=getattr(inner, "_preferred_temporality", None),
-                preferred_aggregation=getattr(inner, "_preferred_aggregation", None),
-            )
+            temporality, aggregation = sdk_internals.exporter_preferences(inner)
+            super().__init__(preferred_temporality=temporality, preferred_aggregation=aggregation)
             self.inner = inner
 
         def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:

@@ -10,8 +10,9 @@ aggregation code, the same exemplar filter and reservoir, no attribute work.
 
 It is used only where it is exactly equivalent:
 
-* an SDK ``MeterProvider`` whose internals look as expected (checked once;
-  anything unexpected falls back to ``Histogram.record`` for good);
+* an SDK ``MeterProvider`` whose internals look as expected (checked once, by
+  :mod:`.sdk_internals`; anything unexpected falls back to ``Histogram.record``
+  for good);
 * aggregations that survive collection (cumulative temporality, the default):
   with delta temporality the SDK discards aggregations on collect, so the
   public API is used;
@@ -28,35 +29,35 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
+from . import sdk_internals
+
 
 class _Resolver:
     """What is shared by the bound histograms of one MeterProvider."""
 
     def __init__(self, meter_provider: Any) -> None:
-        from opentelemetry.sdk.metrics import MeterProvider, TraceBasedExemplarFilter
-        from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes
-        from opentelemetry.sdk.metrics._internal.measurement import Measurement
+        from opentelemetry.sdk.metrics import TraceBasedExemplarFilter
 
-        if not isinstance(meter_provider, MeterProvider):
-            raise TypeError("not an SDK MeterProvider")
-        consumer = meter_provider._measurement_consumer  # pylint: disable=protected-access
-        self.storages = consumer._reader_storages  # pylint: disable=protected-access
-        self.exemplar_filter = meter_provider._sdk_config.exemplar_filter  # pylint: disable=protected-access
+        parts = sdk_internals.meter_parts(meter_provider)
+        if parts is None:
+            raise TypeError("not an SDK MeterProvider, or an SDK whose internals were not checked")
+        self.storages = parts.storages
+        self.exemplar_filter = parts.exemplar_filter
         # With the default trace-based filter the answer is known without asking:
         # we pass a context only when the op's span is sampled.
         self.trace_based = type(self.exemplar_filter) is TraceBasedExemplarFilter
-        self.hash_attributes = _hash_attributes
-        self.measurement = Measurement
+        self.hash_attributes = parts.hash_attributes
+        self.measurement = parts.measurement
 
     def aggregations(self, instrument: Any, attributes: Mapping[str, Any]) -> list[Any] | None:
         found = []
         for storage in list(self.storages.values()):
-            for match in storage._get_or_init_view_instrument_match(instrument):  # pylint: disable=protected-access
-                if match._reset_on_collect:  # pylint: disable=protected-access
+            for match in sdk_internals.view_matches(storage, instrument):
+                if sdk_internals.resets_on_collect(match):
                     return None
-                keys = match._view._attribute_keys  # pylint: disable=protected-access
+                keys = sdk_internals.view_attribute_keys(match)
                 attrs = dict(attributes) if keys is None else {k: v for k, v in attributes.items() if k in keys}
-                aggregation = match._attributes_aggregation.get(self.hash_attributes(attrs))  # pylint: disable=protected-access
+                aggregation = sdk_internals.aggregation_of(match, self.hash_attributes(attrs))
                 if aggregation is None:
                     return None
                 found.append((match, self.hash_attributes(attrs), aggregation))
@@ -104,7 +105,7 @@ class BoundHistogram:
         if bound is None:
             return
         for match, key, aggregation in bound:
-            if match._attributes_aggregation.get(key) is not aggregation:  # pylint: disable=protected-access
+            if sdk_internals.aggregation_of(match, key) is not aggregation:
                 self._bound = None
                 return
 

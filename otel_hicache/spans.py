@@ -8,7 +8,8 @@ the span duration is the DMA time however late the ack is.
 
 Two builders share one attribute set:
 
-* :class:`FastSpanBuilder` (default with an SDK ``TracerProvider``): runs the
+* :class:`FastSpanBuilder` (default with an SDK ``TracerProvider`` whose
+  internals :mod:`.sdk_internals` checked): runs the
   provider's sampler and id generator itself and hands a finished
   ``ReadableSpan`` to the provider's span processors. It skips the ``Tracer``
   API's per-span overhead (mostly attribute re-validation: our attributes are
@@ -28,6 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation import set_span_in_context
 
+from . import sdk_internals
 from . import semconv as sc
 from .records import ONBOARD, TIERS, TransferRecord
 from .version import __version__
@@ -137,23 +139,23 @@ class FastSpanBuilder:
 
     def __init__(self, tracer_provider: Any, static: Mapping[str, Any]) -> None:
         from opentelemetry.attributes import BoundedAttributes
-        from opentelemetry.sdk.trace import Event, ReadableSpan, Tracer
+        from opentelemetry.sdk.trace import Event, ReadableSpan
         from opentelemetry.sdk.util import BoundedList
 
         tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
-        if not isinstance(tracer, Tracer):
-            raise TypeError(f"not an SDK tracer: {type(tracer).__name__}")
+        parts = sdk_internals.tracer_parts(tracer)  # fail now, not per span
+        if parts is None:
+            raise TypeError(f"not an SDK tracer, or an SDK whose internals were not checked: {type(tracer).__name__}")
         self._tracer = tracer
-        # attributes of the SDK Tracer we rely on; fail now, not per span
-        self._sampler = tracer.sampler
-        self._ids = tracer.id_generator
-        self._resource = tracer.resource
-        self._processor = tracer.span_processor
-        self._scope = tracer._instrumentation_scope  # pylint: disable=protected-access
-        self._limits = tracer._span_limits  # pylint: disable=protected-access
+        self._sampler = parts.sampler
+        self._ids = parts.id_generator
+        self._resource = parts.resource
+        self._processor = parts.span_processor
+        self._scope = parts.scope
+        self._limits = parts.limits
         self._bounded_attributes = BoundedAttributes
         self._bounded_list = BoundedList
-        self._enabled = getattr(tracer, "_is_enabled", lambda: True)
+        self._enabled = parts.is_enabled
         self._event = Event
         self._readable = ReadableSpan
         self._static = static
@@ -191,7 +193,9 @@ class FastSpanBuilder:
         if result.attributes:
             attrs.update(result.attributes)
         limits = self._limits
-        if limits.max_span_attribute_length is not None or len(attrs) + _ACK_ATTRIBUTES > limits.max_span_attributes:
+        count_limit = limits.max_span_attributes  # None: unlimited (SpanLimits.UNSET, an empty variable)
+        if limits.max_span_attribute_length is not None or (
+                count_limit is not None and len(attrs) + _ACK_ATTRIBUTES > count_limit):
             # limits that bite: the SDK Span's own container (it validates every value,
             # which is what the fast path otherwise saves), so the result is the API path's
             attrs = self._bounded_attributes(limits.max_span_attributes, attrs, immutable=False,
@@ -207,7 +211,7 @@ class FastSpanBuilder:
         for key, value in ack.items():  # one by one, as Span.set_attributes: the oldest give way
             attrs[key] = value
         events = _events(record, lambda name, ts: self._event(name, None, ts))
-        if len(events) > self._limits.max_events:
+        if self._limits.max_events is not None and len(events) > self._limits.max_events:
             events = self._bounded_list.from_seq(self._limits.max_events, events)
         span = self._readable(
             name=SPAN_NAMES[record.direction],

@@ -19,7 +19,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
-from . import configuration
+from . import configuration, sdk_internals
 from .bounded_flush import flush_providers
 from .cache_events import CacheEvents
 from . import environment_variables as ev
@@ -37,16 +37,7 @@ from .spans import _valid_value, make_span_builder
 def _context_getter() -> Callable[[], Any]:
     """The current OTel context, read straight from the runtime's ContextVar
     when it is the default one (half the cost of ``context.get_current()``)."""
-    runtime = getattr(otel_context, "_RUNTIME_CONTEXT", None)
-    var = getattr(runtime, "_current_context", None)
-    getter = getattr(var, "get", None)
-    if getter is None:
-        return otel_context.get_current
-    try:
-        getter()
-    except LookupError:
-        return otel_context.get_current
-    return getter
+    return sdk_internals.context_getter() or otel_context.get_current
 
 
 _get_current_context = _context_getter()

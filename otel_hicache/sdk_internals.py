@@ -1,0 +1,370 @@
+"""Every private OpenTelemetry SDK/API attribute otel-hicache touches, in one place.
+
+The fast paths (:mod:`.spans`, :mod:`.metrics_fast_path`, the context read of
+:mod:`.telemetry`) and the delivery hooks (:mod:`.delivery`) use SDK internals
+that any minor release may rename or re-type. So the SDK's shape is checked
+once (each part on its first use: :func:`available`; all of it: :func:`report`):
+its version is in the range these accesses were checked against, and the
+classes have the attributes and signatures relied on. Each accessor below
+returns None (or does nothing) when its part of the check failed, and the
+caller takes the public API, whose output is the same (only slower, or
+without the queue-full count).
+
+Two kinds of access:
+
+* version-gated (``context``, ``spans``, ``metrics``, ``batch_queue``): a
+  wrong guess would silently change what is exported, so they are used only on
+  a known SDK version whose shape passed the check;
+* value-checked reads (exporter endpoint and preferences, the metric reader's
+  exporter and shutdown event after fork): used on any version, because the
+  value read is itself checked (a str, a dict, a ``MetricExporter``, an
+  ``Event``) and there is no public equivalent to fall back to.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+from typing import Any, Callable, Mapping, NamedTuple
+
+# SDK (major, minor) releases whose internals these accesses were checked
+# against: [first, last]. A newer minor release uses the public API until checked.
+KNOWN_SDK = ((1, 45), (1, 45))
+
+AREAS = ("context", "spans", "metrics", "batch_queue")
+
+
+class Report(NamedTuple):
+    """The result of the one shape check."""
+
+    sdk_version: str | None
+    known_version: bool
+    problems: Mapping[str, tuple[str, ...]]  # area -> what did not match (empty: usable)
+
+    def available(self, area: str) -> bool:
+        return self.known_version and not self.problems.get(area)
+
+    def summary(self) -> str:
+        bad = "; ".join(f"{a}: {', '.join(p)}" for a, p in self.problems.items() if p)
+        if not self.known_version:
+            first, last = (f"{major}.{minor}.x" for major, minor in KNOWN_SDK)
+            checked = first if first == last else f"{first} to {last}"
+            return (f"opentelemetry-sdk {self.sdk_version} is outside the checked range {checked}: "
+                    f"public API only" + (f" ({bad})" if bad else ""))
+        return bad or "all fast paths available"
+
+
+_report: Report | None = None
+_areas: dict[str, tuple[str, ...]] = {}  # each area checked on its first use (an import of otel_hicache stays light)
+_version: tuple[str | None, bool] | None = None
+_lock = threading.RLock()
+
+
+def report() -> Report:
+    """The SDK's shape: every area, each checked once."""
+    global _report
+    if _report is None:
+        with _lock:
+            if _report is None:
+                version, known = _sdk_version()
+                _report = Report(version, known, {area: _area(area) for area in AREAS})
+    return _report
+
+
+def available(area: str) -> bool:
+    """Whether the accessors of ``area`` may be used (the version known, the area's shape as expected)."""
+    if _report is not None:  # set by report() (or a test)
+        return _report.available(area)
+    return _sdk_version()[1] and not _area(area)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else ()
+
+
+def _sdk_version() -> tuple[str | None, bool]:
+    global _version
+    if _version is None:
+        try:
+            from opentelemetry.sdk.version import __version__ as version
+        except Exception:  # no SDK: nothing internal to use
+            _version = (None, False)
+        else:
+            first, last = KNOWN_SDK
+            _version = (version, first <= _version_tuple(version)[:2] <= last)
+    return _version
+
+
+def _area(area: str) -> tuple[str, ...]:
+    found = _areas.get(area)
+    if found is None:
+        with _lock:
+            found = _areas.get(area)
+            if found is None:
+                check = {"context": _check_context, "spans": _check_spans, "metrics": _check_metrics,
+                         "batch_queue": _check_batch_queue}[area]
+                try:
+                    found = tuple(check())
+                except Exception as exc:  # an import or signature that changed
+                    found = (f"{type(exc).__name__}: {exc}",)
+                _areas[area] = found
+    return found
+
+
+def _has_params(function: Any, *names: str) -> bool:
+    return set(names) <= set(inspect.signature(function).parameters)
+
+
+def _lacks(obj: Any, *needed: str) -> list[str]:
+    """Which of ``needed`` the source of ``obj`` does not mention (none when there is no
+    source to read, e.g. a .pyc-only install: then only the accessors' own checks guard)."""
+    try:
+        source = inspect.getsource(obj)
+    except (OSError, TypeError):
+        return []
+    return [n for n in needed if n not in source]
+
+
+# -- the current context: the runtime's ContextVar (opentelemetry/context/contextvars_context.py) -----
+
+def _check_context() -> list[str]:
+    from contextvars import ContextVar
+
+    from opentelemetry import context as otel_context
+    from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
+
+    runtime = getattr(otel_context, "_RUNTIME_CONTEXT", None)
+    if type(runtime) is not ContextVarsRuntimeContext:  # OTEL_PYTHON_CONTEXT chose another one
+        return ["_RUNTIME_CONTEXT is not the ContextVarsRuntimeContext"]
+    if not isinstance(getattr(runtime, "_current_context", None), ContextVar):
+        return ["ContextVarsRuntimeContext._current_context is not a ContextVar"]
+    return []
+
+
+def context_getter() -> Callable[[], Any] | None:
+    """The ContextVar's own ``get`` (half the cost of ``context.get_current()``), or None."""
+    if not available("context"):
+        return None
+    from opentelemetry import context as otel_context
+
+    getter = otel_context._RUNTIME_CONTEXT._current_context.get  # pylint: disable=protected-access
+    try:
+        getter()
+    except LookupError:  # no default value: get_current() handles that
+        return None
+    return getter
+
+
+# -- the span fast path: an SDK Tracer's parts (opentelemetry/sdk/trace/__init__.py, Tracer) -----------
+
+class TracerParts(NamedTuple):
+    sampler: Any
+    id_generator: Any
+    resource: Any
+    span_processor: Any
+    scope: Any
+    limits: Any
+    is_enabled: Callable[[], bool]
+
+
+def _check_spans() -> list[str]:
+    from opentelemetry import trace
+    from opentelemetry.attributes import BoundedAttributes
+    from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+    from opentelemetry.sdk.util import BoundedList
+
+    problems = []
+    if not _has_params(Tracer.__init__, "sampler", "resource", "span_processor", "id_generator",
+                       "instrumentation_info", "span_limits", "instrumentation_scope"):
+        problems.append("Tracer.__init__ parameters")
+    if not callable(getattr(Tracer, "_is_enabled", None)):
+        problems.append("Tracer._is_enabled")
+    if not hasattr(IdGenerator, "is_trace_id_random") or not hasattr(trace.TraceFlags, "RANDOM_TRACE_ID"):
+        problems.append("random trace id flag (IdGenerator.is_trace_id_random, TraceFlags.RANDOM_TRACE_ID)")
+    if not _has_params(ReadableSpan.__init__, "name", "context", "parent", "resource", "attributes", "events",
+                       "kind", "status", "start_time", "end_time", "instrumentation_scope"):
+        problems.append("ReadableSpan.__init__ parameters")
+    if not _has_params(Event.__init__, "name", "attributes", "timestamp"):
+        problems.append("Event.__init__ parameters")
+    if not _has_params(BoundedAttributes.__init__, "maxlen", "attributes", "immutable", "max_value_len"):
+        problems.append("BoundedAttributes.__init__ parameters")
+    if not callable(getattr(BoundedList, "from_seq", None)):
+        problems.append("BoundedList.from_seq")
+    limits = SpanLimits()
+    if not all(hasattr(limits, a) for a in ("max_span_attributes", "max_span_attribute_length", "max_events")):
+        problems.append("SpanLimits attributes")
+    return problems
+
+
+def tracer_parts(tracer: Any) -> TracerParts | None:
+    """What the span fast path needs of an SDK ``Tracer``, or None (any other tracer, or an SDK not checked)."""
+    if not available("spans"):
+        return None
+    from opentelemetry.sdk.trace import Tracer
+
+    if not isinstance(tracer, Tracer):
+        return None
+    try:
+        return TracerParts(
+            tracer.sampler, tracer.id_generator, tracer.resource, tracer.span_processor,
+            tracer._instrumentation_scope,  # pylint: disable=protected-access
+            tracer._span_limits,  # pylint: disable=protected-access
+            tracer._is_enabled,  # pylint: disable=protected-access
+        )
+    except AttributeError:
+        return None
+
+
+# -- the histogram fast path: a MeterProvider's aggregations ---------------------------------------------
+# (opentelemetry/sdk/metrics/_internal/{__init__,measurement_consumer,metric_reader_storage,
+#  _view_instrument_match,aggregation,measurement}.py)
+
+class MeterParts(NamedTuple):
+    storages: Mapping[Any, Any]  # reader -> MetricReaderStorage: the dict of the moment (copy-on-write)
+    exemplar_filter: Any
+    hash_attributes: Callable[[Mapping[str, Any]], Any]
+    measurement: Callable[[float, int, Any, Any], Any]  # Measurement(value, time_unix_nano, instrument, context)
+
+
+def _check_metrics() -> list[str]:
+    import dataclasses
+
+    from opentelemetry.sdk.metrics._internal import _view_instrument_match, aggregation
+    from opentelemetry.sdk.metrics._internal._view_instrument_match import _ViewInstrumentMatch
+    from opentelemetry.sdk.metrics._internal.measurement import Measurement
+    from opentelemetry.sdk.metrics._internal.metric_reader_storage import MetricReaderStorage
+
+    problems = []
+    if not callable(getattr(_view_instrument_match, "_hash_attributes", None)):
+        problems.append("_view_instrument_match._hash_attributes")
+    fields = [f.name for f in dataclasses.fields(Measurement)] if dataclasses.is_dataclass(Measurement) else []
+    if fields[:4] != ["value", "time_unix_nano", "instrument", "context"]:
+        problems.append("Measurement fields")
+    if not callable(getattr(MetricReaderStorage, "_get_or_init_view_instrument_match", None)):
+        problems.append("MetricReaderStorage._get_or_init_view_instrument_match")
+    problems += [f"_ViewInstrumentMatch{n[4:]}" for n in _lacks(
+        _ViewInstrumentMatch.__init__, "self._attributes_aggregation", "self._reset_on_collect", "self._view")]
+    if not _has_params(aggregation._Aggregation.aggregate,  # pylint: disable=protected-access
+                       "measurement", "should_sample_exemplar"):
+        problems.append("_Aggregation.aggregate(measurement, should_sample_exemplar)")
+    return problems
+
+
+def meter_parts(meter_provider: Any) -> MeterParts | None:
+    """The reader storages and exemplar filter of an SDK ``MeterProvider``, or None."""
+    if not available("metrics"):
+        return None
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes
+    from opentelemetry.sdk.metrics._internal.measurement import Measurement
+
+    if not isinstance(meter_provider, MeterProvider):
+        return None
+    try:
+        consumer = meter_provider._measurement_consumer  # pylint: disable=protected-access
+        storages = consumer._reader_storages  # pylint: disable=protected-access
+        exemplar_filter = meter_provider._sdk_config.exemplar_filter  # pylint: disable=protected-access
+    except AttributeError:
+        return None
+    if not isinstance(storages, Mapping):
+        return None
+    return MeterParts(storages, exemplar_filter, _hash_attributes, Measurement)
+
+
+def view_matches(storage: Any, instrument: Any) -> list[Any]:
+    """The ``_ViewInstrumentMatch``es an instrument's measurements go to in one reader's storage."""
+    return storage._get_or_init_view_instrument_match(instrument)  # pylint: disable=protected-access
+
+
+def resets_on_collect(match: Any) -> bool:
+    """True with delta temporality: the SDK drops the match's aggregations at each collection."""
+    return bool(match._reset_on_collect)  # pylint: disable=protected-access
+
+
+def view_attribute_keys(match: Any) -> Any:
+    """The attribute keys the match's view keeps (None: all)."""
+    return match._view._attribute_keys  # pylint: disable=protected-access
+
+
+def aggregation_of(match: Any, key: Any) -> Any:
+    """The aggregation the match keeps for one attribute hash (None when it has none)."""
+    return match._attributes_aggregation.get(key)  # pylint: disable=protected-access
+
+
+# -- the batch span processor's queue (opentelemetry/sdk/_shared_internal/__init__.py, BatchProcessor) ---
+
+class BatchQueue(NamedTuple):
+    size: Callable[[], int]  # spans waiting
+    metrics: Any  # the processor's metrics hook: drop_items(count, error_type), finish_items, register_queue_size
+    install_metrics: Callable[[Any], None]  # replace that hook (the processor calls it on every drop)
+
+
+def _check_batch_queue() -> list[str]:
+    from opentelemetry.sdk import _shared_internal
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    problems = []
+    batch_processor = getattr(_shared_internal, "BatchProcessor", None)
+    if batch_processor is None:
+        problems.append("opentelemetry.sdk._shared_internal.BatchProcessor")
+    else:
+        problems += [f"BatchProcessor {n}" for n in _lacks(batch_processor, "self._queue", "self._metrics",
+                                                            ".drop_items(")]
+    problems += [f"BatchSpanProcessor{n[4:]}" for n in _lacks(BatchSpanProcessor.__init__, "self._batch_processor")]
+    return problems
+
+
+def batch_queue(processor: Any) -> BatchQueue | None:
+    """The queue and metrics hook of an SDK ``BatchSpanProcessor``, or None."""
+    if not available("batch_queue"):
+        return None
+    import collections
+
+    from opentelemetry.sdk._shared_internal import BatchProcessor
+
+    batch = getattr(processor, "_batch_processor", None)
+    if not isinstance(batch, BatchProcessor):
+        return None
+    queue = getattr(batch, "_queue", None)
+    metrics = getattr(batch, "_metrics", None)
+    if not isinstance(queue, collections.deque) or not all(
+            callable(getattr(metrics, m, None)) for m in ("drop_items", "finish_items", "register_queue_size")):
+        return None
+
+    def install_metrics(hook: Any) -> None:
+        batch._metrics = hook  # pylint: disable=protected-access
+
+    return BatchQueue(lambda: len(queue), metrics, install_metrics)
+
+
+# -- value-checked reads, on any SDK version ---------------------------------------------------------------
+
+def exporter_endpoint(exporter: Any) -> str | None:
+    """The OTLP exporters' ``_endpoint`` (for messages), when it is a non-empty str."""
+    endpoint = getattr(exporter, "_endpoint", None)
+    return endpoint if isinstance(endpoint, str) and endpoint else None
+
+
+def exporter_preferences(exporter: Any) -> tuple[Any, Any]:
+    """A ``MetricExporter``'s preferred (temporality, aggregation) dicts, as passed to its
+    constructor (no public getter; the SDK's reader reads them the same way). None: the defaults."""
+    found = []
+    for name in ("_preferred_temporality", "_preferred_aggregation"):
+        value = getattr(exporter, name, None)
+        found.append(value if isinstance(value, Mapping) else None)
+    return found[0], found[1]
+
+
+def stop_reader_in_fork_child(reader: Any, discard: Any) -> None:
+    """A periodic metric reader inherited from the parent: its exporter replaced by ``discard``
+    and the thread the SDK restarted at fork stopped (PeriodicExportingMetricReader._at_fork_reinit)."""
+    from opentelemetry.sdk.metrics.export import MetricExporter
+
+    if isinstance(getattr(reader, "_exporter", None), MetricExporter):
+        reader._exporter = discard  # pylint: disable=protected-access
+    event = getattr(reader, "_shutdown_event", None)
+    if isinstance(event, threading.Event):
+        event.set()
