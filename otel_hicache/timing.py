@@ -28,7 +28,11 @@ from .records import DEVICE_EVENT, HOST_CLOCK, TransferRecord
 def is_complete(record: TransferRecord) -> bool:
     """True once the transfer finished. Raises whatever the events raise."""
     finish = record.finish_event
-    if finish is None or record.host_end_ns is not None:
+    if finish is None:
+        return True
+    # the caller's end stamp ends the wait only when no elapsed_time() will be read: that
+    # one needs both events completed, whatever the caller stamped
+    if record.host_end_ns is not None and not (record.timing_enabled and record.start_event is not None):
         return True
     if not finish.query():
         return False
