@@ -117,6 +117,22 @@ _OTLP = {"otlp": None, "otlp_proto_grpc": "grpc", "otlp_proto_http": "http/proto
 
 # The ``exporter`` label of the delivery self-metrics, by protocol.
 _LABELS = {"grpc": "otlp_grpc", "http/protobuf": "otlp_http"}
+# The OTLP exporter classes, by signal and protocol (imported only when used).
+_OTLP_CLASSES = {
+    ("traces", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
+    ("traces", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
+    ("metrics", "grpc"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
+    ("metrics", "http/protobuf"): ("opentelemetry.exporter.otlp.proto.http.metric_exporter", "OTLPMetricExporter"),
+}
+
+
+def _otlp(signal: str, name: str) -> tuple[Any, str]:
+    """(the OTLP exporter for ``signal`` that ``name`` asks for, its ``exporter`` label)."""
+    import importlib
+
+    protocol = _OTLP[name] or _protocol(signal)
+    module, cls = _OTLP_CLASSES[(signal, protocol)]
+    return _construct(getattr(importlib.import_module(module), cls), signal, protocol), _LABELS[protocol]
 
 
 def _span_exporters() -> list[tuple[Any, str]]:
@@ -128,12 +144,7 @@ def _span_exporters() -> list[tuple[Any, str]]:
 
             exporters.append((ConsoleSpanExporter(), name))
         elif name in _OTLP:
-            protocol = _OTLP[name] or _protocol("traces")
-            if protocol == "grpc":
-                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-            else:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            exporters.append((_construct(OTLPSpanExporter, "traces", protocol), _LABELS[protocol]))
+            exporters.append(_otlp("traces", name))
         else:
             exporters.append((_from_entry_point("OTEL_TRACES_EXPORTER", name), name))
     return [(e, label) for e, label in exporters if e is not None]
@@ -152,12 +163,7 @@ def _metric_exporters() -> tuple[list[tuple[Any, str]], list[Any]]:
 
             exporters.append((ConsoleMetricExporter(**otel_environment.console_metric_exporter()), name))
         elif name in _OTLP:
-            protocol = _OTLP[name] or _protocol("metrics")
-            if protocol == "grpc":
-                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-            else:
-                from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-            exporters.append((_construct(OTLPMetricExporter, "metrics", protocol), _LABELS[protocol]))
+            exporters.append(_otlp("metrics", name))
         else:
             made = _from_entry_point("OTEL_METRICS_EXPORTER", name)
             if isinstance(made, MetricReader):
