@@ -34,76 +34,76 @@ HOST_CLOCK = "host_clock"
 """Duration from the host clock (no timing events, or they failed)."""
 
 
-# Layout of what submit() queues: a plain list (cheapest to build on the caller's
-# thread), which is also the handle ack() stamps.
-(
-    S_DIRECTION,
-    S_TOKENS_BY_POOL,
-    S_NUM_BYTES,
-    S_PAGE_SIZE,
-    S_START_EVENT,
-    S_FINISH_EVENT,
-    S_TIMING_ENABLED,
-    S_IO_BACKEND,
-    S_ATTRIBUTES,
-    S_EXPECT_ACK,
-    S_SUBMIT_NS,
-    S_PARENT_CONTEXT,
-    S_HOST_START_NS,
-    S_HOST_END_NS,
-    S_ACK_WATCH,
-    S_ACK_NS,
-) = range(16)
+SUBMISSION_FIELDS = (
+    # captured on the caller's thread
+    "direction",
+    "tokens_by_pool",
+    "num_bytes",
+    "page_size",
+    "start_event",
+    "finish_event",
+    "timing_enabled",
+    "io_backend",
+    "attributes",
+    "expect_ack",
+    "submit_ns",
+    "parent_context",
+    "host_start_ns",
+    "host_end_ns",
+    "ack_watch",
+    # stamped later, on the list itself, by ack() or the worker (ack_watch)
+    "ack_ns",
+)
+"""The layout of what ``submit()`` queues: a plain list (cheapest to build on the
+caller's thread), which is also the handle ``ack()`` stamps. Declared here only:
+``submit()``'s list literal is checked against it (tests/test_records.py)."""
+
+S_SUBMIT_NS = SUBMISSION_FIELDS.index("submit_ns")
+S_ACK_NS = SUBMISSION_FIELDS.index("ack_ns")
+
+_SUBMISSION_DEFAULTS = {"num_bytes": 0, "page_size": 1, "timing_enabled": False, "expect_ack": False, "submit_ns": 0}
+"""What ``submission()`` puts for a field not given (None for the others)."""
 
 
-def submission(
-    direction: Any,
-    tokens_by_pool: Any = None,
-    num_bytes: Any = 0,
-    page_size: Any = 1,
-    start_event: Any = None,
-    finish_event: Any = None,
-    timing_enabled: bool = False,
-    io_backend: Any = None,
-    attributes: Any = None,
-    expect_ack: bool = False,
-    submit_ns: int = 0,
-    parent_context: Any = None,
-    host_start_ns: int | None = None,
-    host_end_ns: int | None = None,
-    ack_watch: tuple[Any, Any] | None = None,
-) -> list[Any]:
-    """The list ``submit()`` builds inline (spelled out here for tests and strict checks)."""
-    return [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, timing_enabled,
-            io_backend, attributes, expect_ack, submit_ns, parent_context, host_start_ns, host_end_ns,
-            ack_watch, None]
+def submission(*values: Any, **fields: Any) -> list[Any]:
+    """A list as ``submit()`` builds it inline, for tests and strict checks: the
+    ``SUBMISSION_FIELDS`` in order, positionally and/or by name."""
+    if len(values) > len(SUBMISSION_FIELDS):
+        raise TypeError(f"submission() takes at most {len(SUBMISSION_FIELDS)} values, got {len(values)}")
+    handle = [*values, *(fields.pop(name, _SUBMISSION_DEFAULTS.get(name)) for name in SUBMISSION_FIELDS[len(values):])]
+    if fields:
+        raise TypeError(f"submission() got unknown or repeated fields: {', '.join(sorted(fields))}")
+    return handle
+
+
+_COPIED_FIELDS = SUBMISSION_FIELDS[:S_ACK_NS] + SUBMISSION_FIELDS[S_ACK_NS + 1:]
+"""The submitted fields a record copies to its slots: all but ``ack_ns``, read live
+from the handle (``ack()`` may stamp it after the record is built)."""
+
+
+def _init_from_handle() -> Any:
+    """``TransferRecord.__init__``: keeps the handle and copies ``_COPIED_FIELDS`` to
+    their slots in one unpacking assignment, generated from ``SUBMISSION_FIELDS`` (as
+    fast as spelling it out; a setattr loop costs the worker ~1 us more per record)."""
+    targets = [f"self.{name}" for name in SUBMISSION_FIELDS]
+    targets[S_ACK_NS] = "_"
+    namespace: dict[str, Any] = {}
+    exec(f"def __init__(self, handle):\n    self.handle = handle\n    {', '.join(targets)} = handle\n", namespace)
+    init = namespace["__init__"]
+    init.__qualname__ = "TransferRecord.__init__"
+    return init
 
 
 class TransferRecord:
     """One merged op (or one direct copy), from submit to its emitted span.
 
-    Built by the worker from the submitted list (``handle``), which ``ack()``
-    stamps with the ack time.
+    Built by the worker from the submitted list (``handle``, laid out as
+    ``SUBMISSION_FIELDS``), which ``ack()`` stamps with the ack time.
     """
 
     __slots__ = (
         "handle",
-        # captured on the caller's thread
-        "direction",
-        "tokens_by_pool",
-        "num_bytes",
-        "page_size",
-        "start_event",
-        "finish_event",
-        "timing_enabled",
-        "io_backend",
-        "attributes",
-        "expect_ack",
-        "submit_ns",
-        "parent_context",
-        "host_start_ns",
-        "host_end_ns",
-        "ack_watch",
+        *_COPIED_FIELDS,  # captured on the caller's thread
         # filled by the worker
         "origin",
         "tokens",
@@ -123,26 +123,7 @@ class TransferRecord:
         "seq",
     )
 
-    def __init__(self, handle: list[Any]) -> None:
-        self.handle = handle
-        (
-            self.direction,
-            self.tokens_by_pool,
-            self.num_bytes,
-            self.page_size,
-            self.start_event,
-            self.finish_event,
-            self.timing_enabled,
-            self.io_backend,
-            self.attributes,
-            self.expect_ack,
-            self.submit_ns,
-            self.parent_context,
-            self.host_start_ns,
-            self.host_end_ns,
-            self.ack_watch,
-            _ack,
-        ) = handle
+    __init__ = _init_from_handle()
 
     @property
     def ack_ns(self) -> int | None:

@@ -65,3 +65,59 @@ def test_integer_like_counts_and_str_enum_pool_names_are_accepted():
 def test_negative_page_size_names_the_bound():
     with pytest.raises(ValueError, match="page_size must be >= 1, got -64"):
         validate(make(page_size=-64))
+
+
+@pytest.fixture
+def undrained(monkeypatch):
+    """A TransferTelemetry whose pipeline has no worker: what submit() queues stays as built."""
+    from types import SimpleNamespace
+
+    from otel_hicache import telemetry
+    from otel_hicache.pipeline import CompletionPipeline
+
+    monkeypatch.setattr(CompletionPipeline, "_start_worker", lambda self: setattr(
+        self, "_worker", SimpleNamespace(is_alive=lambda: False, join=lambda timeout=None: None)))
+    monkeypatch.setattr(telemetry, "_get_current_context", lambda: "<parent_context>")
+    now = SimpleNamespace(ns=0)
+    tel = telemetry.TransferTelemetry(clock=lambda: now.ns)
+    yield tel, now
+    tel.shutdown()
+
+
+def test_submit_builds_its_list_in_the_declared_layout(undrained):
+    """submit() spells SUBMISSION_FIELDS out as a list literal (for speed): each
+    argument, the clock and the context must land at its declared index."""
+    import inspect
+
+    from otel_hicache.records import S_ACK_NS, S_SUBMIT_NS, SUBMISSION_FIELDS
+
+    tel, now = undrained
+    given = [name for name in SUBMISSION_FIELDS if name not in ("submit_ns", "parent_context", "ack_ns")]
+    assert [p for p in inspect.signature(tel.submit).parameters] == given
+    sentinel = {name: f"<{name}>" for name in SUBMISSION_FIELDS}
+    now.ns = sentinel["submit_ns"]
+    handle = tel.submit(**{name: sentinel[name] for name in given if name != "host_start_ns"})
+    assert handle == [None if name in ("host_start_ns", "ack_ns") else sentinel[name] for name in SUBMISSION_FIELDS]
+    now.ns = sentinel["ack_ns"]
+    tel.ack(handle)
+    assert handle[S_ACK_NS] == sentinel["ack_ns"]
+    handle = tel.submit(**{name: sentinel[name] for name in given})  # host_start_ns is then also the submit time
+    assert handle[SUBMISSION_FIELDS.index("host_start_ns")] == handle[S_SUBMIT_NS] == sentinel["host_start_ns"]
+
+
+def test_records_and_submissions_follow_the_declared_layout():
+    from otel_hicache.records import SUBMISSION_FIELDS
+
+    sentinel = {name: f"<{name}>" for name in SUBMISSION_FIELDS}
+    handle = submission(**sentinel)
+    assert handle == list(sentinel.values()) == submission(*sentinel.values())
+    record = TransferRecord(handle)
+    assert record.handle is handle
+    assert {name: getattr(record, name) for name in SUBMISSION_FIELDS} == sentinel
+    assert not hasattr(record, "__dict__")
+    assert submission("offload", submit_ns=5) == ["offload", None, 0, 1, None, None, False, None, None, False, 5,
+                                                  None, None, None, None, None]
+    with pytest.raises(TypeError, match="pagesize"):
+        submission("offload", pagesize=64)
+    with pytest.raises(TypeError, match="direction"):
+        submission("offload", direction="onboard")
