@@ -43,7 +43,7 @@ Run it
 ------
 ::
 
-    python examples/hicache_workload.py            # or: otel-hicache demo
+    python examples/hicache_workload.py            # or: bash scripts/demo.sh (sets up a venv first)
     python examples/hicache_workload.py --ops 1000 --device cuda
 
 By default nothing leaves the process: an embedded OTel SDK pipeline
@@ -54,7 +54,7 @@ OpenTelemetry collector instead, set the standard variables::
 
     OTEL_SERVICE_NAME=hicache-demo \\
     OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 \\
-    otel-hicache demo
+    python examples/hicache_workload.py
 
 (``OTEL_TRACES_EXPORTER``/``OTEL_METRICS_EXPORTER=console`` prints them
 instead.) In that mode the workload's own totals are printed.
@@ -733,7 +733,7 @@ def _non_negative_float(text: str) -> float:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = WorkloadConfig()
     parser = argparse.ArgumentParser(
-        prog="otel-hicache demo",
+        prog="hicache_workload.py",
         description="HiCache-shaped L1 (device) <-> L2 (host) KV-cache transfers on real tensors, "
         "reported as OpenTelemetry spans and metrics by otel-hicache.",
         epilog="With OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_TRACES_EXPORTER/OTEL_METRICS_EXPORTER) set, "
@@ -793,11 +793,11 @@ def _device(choice: str) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if torch is None:
-        print("otel-hicache demo needs torch: pip install torch (the CPU build is enough)", file=sys.stderr)
+        print("hicache_workload.py needs torch: pip install torch (the CPU build is enough)", file=sys.stderr)
         return 2
     device = _device(args.device)
     if device is None:
-        print("otel-hicache demo: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
+        print("hicache_workload.py: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     cfg = WorkloadConfig(
         ops=args.ops, seed=args.seed, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -817,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         tracer_provider = embedded.tracer_provider
         tel = TransferTelemetry(tracer_provider=embedded.tracer_provider,
                                 meter_provider=embedded.meter_provider, attributes=attributes)
-    tracer = tracer_provider.get_tracer("otel_hicache_examples")
+    tracer = tracer_provider.get_tracer("hicache_workload")
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(args.cpu_threads)
@@ -838,7 +838,7 @@ def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: Emb
     workload = HiCacheWorkload(cfg, device)
     setup_s = time.perf_counter() - t_setup
     kv = workload.anchor.spec
-    say(f"otel-hicache demo: HiCache L1 ({device}) <-> L2 (host{', pinned' if workload.cuda else ''}) "
+    say(f"hicache_workload: HiCache L1 ({device}) <-> L2 (host{', pinned' if workload.cuda else ''}) "
         f"KV transfers, torch {torch.__version__}")
     say(f"  model shape: {kv.layers} layers x {kv.kv_heads} KV heads x head dim {kv.head_dim}, bf16 -> "
         f"{kv.bytes_per_token:,} B/token (K+V); pages of {cfg.page_size} tokens")
