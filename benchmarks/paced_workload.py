@@ -2,9 +2,12 @@
 fault tests and of the soak (``soak.py``).
 
 Runs ``--rate`` ops per second for ``--seconds`` through ``otel_hicache.configure()`` and a
-``TransferTelemetry`` (its exporters, its delivery accounting), alternating offload and
-onboard ops of a few pages with host-clock times and an ack one op later. Every op's span
-carries ``workload.op`` (its index), so a receiver can tell which ops arrived.
+``TransferTelemetry`` (its exporters), alternating offload and onboard ops of a few pages
+with host-clock times and an ack one op later. Every op's span carries ``workload.op`` (its
+index), so a receiver can tell which ops arrived. What the exporters delivered and lost is
+read from the SDK's own self-metrics (``otel.sdk.*``) through an in-memory metric reader
+added to the providers: run it with ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true``
+(``tests/paced_runs.py`` does), or every delivery count reads 0.
 
 Measured in the process and written to ``--out`` (JSON):
 
@@ -12,9 +15,10 @@ Measured in the process and written to ``--out`` (JSON):
 * ``submit``: the time of each op's submit (ms since ``start_unix_ns``) and the cost of the
   ``submit()`` call itself (ns), both as lists indexed by op;
 * ``samples``: once a second, RSS, the completion pipeline's size, the batch span
-  processor's queue, the completion worker's CPU time and the delivery counts;
-* ``delivery``: the delivery counts after the final flush (before shutdown), and the
-  seconds ``shutdown()`` took.
+  processor's queue, the completion worker's CPU time and the delivery counts
+  (``bench_common.sdk_delivery``);
+* ``final``: the same after the final flush (before shutdown), the delivery counts read
+  until two collections agree; and the seconds ``shutdown()`` took.
 
 Prints ``ops done`` (flushed) once the ops are submitted, before the final flush, so a
 caller can time the exit from there.
@@ -35,7 +39,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
+
 import otel_hicache  # noqa: E402
+from bench_common import SDK_SELF_METRICS, read_sdk_delivery  # noqa: E402  (this script's folder)
 from otel_hicache import configuration  # noqa: E402
 
 PAGE = 64
@@ -70,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the results and return: the exit hooks shut telemetry down (as in a server)")
     args = parser.parse_args(argv)
 
-    config = configuration.configure()
+    if any(os.environ.get(k) != v for k, v in SDK_SELF_METRICS.items()):
+        print("paced_workload: OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED is not true: the SDK keeps no "
+              "self-metrics, every delivery count reads 0", file=sys.stderr)
+    reader = InMemoryMetricReader()  # the SDK's self-metrics (and the transfer metrics), read in-process
+    configuration.configure(metric_readers=[reader])
     tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": args.tp_rank})
     total = int(args.rate * args.seconds)
     submit_ms = array("d", bytes(8 * total))  # preallocated: the lists do not grow the RSS
@@ -89,13 +100,13 @@ def main(argv: list[str] | None = None) -> int:
                     return 0.0
         return 0.0
 
-    def sample() -> dict[str, Any]:
+    def sample(attempts: int = 0) -> dict[str, Any]:
         pipeline = tel._pipeline  # pylint: disable=protected-access
-        delivery = config.delivery.snapshot() if config.delivery is not None else {}
-        queued = sum(v.get("queued", 0) for k, v in delivery.items() if k.startswith("spans:"))
+        delivery = read_sdk_delivery(reader, attempts)
         return {"t": round(time.monotonic() - t0, 3), "ops": progress[0], "rss": rss_bytes(),
                 "pipeline": pipeline.size() if pipeline is not None else 0,
-                "span_queue": queued, "worker_cpu_s": round(worker_cpu_s(), 4), "delivery": delivery}
+                "span_queue": delivery["spans"]["queued"], "worker_cpu_s": round(worker_cpu_s(), 4),
+                "delivery": delivery}
 
     def sampler() -> None:
         while not done.wait(1.0):
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     flushed = pipeline.flush(10.0)  # every op's span handed to the SDK
     if not args.no_provider_flush:
         flushed = tel.force_flush(10.0) and flushed
-    final = sample()
+    final = sample(attempts=10)
     result = {
         "rate": args.rate, "seconds": args.seconds, "ops": total, "start_unix_ns": start_unix_ns,
         "elapsed_s": elapsed, "flushed": flushed,
@@ -155,7 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         tel.shutdown()
         configuration.shutdown()
         result["shutdown_s"] = round(time.monotonic() - t_shutdown, 3)
-        result["delivery_after_shutdown"] = config.delivery.snapshot() if config.delivery is not None else {}
     gc.collect()
     Path(args.out).write_text(json.dumps(result), encoding="utf-8")
     return 0

@@ -8,8 +8,10 @@ counts every span and keeps the newest cumulative point of every series. Checks,
 as a table:
 
 * the transfer counters at the sink equal the workload's ground truth, exactly;
-* every span arrived; export errors 0 (no failed export, no queue-full drop, no failed
-  metric export);
+* every span arrived, and the SDK's own self-metrics (``otel.sdk.*``, on with
+  ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true``, which the workload gets) count every
+  span exported; export errors 0 (no failed export, no queue-full drop, no failed metric
+  data point);
 * RSS stays flat (the last minute against the minute after warm-up) and so do the
   completion pipeline's and the span processor's queue depths and the completion
   worker's CPU time per op.
@@ -116,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the Collector and the sink stop whatever happens (a crash here once left the Collector running)
         collector.start()
         env = {
+            "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "true",  # the delivery counts (run_workload's default too)
             "OTEL_SERVICE_NAME": "hicache-soak",
             "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint("grpc"),
             "OTEL_METRIC_EXPORT_INTERVAL": "5000",
@@ -149,12 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         return (inside[-1]["worker_cpu_s"] - inside[0]["worker_cpu_s"]) / max(1, ops) * 1e6
 
     cpu_warm, cpu_last = worker_us_per_op(warm), worker_us_per_op(last)
-    delivery = result["final"]["delivery"]
-    span_counts = [v for k, v in delivery.items() if k.startswith("spans:")]
-    metric_counts = [v for k, v in delivery.items() if k.startswith("metrics:")]
-    export_failed = sum(c["export_failed"] for c in span_counts)
-    queue_full = sum(c["queue_full"] for c in span_counts)
-    metric_failures = sum(c["failed"] for c in metric_counts)
+    delivery = result["final"]["delivery"]  # bench_common.sdk_delivery: the SDK's self-metrics
+    exported, export_failed = run.spans("exported"), run.spans("export_failed")
+    queue_full, metric_failures = run.spans("queue_full"), run.metric_points("failed")
     submit = result["submit"]
     growth = rss_last - rss_warm
     checks = [
@@ -162,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
          f"{sum(t['ops'] for t in truth.values()):,} ops, {sum(t['bytes'] for t in truth.values()) / 1e9:,.1f} GB"),
         ("spans at the sink = ops (spans at 100%)", sink.spans == result["ops"],
          f"{sink.spans:,} of {result['ops']:,}"),
-        ("export errors", export_failed == queue_full == metric_failures == 0,
-         f"export_failed {export_failed}, queue_full {queue_full}, failed metric exports {metric_failures}"),
+        ("spans exported = ops (SDK self-metrics)", exported == result["ops"],
+         f"{exported:,} of {result['ops']:,}" + ("" if delivery["components"] else
+                                                 " (no otel.sdk.* self-metrics: are they enabled?)")),
+        ("export errors", export_failed == queue_full == metric_failures == 0 and bool(delivery["components"]),
+         f"export_failed {export_failed}, queue_full {queue_full}, failed metric data points {metric_failures}"),
         ("RSS flat (last window vs after warm-up)", growth < 16 * 2**20,
          f"{rss_warm / 2**20:.1f} -> {rss_last / 2**20:.1f} MiB ({growth / 2**20:+.1f} MiB)"),
         ("completion queue flat (max per window)", pipe_last <= 2 * pipe_warm + 256,

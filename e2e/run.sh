@@ -58,6 +58,9 @@ echo "run: stack up in $(since "$t_stack") s"
 # Metrics every second: the shipped Prometheus scrapes every 5 s, and the paced run spans
 # several scrapes, so every rate() of the rules and dashboard has points to work on.
 export OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 OTEL_METRIC_EXPORT_INTERVAL=1000
+# The SDK's own self-metrics (otel_sdk_*: spans exported and lost, the span queue), which the
+# "Telemetry delivery" panels, the OtelHiCacheSpansUndelivered alert and check_pipeline read.
+export OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true
 t_run=$EPOCHREALTIME
 OTEL_SERVICE_NAME=hicache-e2e "$py" "$root/examples/hicache_workload.py" --ops "$ops" --rate "$rate" \
   --layers 2 --pool-tokens 2048 --truth-json "$tmp/truth.json" 2>&1 | tee "$tmp/workload.log"

@@ -134,12 +134,16 @@ def node_main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
 
     import otel_hicache
+    from bench_common import read_sdk_delivery
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from otel_hicache import configuration
 
-    config = configuration.configure()
+    reader = InMemoryMetricReader()  # the SDK's self-metrics: what the OTLP exporter delivered
+    config = configuration.configure(metric_readers=[reader])
     measure = _MeasuringExporter()
     config.tracer_provider.add_span_processor(BatchSpanProcessor(measure, schedule_delay_millis=200))
     tracer = config.tracer_provider.get_tracer("otel_hicache_fleet_test")
@@ -191,15 +195,14 @@ def node_main(argv: list[str]) -> int:
     elapsed = (time.perf_counter_ns() - start) / 1e9
     tel._pipeline.flush(10.0)  # pylint: disable=protected-access  # every op's span to the SDK
     tel.force_flush(10.0)
-    config.tracer_provider.force_flush(10_000)
-    delivery = config.delivery.snapshot() if config.delivery is not None else {}
+    config.tracer_provider.force_flush(10_000)  # every span exported (or failed): nothing left for shutdown
+    delivery = read_sdk_delivery(reader)
     tel.shutdown()
     configuration.shutdown()
-    after = config.delivery.snapshot() if config.delivery is not None else {}
     Path(args.out).write_text(json.dumps({
         "node": args.node, "ops": total, "elapsed_s": elapsed, "start_unix_ns": start_unix_ns,
         "truth": truth, "failed": failed, "trace_ids": trace_ids, "kinds": "".join(kinds),
-        "submit_ns": submit_ns, "delivery": delivery, "delivery_after_shutdown": after,
+        "submit_ns": submit_ns, "delivery": delivery,
         "measured": {"spans": measure.spans, "otlp_bytes": measure.raw, "otlp_gzip_bytes": measure.gz,
                      "batches": measure.batches, "transfer_spans": measure.transfer_spans,
                      "transfer_otlp_bytes": measure.transfer_raw, "transfer_otlp_gzip_bytes": measure.transfer_gz},
@@ -499,7 +502,8 @@ def test_fleet_gateway_killed(tmp_path):
             env = {**base_env, "OTEL_SERVICE_NAME": SERVICE, "OTEL_RESOURCE_ATTRIBUTES": f"host.name={node}",
                    "OTEL_EXPORTER_OTLP_ENDPOINT": agent.otlp, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",  # type: ignore[attr-defined]
                    "OTEL_METRIC_EXPORT_INTERVAL": "1000", "OTEL_BSP_SCHEDULE_DELAY": "200",
-                   "OTEL_HICACHE_SHUTDOWN_TIMEOUT_S": "10", "PYTHONUNBUFFERED": "1"}
+                   "OTEL_HICACHE_SHUTDOWN_TIMEOUT_S": "10", "PYTHONUNBUFFERED": "1",
+                   "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "true"}  # the SDK's self-metrics: spans exported
             err = open(tmp_path / f"{node}.stderr", "w", encoding="utf-8")
             workloads[node] = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--node", node,
                                                 "--seed", str(seed), "--out", str(outs[node])],
@@ -582,7 +586,7 @@ def test_fleet_gateway_killed(tmp_path):
         missing_outside: list[str] = []
         sent_spans = 0
         for run in runs.values():
-            sent_spans += sum(v["exported"] for k, v in run["delivery_after_shutdown"].items() if k.startswith("spans:"))
+            sent_spans += run["delivery"]["spans"]["exported"]
             for tid, kind, at in zip(run["trace_ids"], run["kinds"], run["submit_ns"]):
                 inside = window[0] <= at <= window[1]
                 spans = stored.get(int(tid, 16))
@@ -648,7 +652,7 @@ def test_fleet_gateway_killed(tmp_path):
         meas = {k: sum(r["measured"][k] for r in runs.values()) for k in runs["node-a"]["measured"]}
         print("fleet: per node: " + "; ".join(
             f"{r['node']}: {r['ops']} ops in {r['elapsed_s']:.1f} s, "
-            f"{sum(v['exported'] for k, v in r['delivery_after_shutdown'].items() if k.startswith('spans:')) / r['elapsed_s']:.0f} spans/s, "
+            f"{r['delivery']['spans']['exported'] / r['elapsed_s']:.0f} spans/s, "
             f"{r['failed']} error ops, {r['kinds'].count('s')} slow ops" for r in runs.values()))
         print(f"fleet: spans per op {meas['spans'] / total_ops:.2f}; OTLP bytes per span "
               f"{meas['otlp_bytes'] / meas['spans']:.0f} (protobuf, uncompressed), "

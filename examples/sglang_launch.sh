@@ -13,6 +13,10 @@ export OTEL_SERVICE_NAME="${OTEL_SERVICE_NAME:-sglang}"
 export OTEL_RESOURCE_ATTRIBUTES="${OTEL_RESOURCE_ATTRIBUTES:-deployment.environment=dev}"
 export OTEL_EXPORTER_OTLP_ENDPOINT="${OTEL_EXPORTER_OTLP_ENDPOINT:-http://127.0.0.1:4317}"
 export OTEL_METRIC_EXPORT_INTERVAL="${OTEL_METRIC_EXPORT_INTERVAL:-10000}"   # ms, Prometheus-friendly
+# The SDK's own self-metrics (otel.sdk.*: spans exported, lost in failed exports, dropped on a
+# full queue; the span queue), off by default in the Python SDK. The "Telemetry delivery"
+# panels and the OtelHiCacheSpansUndelivered alert of deploy/ read them.
+export OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED="${OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED:-true}"
 # If SGLANG_PLUGINS is set it must name the adapter's plugin.
 if [ -n "${SGLANG_PLUGINS:-}" ]; then export SGLANG_PLUGINS="$SGLANG_PLUGINS,otel_hicache"; fi
 

@@ -1,7 +1,7 @@
 """Every private OpenTelemetry SDK/API attribute otel-hicache touches, in one place.
 
 The fast paths (:mod:`.spans`, :mod:`.metrics_fast_path`, the context read of
-:mod:`.telemetry`) and the delivery hooks (:mod:`.delivery`) use SDK internals
+:mod:`.telemetry`) and the batch span processor's queue use SDK internals
 that any minor release may rename or re-type. So the SDK's shape is checked
 once (each part on its first use: :func:`available`; all of it: :func:`report`):
 its version is in the range these accesses were checked against, and the
@@ -15,10 +15,10 @@ Two kinds of access:
 * version-gated (``context``, ``spans``, ``metrics``, ``batch_queue``): a
   wrong guess would silently change what is exported, so they are used only on
   a known SDK version whose shape passed the check;
-* value-checked reads (exporter endpoint and preferences, the metric reader's
-  exporter and shutdown event after fork): used on any version, because the
-  value read is itself checked (a str, a dict, a ``MetricExporter``, an
-  ``Event``) and there is no public equivalent to fall back to.
+* value-checked writes (the metric reader's exporter and shutdown event after
+  fork): used on any version, because the value replaced is itself checked (a
+  ``MetricExporter``, an ``Event``) and there is no public equivalent to fall
+  back to.
 """
 
 from __future__ import annotations
@@ -58,17 +58,17 @@ class Report(NamedTuple):
 _report: Report | None = None
 _areas: dict[str, tuple[str, ...]] = {}  # each area checked on its first use (an import of otel_hicache stays light)
 _version: tuple[str | None, bool] | None = None
-_lock = threading.RLock()
+# No lock around the checks: they are pure and idempotent (two threads may both run one, the
+# same result is stored twice), and a lock held by the worker while the host forks would stay
+# held in the child forever (tests/test_faults.py's forked multiprocessing child hung on it).
 
 
 def report() -> Report:
     """The SDK's shape: every area, each checked once."""
     global _report
     if _report is None:
-        with _lock:
-            if _report is None:
-                version, known = _sdk_version()
-                _report = Report(version, known, {area: _area(area) for area in AREAS})
+        version, known = _sdk_version()
+        _report = Report(version, known, {area: _area(area) for area in AREAS})
     return _report
 
 
@@ -100,16 +100,13 @@ def _sdk_version() -> tuple[str | None, bool]:
 def _area(area: str) -> tuple[str, ...]:
     found = _areas.get(area)
     if found is None:
-        with _lock:
-            found = _areas.get(area)
-            if found is None:
-                check = {"context": _check_context, "spans": _check_spans, "metrics": _check_metrics,
-                         "batch_queue": _check_batch_queue}[area]
-                try:
-                    found = tuple(check())
-                except Exception as exc:  # an import or signature that changed
-                    found = (f"{type(exc).__name__}: {exc}",)
-                _areas[area] = found
+        check = {"context": _check_context, "spans": _check_spans, "metrics": _check_metrics,
+                 "batch_queue": _check_batch_queue}[area]
+        try:
+            found = tuple(check())
+        except Exception as exc:  # an import or signature that changed
+            found = (f"{type(exc).__name__}: {exc}",)
+        _areas[area] = found
     return found
 
 
@@ -167,16 +164,36 @@ class TracerParts(NamedTuple):
     scope: Any
     limits: Any
     is_enabled: Callable[[], bool]
+    # the tracer's otel.sdk.span.* self-metrics (opentelemetry/sdk/trace/_tracer_metrics.py):
+    # start_span(parent_span_context, sampling_decision) -> the callback to call when the span
+    # ends; None when they are off (NoOpTracerMetrics, OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED unset)
+    metrics: Any
 
 
 def _check_spans() -> list[str]:
     from opentelemetry import trace
     from opentelemetry.attributes import BoundedAttributes
-    from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer
+    from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, Tracer, _Span
     from opentelemetry.sdk.trace.id_generator import IdGenerator
     from opentelemetry.sdk.util import BoundedList
 
     problems = []
+    try:
+        from opentelemetry.sdk.trace import _tracer_metrics
+    except ImportError:
+        problems.append("opentelemetry.sdk.trace._tracer_metrics")
+    else:
+        for name in ("NoOpTracerMetrics", "TracerMetrics"):
+            cls = getattr(_tracer_metrics, name, None)
+            if cls is None or not _has_params(cls.start_span, "parent_span_context", "sampling_decision"):
+                problems.append(f"_tracer_metrics.{name}.start_span(parent_span_context, sampling_decision)")
+    # the API path: one start_span() per span after sampling, its callback called by Span.end()
+    if _lacks(Tracer.__init__, "self._tracer_metrics = "):
+        problems.append("Tracer._tracer_metrics")
+    if _lacks(Tracer.start_span, "self._tracer_metrics.start_span(parent_span_context, sampling_result.decision)"):
+        problems.append("Tracer.start_span: _tracer_metrics.start_span(parent_span_context, decision)")
+    if _lacks(_Span.end, "self._record_end_metrics()"):
+        problems.append("_Span.end: its record_end_metrics callback")
     if not _has_params(Tracer.__init__, "sampler", "resource", "span_processor", "id_generator",
                        "instrumentation_info", "span_limits", "instrumentation_scope"):
         problems.append("Tracer.__init__ parameters")
@@ -204,15 +221,22 @@ def tracer_parts(tracer: Any) -> TracerParts | None:
     if not available("spans"):
         return None
     from opentelemetry.sdk.trace import Tracer
+    from opentelemetry.sdk.trace._tracer_metrics import NoOpTracerMetrics
 
     if not isinstance(tracer, Tracer):
         return None
     try:
+        metrics = tracer._tracer_metrics  # pylint: disable=protected-access
+        if isinstance(metrics, NoOpTracerMetrics):
+            metrics = None  # resolved once: no call per span while the SDK's own metrics are off
+        elif not callable(getattr(metrics, "start_span", None)):
+            return None  # the API path would record them somehow: not the fast path's to guess
         return TracerParts(
             tracer.sampler, tracer.id_generator, tracer.resource, tracer.span_processor,
             tracer._instrumentation_scope,  # pylint: disable=protected-access
             tracer._span_limits,  # pylint: disable=protected-access
             tracer._is_enabled,  # pylint: disable=protected-access
+            metrics,
         )
     except AttributeError:
         return None
@@ -223,16 +247,22 @@ def tracer_parts(tracer: Any) -> TracerParts | None:
 #  _view_instrument_match,aggregation,measurement}.py)
 
 class MeterParts(NamedTuple):
-    storages: Mapping[Any, Any]  # reader -> MetricReaderStorage: the dict of the moment (copy-on-write)
+    # reader -> MetricReaderStorage, the measurement consumer's dict of the moment: add_metric_reader()
+    # and remove_metric_reader() replace it (copy-on-write), so it is read again, never kept
+    reader_storages: Callable[[], Mapping[Any, Any]]
     exemplar_filter: Any
     hash_attributes: Callable[[Mapping[str, Any]], Any]
-    measurement: Callable[[float, int, Any, Any], Any]  # Measurement(value, time_unix_nano, instrument, context)
+    # Measurement's own cleaning of an attribute set (what Histogram.record's measurements carry)
+    clean_attributes: Callable[[Any, Mapping[str, Any] | None], Any]
+    # Measurement(value, time_unix_nano, instrument, context, attributes), the attributes cleaned
+    # already (by clean_attributes, once per attribute set): not cleaned again per value
+    measurement: Callable[[float, int, Any, Any, Any], Any]
 
 
 def _check_metrics() -> list[str]:
     import dataclasses
 
-    from opentelemetry.sdk.metrics._internal import _view_instrument_match, aggregation
+    from opentelemetry.sdk.metrics._internal import _view_instrument_match, aggregation, measurement_consumer
     from opentelemetry.sdk.metrics._internal._view_instrument_match import _ViewInstrumentMatch
     from opentelemetry.sdk.metrics._internal.measurement import Measurement
     from opentelemetry.sdk.metrics._internal.metric_reader_storage import MetricReaderStorage
@@ -241,8 +271,24 @@ def _check_metrics() -> list[str]:
     if not callable(getattr(_view_instrument_match, "_hash_attributes", None)):
         problems.append("_view_instrument_match._hash_attributes")
     fields = [f.name for f in dataclasses.fields(Measurement)] if dataclasses.is_dataclass(Measurement) else []
-    if fields[:4] != ["value", "time_unix_nano", "instrument", "context"]:
+    if fields != ["value", "time_unix_nano", "instrument", "context", "attributes"]:
         problems.append("Measurement fields")
+    # __post_init__ only cleans the attributes (what clean_attributes does once, and measurement skips)
+    post_init = getattr(Measurement, "__post_init__", None)
+    if post_init is None:
+        problems.append("Measurement.__post_init__")
+    elif _lacks(post_init, "_clean_attribute_value("):
+        problems.append("Measurement.__post_init__ (_clean_attribute_value)")
+    consumer = getattr(measurement_consumer, "SynchronousMeasurementConsumer", None)
+    if consumer is None:
+        problems.append("measurement_consumer.SynchronousMeasurementConsumer")
+    else:
+        # every measurement to every reader's storage; a reader added or removed: a new dict
+        for method, needed in (("consume_measurement", "self._reader_storages.values()"),
+                               ("add_metric_reader", "self._reader_storages = "),
+                               ("remove_metric_reader", "self._reader_storages = ")):
+            if not callable(getattr(consumer, method, None)) or _lacks(getattr(consumer, method), needed):
+                problems.append(f"SynchronousMeasurementConsumer.{method} (_reader_storages, copy-on-write)")
     if not callable(getattr(MetricReaderStorage, "_get_or_init_view_instrument_match", None)):
         problems.append("MetricReaderStorage._get_or_init_view_instrument_match")
     problems += [f"_ViewInstrumentMatch{n[4:]}" for n in _lacks(
@@ -253,25 +299,51 @@ def _check_metrics() -> list[str]:
     return problems
 
 
+_cleaned_measurement: Any = None
+
+
+def _cleaned_measurement_class() -> Any:
+    """A ``Measurement`` whose ``__post_init__`` leaves its (already cleaned) attributes as they are."""
+    global _cleaned_measurement
+    if _cleaned_measurement is None:
+        from opentelemetry.sdk.metrics._internal.measurement import Measurement
+
+        class CleanedMeasurement(Measurement):
+            def __post_init__(self) -> None:
+                pass
+
+        _cleaned_measurement = CleanedMeasurement
+    return _cleaned_measurement
+
+
 def meter_parts(meter_provider: Any) -> MeterParts | None:
-    """The reader storages and exemplar filter of an SDK ``MeterProvider``, or None."""
+    """The reader storages, exemplar filter and measurements of an SDK ``MeterProvider``, or None."""
     if not available("metrics"):
         return None
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics._internal._view_instrument_match import _hash_attributes
     from opentelemetry.sdk.metrics._internal.measurement import Measurement
+    from opentelemetry.sdk.metrics._internal.measurement_consumer import SynchronousMeasurementConsumer
 
     if not isinstance(meter_provider, MeterProvider):
         return None
     try:
         consumer = meter_provider._measurement_consumer  # pylint: disable=protected-access
-        storages = consumer._reader_storages  # pylint: disable=protected-access
         exemplar_filter = meter_provider._sdk_config.exemplar_filter  # pylint: disable=protected-access
     except AttributeError:
         return None
-    if not isinstance(storages, Mapping):
+    if type(consumer) is not SynchronousMeasurementConsumer or not isinstance(
+            getattr(consumer, "_reader_storages", None), Mapping):
         return None
-    return MeterParts(storages, exemplar_filter, _hash_attributes, Measurement)
+
+    def reader_storages() -> Mapping[Any, Any]:
+        return consumer._reader_storages  # pylint: disable=protected-access
+
+    def clean_attributes(instrument: Any, attributes: Mapping[str, Any] | None) -> Any:
+        return Measurement(0, 0, instrument, None, attributes).attributes  # type: ignore[arg-type]
+
+    return MeterParts(reader_storages, exemplar_filter, _hash_attributes, clean_attributes,
+                      _cleaned_measurement_class())
 
 
 def view_matches(storage: Any, instrument: Any) -> list[Any]:
@@ -296,12 +368,6 @@ def aggregation_of(match: Any, key: Any) -> Any:
 
 # -- the batch span processor's queue (opentelemetry/sdk/_shared_internal/__init__.py, BatchProcessor) ---
 
-class BatchQueue(NamedTuple):
-    size: Callable[[], int]  # spans waiting
-    metrics: Any  # the processor's metrics hook: drop_items(count, error_type), finish_items, register_queue_size
-    install_metrics: Callable[[Any], None]  # replace that hook (the processor calls it on every drop)
-
-
 def _check_batch_queue() -> list[str]:
     from opentelemetry.sdk import _shared_internal
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -311,14 +377,15 @@ def _check_batch_queue() -> list[str]:
     if batch_processor is None:
         problems.append("opentelemetry.sdk._shared_internal.BatchProcessor")
     else:
-        problems += [f"BatchProcessor {n}" for n in _lacks(batch_processor, "self._queue", "self._metrics",
-                                                            ".drop_items(")]
+        problems += [f"BatchProcessor {n}" for n in _lacks(batch_processor, "self._queue")]
     problems += [f"BatchSpanProcessor{n[4:]}" for n in _lacks(BatchSpanProcessor.__init__, "self._batch_processor")]
     return problems
 
 
-def batch_queue(processor: Any) -> BatchQueue | None:
-    """The queue and metrics hook of an SDK ``BatchSpanProcessor``, or None."""
+def batch_queue_size(processor: Any) -> Callable[[], int] | None:
+    """The number of spans waiting in an SDK ``BatchSpanProcessor``'s queue (for the exit
+    report: the SDK's own ``otel.sdk.processor.span.queue.size`` is not exported any more
+    then), or None."""
     if not available("batch_queue"):
         return None
     import collections
@@ -326,45 +393,30 @@ def batch_queue(processor: Any) -> BatchQueue | None:
     from opentelemetry.sdk._shared_internal import BatchProcessor
 
     batch = getattr(processor, "_batch_processor", None)
-    if not isinstance(batch, BatchProcessor):
-        return None
-    queue = getattr(batch, "_queue", None)
-    metrics = getattr(batch, "_metrics", None)
-    if not isinstance(queue, collections.deque) or not all(
-            callable(getattr(metrics, m, None)) for m in ("drop_items", "finish_items", "register_queue_size")):
-        return None
-
-    def install_metrics(hook: Any) -> None:
-        batch._metrics = hook  # pylint: disable=protected-access
-
-    return BatchQueue(lambda: len(queue), metrics, install_metrics)
+    queue = getattr(batch, "_queue", None) if isinstance(batch, BatchProcessor) else None
+    return (lambda: len(queue)) if isinstance(queue, collections.deque) else None
 
 
-# -- value-checked reads, on any SDK version ---------------------------------------------------------------
+# -- value-checked writes, on any SDK version ---------------------------------------------------------------
 
-def exporter_endpoint(exporter: Any) -> str | None:
-    """The OTLP exporters' ``_endpoint`` (for messages), when it is a non-empty str."""
-    endpoint = getattr(exporter, "_endpoint", None)
-    return endpoint if isinstance(endpoint, str) and endpoint else None
+def stop_reader_in_fork_child(reader: Any) -> None:
+    """A periodic metric reader inherited from the parent: its exporter replaced by one that
+    discards (the parent's frozen points are not exported again) and the thread the SDK
+    restarted at fork stopped (PeriodicExportingMetricReader._at_fork_reinit)."""
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 
+    class Discard(MetricExporter):
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
+            return MetricExportResult.SUCCESS
 
-def exporter_preferences(exporter: Any) -> tuple[Any, Any]:
-    """A ``MetricExporter``'s preferred (temporality, aggregation) dicts, as passed to its
-    constructor (no public getter; the SDK's reader reads them the same way). None: the defaults."""
-    found = []
-    for name in ("_preferred_temporality", "_preferred_aggregation"):
-        value = getattr(exporter, name, None)
-        found.append(value if isinstance(value, Mapping) else None)
-    return found[0], found[1]
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
 
-
-def stop_reader_in_fork_child(reader: Any, discard: Any) -> None:
-    """A periodic metric reader inherited from the parent: its exporter replaced by ``discard``
-    and the thread the SDK restarted at fork stopped (PeriodicExportingMetricReader._at_fork_reinit)."""
-    from opentelemetry.sdk.metrics.export import MetricExporter
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            return None
 
     if isinstance(getattr(reader, "_exporter", None), MetricExporter):
-        reader._exporter = discard  # pylint: disable=protected-access
+        reader._exporter = Discard()  # pylint: disable=protected-access
     event = getattr(reader, "_shutdown_event", None)
     if isinstance(event, threading.Event):
         event.set()

@@ -41,7 +41,6 @@ BANDWIDTH: Final = "hicache.bandwidth_bytes_per_second"
 ERROR_TYPE: Final = "error.type"
 TIER: Final = "hicache.tier"
 REASON: Final = "reason"
-EXPORTER: Final = "exporter"  # delivery self-metrics: otlp_grpc, otlp_http, console
 
 # metrics: name, unit, description
 TRANSFER_DURATION = (
@@ -118,28 +117,6 @@ QUEUE_SIZE = (
     "Records held by the completion pipeline (queued, in flight or awaiting their ack).",
 )
 
-SPANS_EXPORTED = (
-    "otel_hicache.spans.exported",
-    "{span}",
-    "Spans an exporter of the providers otel_hicache.configure() built delivered (exporter).",
-)
-SPANS_UNDELIVERED = (
-    "otel_hicache.spans.undelivered",
-    "{span}",
-    "Spans lost on the way out (exporter; reason: export_failed after the exporter's retries, "
-    "queue_full in the batch span processor).",
-)
-METRIC_EXPORTS_FAILED = (
-    "otel_hicache.metric_exports.failed",
-    "{export}",
-    "Metric exports that failed (exporter); cumulative counters are re-sent in full by the next one.",
-)
-SPAN_EXPORT_QUEUE_SIZE = (
-    "otel_hicache.spans.export_queue.size",
-    "{span}",
-    "Spans waiting in the batch span processor's queue (exporter; capacity OTEL_BSP_MAX_QUEUE_SIZE).",
-)
-
 TIER_DEVICE: Final = "device"
 TIER_HOST: Final = "host"
 TIER_STORAGE: Final = "storage"
@@ -150,8 +127,6 @@ DROP_WRITE_THROUGH_UNBACKED_EVICTION: Final = "write_through_unbacked_eviction"
 DROPPED_TOKEN_REASONS = (DROP_HOST_PRESSURE, DROP_WRITE_THROUGH_UNBACKED_EVICTION)
 """Reasons with zero series from start-up (others are accepted as they come)."""
 
-UNDELIVERED_EXPORT_FAILED: Final = "export_failed"
-UNDELIVERED_QUEUE_FULL: Final = "queue_full"
 DROP_QUEUE_FULL: Final = "queue_full"
 DROP_INVALID_INPUT: Final = "invalid_input"
 DROP_SHUTDOWN: Final = "shutdown"

@@ -20,7 +20,7 @@ from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
 from . import configuration, sdk_internals
-from .bounded_flush import flush_providers
+from .bounded_flush import bounded
 from .cache_events import CacheEvents
 from . import environment_variables as ev
 from .device import timing_event_pair
@@ -143,9 +143,6 @@ class TransferTelemetry:
             self._resolve_providers()
         tracer_provider, meter_provider = self._providers
         self.cache_events.bind(meter_provider)
-        configured = configuration.configured()
-        if configured is not None and configured.delivery is not None and configured.meter_provider is meter_provider:
-            configured.delivery.bind(meter_provider, self._static)  # the exporters' delivery counts
         return Sinks(
             make_span_builder(tracer_provider, self._static, self._fast_path),
             TransferMetrics(meter_provider, self._static, queue_size=self._queue_size, fast_path=self._fast_path),
@@ -196,6 +193,8 @@ class TransferTelemetry:
             if len(pipeline.queue) + pipeline.held >= self._cap:
                 next(pipeline.refused)
                 return None
+            # records.SUBMISSION_FIELDS, spelled out: a list literal is the cheapest
+            # build (no call); tests/test_records.py checks it keeps that order.
             record = [
                 direction,
                 tokens_by_pool,
@@ -296,7 +295,7 @@ class TransferTelemetry:
         tracer_provider, meter_provider = self._providers
         # export what was processed even if something was still in flight
         remaining = max(0.1 * timeout_s, deadline - time.monotonic())
-        exported = flush_providers(tracer_provider, meter_provider, remaining)
+        exported = bounded("force_flush", tracer_provider, meter_provider, remaining)
         return flushed and exported
 
     def shutdown(self) -> None:
@@ -311,4 +310,4 @@ class TransferTelemetry:
         pipeline.stop(timeout)
         remaining = max(0.1, deadline - time.monotonic())
         tracer_provider, meter_provider = self._providers
-        flush_providers(tracer_provider, meter_provider, remaining)
+        bounded("force_flush", tracer_provider, meter_provider, remaining)

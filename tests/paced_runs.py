@@ -17,6 +17,14 @@ from typing import Any, Mapping, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ROOT / "benchmarks" / "paced_workload.py"
 
+# What the SDK (1.45) logs, since otel-hicache leaves the reporting of the way out to it: a
+# failed export (gRPC: "... traces to <endpoint>, error code: ..."; HTTP: "... spans batch
+# code: ..." or "... due to timeout, ..."), and a span dropped on a full queue. The gRPC
+# exporter and the batch processor log each message at most once per 20 s (the SDK's
+# DuplicateFilter); the HTTP exporter logs every failure.
+EXPORT_FAILED_LOG = "Failed to export"
+QUEUE_FULL_LOG = "Queue full, dropping Span"
+
 
 @dataclass
 class Run:
@@ -32,8 +40,14 @@ class Run:
         return sorted(c for t, c in zip(submit["ms"], submit["cost_ns"]) if start_ms <= t < end_ms)
 
     def spans(self, key: str = "exported") -> int:
-        """A delivery count summed over the span exporters (final snapshot)."""
-        return sum(v.get(key, 0) for k, v in self.result["final"]["delivery"].items() if k.startswith("spans:"))
+        """A span delivery count of the SDK's self-metrics after the final flush, summed over
+        the span exporters: exported, export_failed, queue_full, queued, in_export
+        (``bench_common.sdk_delivery``)."""
+        return self.result["final"]["delivery"]["spans"][key]
+
+    def metric_points(self, key: str = "exported") -> int:
+        """Metric data points the metric exporters delivered (``exported``) or lost (``failed``)."""
+        return self.result["final"]["delivery"]["metric_points"][key]
 
     def warnings(self, text: str) -> int:
         return self.stderr.count(text)
@@ -45,11 +59,14 @@ def quantile(sorted_values: Sequence[int], q: float) -> int:
 
 def run_workload(tmp: Path, env: Mapping[str, str], *args: str, timeout_s: float = 120.0,
                  during: Any = None) -> Run:
-    """Run the paced workload with the standard ``OTEL_*`` variables in ``env``.
+    """Run the paced workload with the standard ``OTEL_*`` variables in ``env``, and the SDK's
+    self-metrics on (``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true``, unless ``env`` says
+    otherwise): they are what the workload reads its delivery counts from.
 
     ``during(process, t0)`` (optional) runs while the workload does: fault injection."""
     out = tmp / f"run-{time.monotonic_ns()}.json"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    full_env["OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED"] = "true"
     full_env.update(env)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     err_path = out.with_suffix(".stderr")

@@ -76,20 +76,20 @@ def facts(conf):
         batch = processor._batch_processor  # pylint: disable=protected-access
         found["bsp"] = (batch._max_queue_size, batch._schedule_delay_millis, batch._max_export_batch_size,
                         batch._export_timeout_millis)
-        found.update(_exporter_facts("span", processor.span_exporter.inner))
+        found.update(_exporter_facts("span", processor.span_exporter))
     for reader in conf.metric_readers[:1]:
         found["reader"] = (reader._export_interval_millis, reader._export_timeout_millis)
         found["temporality"] = sorted({t.name for t in reader._instrument_class_temporality.values()})
         found["histogram"] = sorted(type(a).__name__ for k, a in reader._instrument_class_aggregation.items()
                                     if k.__name__ == "_Histogram")
-        found.update(_exporter_facts("metric", reader._exporter.inner))
+        found.update(_exporter_facts("metric", reader._exporter))
     return found
 
 
 def our_warnings(caplog, variable=None):
     messages = [r.getMessage() for r in caplog.records if r.name == "otel_hicache"]
-    prefix = f"otel-hicache: {variable}=" if variable else "otel-hicache: OTEL_"
-    return [m for m in messages if m.startswith(prefix)]
+    named = re.compile(rf"(?<![A-Z_]){variable or 'OTEL_[A-Z_]+'}=")
+    return [m for m in messages if m.startswith("otel-hicache: ") and named.search(m)]
 
 
 def reports_through(conf):
@@ -97,9 +97,9 @@ def reports_through(conf):
     span processor and metric reader (their exporters' export() captured, no network)."""
     spans, metrics = [], []
     for processor in processors(conf):
-        processor.span_exporter.inner.export = lambda batch, **_: spans.extend(batch) or SpanExportResult.SUCCESS
+        processor.span_exporter.export = lambda batch, **_: spans.extend(batch) or SpanExportResult.SUCCESS
     for reader in conf.metric_readers:
-        reader._exporter.inner.export = lambda data, *_, **__: metrics.append(data) or MetricExportResult.SUCCESS
+        reader._exporter.export = lambda data, *_, **__: metrics.append(data) or MetricExportResult.SUCCESS
     tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
     try:
         assert tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5_000)
@@ -116,109 +116,82 @@ def reports_through(conf):
 GRPC_DEFAULT = {"span.endpoint": "localhost:4317", "metric.endpoint": "localhost:4317"}
 HTTP_DEFAULT = {"span.endpoint": "http://localhost:4318/v1/traces",
                 "metric.endpoint": "http://localhost:4318/v1/metrics"}
+SDK = None  # the SDK reads the value itself: it takes it, or logs a line of its own and uses its default
 
 BAD = [
-    # (variable, bad value, other variables, expected facts, text of the default in the warning)
-    # endpoints
-    ("OTEL_EXPORTER_OTLP_ENDPOINT", "not a url", {}, GRPC_DEFAULT, "http://localhost:4317"),
-    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://:abc", {}, GRPC_DEFAULT, "http://localhost:4317"),
-    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:99999", {}, GRPC_DEFAULT, "http://localhost:4317"),
-    ("OTEL_EXPORTER_OTLP_ENDPOINT", "ftp://collector:4317", {}, GRPC_DEFAULT, "http://localhost:4317"),
-    ("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost:4318", HTTP, HTTP_DEFAULT, "http://localhost:4318"),
-    ("OTEL_EXPORTER_OTLP_ENDPOINT", "not a url", HTTP, HTTP_DEFAULT, "http://localhost:4318"),
-    ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:0", HTTP, HTTP_DEFAULT, "http://localhost:4318"),
-    ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "not a url", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:5555"},
-     {"span.endpoint": "127.0.0.1:5555", "metric.endpoint": "127.0.0.1:5555"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
-    ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "http://:abc", {**HTTP, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://h:5555"},
-     {"span.endpoint": "http://h:5555/v1/traces", "metric.endpoint": "http://h:5555/v1/metrics"},
-     "http://h:5555/v1/metrics"),
+    # (variable, bad value, other variables, expected facts, text of otel-hicache's one warning, or SDK)
+    # endpoints: taken as they are; every export then fails, counted in otel.sdk.exporter.span.exported{error.type}
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "not a url", {}, {"span.endpoint": "not a url"}, SDK),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost:4318", HTTP, {"span.endpoint": "localhost:4318/v1/traces"}, SDK),
     # timeouts (seconds, as the Python exporters read them)
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", {}, {"span.timeout": 10.0, "metric.timeout": 10.0}, "10"),
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", "-5", {}, {"span.timeout": 10.0, "metric.timeout": 10.0}, "10"),
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", "0", HTTP, {"span.timeout": 10.0, "metric.timeout": 10.0}, "10"),
-    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "abc", {"OTEL_EXPORTER_OTLP_TIMEOUT": "3"},
-     {"span.timeout": 3.0, "metric.timeout": 3.0}, "OTEL_EXPORTER_OTLP_TIMEOUT (3.0)"),
-    ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "nan", {}, {"span.timeout": 10.0, "metric.timeout": 10.0}, "10"),
-    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "soon", HTTP, {"span.timeout": 10.0}, "10"),
-    # headers: malformed entries dropped, the valid ones kept
-    ("OTEL_EXPORTER_OTLP_HEADERS", "a=1,secret-token,=x,b=2", {},
-     {"span.headers": {"a": "1", "b": "2"}, "metric.headers": {"a": "1", "b": "2"}}, "(a, b)"),
-    ("OTEL_EXPORTER_OTLP_HEADERS", "a=1,secret-token", HTTP, {"span.headers": {"a": "1"}}, "(a)"),
-    ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "secret-token,t=2", {**HTTP, "OTEL_EXPORTER_OTLP_HEADERS": "g=1"},
-     {"span.headers": {"t": "2"}, "metric.headers": {"g": "1"}}, "(t)"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", {}, {"span.timeout": 10.0, "metric.timeout": 10.0}, "using 10 instead"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "-5", {}, {"span.timeout": 10.0, "metric.timeout": 10.0}, "is not > 0"),
+    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "0", HTTP, {"span.timeout": 10.0}, "is not > 0"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", HTTP, {"span.timeout": 10.0, "metric.timeout": 10.0}, SDK),
+    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "soon", HTTP, {"span.timeout": 10.0}, SDK),
+    # the gRPC exporters float() their per-signal timeout whatever timeout= says: no retry works
+    ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "nan?", {}, {"span_exporters": 1, "metric_readers": 0}, "left out"),
+    # headers: the SDK drops malformed entries, with a line of its own
+    ("OTEL_EXPORTER_OTLP_HEADERS", "a=1,secret-token,b=2", {},
+     {"span.headers": {"a": "1", "b": "2"}, "metric.headers": {"a": "1", "b": "2"}}, SDK),
     # compression
     ("OTEL_EXPORTER_OTLP_COMPRESSION", "brotli", {}, {"span.compression": "none", "metric.compression": "none"},
-     "none"),
-    ("OTEL_EXPORTER_OTLP_COMPRESSION", "deflate", {}, {"span.compression": "none"}, "none"),
-    ("OTEL_EXPORTER_OTLP_COMPRESSION", "br", HTTP, {"span.compression": "none", "metric.compression": "none"},
-     "none"),
+     "using none instead"),
     ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "zstd", {"OTEL_EXPORTER_OTLP_COMPRESSION": "gzip"},
-     {"span.compression": "gzip", "metric.compression": "gzip"}, "OTEL_EXPORTER_OTLP_COMPRESSION (gzip)"),
+     {"span.compression": "none", "metric.compression": "gzip"}, "using none instead"),
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", "br", HTTP, {"span.compression": "none", "metric.compression": "none"}, SDK),
     # CA certificate: no safe default over TLS (not exported); unused over plain text
     ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem", {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://h:4317"},
      {"span_exporters": 0, "metric_readers": 0}, "not exported"),
     ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem", {**HTTP, "OTEL_EXPORTER_OTLP_ENDPOINT": "https://h:4318"},
      {"span_exporters": 0, "metric_readers": 0}, "not exported"),
-    ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "{tmp}", {},
-     {"span_exporters": 1, "span.endpoint": "localhost:4317"}, "plain text"),
     ("OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE", "/nonexistent/ca.pem", {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://h:4317"},
      {"span_exporters": 1, "metric_readers": 0}, "not exported"),
     # metric reader
-    ("OTEL_METRIC_EXPORT_INTERVAL", "abc", {}, {"reader": (60000.0, 30000.0)}, "60000"),
-    ("OTEL_METRIC_EXPORT_INTERVAL", "0", {}, {"reader": (60000.0, 30000.0)}, "60000"),
-    ("OTEL_METRIC_EXPORT_INTERVAL", "-1", {}, {"reader": (60000.0, 30000.0)}, "60000"),
-    ("OTEL_METRIC_EXPORT_INTERVAL", "inf", {}, {"reader": (60000.0, 30000.0)}, "60000"),
-    ("OTEL_METRIC_EXPORT_TIMEOUT", "-1", {}, {"reader": (60000.0, 30000.0)}, "30000"),
-    ("OTEL_METRIC_EXPORT_TIMEOUT", "later", {}, {"reader": (60000.0, 30000.0)}, "30000"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "abc", {}, {"reader": (60000.0, 30000.0)}, SDK),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "0", {}, {"reader": (60000.0, 30000.0)}, "using 60000 instead"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "-1", {}, {"reader": (60000.0, 30000.0)}, "using 60000 instead"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "inf", {}, {"reader": (60000.0, 30000.0)}, "is not > 0"),
+    ("OTEL_METRIC_EXPORT_TIMEOUT", "-1", {}, {"reader": (60000.0, 30000.0)}, "using 30000 instead"),
+    ("OTEL_BSP_EXPORT_TIMEOUT", "-1", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 30000 instead"),
     # batch span processor
-    ("OTEL_BSP_SCHEDULE_DELAY", "0", {}, {"bsp": (2048, 5000, 512, 30000)}, "5000"),
-    ("OTEL_BSP_SCHEDULE_DELAY", "5000.5", {}, {"bsp": (2048, 5000, 512, 30000)}, "5000"),
-    ("OTEL_BSP_EXPORT_TIMEOUT", "-1", {}, {"bsp": (2048, 5000, 512, 30000)}, "30000"),
-    ("OTEL_BSP_MAX_QUEUE_SIZE", "-5", {}, {"bsp": (2048, 5000, 512, 30000)}, "2048"),
-    ("OTEL_BSP_MAX_QUEUE_SIZE", "lots", {}, {"bsp": (2048, 5000, 512, 30000)}, "2048"),
-    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "0", {}, {"bsp": (2048, 5000, 512, 30000)}, "512"),
-    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4096", {}, {"bsp": (2048, 5000, 512, 30000)}, "512"),
+    ("OTEL_BSP_SCHEDULE_DELAY", "0", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 5000 instead"),
+    ("OTEL_BSP_SCHEDULE_DELAY", "5000.5", {}, {"bsp": (2048, 5000, 512, 30000)}, SDK),
+    ("OTEL_BSP_MAX_QUEUE_SIZE", "-5", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 2048 instead"),
+    ("OTEL_BSP_MAX_QUEUE_SIZE", "lots", {}, {"bsp": (2048, 5000, 512, 30000)}, SDK),
+    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "0", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 512, or the queue size"),
+    ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4096", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 512, or the queue size"),
     ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "x", {"OTEL_BSP_MAX_QUEUE_SIZE": "100"}, {"bsp": (100, 5000, 100, 30000)},
-     "queue size 100"),
-    # sampler
-    ("OTEL_TRACES_SAMPLER", "sometimes", {}, {"sampler": PARENT_ON}, "parentbased_always_on"),
-    ("OTEL_TRACES_SAMPLER_ARG", "half", {"OTEL_TRACES_SAMPLER": "traceidratio"},
-     {"sampler": "TraceIdRatioBased{1.0}"}, "1.0"),
+     "using 512, or the queue size"),
+    # sampler: the SDK logs and uses parentbased_always_on / a rate of 1.0
+    ("OTEL_TRACES_SAMPLER", "sometimes", {}, {"sampler": PARENT_ON}, SDK),
+    ("OTEL_TRACES_SAMPLER", " always_off ", {}, {"sampler": PARENT_ON}, SDK),  # the SDK does not strip it
     ("OTEL_TRACES_SAMPLER_ARG", "1.5", {"OTEL_TRACES_SAMPLER": "traceidratio"},
-     {"sampler": "TraceIdRatioBased{1.0}"}, "1.0"),
-    ("OTEL_TRACES_SAMPLER_ARG", "nan", {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio"},
-     {"sampler": "ParentBased{root:TraceIdRatioBased{1.0},"}, "1.0"),
+     {"sampler": "TraceIdRatioBased{1.0}"}, SDK),
     # resource
-    ("OTEL_RESOURCE_ATTRIBUTES", "a", {}, {"resource": {"service.name": EXECUTABLE_SERVICE}}, "(none)"),
-    ("OTEL_RESOURCE_ATTRIBUTES", "=b", {}, {"resource": {"service.name": EXECUTABLE_SERVICE}}, "(none)"),
-    ("OTEL_RESOURCE_ATTRIBUTES", "k=v,,x", {}, {"resource": {"k": "v", "service.name": EXECUTABLE_SERVICE}}, "(k)"),
-    ("OTEL_SERVICE_NAME", "   ", {}, {"resource": {"service.name": EXECUTABLE_SERVICE}}, EXECUTABLE_SERVICE),
-    ("OTEL_SERVICE_NAME", "  ", {"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes"},
-     {"resource": {"service.name": "from-attributes"}}, "from-attributes"),
-    # exporters and protocol (handled before this matrix; kept)
+    ("OTEL_RESOURCE_ATTRIBUTES", "k=v,,x", {}, {"resource": {"k": "v", "service.name": EXECUTABLE_SERVICE}}, SDK),
+    ("OTEL_SERVICE_NAME", "   ", {}, {"resource": {"service.name": "   "}}, SDK),  # blanks become the name
+    # exporters and protocol
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon", {}, {"span.module": "grpc", "metric.module": "grpc"},
      "ignoring it"),
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json", HTTP, {"span.module": "http", "metric.module": "http"},
      "ignoring it"),
     ("OTEL_TRACES_EXPORTER", "zipkin,otlp", {}, {"span_exporters": 1, "span.module": "grpc"}, "skipping it"),
     ("OTEL_METRICS_EXPORTER", "carrier_pigeon", {}, {"metric_readers": 0}, "skipping it"),
-    # metric preferences, exemplars
-    ("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "sometimes", {}, {"temporality": ["CUMULATIVE"]},
-     "cumulative"),
+    # metric preferences (the SDK logs and uses its defaults), exemplars
+    ("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "sometimes", {}, {"temporality": ["CUMULATIVE"]}, SDK),
     ("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "buckets", {},
-     {"histogram": ["ExplicitBucketHistogramAggregation"]}, "explicit_bucket_histogram"),
-    ("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "buckets", {"OTEL_METRICS_EXPORTER": "console"},
-     {"histogram": ["DefaultAggregation"]}, "explicit_bucket_histogram"),  # explicit, advisory buckets
+     {"histogram": ["ExplicitBucketHistogramAggregation"]}, SDK),
     ("OTEL_METRICS_EXEMPLAR_FILTER", "sometimes", {}, {"exemplar_filter": "TraceBasedExemplarFilter"},
-     "trace_based"),
+     "using trace_based instead"),
     # OTEL_SDK_DISABLED: only true disables
     ("OTEL_SDK_DISABLED", "maybe", {}, {"disabled": False, "span_exporters": 1}, "false"),
     # span limits (the SDK raises from TracerProvider())
-    ("OTEL_ATTRIBUTE_COUNT_LIMIT", "lots", {}, {"limits": (128, 128, 128, None)}, "128"),
+    ("OTEL_ATTRIBUTE_COUNT_LIMIT", "lots", {}, {"limits": (128, 128, 128, None)}, "using 128 instead"),
     ("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "-1", {"OTEL_ATTRIBUTE_COUNT_LIMIT": "64"},
-     {"limits": (64, 64, 128, None)}, "OTEL_ATTRIBUTE_COUNT_LIMIT (64)"),
-    ("OTEL_SPAN_EVENT_COUNT_LIMIT", "-1", {}, {"limits": (128, 128, 128, None)}, "128"),
-    ("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "x", {}, {"limits": (128, 128, 128, None)}, "no limit"),
+     {"limits": (64, 64, 128, None)}, "using OTEL_ATTRIBUTE_COUNT_LIMIT, else 128"),
+    ("OTEL_SPAN_EVENT_COUNT_LIMIT", "-1", {}, {"limits": (128, 128, 128, None)}, "using 128 instead"),
+    ("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "x", {}, {"limits": (128, 128, 128, None)}, "using no limit"),
 ]
 
 
@@ -245,19 +218,20 @@ def _matches(found, expected):
 
 
 @pytest.mark.parametrize("case", BAD, ids=[_ids(c) for c in BAD])
-def test_a_malformed_value_warns_once_and_the_sdk_gets_the_default(monkeypatch, tmp_path, warnings_log, case):
+def test_a_malformed_value_never_raises_and_is_warned_about_once(monkeypatch, tmp_path, warnings_log, case):
+    """configure() does not raise; a value a constructor rejects gets one WARNING naming the
+    variable and the default used; one the SDK handles itself gets the SDK's own handling."""
     variable, value, others, expected, using = case
     _setenv(monkeypatch, tmp_path, {**others, variable: value})
 
     conf = otel_hicache.configure()  # must not raise
 
     warned = our_warnings(warnings_log, variable)
-    assert len(warned) == 1, [r.getMessage() for r in warnings_log.records]
-    if "HEADERS" in variable:  # header values carry credentials: never logged
-        assert "secret-token" not in warned[0] and "entries, not shown" in warned[0]
+    if using is SDK:
+        assert warned == [], warned
     else:
-        assert repr(value.replace("{tmp}", str(tmp_path))) in warned[0]
-    assert using in warned[0]
+        assert len(warned) == 1, [r.getMessage() for r in warnings_log.records]
+        assert repr(value.replace("{tmp}", str(tmp_path))) in warned[0] and using in warned[0], warned[0]
     _matches(facts(conf), expected)
 
     span_names, metric_names = reports_through(conf)
@@ -265,22 +239,8 @@ def test_a_malformed_value_warns_once_and_the_sdk_gets_the_default(monkeypatch, 
         assert "hicache.offload" in span_names
     if facts(conf)["metric_readers"]:
         assert "hicache.transfer.duration" in metric_names
-    assert len(our_warnings(warnings_log, variable)) == 1  # once, however often it is read
-
-
-def test_the_malformed_per_signal_grpc_timeout_never_reaches_the_exporter(monkeypatch):
-    """The gRPC exporters float() their per-signal timeout even when timeout= is given;
-    it is hidden from their own reads, and os.environ keeps it."""
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "abc")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", os.path.dirname(__file__))
-    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-
-    with pytest.raises(ValueError):
-        OTLPMetricExporter(timeout=10.0)  # the bare exporter, keyword argument or not
-    conf = otel_hicache.configure()
-    assert facts(conf)["metric.timeout"] == 10.0 and facts(conf)["span_exporters"] == 1
-    assert os.environ["OTEL_EXPORTER_OTLP_METRICS_TIMEOUT"] == "abc"
-    assert os.environ["OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE"] == os.path.dirname(__file__)
+    assert len(our_warnings(warnings_log, variable)) == len(warned)  # once, however often it is read
+    assert os.environ[variable] == value.replace("{tmp}", str(tmp_path))  # never modified
 
 
 VALID = [
@@ -310,7 +270,6 @@ VALID = [
     ({"OTEL_BSP_SCHEDULE_DELAY": "250", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "64"}, {"bsp": (2048, 250, 64, 30000)}),
     ({"OTEL_TRACES_SAMPLER": "TraceIdRatio", "OTEL_TRACES_SAMPLER_ARG": "0.5"},
      {"sampler": "TraceIdRatioBased{0.5}"}),
-    ({"OTEL_TRACES_SAMPLER": " always_off "}, {"sampler": "AlwaysOffSampler"}),
     ({"OTEL_TRACES_SAMPLER": "traceidratio"}, {"sampler": "TraceIdRatioBased{1.0}"}),  # no argument: 1.0
     ({"OTEL_TRACES_SAMPLER": "always_on", "OTEL_TRACES_SAMPLER_ARG": "not read"}, {"sampler": "AlwaysOnSampler"}),
     ({"OTEL_RESOURCE_ATTRIBUTES": "a=b,c=d%2Ce", "OTEL_SERVICE_NAME": "svc"},
@@ -339,9 +298,18 @@ def test_the_variables_table_is_the_documented_one():
         section = file.read().split("## Malformed values", 1)[1].split("\n## ", 1)[0]
     rows = [[cell.strip() for cell in line.strip().strip("|").split(" | ")]
             for line in section.splitlines() if line.startswith("| `OTEL_")]
-    documented = {row[0].strip("`"): (row[1], row[2]) for row in rows}
-    assert documented == otel_environment.VARIABLES
-    assert all(len(row) == 4 and row[3] for row in rows)  # and what the bare SDK did
+    retried = {name: shown for table in (otel_environment.SPAN_LIMITS, otel_environment.BATCH_SPAN_PROCESSOR,
+                                         otel_environment.METRIC_READER, otel_environment.METER_PROVIDER)
+               for name, (_, _, shown) in table.items()}
+    for protocol in ("grpc", "http/protobuf"):
+        for name, (_, _, shown) in otel_environment.otlp_exporter("traces", protocol).items():
+            retried[re.sub(r"_OTLP_(TRACES_)?", "_OTLP_{,TRACES_,METRICS_}", name)] = shown
+    documented = {row[0].strip("`"): row[1] for row in rows}
+    endpoints = documented.pop("OTEL_EXPORTER_OTLP_{,TRACES_,METRICS_}ENDPOINT")
+    assert "http://localhost:4317" in endpoints and "http://localhost:4318/v1/<signal>" in endpoints
+    retried.pop("OTEL_EXPORTER_OTLP_{,TRACES_,METRICS_}ENDPOINT")
+    assert documented == retried
+    assert all(len(row) == 3 and row[2] for row in rows)  # and what the bare SDK did
 
 
 ALL_BAD = {
@@ -381,6 +349,15 @@ ALL_BAD = {
 }
 
 
+OURS = {  # what otel-hicache warns about in that host: one line each
+    "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER",
+    "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE", "OTEL_BSP_EXPORT_TIMEOUT",
+    "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_METRICS_EXEMPLAR_FILTER",
+    "OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_SPAN_EVENT_COUNT_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+}
+
+
 def test_a_host_with_every_bad_value_at_once_starts_runs_and_exits(tmp_path):
     script = tmp_path / "host.py"
     script.write_text(textwrap.dedent(
@@ -402,11 +379,11 @@ def test_a_host_with_every_bad_value_at_once_starts_runs_and_exits(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ops 1", done.stdout
-    assert "Traceback" not in done.stderr, done.stderr
+    # the metrics' CA certificate (a directory) cannot be read, and ftp:// is not plain http: not exported
+    assert done.stdout.strip() == "ops 0", done.stdout
     assert elapsed < 10, (elapsed, done.stderr)
-    for variable in ALL_BAD:
+    for variable in ALL_BAD:  # the SDK handles the others itself (its own log lines)
         lines = [line for line in done.stderr.splitlines() if line.startswith(f"otel-hicache: {variable}=")]
-        assert len(lines) == 1, (variable, lines, done.stderr)
+        assert len(lines) == (variable in OURS), (variable, lines, done.stderr)
     assert not re.search(r"^otel-hicache: OTEL_TRACES_SAMPLER_ARG=", done.stderr, re.M)
     assert "secret-token" not in "\n".join(l for l in done.stderr.splitlines() if l.startswith("otel-hicache:"))

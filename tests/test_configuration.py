@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("fresh_configuration")
 
 def span_exporters(conf):
     processors = conf.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
-    exporters = [p.span_exporter.inner for p in processors]  # inside the delivery accounting
+    exporters = [p.span_exporter for p in processors]
     return [type(e).__module__ + "." + type(e).__name__ for e in exporters]
 
 
@@ -52,7 +52,7 @@ def test_default_is_otlp_grpc(monkeypatch):
     conf = otel_hicache.configure()
     assert span_exporters(conf) == ["opentelemetry.exporter.otlp.proto.grpc.trace_exporter.OTLPSpanExporter"]
     [reader] = metric_readers(conf)
-    assert type(reader._exporter.inner).__module__.startswith("opentelemetry.exporter.otlp.proto.grpc")
+    assert type(reader._exporter).__module__.startswith("opentelemetry.exporter.otlp.proto.grpc")
 
 
 @pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
@@ -94,7 +94,7 @@ def test_exporters_by_their_sdk_entry_point_names(monkeypatch, warnings_log, nam
     conf = otel_hicache.configure()
     assert span_exporters(conf) == [exporter]
     [reader] = metric_readers(conf)
-    assert type(reader._exporter.inner).__module__ == exporter.rsplit(".", 1)[0].replace("trace_exporter", "metric_exporter")
+    assert type(reader._exporter).__module__ == exporter.rsplit(".", 1)[0].replace("trace_exporter", "metric_exporter")
     assert "unknown exporter" not in warnings_log.text
 
 
@@ -129,17 +129,19 @@ def test_prometheus_metrics_exporter_serves_the_exact_counters(monkeypatch, harn
     assert 'tp_rank="3"' in line and line.endswith(" 3000.0")
 
 
-def test_exponential_histogram_preference_is_honoured(monkeypatch):
-    from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
+def test_exponential_histogram_preference_is_honoured_by_the_otlp_exporter_only(monkeypatch):
+    """The variable is the OTLP exporters' (as the SDK reads it); the console exporter
+    keeps the instruments' explicit advisory buckets."""
+    from opentelemetry.sdk.metrics.view import DefaultAggregation, ExponentialBucketHistogramAggregation
 
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", "base2_exponential_bucket_histogram")
-    for exporter in ("otlp", "console"):
+    for exporter, expected in (("otlp", ExponentialBucketHistogramAggregation), ("console", DefaultAggregation)):
         monkeypatch.setenv("OTEL_METRICS_EXPORTER", exporter)
         [reader] = metric_readers(otel_hicache.configure(force=True))
         aggregations = reader._instrument_class_aggregation  # pylint: disable=protected-access
         preferred = [v for k, v in aggregations.items() if k.__name__ == "_Histogram"]
-        assert len(preferred) == 1 and isinstance(preferred[0], ExponentialBucketHistogramAggregation), exporter
+        assert len(preferred) == 1 and type(preferred[0]) is expected, exporter
 
 
 def test_exponential_histograms_end_to_end(monkeypatch):
@@ -241,12 +243,12 @@ def test_per_signal_http_endpoint(monkeypatch):
     [processor] = conf.tracer_provider._active_span_processor._span_processors  # pylint: disable=protected-access
     assert processor.span_exporter._endpoint == "http://127.0.0.1:5555/v1/traces"
     [reader] = metric_readers(conf)
-    assert reader._exporter.inner._endpoint == "http://localhost:4318/v1/metrics"
-    assert reader._exporter.inner._compression.value == "gzip"
+    assert reader._exporter._endpoint == "http://localhost:4318/v1/metrics"
+    assert reader._exporter._compression.value == "gzip"
 
 
 def test_an_entry_point_exporter_that_cannot_be_built_is_warned_about_and_skipped(monkeypatch, warnings_log):
-    from otel_hicache import otel_environment
+    from otel_hicache import configuration
 
     class Broken:
         def __init__(self):
@@ -256,11 +258,52 @@ def test_an_entry_point_exporter_that_cannot_be_built_is_warned_about_and_skippe
         def load(self):
             return Broken
 
-    real = otel_environment.exporter_entry_point
-    monkeypatch.setattr(otel_environment, "exporter_entry_point",
-                        lambda variable, name: EntryPoint() if name == "broken" else real(variable, name))
+    real = configuration._entry_point  # pylint: disable=protected-access
+    monkeypatch.setattr(configuration, "_entry_point",
+                        lambda group, name: EntryPoint() if name == "broken" else real(group, name))
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "broken,console")
     conf = otel_hicache.configure()  # must not raise
     assert span_exporters(conf) == ["opentelemetry.sdk.trace.export.ConsoleSpanExporter"]
-    assert "OTEL_TRACES_EXPORTER=broken: cannot create that exporter" in warnings_log.text
+    assert "cannot create the broken traces exporter" in warnings_log.text
     assert "needs a collector address" in warnings_log.text
+
+
+def test_spans_still_queued_when_the_bounded_shutdown_gives_up_are_reported(monkeypatch, warnings_log):
+    """What the SDK's self-metrics cannot carry any more: the spans left in the queue at exit."""
+    import threading
+    import time
+
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from otel_hicache import configuration
+
+    release, exporting = threading.Event(), threading.Event()
+
+    class Stalled(SpanExporter):  # a collector that stopped answering
+        def export(self, spans):
+            exporting.set()
+            release.wait(30)
+            return SpanExportResult.SUCCESS
+
+    class EntryPoint:
+        def load(self):
+            return Stalled
+
+    monkeypatch.setattr(configuration, "_entry_point", lambda group, name: EntryPoint() if name == "stalled" else None)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "stalled")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "10")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "1")
+    conf = otel_hicache.configure()
+    tracer = conf.tracer_provider.get_tracer("t")
+    for _ in range(10):
+        tracer.start_span("first batch").end()
+    assert exporting.wait(10)  # the worker is inside export() with the first 10
+    for _ in range(15):
+        tracer.start_span("queued").end()
+    time.sleep(0.05)
+    try:
+        assert configuration.shutdown(0.3) is False
+    finally:
+        release.set()
+    assert "15 spans were still queued at exit and were not delivered" in warnings_log.text

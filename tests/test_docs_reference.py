@@ -4,6 +4,9 @@ Names come from :mod:`otel_hicache.semconv`. Instrument kinds and the
 attributes on each metric point come from a real run on a simulated device.
 Prometheus series names are derived from name, unit and kind using the
 OTLP->Prometheus translation rules and must be the ones the reference lists.
+The SDK's own self-metrics (``otel.sdk.*``), which report delivery, are not
+otel-hicache's (not in semconv): the reference documents those a real
+``configure()`` run makes the SDK emit, from that run.
 """
 
 from __future__ import annotations
@@ -16,12 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, Gauge, Histogram, Sum
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, Sum
 
 from otel_hicache import cache_events, configuration, environment_variables, logs
 from otel_hicache import semconv as sc
-from otel_hicache.delivery import DeliveryAccount
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 STATIC = {"tp_rank": 0}
@@ -56,8 +57,7 @@ def semconv_metrics() -> dict[str, tuple[str, str, str]]:
 
 
 _NOT_ATTRIBUTES = ("SCOPE_NAME", "SPAN_", "EVENT_", "DROP_", "FAIL_", "TIER_")
-OBSERVABLE_COUNTERS = {spec[0] for spec in cache_events._KINDS.values()} | {  # pylint: disable=protected-access
-    sc.SPANS_EXPORTED[0], sc.SPANS_UNDELIVERED[0], sc.METRIC_EXPORTS_FAILED[0]}
+OBSERVABLE_COUNTERS = {spec[0] for spec in cache_events._KINDS.values()}  # pylint: disable=protected-access
 
 
 def semconv_attributes() -> dict[str, str]:
@@ -72,7 +72,8 @@ def semconv_attributes() -> dict[str, str]:
 def test_semconv_is_what_this_test_expects():
     metrics = semconv_metrics()
     assert {"TRANSFER_DURATION", "TRANSFER_BYTES", "RECORDS_DROPPED", "RECORDS_FAILED", "QUEUE_SIZE"} <= set(metrics)
-    assert len(metrics) == 19
+    assert len(metrics) == 15
+    assert not any(spec[0].startswith("otel.sdk.") for spec in metrics.values())  # the SDK's, not ours
     attrs = semconv_attributes()
     assert attrs["DIRECTION"] == "hicache.direction" and attrs["ERROR_TYPE"] == "error.type"
     assert "SPAN_OFFLOAD" not in attrs and "DROP_QUEUE_FULL" not in attrs
@@ -147,12 +148,6 @@ def test_label_translation():
 def emitted(harness) -> dict[str, Any]:
     """One acked device-timed op per direction; metric kinds, point attributes and span attributes."""
     h = harness(attributes=dict(STATIC))
-    # the delivery accounting configure() wraps its exporters in, bound to the same provider
-    delivery = DeliveryAccount()
-    processor = BatchSpanProcessor(delivery.span_exporter(ConsoleSpanExporter(), "otlp_grpc"))
-    delivery.watch(processor, "otlp_grpc")
-    delivery.metric_exporter(ConsoleMetricExporter(), "otlp_grpc")
-    delivery.bind(h.meter_provider, STATIC)
     for direction in ("offload", "onboard"):
         ev0, ev1 = h.device.copy(h.device.time_ns() + 100_000, 1.0)
         handle = h.tel.submit(direction, {"kv": 128, "draft_kv": 128}, 1 << 24, 64, ev0, ev1, True,
@@ -185,7 +180,6 @@ def emitted(harness) -> dict[str, Any]:
                     keys |= set(point.attributes)
                 metrics[metric.name] = {"kind": kind, "unit": metric.unit, "attributes": keys - set(STATIC)}
     span_attributes = set().union(*(set(s.attributes) for s in spans)) - set(STATIC)
-    processor.shutdown()
     return {"metrics": metrics, "span_attributes": span_attributes}
 
 
@@ -251,6 +245,79 @@ def test_metric_section_matches_the_code(const, emitted, reference):
     assert len(summary) == 1, f"{name}: not exactly one summary-table row"
     assert f"`{expected_series[0]}`" in summary[0]
     assert _KIND_WORD[actual["kind"]] in summary[0] and f"`{unit}`" in summary[0]
+
+
+# -- the SDK's own self-metrics (delivery) -------------------------------------
+
+DELIVERY = "### Delivery: what the exporters delivered and lost"
+_SDK_KIND_WORD = {"counter": "Counter", "updowncounter": "UpDownCounter", "histogram": "Histogram"}
+
+
+@pytest.fixture
+def sdk_emitted(monkeypatch, fresh_configuration) -> dict[str, dict[str, Any]]:
+    """The otel.sdk.* metrics a configure() run makes the SDK emit (OTLP/gRPC to a closed port,
+    so failed exports carry error.type): kind, unit and the attribute keys seen."""
+    import time
+
+    import otel_hicache
+    from otlp_receiver import closed_port
+
+    monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.3")
+    reader = InMemoryMetricReader()
+    conf = configuration.configure(force=True, metric_readers=[reader])
+    tel = otel_hicache.TransferTelemetry(attributes=dict(STATIC))
+    end = time.time_ns()
+    tel.ack(tel.submit("offload", {"kv": 64}, 64 * 4096, 64, host_start_ns=end - 20_000, host_end_ns=end))
+    assert tel.force_flush(10.0)
+    conf.meter_provider.force_flush()  # one metric export (failing): its data point counts too
+    found: dict[str, dict[str, Any]] = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            if sm.scope.name != "opentelemetry-sdk":
+                continue
+            for metric in sm.metrics:
+                data = metric.data
+                kind = ("histogram" if isinstance(data, Histogram)
+                        else "counter" if data.is_monotonic else "updowncounter")
+                keys = set().union(*(set(p.attributes) for p in data.data_points))
+                found[metric.name] = {"kind": kind, "unit": metric.unit, "attributes": keys}
+    tel.shutdown()
+    return found
+
+
+def _delivery_rows(reference: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in _section(reference, DELIVERY).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `otel.sdk.") and len(cells) == 6:
+            rows[_ticked(cells[0])[0]] = cells
+    return rows
+
+
+def test_sdk_self_metrics_are_documented(sdk_emitted, reference):
+    assert {"otel.sdk.exporter.span.exported", "otel.sdk.processor.span.processed",
+            "otel.sdk.processor.span.queue.size", "otel.sdk.exporter.metric_data_point.exported"} <= set(sdk_emitted)
+    assert "error.type" in sdk_emitted["otel.sdk.exporter.span.exported"]["attributes"]
+    rows = _delivery_rows(reference)
+    assert set(rows) == set(sdk_emitted), "the delivery table and what the SDK emits differ"
+    for name, actual in sdk_emitted.items():
+        _, instrument, unit, prometheus, labels, _meaning = rows[name]
+        assert instrument == _SDK_KIND_WORD[actual["kind"]], name
+        assert _ticked(unit) == [actual["unit"]], name
+        kind = "gauge" if actual["kind"] == "updowncounter" else actual["kind"]
+        assert _ticked(prometheus)[0] == prometheus_series(name, actual["unit"], kind)[0], name
+        assert {prometheus_label(a) for a in actual["attributes"]} <= set(_ticked(labels)), name
+
+
+def test_delivery_section_says_how_to_enable_and_join(reference):
+    section = _section(reference, DELIVERY)
+    assert "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true" in section
+    assert "tp_rank" in section and "service_instance_id" in section  # no rank labels: the join
+    for series in ("otel_sdk_exporter_span_exported_total", "otel_sdk_processor_span_processed_total",
+                   "otel_sdk_processor_span_queue_size", "otel_sdk_exporter_metric_data_point_exported_total"):
+        assert series in "\n".join(re.findall(r"```promql\n(.*?)```", section, flags=re.S)), series
 
 
 def test_span_names_events_and_values(reference):
@@ -349,20 +416,31 @@ def _expand(pattern: str) -> list[str]:
 
 
 def standard_variables() -> set[str]:
-    """Every OTEL_* variable named in configuration.py's docstring, braces expanded."""
+    """Every OTEL_* variable configure() reads or retries: the literals of configuration.py,
+    otel_environment.py and settings.py, their per-signal templates, and the retry tables."""
+    from otel_hicache import otel_environment, settings
+
     found = set()
-    for token in re.findall(r"OTEL_[A-Z0-9_]*(?:\{[A-Z0-9_,]+\}[A-Z0-9_]*)*", configuration.__doc__ or ""):
-        for name in _expand(token):
-            if not name.endswith("_"):
-                found.add(name)
+    for module in (configuration, otel_environment, settings):
+        with open(module.__file__, encoding="utf-8") as file:
+            source = file.read()
+        found |= set(re.findall(r'"(OTEL_[A-Z0-9_]+)"', source))
+        for template in re.findall(r'f"(OTEL_[A-Z0-9_]*\{signal\.upper\(\)\}_[A-Z0-9_]+)"', source):
+            found |= {template.replace("{signal.upper()}", signal) for signal in ("TRACES", "METRICS")}
+    for table in (otel_environment.SPAN_LIMITS, otel_environment.BATCH_SPAN_PROCESSOR,
+                  otel_environment.METRIC_READER, otel_environment.METER_PROVIDER):
+        found |= set(table)
+    for signal in ("traces", "metrics"):
+        found |= set(otel_environment.otlp_exporter(signal, "grpc"))
     return found
 
 
 def test_standard_variables_documented(config_doc):
     names = standard_variables()
     assert {"OTEL_SDK_DISABLED", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-            "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"} <= names
-    missing = sorted(n for n in names if f"`{n}`" not in config_doc)
+            "OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE", "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_TRACES_EXPORTER"} <= names
+    documented = {name for token in re.findall(r"`(OTEL_[A-Z0-9_{},]+)`", config_doc) for name in _expand(token)}
+    missing = sorted(names - documented)
     assert not missing, missing
 
 

@@ -20,7 +20,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.version import __version__ as SDK_VERSION
 
 from otel_hicache import sdk_internals, telemetry
-from otel_hicache.delivery import DeliveryAccount
 from otel_hicache.metrics_fast_path import resolver_for
 from otel_hicache.spans import ApiSpanBuilder, FastSpanBuilder, make_span_builder
 
@@ -64,7 +63,8 @@ def test_the_installed_sdk_takes_the_expected_path(providers, warnings_log):
     resolver = resolver_for(meter_provider, True)
     processor = BatchSpanProcessor(_Exporter())
     try:
-        watched = DeliveryAccount().watch(processor, "test")
+        size = sdk_internals.batch_queue_size(processor)
+        queued = size() if size is not None else None
     finally:
         processor.shutdown()
     if KNOWN:  # the release checked: every fast path on
@@ -73,18 +73,15 @@ def test_the_installed_sdk_takes_the_expected_path(providers, warnings_log):
         assert type(builder) is FastSpanBuilder
         assert resolver is not None
         assert telemetry._get_current_context is not otel_context.get_current  # pylint: disable=protected-access
-        assert watched is True
-        assert not warnings_log.records
+        assert queued == 0
     else:  # an older (or newer) release: the mismatch reported, the public API used
         assert not any(report.available(area) for area in sdk_internals.AREAS)
         assert f"opentelemetry-sdk {SDK_VERSION} is outside the checked range" in report.summary()
         assert type(builder) is ApiSpanBuilder
         assert resolver is None
         assert telemetry._get_current_context is otel_context.get_current  # pylint: disable=protected-access
-        assert watched is False
-        assert [r.getMessage() for r in warnings_log.records] == [
-            "otel-hicache: this OpenTelemetry SDK's batch span processor does not expose its queue; spans it "
-            "drops on a full queue are not counted"]
+        assert size is None
+    assert not warnings_log.records
 
 
 def test_an_unknown_sdk_gets_the_public_api_everywhere(providers, unknown_sdk):
@@ -100,7 +97,7 @@ def test_an_unknown_sdk_gets_the_public_api_everywhere(providers, unknown_sdk):
     assert sdk_internals.meter_parts(meter_provider) is None
     processor = BatchSpanProcessor(_Exporter())
     try:
-        assert sdk_internals.batch_queue(processor) is None
+        assert sdk_internals.batch_queue_size(processor) is None
     finally:
         processor.shutdown()
 
@@ -123,7 +120,7 @@ def test_non_sdk_objects_get_none(monkeypatch):
 
     assert sdk_internals.tracer_parts(NoOpTracer()) is None
     assert sdk_internals.meter_parts(NoOpMeterProvider()) is None
-    assert sdk_internals.batch_queue(object()) is None
+    assert sdk_internals.batch_queue_size(object()) is None
 
 
 @pytest.mark.parametrize("version, known", [
@@ -142,16 +139,45 @@ def test_the_version_range(monkeypatch, version, known):
     assert sdk_internals.report().sdk_version == version
 
 
-def test_value_checked_reads_on_any_sdk():
-    class Exporter:
-        _endpoint = "http://collector:4318/v1/traces"
-        _preferred_temporality = {int: 1}
-        _preferred_aggregation = "not a dict"
+def test_value_checked_writes_on_any_sdk():
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
 
-    assert sdk_internals.exporter_endpoint(Exporter()) == "http://collector:4318/v1/traces"
-    assert sdk_internals.exporter_endpoint(object()) is None
-    assert sdk_internals.exporter_preferences(Exporter()) == ({int: 1}, None)
-    assert sdk_internals.exporter_preferences(object()) == (None, None)
+    from opentelemetry.sdk.metrics.export import MetricExportResult
+
+    inherited = ConsoleMetricExporter()
+    reader = PeriodicExportingMetricReader(inherited, export_interval_millis=60_000)
+    try:
+        sdk_internals.stop_reader_in_fork_child(reader)
+        assert reader._exporter is not inherited  # pylint: disable=protected-access
+        assert reader._exporter.export(None) is MetricExportResult.SUCCESS  # pylint: disable=protected-access
+        assert reader._shutdown_event.is_set()  # pylint: disable=protected-access
+    finally:
+        reader.shutdown()
+    sdk_internals.stop_reader_in_fork_child(object())  # nothing of the kind: nothing done
+
+
+def test_the_span_fast_path_takes_the_tracers_own_metrics(monkeypatch):
+    """otel.sdk.span.* (OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true): the tracer's recorder;
+    off, nothing to call per span; an SDK tracer without one: no fast path (tests/test_spans.py
+    checks the points are the API path's)."""
+    def parts(enabled):
+        if enabled:
+            monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+        else:
+            monkeypatch.delenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", raising=False)
+        meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
+        tracer = TracerProvider(shutdown_on_exit=False, meter_provider=meter_provider).get_tracer("t")
+        return tracer, sdk_internals.tracer_parts(tracer)
+
+    if not KNOWN:  # (and older SDKs' TracerProvider takes no meter_provider)
+        assert sdk_internals.tracer_parts(TracerProvider(shutdown_on_exit=False).get_tracer("t")) is None
+        return
+    tracer, off = parts(False)
+    assert off.metrics is None
+    tracer, on = parts(True)
+    assert on.metrics is tracer._tracer_metrics  # pylint: disable=protected-access
+    monkeypatch.delattr(tracer, "_tracer_metrics")
+    assert sdk_internals.tracer_parts(tracer) is None
 
 
 def test_no_private_access_outside_sdk_internals():
