@@ -18,7 +18,14 @@ It is used only where it is exactly equivalent:
   public API is used;
 * the first value of each attribute set goes through ``Histogram.record`` (it
   creates the aggregation), and the binding is re-checked every worker cycle
-  (:meth:`BoundHistogram.revalidate`).
+  (:meth:`BoundHistogram.revalidate`): an aggregation the SDK replaced, or a
+  reader added or removed (``add_metric_reader``: from the next cycle on, the
+  new reader gets every value, as it does from ``Histogram.record``).
+
+Each bound value is the ``Measurement`` ``Histogram.record`` would make, its
+attributes included (cleaned once per attribute set, not per value): the
+exemplar reservoir keeps them, and a view that drops attribute keys exports the
+dropped ones as the exemplar's ``filtered_attributes``.
 
 ``OTEL_HICACHE_SPAN_FAST_PATH=false`` turns this off together with the span
 fast path.
@@ -41,49 +48,62 @@ class _Resolver:
         parts = sdk_internals.meter_parts(meter_provider)
         if parts is None:
             raise TypeError("not an SDK MeterProvider, or an SDK whose internals were not checked")
-        self.storages = parts.storages
+        self.reader_storages = parts.reader_storages
         self.exemplar_filter = parts.exemplar_filter
         # With the default trace-based filter the answer is known without asking:
         # we pass a context only when the op's span is sampled.
         self.trace_based = type(self.exemplar_filter) is TraceBasedExemplarFilter
         self.hash_attributes = parts.hash_attributes
+        self.clean_attributes = parts.clean_attributes
         self.measurement = parts.measurement
 
-    def aggregations(self, instrument: Any, attributes: Mapping[str, Any]) -> list[Any] | None:
+    def aggregations(self, instrument: Any, attributes: Any, storages: Mapping[Any, Any]) -> list[Any] | None:
+        """The aggregations Histogram.record routes ``attributes`` (cleaned) to in ``storages``, or
+        None (delta temporality, an aggregation not there: the public API for good)."""
         found = []
-        for storage in list(self.storages.values()):
+        for storage in list(storages.values()):
             for match in sdk_internals.view_matches(storage, instrument):
                 if sdk_internals.resets_on_collect(match):
                     return None
                 keys = sdk_internals.view_attribute_keys(match)
-                attrs = dict(attributes) if keys is None else {k: v for k, v in attributes.items() if k in keys}
-                aggregation = sdk_internals.aggregation_of(match, self.hash_attributes(attrs))
+                attrs = dict(attributes or {})
+                if keys is not None:
+                    attrs = {k: v for k, v in attrs.items() if k in keys}
+                key = self.hash_attributes(attrs)
+                aggregation = sdk_internals.aggregation_of(match, key)
                 if aggregation is None:
                     return None
-                found.append((match, self.hash_attributes(attrs), aggregation))
+                found.append((match, key, aggregation))
         return found
 
 
 class BoundHistogram:
     """``record(value, context)`` for one histogram and one attribute set."""
 
-    __slots__ = ("_instrument", "_attributes", "_resolver", "_bound")
+    __slots__ = ("_instrument", "_attributes", "_resolver", "_bound", "_cleaned", "_storages")
 
     def __init__(self, instrument: Any, attributes: Mapping[str, Any], resolver: _Resolver | None) -> None:
         self._instrument = instrument
         self._attributes = attributes
         self._resolver = resolver
         self._bound: list[Any] | None = None
+        self._cleaned: Any = None  # the attributes as Histogram.record's Measurement carries them
+        self._storages: Any = None  # the reader storages the binding covers
 
     def record(self, value: float, context: Any) -> None:
         """``context``: the op's span context when it is sampled (an exemplar
         candidate), else None."""
         bound = self._bound
         if bound is None:
+            resolver = self._resolver
+            # read before the record: a reader added in between is caught by revalidate()
+            storages = resolver.reader_storages() if resolver is not None else None
             self._instrument.record(value, self._attributes, context=context)
-            if self._resolver is not None:
+            if resolver is not None:
                 try:
-                    self._bound = self._resolver.aggregations(self._instrument, self._attributes)
+                    cleaned = resolver.clean_attributes(self._instrument, self._attributes)
+                    self._bound = resolver.aggregations(self._instrument, cleaned, storages)
+                    self._cleaned, self._storages = cleaned, storages
                 except Exception:
                     self._bound = None
                 if self._bound is None:
@@ -91,18 +111,23 @@ class BoundHistogram:
             return
         resolver = self._resolver
         now = time.time_ns()
-        measurement = resolver.measurement(value, now, self._instrument, context)
+        # the measurement Histogram.record makes (its attributes: the exemplars' filtered_attributes)
+        measurement = resolver.measurement(value, now, self._instrument, context, self._cleaned)
         if resolver.trace_based:
             sample = context is not None
         else:
-            sample = resolver.exemplar_filter.should_sample(value, now, self._attributes, context)
+            sample = resolver.exemplar_filter.should_sample(value, now, self._cleaned, context)
         for _match, _key, aggregation in bound:
             aggregation.aggregate(measurement, sample)
 
     def revalidate(self) -> None:
-        """Drop the binding if the SDK replaced an aggregation (checked once per cycle)."""
+        """Drop the binding if the SDK replaced an aggregation, or a reader was added or removed
+        (checked once per cycle): the next value goes through Histogram.record and binds again."""
         bound = self._bound
         if bound is None:
+            return
+        if self._resolver.reader_storages() is not self._storages:
+            self._bound = None
             return
         for match, key, aggregation in bound:
             if sdk_internals.aggregation_of(match, key) is not aggregation:

@@ -114,7 +114,7 @@ class CompletionPipeline:
 
     # -- state -----------------------------------------------------------
     def _init_state(self) -> None:
-        self.queue: deque[list[Any]] = deque()  # submitted lists (see records.submission)
+        self.queue: deque[list[Any]] = deque()  # submitted lists, laid out as records.SUBMISSION_FIELDS
         self.held = 0  # records the worker holds (pending + awaiting ack); never below the truth
         self._pending: list[TransferRecord] = []
         self._awaiting: list[tuple[TransferRecord, Any]] = []
@@ -227,21 +227,28 @@ class CompletionPipeline:
         pending = self._pending
         room = cap - len(pending) - len(self._awaiting)
         while queue and room > 0:
-            self.held += 1  # before the pop: submit() never sees a record in neither place
-            record = TransferRecord(queue.popleft())
-            record.seq = self._taken
-            self._taken += 1
-            try:
-                validate(record)
-            except Exception as exc:  # whatever the caller passed, count it and go on
-                self.held -= 1
-                metrics.dropped_records(sc.DROP_INVALID_INPUT)
-                warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
-                          "otel-hicache: dropped a transfer record: %s", exc)
-                continue
-            metrics.submitted(record)
-            pending.append(record)
-            room -= 1
+            # Pop and count under the flush lock: flush() reads _taken + len(queue) under it, so
+            # it never sees a record popped but not yet counted (one batch, one lock, per pass).
+            with self._lock:
+                count = min(room, len(queue))  # the worker is the only consumer: they are there
+                self.held += count  # before the pops: submit() never sees a record in neither place
+                first = self._taken
+                items = [queue.popleft() for _ in range(count)]
+                self._taken = first + count
+            for seq, item in enumerate(items, first):
+                record = TransferRecord(item)
+                record.seq = seq
+                try:
+                    validate(record)
+                except Exception as exc:  # whatever the caller passed, count it and go on
+                    self.held -= 1
+                    metrics.dropped_records(sc.DROP_INVALID_INPUT)
+                    warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
+                              "otel-hicache: dropped a transfer record: %s", exc)
+                    continue
+                metrics.submitted(record)
+                pending.append(record)
+                room -= 1  # an invalid record takes no room: the next pass takes another
         self.held = len(pending) + len(self._awaiting)
         now = self._clock()
         # 2./3. completion

@@ -16,7 +16,10 @@ Two builders share one attribute set:
   built here with known types); processors' ``on_start`` is not called. The
   tracer's span limits (``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``, the value-length and
   event limits, or the provider's own ``SpanLimits``) apply as on the API path:
-  the same bounded containers, filled in the same order.
+  the same bounded containers, filled in the same order. So do the SDK's own
+  ``otel.sdk.span.started``/``otel.sdk.span.live`` metrics (with
+  ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true``): recorded at begin, the
+  live count taken back at finish, as ``Tracer.start_span`` and ``Span.end`` do.
 * :class:`ApiSpanBuilder`: the public ``Tracer`` API, for any other provider or
   with ``OTEL_HICACHE_SPAN_FAST_PATH=false``.
 """
@@ -156,6 +159,7 @@ class FastSpanBuilder:
         self._bounded_attributes = BoundedAttributes
         self._bounded_list = BoundedList
         self._enabled = parts.is_enabled
+        self._tracer_metrics = parts.metrics  # None: the SDK's otel.sdk.span.* metrics are off
         self._event = Event
         self._readable = ReadableSpan
         self._static = static
@@ -186,6 +190,9 @@ class FastSpanBuilder:
             trace_state=result.trace_state,
         )
         record.span_context = context
+        # otel.sdk.span.started/live, as Tracer.start_span records them (the span ends in finish())
+        tracer_metrics = self._tracer_metrics
+        end_metrics = None if tracer_metrics is None else tracer_metrics.start_span(parent, result.decision)
         if not result.decision.is_recording():
             return None
         if context.trace_flags.sampled:
@@ -200,12 +207,12 @@ class FastSpanBuilder:
             # which is what the fast path otherwise saves), so the result is the API path's
             attrs = self._bounded_attributes(limits.max_span_attributes, attrs, immutable=False,
                                              max_value_len=limits.max_span_attribute_length)
-        return (parent, attrs)
+        return (parent, attrs, end_metrics)
 
     def finish(self, record: TransferRecord, state: Any) -> None:
         if state is None:
             return
-        parent, attrs = state
+        parent, attrs, end_metrics = state
         ack: dict[str, Any] = {}
         _ack_attributes(record, ack)
         for key, value in ack.items():  # one by one, as Span.set_attributes: the oldest give way
@@ -226,6 +233,8 @@ class FastSpanBuilder:
             end_time=record.end_ns,
             instrumentation_scope=self._scope,
         )
+        if end_metrics is not None:  # before on_end, as Span.end() does
+            end_metrics()
         self._processor.on_end(span)
 
 

@@ -461,10 +461,6 @@ def test_flush_on_a_stopped_pipeline_answers_at_once(make):
     assert rig.p.stop(5.0) is False  # stopped already
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "flush() computes its target as _taken + len(queue) while the worker takes records in without the lock: "
-    "a flush between the worker's queue.popleft() and its _taken += 1 misses that record, and is released "
-    "while the record is still in flight"))
 def test_a_flush_racing_the_intake_still_waits_for_the_record_being_taken_in(make):
     rig = make()
     rig.p.alive = True

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider, _disable_tracer_configurator
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -380,6 +382,84 @@ def test_unlimited_limits_on_the_api_builder(monkeypatch, limits):
 def test_unlimited_limits_on_the_fast_builder(monkeypatch, limits):
     span = Rig(FastSpanBuilder, limits=limits(monkeypatch)).span(record(ack_ns=END))
     assert (len(span.attributes), len(span.events), span.dropped_attributes, span.dropped_events) == (18, 2, 0, 0)
+
+
+# -- the SDK's own span metrics (otel.sdk.span.started / otel.sdk.span.live) -----------------------------
+
+class ScriptedSampler(Sampler):
+    """The next decision of ``decisions`` for each span, in turn."""
+
+    def __init__(self, decisions):
+        self.decisions = list(decisions)
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None,
+                      trace_state=None):
+        decision = self.decisions.pop(0)
+        return SamplingResult(decision, attributes if decision.is_recording() else None)
+
+    def get_description(self):
+        return "ScriptedSampler"
+
+
+DECISIONS = [Decision.RECORD_AND_SAMPLE, Decision.RECORD_ONLY, Decision.DROP]
+PARENTS = {"none": lambda: None, "local": lambda: parent_context()[0],
+           "remote": lambda: parent_context(remote=True)[0]}
+
+
+def metered_rig(builder, monkeypatch, enabled):
+    """A Rig whose TracerProvider has a MeterProvider, built with the SDK's own metrics on or off
+    (the Tracer reads OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED when it is made)."""
+    if enabled:
+        monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+    else:
+        monkeypatch.delenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", raising=False)
+    reader = InMemoryMetricReader()
+    meter_provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+    sampler = ScriptedSampler(DECISIONS * len(PARENTS))
+    return Rig(builder, sampler=sampler, meter_provider=meter_provider), reader
+
+
+def self_metrics(reader):
+    """Every otel.sdk.span.* point: (name, attributes, value)."""
+    data = reader.get_metrics_data()
+    return sorted((m.name, tuple(sorted(p.attributes.items())), p.value)
+                  for rm in (data.resource_metrics if data else ()) for sm in rm.scope_metrics
+                  for m in sm.metrics if m.name.startswith("otel.sdk.span.") for p in m.data.data_points)
+
+
+def emit_metered(builder, monkeypatch, enabled):
+    """Each parent origin with each decision: the points once every span began, and once all finished."""
+    rig, reader = metered_rig(builder, monkeypatch, enabled)
+    begun = []
+    for parent in PARENTS.values():
+        for _decision in DECISIONS:
+            r = record(parent_context=parent(), ack_ns=END)
+            begun.append((r, rig.builder.begin(r)))
+    live = self_metrics(reader)
+    for r, state in begun:
+        rig.builder.finish(r, state)
+    return live, self_metrics(reader), len(rig.recorder.ended)
+
+
+def test_the_fast_builder_records_the_sdks_span_metrics_as_the_api_does(monkeypatch):
+    fast, api = emit_metered(FastSpanBuilder, monkeypatch, True), emit_metered(ApiSpanBuilder, monkeypatch, True)
+    assert fast == api
+    live, ended, recorded = fast
+    assert recorded == 6  # record-and-sample and record-only, for each parent
+    started = [("otel.sdk.span.started", (("otel.span.parent.origin", origin),
+                                          ("otel.span.sampling_result", decision.name)), 1)
+               for origin in PARENTS for decision in DECISIONS]
+    assert live == sorted(started + [
+        ("otel.sdk.span.live", (("otel.span.sampling_result", "RECORD_AND_SAMPLE"),), 3),
+        ("otel.sdk.span.live", (("otel.span.sampling_result", "RECORD_ONLY"),), 3)])
+    assert ended == sorted(started + [
+        ("otel.sdk.span.live", (("otel.span.sampling_result", "RECORD_AND_SAMPLE"),), 0),
+        ("otel.sdk.span.live", (("otel.span.sampling_result", "RECORD_ONLY"),), 0)])
+
+
+@BUILDERS
+def test_no_sdk_span_metrics_unless_enabled(builder, monkeypatch):
+    assert emit_metered(builder, monkeypatch, False) == ([], [], 6)
 
 
 # -- choosing a builder --------------------------------------------------------------------------
