@@ -83,15 +83,27 @@ def shutdown(timeout_s: float | None = None) -> bool:
 
 # -- exporters, by the names of the SDK's entry-point groups ----------------------------------------
 
-_GROUPS = {"traces": ("OTEL_TRACES_EXPORTER", "opentelemetry_traces_exporter"),
-           "metrics": ("OTEL_METRICS_EXPORTER", "opentelemetry_metrics_exporter")}
-_OTLP = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
+EXPORTER_GROUPS = {"traces": ("OTEL_TRACES_EXPORTER", "opentelemetry_traces_exporter"),
+                   "metrics": ("OTEL_METRICS_EXPORTER", "opentelemetry_metrics_exporter")}
+OTLP_EXPORTERS = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
 
 
-def _protocol(signal: str) -> str:
+def exporter_names(signal: str) -> list[str]:
+    """The names ``OTEL_{TRACES,METRICS}_EXPORTER`` lists (``otlp`` when unset); [] for ``none``."""
+    raw = os.environ.get(EXPORTER_GROUPS[signal][0], "otlp")
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()] or ["otlp"]
+    return [] if "none" in names else names
+
+
+def otlp_protocol(signal: str, name: str) -> str | None:
+    """The OTLP protocol exporter ``name`` uses (``otlp``: by the protocol variables); None if not OTLP."""
+    return protocol(signal) if name == "otlp" else {v: k for k, v in OTLP_EXPORTERS.items()}.get(name)
+
+
+def protocol(signal: str) -> str:
     for variable in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         value = (otel_environment.raw(variable) or "").strip().lower()
-        if value in _OTLP:
+        if value in OTLP_EXPORTERS:
             return value
         if value:
             warn_once(f"protocol:{variable}", "otel-hicache: %s=%r is not supported (grpc, http/protobuf); "
@@ -113,25 +125,25 @@ def _entry_point(group: str, name: str) -> Any:
     return next(iter(entry_points(group=group, name=name)), None)
 
 
-def _exporters(signal: str, meter_provider: Any = None) -> list[Any]:
-    """The exporters (or, for metrics, pull readers) ``OTEL_{TRACES,METRICS}_EXPORTER`` names."""
-    variable, group = _GROUPS[signal]
-    names = [n.strip().lower() for n in os.environ.get(variable, "otlp").split(",") if n.strip()] or ["otlp"]
+def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | None = None) -> list[Any]:
+    """The exporters (or, for metrics, pull readers) ``names`` (default: what
+    ``OTEL_{TRACES,METRICS}_EXPORTER`` names) stand for, built as configure() builds them."""
+    variable, group = EXPORTER_GROUPS[signal]
     built = []
-    for name in names if "none" not in names else ():
-        protocol = _protocol(signal) if name == "otlp" else {v: k for k, v in _OTLP.items()}.get(name)
-        found = _entry_point(group, _OTLP[protocol] if protocol else name)
+    for name in exporter_names(signal) if names is None else names:
+        otlp = otlp_protocol(signal, name)
+        found = _entry_point(group, OTLP_EXPORTERS[otlp] if otlp else name)
         if found is None:
             warn_once(f"exporter:{variable}:{name}", "otel-hicache: %s=%r: unknown exporter %r (none, or an "
                       "installed %s entry point); skipping it", variable, os.environ.get(variable), name, group)
             continue
-        if protocol is not None and not otel_environment.certificate_usable(signal, protocol):
+        if otlp is not None and not otel_environment.certificate_usable(signal, otlp):
             continue
         cls = otel_environment.build(f"{name} {signal} exporter class", found.load, {})
-        fixed = {"session": certificate_session()} if protocol == "http/protobuf" else {}
+        fixed = {"session": certificate_session()} if otlp == "http/protobuf" else {}
         if meter_provider is not None:
             fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
-        retries = otel_environment.otlp_exporter(signal, protocol) if protocol else {}
+        retries = otel_environment.otlp_exporter(signal, otlp) if otlp else {}
         exporter = cls and otel_environment.build(f"{name} {signal} exporter", lambda **kw: cls(**fixed, **kw),
                                                   retries)
         if exporter is not None:
@@ -157,7 +169,7 @@ def _build(extra_readers: Sequence[Any]) -> Configuration:
     resource = Resource.create()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES: the SDK's rules
     readers: list[Any] = []
     metric_exporters = []
-    for made in _exporters("metrics"):
+    for made in exporters("metrics"):
         if isinstance(made, MetricReader):
             readers.append(made)  # a pull reader (prometheus) serving its own endpoint
         else:
@@ -184,7 +196,7 @@ def _build(extra_readers: Sequence[Any]) -> Configuration:
     if otel_environment.raw("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") is None:  # at most the queue size (the SDK raises)
         own["max_export_batch_size"] = batch["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1]()
     processors = [p for p in (build("batch span processor", lambda **kw: BatchSpanProcessor(e, **own, **kw), batch)
-                              for e in _exporters("traces", meter_provider)) if p is not None]
+                              for e in exporters("traces", meter_provider)) if p is not None]
     for processor in processors:
         tracer_provider.add_span_processor(processor)
     global _fork_registered

@@ -94,7 +94,8 @@ def _value(default: Any) -> Any:
     return default() if callable(default) else default
 
 
-def _positive(text: str) -> bool:
+def positive(text: str) -> bool:
+    """Whether ``text`` is a time the SDK may take: > 0 and finite (not a number: the SDK's parse decides)."""
     try:
         return 0 < float(text) < float("inf")
     except ValueError:  # not a number: the SDK's own parse decides
@@ -107,7 +108,7 @@ def build(what: str, make: Callable[..., Any], retries: Mapping[str, Retry]) -> 
     cures the error is replaced too. One WARNING per variable replaced; None (warned) if none helps."""
     given = [name for name in retries if raw(name) is not None]
     chosen = {n: "is not > 0" for n in given if n.endswith(("TIMEOUT", "INTERVAL", "DELAY"))
-              and not _positive(os.environ[n])}
+              and not positive(os.environ[n])}
 
     def attempt(names: Any) -> tuple[Any, Exception | None]:
         try:

@@ -34,11 +34,11 @@ from otel_hicache.settings import env_bool, sdk_disabled
 
 from . import cache_events
 from .package import _instruments
-from .patching import Group, Incompatible, Patcher
+from .patching import Group, Incompatible, Patcher, why_not_applied
 from .transfers import OFFLOAD, ONBOARD, TransferObserver
 from .version import __version__
 
-__all__ = ["SGLangHiCacheInstrumentor", "plugin", "__version__"]
+__all__ = ["SGLangHiCacheInstrumentor", "patch_groups", "plugin", "__version__"]
 
 L2_TRANSFER = "sglang.srt.mem_cache.l2_transfer"
 CACHE_CONTROLLER = "sglang.srt.managers.cache_controller"
@@ -143,6 +143,27 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
     def instrumented_groups(self) -> list[str]:
         """Which patch groups are in place (the rest were incompatible or not imported yet)."""
         return self._patcher.applied() if self._patcher is not None else []
+
+
+def patch_groups() -> list[tuple[str, str | None]]:
+    """Each patch group and why it would not be instrumented in this process (None: it would
+    be). Imports SGLang's modules; wraps nothing (``otel-hicache doctor``)."""
+    import importlib
+
+    failed: str | None = None  # after one failed import, not the seconds of another
+    report = []
+    for group in _groups(TransferObserver(lambda ranks: None)):  # wrappers made, never applied
+        why = None
+        for module in dict.fromkeys(m for m, _, _ in group.targets):
+            if module not in sys.modules and failed is None:
+                try:
+                    importlib.import_module(module)
+                except Exception as exc:  # pylint: disable=broad-except
+                    failed = f"cannot import {module} ({type(exc).__name__}: {exc})"
+            if module not in sys.modules:
+                why = why or failed
+        report.append((group.name, why or why_not_applied(group)))
+    return report
 
 
 def plugin() -> None:

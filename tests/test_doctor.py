@@ -1,0 +1,258 @@
+"""``otel-hicache doctor``, run as the command a user runs: against the in-process OTLP
+receiver (accepted, header values masked), an unreachable endpoint, the wrong protocol,
+TLS problems and nothing to export; its SGLang and NVML sections in-process."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from otlp_receiver import GrpcReceiver, HttpReceiver, closed_port
+
+ROOT = Path(__file__).resolve().parents[1]
+ADAPTER_TESTS = ROOT / "instrumentation" / "otel-hicache-sglang" / "tests"
+SCRIPT = Path(sys.executable).parent / "otel-hicache"
+FAST = {"OTEL_EXPORTER_OTLP_TIMEOUT": "1"}  # the exporters give up after 1 s (gRPC retries once)
+
+
+def doctor(*args: str, script: bool = False, **env: str) -> subprocess.CompletedProcess:
+    """The doctor in a fresh process, with only these OTEL_* variables."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SGLANG_PLUGINS"))}
+    command = [str(SCRIPT), "doctor"] if script else [sys.executable, "-m", "otel_hicache.doctor"]
+    return subprocess.run([*command, "--skip-sglang", "--timeout", "5", *args], env={**clean, **env},
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def result(done: subprocess.CompletedProcess) -> str:
+    """The report's last section (the verdict)."""
+    return done.stdout.rpartition("\nResult\n")[2]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_accepted_by_the_receiver_with_header_values_masked(protocol):
+    receiver = GrpcReceiver() if protocol == "grpc" else HttpReceiver()
+    try:
+        done = doctor(script=protocol == "grpc", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+                      OTEL_EXPORTER_OTLP_PROTOCOL=protocol, OTEL_EXPORTER_OTLP_HEADERS="authorization=secret",
+                      OTEL_SERVICE_NAME="doctor-test", **FAST)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        assert "traces   ACCEPTED" in done.stdout and "metrics  ACCEPTED" in done.stdout, out
+        assert f"OTLP over {protocol} (OTEL_EXPORTER_OTLP_PROTOCOL)" in done.stdout
+        assert "authorization=*** (OTEL_EXPORTER_OTLP_HEADERS; values masked)" in done.stdout
+        assert "secret" not in out
+        assert "service.name=doctor-test" in done.stdout
+        assert "OK: every configured exporter accepted the test data" in result(done)
+        # what the receiver got: the test span and point, with the header itself
+        assert [span.name for _, span in receiver.received.spans()] == ["otel_hicache.doctor"]
+        assert [p.as_int for p in receiver.received.last_points("otel_hicache.doctor.checks")] == [1]
+        assert all(h.get("authorization") == "secret" for h in receiver.received.headers)
+    finally:
+        receiver.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_unreachable_endpoint_names_the_endpoint_variable(protocol):
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    done = doctor(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL=protocol, **FAST)
+    verdict = result(done)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "NOT accepted" in done.stdout
+    assert "PROBLEM (traces, metrics): nothing accepts connections at" in verdict
+    assert "FIX: check OTEL_EXPORTER_OTLP_ENDPOINT" in verdict and "Collector is up" in verdict
+
+
+def test_per_signal_endpoint_is_the_variable_named():
+    receiver = GrpcReceiver()
+    try:
+        done = doctor(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+                      OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"http://127.0.0.1:{closed_port()}", **FAST)
+        verdict = result(done)
+        assert done.returncode == 1
+        assert "metrics  ACCEPTED" in done.stdout
+        assert "PROBLEM (traces):" in verdict and "FIX: check OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" in verdict
+        assert "metrics" not in verdict
+    finally:
+        receiver.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_wrong_protocol_names_the_protocol_variable(protocol):
+    """gRPC to the HTTP receiver's port, or HTTP to the gRPC receiver's."""
+    receiver = HttpReceiver() if protocol == "grpc" else GrpcReceiver()
+    other = "http/protobuf" if protocol == "grpc" else "grpc"
+    try:
+        done = doctor(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_EXPORTER_OTLP_PROTOCOL=protocol, **FAST)
+        verdict = result(done)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert f"does not speak {protocol}" in verdict
+        assert f"FIX: set OTEL_EXPORTER_OTLP_PROTOCOL={other}" in verdict
+    finally:
+        receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from otlp_receiver import make_certificates
+
+    try:
+        return make_certificates(tmp_path_factory.mktemp("tls"))
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_tls(protocol, certificates):
+    tls = (certificates["cert"], certificates["key"])
+    receiver = GrpcReceiver(tls=tls) if protocol == "grpc" else HttpReceiver(tls=tls)
+    env = dict(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_EXPORTER_OTLP_PROTOCOL=protocol, **FAST)
+    try:
+        good = doctor(OTEL_EXPORTER_OTLP_CERTIFICATE=certificates["ca"], **env)
+        assert good.returncode == 0, good.stdout + good.stderr
+        assert f"certificate   {certificates['ca']} (OTEL_EXPORTER_OTLP_CERTIFICATE): readable" in good.stdout
+        wrong = doctor(OTEL_EXPORTER_OTLP_CERTIFICATE=certificates["wrong_ca"], **env)
+        assert wrong.returncode == 1
+        assert "TLS certificate is not trusted" in result(wrong)
+        assert "FIX: set OTEL_EXPORTER_OTLP_CERTIFICATE to the CA certificate" in result(wrong)
+        missing = doctor(OTEL_EXPORTER_OTLP_CERTIFICATE="/nonexistent/ca.pem", **env)
+        assert missing.returncode == 1
+        assert "NOT readable (FileNotFoundError" in missing.stdout
+        assert "cannot be read" in missing.stdout.split("Warnings while resolving")[1]  # configure()'s warning
+        assert "FIX: fix the path in OTEL_EXPORTER_OTLP_CERTIFICATE" in result(missing)
+        plain = doctor(**{**env, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint.replace("https", "http")})
+        assert plain.returncode == 1
+        assert "use https:// in OTEL_EXPORTER_OTLP_ENDPOINT" in result(plain)
+    finally:
+        receiver.stop()
+
+
+def test_nothing_to_export_exits_0_and_says_why():
+    none = doctor(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
+    assert none.returncode == 0 and "NOTE: nothing to check" in result(none)
+    disabled = doctor(OTEL_SDK_DISABLED="true")
+    assert disabled.returncode == 0
+    assert "OTEL_SDK_DISABLED                          true (OTEL_SDK_DISABLED)" in disabled.stdout
+    assert "NOTE: nothing is exported: OTEL_SDK_DISABLED=true" in result(disabled)
+
+
+def test_settings_and_otel_hicache_warnings_are_reported():
+    receiver = HttpReceiver()
+    try:
+        done = doctor(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                      OTEL_METRICS_EXPORTER="otlp,prometheus", OTEL_TRACES_EXPORTER="otlp,zipkin",
+                      OTEL_HICACHE_MAX_QUEUE_SIZE="lots", OTEL_HICACHE_ACK_TIMEOUT_S="2.5",
+                      OTEL_TRACES_SAMPLER="traceidratio", OTEL_TRACES_SAMPLER_ARG="0.25",
+                      OTEL_METRIC_EXPORT_INTERVAL="1500", OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED="true", **FAST)
+        out = done.stdout
+        assert "OTEL_HICACHE_MAX_QUEUE_SIZE" in out and "16384 (set: 'lots')" in out
+        assert "2.5 (set: '2.5')" in out
+        assert "OTEL_HICACHE_MAX_QUEUE_SIZE='lots' is not an integer >= 1; using the default 16384" in out
+        assert "unknown exporter 'zipkin'" in out
+        assert "traceidratio, arg 0.25 (OTEL_TRACES_SAMPLER): TraceIdRatioBased{0.25}" in out
+        assert "export interval 1500 ms (OTEL_METRIC_EXPORT_INTERVAL)" in out
+        assert "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED   true" in out
+        assert "prometheus      a pull reader" in out
+        assert "traces   ACCEPTED" in out and "metrics  ACCEPTED" in out
+        assert done.returncode == 1  # zipkin is not installed
+        assert "OTEL_TRACES_EXPORTER names 'zipkin', which is not installed" in result(done)
+    finally:
+        receiver.stop()
+
+
+def test_usage_errors_exit_2():
+    assert subprocess.run([str(SCRIPT)], capture_output=True).returncode == 2
+    assert subprocess.run([sys.executable, "-m", "otel_hicache.doctor", "--timeout", "0"],
+                          capture_output=True).returncode == 2
+
+
+def test_console_script_is_declared_and_installed():
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert '[project.scripts]\notel-hicache = "otel_hicache.doctor:main"' in pyproject
+    assert SCRIPT.exists(), "reinstall: pip install --no-deps --no-build-isolation -e ."
+
+
+# -- SGLang and NVML, in-process ---------------------------------------------------------------
+
+def test_sglang_patch_groups_on_the_real_sglang(monkeypatch):
+    pytest.importorskip("otel_hicache_sglang")
+    monkeypatch.syspath_prepend(str(ADAPTER_TESTS))
+    sglang_cpu = pytest.importorskip("sglang_cpu")
+    sglang_cpu.install_cpu_support()  # importing SGLang 0.5.23 on CPU (seconds, once per session)
+    from otel_hicache import doctor as module
+
+    out = io.StringIO()
+    module._sglang(out, check_groups=True)
+    text = out.getvalue()
+    assert "sglang          0.5.23 (supported; the adapter instruments sglang >= 0.5.23, < 0.6)" in text
+    assert "SGLang plugin entry point registered" in text
+    for group in ("L1<->L2 transfers", "dropped tokens", "evictions", "prefix hits"):
+        assert f"{group}: would apply" in text, text
+    monkeypatch.setenv("SGLANG_PLUGINS", "something_else")
+    out = io.StringIO()
+    module._sglang(out, check_groups=False)
+    assert "does not list otel_hicache" in out.getvalue()
+    assert "not checked (--skip-sglang)" in out.getvalue()
+
+
+def test_sglang_not_installed(monkeypatch):
+    import importlib.metadata
+
+    from otel_hicache import doctor as module
+
+    def version(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    out = io.StringIO()
+    module._sglang(out, check_groups=True)
+    assert "sglang          not installed" in out.getvalue()
+
+
+def _fake_nvml(monkeypatch: pytest.MonkeyPatch, fail: bool) -> None:
+    fake: Any = types.ModuleType("pynvml")
+
+    def init() -> None:
+        if fail:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    fake.nvmlInit, fake.nvmlShutdown = init, lambda: None
+    fake.nvmlDeviceGetCount = lambda: 8
+    fake.nvmlSystemGetDriverVersion = lambda: b"570.86"
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+
+
+def test_nvml_is_reported_and_never_fails(monkeypatch):
+    from otel_hicache import doctor as module
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # absent: import raises
+    out = io.StringIO()
+    module._nvml(out)
+    assert "absent" in out.getvalue()
+    _fake_nvml(monkeypatch, fail=False)
+    out = io.StringIO()
+    module._nvml(out)
+    assert "present: 8 device(s), driver 570.86" in out.getvalue()
+    _fake_nvml(monkeypatch, fail=True)
+    out = io.StringIO()
+    module._nvml(out)
+    assert "present, but NVML is not usable here (RuntimeError" in out.getvalue()
+
+
+def test_why_not_applied_is_the_patchers_check():
+    patching = pytest.importorskip("otel_hicache_sglang.patching")
+
+    def too_old() -> None:
+        raise patching.Incompatible("HiCacheAck has no field num_bytes")
+
+    assert patching.why_not_applied(patching.Group("ok", [("json", "JSONDecoder.decode", None)])) is None
+    gone = patching.Group("gone", [("json", "Nope.decode", None)])
+    assert patching.why_not_applied(gone) == "json.Nope.decode not found"
+    assert patching.why_not_applied(patching.Group("guard", [("json", "JSONDecoder.decode", None)],
+                                                   check=too_old)) == "HiCacheAck has no field num_bytes"
