@@ -10,6 +10,12 @@ sample event:
 * a ``torch.<backend>.Event`` (``torch.cuda``, ``torch.xpu``, ``torch.npu``...)
   gets a factory that records a new timing event on a dedicated, non-blocking
   side stream of the event's device, from the worker thread.
+
+Events for which no factory is found (duck-typed events of other back-ends)
+get no anchor: the completion worker places them relative to each other from
+their own events instead (:class:`otel_hicache.clock.EventTimeline`,
+``hicache.placement_source=relative``), so overlaps stay exact; only their
+offset to the wall clock is estimated.
 """
 
 from __future__ import annotations

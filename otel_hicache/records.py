@@ -111,6 +111,7 @@ class TransferRecord:
         "pool_names",
         "pool_tokens",
         "timing_source",
+        "placement",  # hicache.placement_source of device-timed ops (timing.resolve), else None
         "start_ns",
         "end_ns",
         "duration_ns",
@@ -135,6 +136,7 @@ def reset_worker_fields(record: TransferRecord) -> None:
     """Initialize the worker-side fields that may be read before they are set
     (the others are always set by validate(), timing.resolve() or the sinks)."""
     record.queue_wait_ns = None
+    record.placement = None
     record.error = None
     record.span_context = None
     record.exemplar_context = None

@@ -103,3 +103,37 @@ class SimulatedDevice:
 
     def stream(self) -> SimulatedStream:
         return SimulatedStream(self)
+
+
+class DuckEvent:
+    """A duck-typed timing event without anchor support: ``record``/``query``/``synchronize``/
+    ``elapsed_time`` only (no ``anchor_factory()``, not a ``torch.<backend>.Event``), delegated
+    to a :class:`SimulatedEvent`. What a back-end otel-hicache does not know brings."""
+
+    def __init__(self, inner: SimulatedEvent) -> None:
+        self._inner = inner
+
+    def record(self, stream: Any = None) -> None:
+        self._inner.record(stream)
+
+    def query(self) -> bool:
+        return self._inner.query()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def elapsed_time(self, end: "DuckEvent") -> float:
+        return self._inner.elapsed_time(end._inner)
+
+
+class OneStreamEvent(DuckEvent):
+    """A back-end whose events compare only with events recorded on their own stream."""
+
+    def __init__(self, inner: SimulatedEvent, stream: Any) -> None:
+        super().__init__(inner)
+        self.stream = stream
+
+    def elapsed_time(self, end: "DuckEvent") -> float:
+        if getattr(end, "stream", None) != self.stream:
+            raise RuntimeError("events of different streams cannot be compared")
+        return super().elapsed_time(end)

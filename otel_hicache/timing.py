@@ -13,6 +13,16 @@ Rules (the lessons this product exists for):
   counts as complete at submit, duration 0), and the record says so:
   ``timing_source = host_clock``. If ``elapsed_time()``
   fails the record falls back to the host clock and says so too, once warned.
+
+Where a device-timed op lies on the wall clock (``placement``,
+``hicache.placement_source``): from the wall-clock anchor when there is one that
+can place its start event (``anchor``); else relative to earlier ops with
+event-to-event ``elapsed_time()`` (``relative``, see
+:class:`~otel_hicache.clock.EventTimeline`), so overlapping ops overlap as they
+did on the device; else (its events cannot be compared with an earlier op's,
+or it is the first op of its device) ending when the worker saw it end, or at
+the caller's end stamp (``host_completion``). Host-clock ops have no placement
+of their own (None): their stamps are the placement.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .clock import WallClockAnchor
+from .clock import PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, EventTimeline, WallClockAnchor
 from .diagnostics import warn_once
 from .records import DEVICE_EVENT, HOST_CLOCK, TransferRecord
 
@@ -40,8 +50,13 @@ def is_complete(record: TransferRecord) -> bool:
     return start is None or bool(start.query())
 
 
-def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None) -> None:
-    """Set duration, wall-clock start/end, timing source and queue wait."""
+def resolve(
+    record: TransferRecord,
+    now_ns: int,
+    anchor: WallClockAnchor | None,
+    timeline: EventTimeline | None = None,
+) -> None:
+    """Set duration, wall-clock start/end and placement, timing source and queue wait."""
     start_event, finish_event = record.start_event, record.finish_event
     if record.timing_enabled and start_event is not None and finish_event is not None:
         duration_ms = _device_duration_ms(start_event, finish_event)
@@ -51,14 +66,17 @@ def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None)
             record.duration_ns = duration_ns
             start_wall = anchor.wall_time_ns(start_event) if anchor is not None else None
             if start_wall is None:
-                # No anchor: place the copy so that it ended when we saw it end.
-                end = record.host_end_ns if record.host_end_ns is not None else now_ns
-                record.start_ns = end - duration_ns
-                record.end_ns = end
+                # No anchor: it ended by the time we saw it end (or the caller's end stamp).
+                bound = record.host_end_ns if record.host_end_ns is not None else now_ns
+                if timeline is not None:
+                    start_wall, record.placement = timeline.place(start_event, duration_ns, bound)
+                else:
+                    start_wall, record.placement = bound - duration_ns, PLACEMENT_HOST_COMPLETION
             else:
-                record.start_ns = start_wall
-                record.end_ns = start_wall + duration_ns
+                record.placement = PLACEMENT_ANCHOR
                 record.queue_wait_ns = max(0, start_wall - record.submit_ns)
+            record.start_ns = start_wall
+            record.end_ns = start_wall + duration_ns
             return
     resolve_host_clock(record, now_ns)
 
@@ -66,6 +84,7 @@ def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None)
 def resolve_host_clock(record: TransferRecord, now_ns: int) -> None:
     """Host-clock timing: no usable timing events (or the record failed)."""
     record.timing_source = HOST_CLOCK
+    record.placement = None
     start = record.host_start_ns if record.host_start_ns is not None else record.submit_ns
     if record.host_end_ns is not None:
         end = record.host_end_ns

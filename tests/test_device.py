@@ -68,3 +68,11 @@ def test_unknown_events_have_no_anchor_and_unknown_streams_no_events():
     assert anchor_factory_for(Opaque()) is None
     with pytest.raises(TypeError, match="no timing events known"):
         timing_event_pair(Opaque())
+
+
+def test_duck_typed_events_without_anchor_support_have_no_anchor():
+    """record/query/synchronize/elapsed_time only (not torch's, no anchor_factory()):
+    no anchor; the pipeline places such ops with an EventTimeline instead."""
+    from otel_hicache.testing import DuckEvent
+
+    assert anchor_factory_for(DuckEvent(SimulatedDevice().event())) is None

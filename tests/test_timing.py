@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from otel_hicache.clock import PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE, EventTimeline
 from otel_hicache.records import DEVICE_EVENT, HOST_CLOCK, TransferRecord, submission, validate
+from otel_hicache.testing import SimulatedDevice
 from otel_hicache.timing import is_complete, resolve, resolve_host_clock
 
 SUBMIT = 1_767_225_600_000_000_000
@@ -247,3 +249,50 @@ def test_elapsed_time_waits_for_the_timing_events_even_with_an_end_stamp():
     if is_complete(r):  # what the completion worker does each cycle
         resolve(r, NOW, None)
     assert all(start_done and end_done for _end, start_done, end_done in start.elapsed_calls), start.elapsed_calls
+
+
+# -- resolve: where a device-timed op is placed (hicache.placement_source) --------------------------
+
+
+def test_the_placement_says_anchor_when_the_anchor_placed_the_op():
+    r = record(Event(elapsed_ms=1.0), Event())
+    resolve(r, NOW, Anchor(SUBMIT + 5), EventTimeline())
+    assert (r.placement, r.start_ns) == (PLACEMENT_ANCHOR, SUBMIT + 5)
+
+
+def test_host_clock_ops_have_no_placement_of_their_own():
+    r = record(None, Event(), timing=False)
+    resolve(r, NOW, None, EventTimeline())
+    assert (r.timing_source, r.placement) == (HOST_CLOCK, None)
+    r = record(Event(elapsed_error=RuntimeError("no timing")), Event())
+    resolve(r, NOW, None, EventTimeline())
+    assert (r.timing_source, r.placement) == (HOST_CLOCK, None)
+
+
+def test_without_a_timeline_an_unanchored_op_ends_at_its_host_completion():
+    r = record(Event(elapsed_ms=2.0), Event())
+    resolve(r, NOW, None)
+    assert (r.placement, r.start_ns, r.end_ns) == (PLACEMENT_HOST_COMPLETION, NOW - 2_000_000, NOW)
+
+
+@pytest.mark.parametrize("anchor", [None, Anchor(None)], ids=["no-anchor", "anchor-cannot-place"])
+def test_unanchored_ops_are_placed_relative_to_each_other_with_their_events(anchor):
+    device = SimulatedDevice(start_ns=SUBMIT)
+    timeline = EventTimeline()
+    a = record(*device.copy(SUBMIT, 10.0))
+    b = record(*device.copy(SUBMIT + 5_000_000, 10.0))
+    device.advance(ms=100)  # both seen complete at 100 ms
+    resolve(a, device.time_ns(), anchor, timeline)
+    resolve(b, device.time_ns(), anchor, timeline)
+    assert (a.placement, b.placement) == (PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE)
+    assert (a.end_ns - a.start_ns, b.end_ns - b.start_ns) == (10_000_000, 10_000_000)
+    assert b.start_ns - a.start_ns == 5_000_000  # as on the device
+    assert a.queue_wait_ns is None and b.queue_wait_ns is None  # the wall-clock offset is only estimated
+
+
+def test_the_callers_end_stamp_bounds_an_unanchored_op_as_the_observation_does():
+    device = SimulatedDevice(start_ns=SUBMIT)
+    r = record(*device.copy(SUBMIT, 2.0), host_end=SUBMIT + 3_000_000)
+    device.advance(ms=50)
+    resolve(r, device.time_ns(), None, EventTimeline())
+    assert (r.placement, r.start_ns, r.end_ns) == (PLACEMENT_HOST_COMPLETION, SUBMIT + 1_000_000, SUBMIT + 3_000_000)
