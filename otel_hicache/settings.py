@@ -57,6 +57,27 @@ def env_int(name: str, default: int | None = None, minimum: int = 1) -> int:
     return _number(name, default, int, minimum)
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (lower case; the value is matched in any case)."""
+    def parse(raw: str) -> str:
+        if raw.lower() not in choices:
+            raise ValueError(raw)
+        return raw.lower()
+
+    return _read(name, DEFAULTS[name], parse, "one of " + ", ".join(choices))
+
+
+def env_fraction(name: str) -> float:
+    """A number ``>= 0`` and ``< 1`` (a quantile; 0 meaning off)."""
+    def parse(raw: str) -> float:
+        value = float(raw)
+        if not 0.0 <= value < 1.0:  # NaN too
+            raise ValueError(raw)
+        return value
+
+    return _read(name, DEFAULTS[name], parse, "a number >= 0 and < 1")
+
+
 def sdk_disabled() -> bool:
     """``OTEL_SDK_DISABLED`` as the SDK reads it: only ``true`` disables (anything but
     ``true`` or ``false`` is warned about once, and leaves the SDK enabled)."""

@@ -22,11 +22,20 @@ Two builders share one attribute set:
   live count taken back at finish, as ``Tracer.start_span`` and ``Span.end`` do.
 * :class:`ApiSpanBuilder`: the public ``Tracer`` API, for any other provider or
   with ``OTEL_HICACHE_SPAN_FAST_PATH=false``.
+
+Both take the outlier policy of ``OTEL_HICACHE_SPAN_SAMPLING=outliers``
+(:mod:`.span_sampling`): the spans it keeps (errors, slow ops, a sampled parent's
+children) are sampled whatever the provider's sampler says, and carry
+``hicache.sampling.reason``; the sampler decides the others. The fast path asks
+the sampler before building anything, so a span it skips costs a parent lookup, a
+trace id and the sampler call. Both count each decision through ``count(decision,
+reason)`` (``otel_hicache.spans``); with the default ``all`` every span is the
+sampler's, ``reason=base``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
@@ -35,10 +44,13 @@ from opentelemetry.trace.propagation import set_span_in_context
 from . import sdk_internals
 from . import semconv as sc
 from .records import ONBOARD, TIERS, TransferRecord
+from .span_sampling import OutlierPolicy, keeping_tracer
 from .version import __version__
 
 SPAN_NAMES = {"offload": sc.SPAN_OFFLOAD, ONBOARD: sc.SPAN_ONBOARD}
 _ACK_ATTRIBUTES = 2  # hicache.acked and hicache.ack_delay_us, set at finish
+_KEPT, _SKIPPED, _BASE = sc.SPAN_KEPT, sc.SPAN_SKIPPED, sc.SPAN_REASON_BASE
+Count = Callable[[str, str], None]  # (decision, reason): otel_hicache.spans
 
 
 def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[str, Any]:
@@ -66,6 +78,8 @@ def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[s
     if record.io_backend is not None:
         attrs[sc.IO_BACKEND] = str(record.io_backend)
     attrs[sc.TIMING_SOURCE] = record.timing_source
+    if record.placement is not None:
+        attrs[sc.PLACEMENT_SOURCE] = record.placement
     if record.queue_wait_ns is not None:
         attrs[sc.QUEUE_WAIT_US] = record.queue_wait_ns / 1e3
     if record.duration_ns > 0 and record.error is None:
@@ -73,6 +87,9 @@ def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[s
     if record.error is not None:
         attrs[sc.ERROR_TYPE] = record.error
     return attrs
+
+
+_ABSENT = object()
 
 
 def _valid_value(value: Any) -> bool:
@@ -107,21 +124,42 @@ def _status(record: TransferRecord) -> Status:
 class ApiSpanBuilder:
     """Spans through the public Tracer API (any TracerProvider)."""
 
-    def __init__(self, tracer_provider: Any, static: Mapping[str, Any]) -> None:
+    def __init__(self, tracer_provider: Any, static: Mapping[str, Any], policy: OutlierPolicy | None = None,
+                 count: Count | None = None) -> None:
         self._tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
         self._static = static
+        self._policy = policy
+        self._count = count
+        # the spans the policy keeps start here: the same tracer, its sampler ALWAYS_ON (SDK
+        # tracers; with any other, None: its own sampler decides those too, and is counted so)
+        self._keeping = keeping_tracer(self._tracer) if policy is not None else None
 
     def begin(self, record: TransferRecord) -> Any:
-        span = self._tracer.start_span(
+        tracer = self._tracer
+        attributes = span_attributes(record, self._static)
+        reason = _BASE
+        policy = self._policy
+        if policy is not None:
+            parent = trace.get_current_span(record.parent_context).get_span_context()
+            forced = policy.keep_reason(record, parent if parent.is_valid else None)
+            if forced is not None:
+                reason = forced
+                if self._keeping is not None:
+                    tracer = self._keeping
+            attributes[sc.SAMPLING_REASON] = reason
+        span = tracer.start_span(
             SPAN_NAMES[record.direction],
             context=record.parent_context,
             kind=SpanKind.INTERNAL,
-            attributes=span_attributes(record, self._static),
+            attributes=attributes,
             start_time=record.start_ns,
         )
         record.span_context = span.get_span_context()
         if record.span_context.trace_flags.sampled:
             record.exemplar_context = set_span_in_context(span)
+        if self._count is not None:  # kept: a span was made and sampled (a disabled tracer makes none)
+            self._count(_KEPT if span.is_recording() and record.span_context.trace_flags.sampled else _SKIPPED,
+                        reason)
         return span
 
     def finish(self, record: TransferRecord, span: Any) -> None:
@@ -140,9 +178,11 @@ class ApiSpanBuilder:
 class FastSpanBuilder:
     """Finished ``ReadableSpan``s straight to an SDK provider's processors."""
 
-    def __init__(self, tracer_provider: Any, static: Mapping[str, Any]) -> None:
+    def __init__(self, tracer_provider: Any, static: Mapping[str, Any], policy: OutlierPolicy | None = None,
+                 count: Count | None = None) -> None:
         from opentelemetry.attributes import BoundedAttributes
         from opentelemetry.sdk.trace import Event, ReadableSpan
+        from opentelemetry.sdk.trace.sampling import Decision
         from opentelemetry.sdk.util import BoundedList
 
         tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
@@ -163,9 +203,15 @@ class FastSpanBuilder:
         self._event = Event
         self._readable = ReadableSpan
         self._static = static
+        self._policy = policy
+        self._count = count
+        self._forced_decision = Decision.RECORD_AND_SAMPLE
 
     def begin(self, record: TransferRecord) -> Any:
+        count = self._count
         if not self._enabled():
+            if count is not None:
+                count(_SKIPPED, _BASE)
             return None
         parent_context = record.parent_context
         parent = trace.get_current_span(parent_context).get_span_context()
@@ -177,9 +223,35 @@ class FastSpanBuilder:
             trace_id = self._ids.generate_trace_id()
             random_trace_id = self._ids.is_trace_id_random()
         name = SPAN_NAMES[record.direction]
-        attrs = span_attributes(record, self._static)
-        result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, attrs, ())
-        flags = trace.TraceFlags.SAMPLED if result.decision.is_sampled() else trace.TraceFlags.DEFAULT
+        tracer_metrics = self._tracer_metrics
+        policy = self._policy
+        reason = _BASE
+        if policy is None:  # OTEL_HICACHE_SPAN_SAMPLING=all: the sampler sees the span's attributes
+            attrs = span_attributes(record, self._static)
+            result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, attrs, ())
+            decision, trace_state, extra = result.decision, result.trace_state, result.attributes
+        else:
+            forced = policy.keep_reason(record, parent)
+            if forced is None:  # the base share: the sampler decides before anything is built
+                asked = policy.sampler_attributes[record.direction]
+                result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, asked, ())
+                decision, trace_state = result.decision, result.trace_state
+                if not decision.is_recording():
+                    if tracer_metrics is not None:  # otel.sdk.span.started{DROP}, as Tracer.start_span
+                        tracer_metrics.start_span(parent, decision)
+                    if count is not None:
+                        count(_SKIPPED, _BASE)
+                    return None
+                # what the sampler added (its echo of the attributes it was asked with aside)
+                extra = {k: v for k, v in result.attributes.items() if asked.get(k, _ABSENT) is not v}
+            else:  # kept whatever the sampler says: sampled, the parent's trace state (as ALWAYS_ON)
+                reason = forced
+                decision = self._forced_decision
+                trace_state = parent.trace_state if parent is not None else None
+                extra = None
+            attrs = span_attributes(record, self._static)
+            attrs[sc.SAMPLING_REASON] = reason
+        flags = trace.TraceFlags.SAMPLED if decision.is_sampled() else trace.TraceFlags.DEFAULT
         if random_trace_id:
             flags |= trace.TraceFlags.RANDOM_TRACE_ID
         context = trace.SpanContext(
@@ -187,18 +259,19 @@ class FastSpanBuilder:
             self._ids.generate_span_id(),
             is_remote=False,
             trace_flags=trace.TraceFlags(flags),
-            trace_state=result.trace_state,
+            trace_state=trace_state,
         )
         record.span_context = context
         # otel.sdk.span.started/live, as Tracer.start_span records them (the span ends in finish())
-        tracer_metrics = self._tracer_metrics
-        end_metrics = None if tracer_metrics is None else tracer_metrics.start_span(parent, result.decision)
-        if not result.decision.is_recording():
+        end_metrics = None if tracer_metrics is None else tracer_metrics.start_span(parent, decision)
+        if count is not None:
+            count(_KEPT if context.trace_flags.sampled else _SKIPPED, reason)
+        if not decision.is_recording():
             return None
         if context.trace_flags.sampled:
             record.exemplar_context = set_span_in_context(NonRecordingSpan(context))
-        if result.attributes:
-            attrs.update(result.attributes)
+        if extra:
+            attrs.update(extra)
         limits = self._limits
         count_limit = limits.max_span_attributes  # None: unlimited (SpanLimits.UNSET, an empty variable)
         if limits.max_span_attribute_length is not None or (
@@ -238,10 +311,13 @@ class FastSpanBuilder:
         self._processor.on_end(span)
 
 
-def make_span_builder(tracer_provider: Any, static: Mapping[str, Any], fast_path: bool) -> Any:
+def make_span_builder(tracer_provider: Any, static: Mapping[str, Any], fast_path: bool,
+                      policy: OutlierPolicy | None = None, count: Count | None = None) -> Any:
+    """``policy``: the outlier policy (None: ``OTEL_HICACHE_SPAN_SAMPLING=all``), one per
+    builder (it holds the running quantiles). ``count(decision, reason)``: each decision."""
     if fast_path:
         try:
-            return FastSpanBuilder(tracer_provider, static)
+            return FastSpanBuilder(tracer_provider, static, policy, count)
         except Exception:  # not an SDK provider, or an SDK we do not know
             pass
-    return ApiSpanBuilder(tracer_provider, static)
+    return ApiSpanBuilder(tracer_provider, static, policy, count)
