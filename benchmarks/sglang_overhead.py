@@ -32,7 +32,14 @@ d. ``paused``        c with otel-hicache's worker paused while the ops are timed
                      worker running beside it); it resumes before the flush, so d is checked too.
 
 Variants take turns in rounds (rotating order) so machine drift spreads evenly over
-them. Each turn instruments (b, c), builds a fresh controller (the adapter starts its
+them. A second, paired measurement (``--paired-ops``, per size) isolates the adapter's own
+scheduler-thread cost more precisely: one instrumented controller, otel-hicache's worker
+paused, and the four per-op methods (``start_writing``, ``start_loading``, the engine's
+``submit_*``) switched between SGLang's originals and the adapter's wrappers op by op
+(pairs of ops alternating, in a fixed shuffled pattern), so both halves share every
+moment of the machine's noise; it reports the median wall and caller-CPU difference.
+
+Each turn instruments (b, c), builds a fresh controller (the adapter starts its
 telemetry when a ``HiCacheController`` is created, as in a scheduler), warms up, times
 its ops, then (c) ``force_flush()``es and checks that it exported one span per op and
 that ``hicache.transfer.tokens`` / ``hicache.transfer.bytes`` sum to what SGLang's own
@@ -226,6 +233,72 @@ def rss_mb() -> float:
         return float("nan")
 
 
+PAIRED_PATTERN = "ABBABAABBAAB"  # A: SGLang's originals, B: the adapter's wrappers (per pair of ops)
+
+
+def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
+    """The adapter's own cost per merged op, originals and wrappers interleaved op by op."""
+    from otel_hicache_sglang import SGLangHiCacheInstrumentor
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.l2_transfer import L2TransferEngine
+
+    names = [(HiCacheController, "start_writing"), (HiCacheController, "start_loading"),
+             (L2TransferEngine, "submit_device_to_host"), (L2TransferEngine, "submit_host_to_device")]
+    originals = {n: vars(c)[n] for c, n in names}
+    providers = SdkProviders(shutdown_on_exit=False)
+    instrumentor = SGLangHiCacheInstrumentor()
+    with env(OTEL_HICACHE_ENABLED="true"):
+        instrumentor.instrument(tracer_provider=providers.tracer_provider, meter_provider=providers.meter_provider)
+        controller, _kv, allocator = sglang_cpu.build_controller(PAGE_SIZE, LAYERS, kv_size=max(64, 4 * tokens_per_op))
+    wrappers = {n: vars(c)[n] for c, n in names}
+    telemetry = instrumentor.telemetry
+    pipeline = telemetry._pipeline  # pylint: disable=protected-access
+    pipeline._cycle = lambda: None  # paused: the records stay queued (dropped below, never reported)
+    samples: dict[str, dict[str, list[int]]] = {"A": {"wall": [], "cpu": []}, "B": {"wall": [], "cpu": []}}
+    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+    interval_ns = int(interval_us * 1000)
+    device_indices = allocator.alloc(tokens_per_op)
+    host_pool = controller.mem_pool_host
+    host = None
+    try:
+        deadline = clock() + interval_ns
+        for i in range(warmup + 2 * ops):
+            which = PAIRED_PATTERN[(i >> 1) % len(PAIRED_PATTERN)]
+            for cls, name in names:
+                setattr(cls, name, (originals if which == "A" else wrappers)[name])
+            deadline = wait_until(deadline) + interval_ns
+            if not i & 1:
+                c0, t0 = cpu_clock(), clock()
+                host = controller.write(device_indices, node_id=i)
+                controller.ack_write_queue.pop(0)
+                t1, c1 = clock(), cpu_clock()
+            else:
+                c0, t0 = cpu_clock(), clock()
+                loaded = controller.load(host, node_id=i)
+                controller.start_loading()
+                controller.ack_load_queue.pop(0)
+                t1, c1 = clock(), cpu_clock()
+                allocator.free(loaded)
+                host_pool.free(host)
+            if i >= warmup:
+                samples[which]["wall"].append(t1 - t0)
+                samples[which]["cpu"].append(c1 - c0)
+            if len(pipeline.queue) > 4096:
+                pipeline.queue.clear()
+    finally:
+        for cls, name in names:
+            setattr(cls, name, wrappers[name])
+        pipeline.queue.clear()
+        del pipeline._cycle
+        allocator.free(device_indices)
+        instrumentor.uninstrument()
+        providers.shutdown()
+    med = {k: {m: statistics.median(v[m]) / 1e3 for m in v} for k, v in samples.items()}
+    return {"tokens_per_op": tokens_per_op, "n": len(samples["B"]["wall"]),
+            "sglang_median_us": med["A"]["wall"], "added_wall_us": med["B"]["wall"] - med["A"]["wall"],
+            "added_cpu_us": med["B"]["cpu"] - med["A"]["cpu"]}
+
+
 def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
     """All variants for one op size, interleaved in ``rounds`` rounds of ``ops`` timed ops each."""
     interval_ns = int(interval_us * 1000)
@@ -311,6 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, help="timed ops per turn (even: offload/onboard pairs)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed ops at the start of each turn")
     parser.add_argument("--interval-us", type=float, default=200.0, help="one op every this many us")
+    parser.add_argument("--paired-ops", type=int, help="paired measurement: ops per half (0: skip)")
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
     args = parser.parse_args(argv)
 
@@ -343,6 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows = [run_row(n, rounds, ops, warmup, args.interval_us) for n in args.sizes]
     results["rows"] = rows
+    paired_ops = args.paired_ops if args.paired_ops is not None else (1500 if quick else 6000)
+    paired_rows = [run_paired(n, paired_ops, warmup, args.interval_us) for n in args.sizes] if paired_ops else []
+    results["paired"] = paired_rows
 
     print("\n## Caller (scheduler) thread cost per merged op, each op timed alone\n")
     out = []
@@ -363,6 +440,14 @@ def main(argv: Sequence[str] | None = None) -> int:
           "CPU time (thread_time_ns) in the same window; wall minus CPU is waiting, mostly for the GIL (SGLang's\n"
           "torch calls release it, otel-hicache's worker takes it). The CPU copy itself runs inside the timed\n"
           "call. b vs a is the noise floor; d vs a is the adapter's own cost without the worker running beside it.")
+
+    if paired_rows:
+        print("\n## The adapter's own cost, paired op by op (worker paused)\n")
+        print(table([[str(p["tokens_per_op"]), str(p["n"]), f"{p['sglang_median_us']:.2f}",
+                      f"{p['added_wall_us']:+.2f}", f"{p['added_cpu_us']:+.2f}"] for p in paired_rows],
+                    ["tokens", "ops per half", "sglang median us", "added wall us", "added caller CPU us"]))
+        print("SGLang's originals and the adapter's wrappers switched op by op on one instrumented controller\n"
+              "(otel-hicache's worker paused): median(wrapped) - median(originals), wall and the caller thread's CPU.")
 
     print("\n## Correctness of the instrumented turns, c and d (after force_flush; ground truth = SGLang's acks)\n")
     exact_all = True

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 # against: [first, last]. A newer minor release uses the public API until checked.
 KNOWN_SDK = ((1, 45), (1, 45))
 
-AREAS = ("context", "spans", "metrics", "batch_queue")
+AREAS = ("context", "spans", "metrics", "batch_queue", "threads")
 
 
 class Report(NamedTuple):
@@ -101,7 +101,7 @@ def _area(area: str) -> tuple[str, ...]:
     found = _areas.get(area)
     if found is None:
         check = {"context": _check_context, "spans": _check_spans, "metrics": _check_metrics,
-                 "batch_queue": _check_batch_queue}[area]
+                 "batch_queue": _check_batch_queue, "threads": _check_threads}[area]
         try:
             found = tuple(check())
         except Exception as exc:  # an import or signature that changed
@@ -395,6 +395,58 @@ def batch_queue_size(processor: Any) -> Callable[[], int] | None:
     batch = getattr(processor, "_batch_processor", None)
     queue = getattr(batch, "_queue", None) if isinstance(batch, BatchProcessor) else None
     return (lambda: len(queue)) if isinstance(queue, collections.deque) else None
+
+
+# -- the export threads of a tracer and a meter provider (otel_hicache.export.cpu_time) -----------------
+# (opentelemetry/sdk/trace/__init__.py: TracerProvider, SynchronousMultiSpanProcessor;
+#  opentelemetry/sdk/_shared_internal/__init__.py: BatchProcessor; opentelemetry/sdk/metrics/_internal/
+#  export/__init__.py: PeriodicExportingMetricReader; the meter provider's readers as in "metrics")
+
+def _check_threads() -> list[str]:
+    from opentelemetry.sdk import _shared_internal
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import ConcurrentMultiSpanProcessor, SynchronousMultiSpanProcessor, TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    problems = [f"TracerProvider{n[4:]}" for n in _lacks(TracerProvider.__init__, "self._active_span_processor")]
+    for cls in (SynchronousMultiSpanProcessor, ConcurrentMultiSpanProcessor):
+        problems += [f"{cls.__name__}{n[4:]}" for n in _lacks(cls.__init__, "self._span_processors")]
+    problems += [f"BatchSpanProcessor{n[4:]}" for n in _lacks(BatchSpanProcessor.__init__, "self._batch_processor")]
+    batch_processor = getattr(_shared_internal, "BatchProcessor", None)
+    if batch_processor is None:
+        problems.append("opentelemetry.sdk._shared_internal.BatchProcessor")
+    else:
+        problems += [f"BatchProcessor{n[4:]}" for n in _lacks(batch_processor.__init__, "self._worker_thread")]
+    problems += [f"PeriodicExportingMetricReader{n[4:]}"
+                 for n in _lacks(PeriodicExportingMetricReader.__init__, "self._daemon_thread")]
+    return problems
+
+
+def export_threads(tracer_provider: Any, meter_provider: Any) -> dict[str, list[threading.Thread]]:
+    """The live threads that export for these providers: ``span_processor`` (each
+    ``BatchSpanProcessor``'s worker) and ``metric_reader`` (each
+    ``PeriodicExportingMetricReader``'s); empty lists for what cannot be read."""
+    found: dict[str, list[threading.Thread]] = {"span_processor": [], "metric_reader": []}
+    if not available("threads"):
+        return found
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    if isinstance(tracer_provider, TracerProvider):
+        active = getattr(tracer_provider, "_active_span_processor", None)
+        for processor in getattr(active, "_span_processors", ()) or ():
+            if isinstance(processor, BatchSpanProcessor):
+                thread = getattr(getattr(processor, "_batch_processor", None), "_worker_thread", None)
+                if isinstance(thread, threading.Thread) and thread.is_alive():
+                    found["span_processor"].append(thread)
+    parts = meter_parts(meter_provider)
+    for reader in list(parts.reader_storages()) if parts is not None else ():
+        if isinstance(reader, PeriodicExportingMetricReader):
+            thread = getattr(reader, "_daemon_thread", None)
+            if isinstance(thread, threading.Thread) and thread.is_alive():
+                found["metric_reader"].append(thread)
+    return found
 
 
 # -- value-checked writes, on any SDK version ---------------------------------------------------------------

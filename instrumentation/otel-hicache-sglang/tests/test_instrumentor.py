@@ -137,3 +137,20 @@ def test_reporting_failures_never_raise_into_sglang(instrumented, sglang_cpu, mo
     messages = [r.getMessage() for r in warnings_log.records]
     assert any("could not report a merged op" in m for m in messages)
     assert any("could not report an L2 copy" in m for m in messages)
+
+
+def test_the_per_op_methods_are_plain_functions_not_proxies(sglang_cpu):
+    """start_writing/start_loading and the engine's submit_* run on every HiCache op: a plain
+    function costs one Python frame, a wrapt proxy ~1 us more per call (docs/performance.md)."""
+    import types
+
+    from otel_hicache_sglang import SGLangHiCacheInstrumentor
+
+    per_op = [t for t in WRAPPED if t[2].startswith(("start_", "submit_"))]
+    instrumentor = SGLangHiCacheInstrumentor()
+    instrumentor.instrument()
+    try:
+        for target in per_op:
+            assert type(_own(*target)) is types.FunctionType, target
+    finally:
+        instrumentor.uninstrument()

@@ -21,7 +21,10 @@ synchronizing.
 On the scheduler thread each wrapper does a clock read, a few attribute reads
 and one ``TransferTelemetry.submit()`` (a list append): no OTel SDK call, no
 device call, no tensor work except for direct copies (a ``numel()`` per
-transfer).
+transfer). Both per-op wrappers are plain functions (:class:`~.patching.Method`,
+no wrapt proxy), and a copy made inside ``start_*`` is only held (its call's
+arguments, read when the merged op is reported), so a merged op costs two
+Python frames and the pairing; ``docs/performance.md`` has the figures.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any, Callable
 from otel_hicache import TransferTelemetry
 from otel_hicache.diagnostics import logger, warn_once
 
-from .patching import MISSING, arg, missing
+from .patching import MISSING, Method, arg, missing
 from .ranks import rank_attributes
 
 OFFLOAD = "offload"
@@ -52,6 +55,12 @@ DRAFT_BYTES = "hicache.draft_bytes"
 _SYNCHRONOUS_EVENT_TYPES: dict[type, bool] = {}
 
 
+class _Capture(threading.local):
+    """Per thread: the copies held while a ``start_*`` runs (None outside one)."""
+
+    captured: list[Any] | None = None
+
+
 def _is_synchronous_event(event: Any) -> bool:
     """``torch.cpu`` events are no-ops: the copies ran inside the submit call."""
     cls = type(event)
@@ -59,6 +68,11 @@ def _is_synchronous_event(event: Any) -> bool:
     if known is None:
         known = _SYNCHRONOUS_EVENT_TYPES[cls] = cls.__module__ == "torch.cpu"
     return known
+
+
+def _engine_method(engine: Any, direction: str) -> Any:
+    """The (patched) engine method that made a copy in ``direction``: for warnings that name it."""
+    return getattr(type(engine), "submit_device_to_host" if direction == OFFLOAD else "submit_host_to_device", None)
 
 
 class _ControllerInfo:
@@ -106,7 +120,7 @@ class TransferObserver:
         self.telemetry: TransferTelemetry | None = None
         self._failed = False
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._local = _Capture()
         self._controllers: "weakref.WeakKeyDictionary[Any, _ControllerInfo]" = weakref.WeakKeyDictionary()
         self._engines: "weakref.WeakKeyDictionary[Any, _ControllerInfo]" = weakref.WeakKeyDictionary()
         self._last_controller: tuple[Any, _ControllerInfo] | None = None  # (weakref, its info)
@@ -148,64 +162,104 @@ class TransferObserver:
         return info
 
     # -- engine wrappers (every copy) -------------------------------------------
-    def submit_wrapper(self, direction: str) -> Callable[..., Any]:
+    def submit_wrapper(self, direction: str) -> Method:
         """For ``L2TransferEngine.submit_*(transfers, ...)``."""
         observer = self
+        local = self._local
         clock = time.time_ns
 
-        def _wrap_submit(wrapped: Callable[..., Any], engine: Any, args: tuple, kwargs: dict) -> Any:
-            telemetry = observer.telemetry
-            if telemetry is None:
-                telemetry = observer.telemetry_now()  # the first copy of a process with no controller yet
-            if telemetry is None or not telemetry.enabled:
-                return wrapped(*args, **kwargs)
-            start_ns = clock()
-            completion = wrapped(*args, **kwargs)
-            end_ns = clock()
-            try:
-                transfers = arg(args, kwargs, 0, "transfers")
-                if transfers is MISSING:
-                    missing(wrapped, "transfers", "its direct copies are not reported, its merged ops carry no "
-                            "hicache.draft_bytes")
-                captured = getattr(observer._local, "captured", None)
-                if captured is not None:  # inside start_writing/start_loading: wait for its ack
-                    captured.append((engine, transfers, completion, start_ns, end_ns))
-                elif transfers is not MISSING:
-                    observer._report_direct(telemetry, direction, engine, transfers, completion, start_ns, end_ns)
-            except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
-                warn_once("sglang:submit", "otel-hicache: could not report an L2 copy (%r)", exc)
-            return completion
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def submit_patched(engine: Any, *args: Any, **kwargs: Any) -> Any:
+                captured = local.captured
+                if captured is not None:  # inside start_writing/start_loading: held for its ack
+                    start_ns = clock()
+                    completion = original(engine, *args, **kwargs)
+                    captured.append((engine, args, kwargs, completion, start_ns, clock()))
+                    return completion
+                telemetry = observer.telemetry
+                if telemetry is None:
+                    telemetry = observer.telemetry_now()  # the first copy of a process with no controller yet
+                if telemetry is None or not telemetry.enabled:
+                    return original(engine, *args, **kwargs)
+                start_ns = clock()
+                completion = original(engine, *args, **kwargs)
+                end_ns = clock()
+                try:
+                    transfers = observer._transfers(original, args, kwargs)
+                    if transfers is not MISSING:
+                        observer._report_direct(telemetry, direction, engine, transfers, completion, start_ns,
+                                                end_ns)
+                except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
+                    warn_once("sglang:submit", "otel-hicache: could not report an L2 copy (%r)", exc)
+                return completion
 
-        return _wrap_submit
+            return submit_patched
+
+        return Method(make)
+
+    @staticmethod
+    def _transfers(original: Any, args: tuple, kwargs: dict) -> Any:
+        """The ``transfers`` parameter of an engine call (MISSING, warned once, if renamed)."""
+        transfers = arg(args, kwargs, 0, "transfers")
+        if transfers is MISSING:
+            missing(original, "transfers", "its direct copies are not reported, its merged ops carry no "
+                    "hicache.draft_bytes")
+        return transfers
 
     # -- controller wrappers (merged ops with an ack) ------------------------------
-    def start_wrapper(self, direction: str, ack_queue: str) -> Callable[..., Any]:
+    def start_wrapper(self, direction: str, ack_queue: str) -> Method:
         """For ``HiCacheController.start_writing/start_loading()``."""
         observer = self
+        local = self._local
+        onboard = direction == ONBOARD
 
-        def _wrap_start(wrapped: Callable[..., Any], controller: Any, args: tuple, kwargs: dict) -> Any:
-            telemetry = observer.telemetry
-            if telemetry is None or not telemetry.enabled:
-                return wrapped(*args, **kwargs)
-            local = observer._local
-            outer = getattr(local, "captured", None)
-            captured: list[Any] = []
-            local.captured = captured
-            try:
-                result = wrapped(*args, **kwargs)
-            except BaseException:
-                local.captured = outer
-                observer._report_unpaired(telemetry, direction, captured)
-                raise
-            local.captured = outer
-            if captured:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def start_patched(controller: Any, *args: Any, **kwargs: Any) -> Any:
+                telemetry = observer.telemetry
+                if telemetry is None or not telemetry.enabled:
+                    return original(controller, *args, **kwargs)
+                outer = local.captured
+                captured: list[Any] = []
+                local.captured = captured
                 try:
+                    result = original(controller, *args, **kwargs)
+                except BaseException:
+                    local.captured = outer
+                    observer._report_unpaired(telemetry, direction, captured)
+                    raise
+                local.captured = outer
+                if not captured:
+                    return result
+                try:
+                    # The common case inline (one copy, the controller of the last op, its ack
+                    # appended last, no draft pools on a load): what _report_merged does, without
+                    # its frame and lookups; anything else goes there.
+                    last = observer._last_controller
+                    if len(captured) == 1 and last is not None and last[0]() is controller:
+                        info = last[1]
+                        engine, copy_args, copy_kwargs, completion, start_ns, end_ns = captured[0]
+                        queue = getattr(controller, ack_queue)
+                        ack = queue[-1] if queue else None
+                        finish = completion.finish_event
+                        if (ack is not None and ack.finish_event is finish
+                                and (copy_args or "transfers" in copy_kwargs) and not (onboard and info.has_drafts)):
+                            timing = ack.timing_enabled
+                            telemetry.submit(
+                                direction, ack.num_tokens_by_pool or {ANCHOR_POOL: ack.num_tokens}, ack.num_bytes,
+                                info.page_size, ack.start_event, finish, timing, info.io_backend, info.attributes,
+                                host_start_ns=start_ns,
+                                host_end_ns=end_ns if not timing and _is_synchronous_event(finish) else None,
+                                ack_watch=(queue, ack),
+                            )
+                            return result
                     observer._report_merged(telemetry, direction, controller, ack_queue, captured)
                 except Exception as exc:  # pylint: disable=broad-except
                     warn_once("sglang:start", "otel-hicache: could not report a merged op (%r)", exc)
-            return result
+                return result
 
-        return _wrap_start
+            return start_patched
+
+        return Method(make)
 
     def wrap_init(self, wrapped: Callable[..., Any], controller: Any, args: tuple, kwargs: dict) -> None:
         """``HiCacheController.__init__``: then start this process's telemetry."""
@@ -224,7 +278,10 @@ class TransferObserver:
             info = self._info(controller)
             self._last_controller = (weakref.ref(controller), info)
         queue = getattr(controller, ack_queue)
-        for engine, transfers, completion, start_ns, end_ns in captured:
+        for engine, args, kwargs, completion, start_ns, end_ns in captured:
+            transfers = args[0] if args else kwargs.get("transfers", MISSING)  # arg(), inlined
+            if transfers is MISSING:
+                transfers = self._transfers(_engine_method(engine, direction), args, kwargs)
             finish = completion.finish_event
             ack = queue[-1] if queue else None  # start_* appends its ack last
             if ack is None or ack.finish_event is not finish:
@@ -248,8 +305,9 @@ class TransferObserver:
 
     def _report_unpaired(self, telemetry: TransferTelemetry, direction: str, captured: list[Any]) -> None:
         """start_* raised after copying: the copies happened, report them as direct."""
-        for engine, transfers, completion, start_ns, end_ns in captured:
+        for engine, args, kwargs, completion, start_ns, end_ns in captured:
             try:
+                transfers = self._transfers(_engine_method(engine, direction), args, kwargs)
                 self._report_direct(telemetry, direction, engine, transfers, completion, start_ns, end_ns)
             except Exception:  # pylint: disable=broad-except
                 logger.debug("otel-hicache: could not report a copy", exc_info=True)

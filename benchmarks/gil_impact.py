@@ -1,0 +1,467 @@
+"""What otel-hicache's threads cost a scheduler thread that sleeps and wakes: GIL wake-up delay.
+
+A probe thread stands in for SGLang's scheduler: it sleeps ``--probe-us`` (100 us) in a
+loop and records how late it wakes (``perf_counter_ns`` after ``time.sleep`` minus the
+requested sleep). When it wakes, it needs the GIL; whoever holds it then (the completion
+worker, the BatchSpanProcessor thread encoding a batch, the periodic metric reader
+collecting) delays it: by the rest of that hold, or by the switch interval
+(``sys.getswitchinterval()``, 5 ms by default) when the holder does not let go sooner.
+
+Another thread submits ops paced at a rate (one op = ``submit()`` + ``ack()`` of the op of
+``benchmarks/overhead.py``: 2 pools x 1408 tokens, a completed device-timed event pair,
+directions alternating), spans at 100%, to the providers ``otel_hicache.configure()`` builds
+from ``OTEL_*``. ``--sink memory`` (default): its own exporters off, a ``BatchSpanProcessor``
+(with ``configure()``'s settings) and a ``PeriodicExportingMetricReader`` added whose exporters
+encode every batch to OTLP protobuf bytes, as the OTLP exporters do, and drop them (no
+network, no receiver competing for the 2 cores). ``--sink otlp``: ``configure()``'s own
+OTLP/HTTP-protobuf exporters to a receiver in a child process (``tests/otlp_receiver.py``).
+The metric export interval is 1 s here (``OTEL_METRIC_EXPORT_INTERVAL=1000``, 60 s by
+default) so that collections, which happen 60x less often in production, show up in a
+short run.
+
+Variants, in rotating order within each round, so machine drift spreads over them:
+
+* ``idle``: the probe alone, no otel-hicache in the process;
+* ``paced R``: the submitting thread wakes R times a second but submits nothing (the floor
+  for R: its own wake-ups take the GIL too);
+* ``hicache R``: the same with otel-hicache, R ops/s (200, 1,000, 5,000 by default);
+* ``hicache 1000 outliers``: ``OTEL_HICACHE_SPAN_SAMPLING=outliers`` at 1,000 ops/s, the base
+  sampler at 1% (``parentbased_traceidratio`` 0.01): spans kept are the outliers and 1%.
+
+"added" is the variant's lateness percentile minus the ``paced R`` one of the same run (for
+``idle``/``paced``: minus ``idle``). With ``--sections`` the run also records when the worker's
+cycles, span exports and metric collections ran and attributes each late probe wake-up
+(over ``--late-us``) to the sections it overlapped.
+
+Usage::
+
+    python benchmarks/gil_impact.py               # ~1.5 minutes on 2 cores
+    python benchmarks/gil_impact.py --quick       # ~25 s
+    python benchmarks/gil_impact.py --sections    # also: which thread the late wake-ups waited for
+    python benchmarks/gil_impact.py --json out.json
+
+Nothing asserts a time: only differences within one run mean anything (the machine's other
+load moves all variants). Exit status 0 unless a run fails or the receiver got fewer spans
+than were submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+# a sibling module: this script's folder is first on sys.path
+from bench_common import env, machine, percentile, table, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+
+POOL_TOKENS = 1408
+NUM_BYTES = 161_480_704
+PAGE_SIZE = 64
+COPY_MS = 6.0
+COPY_ENDED_AGO_NS = 100_000
+STATIC = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0}
+THREADS = {"otel-hicache-completion": "worker", "OtelBatchSpanRecordProcessor": "span_processor",
+           "OtelPeriodicExportingMetricReader": "metric_reader"}
+GOAL_P999_ADDED_US = 100.0  # at 1,000 ops/s, spans 100%
+
+
+# --------------------------------------------------------------------------------------
+# The OTLP receiver, in a child process
+# --------------------------------------------------------------------------------------
+
+def serve_otlp() -> None:
+    """Child mode: an OTLP/HTTP receiver; prints its port, counts spans, prints the count
+    when stdin closes."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from otlp_receiver import HttpReceiver  # pylint: disable=import-outside-toplevel
+
+    receiver = HttpReceiver()
+    print(receiver.port, flush=True)
+    sys.stdin.read()
+    spans = len(receiver.received.spans())
+    receiver.stop()
+    print(spans, flush=True)
+
+
+def memory_exporters() -> tuple[Any, Any]:
+    """A span and a metric exporter that encode what they get as the OTLP exporters do, and count."""
+    from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class SpanSink(SpanExporter):
+        spans = 0
+        encoded_bytes = 0
+
+        def export(self, spans: Sequence[Any]) -> Any:
+            SpanSink.encoded_bytes += len(encode_spans(spans).SerializePartialToString())
+            SpanSink.spans += len(spans)
+            return SpanExportResult.SUCCESS
+
+    class MetricSink(MetricExporter):
+        def __init__(self) -> None:
+            super().__init__()
+
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
+            encode_metrics(metrics_data).SerializePartialToString()
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            return None
+
+    return SpanSink, MetricSink
+
+
+class Receiver:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve-otlp"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.port = int(self.proc.stdout.readline())  # type: ignore[union-attr]
+
+    def close(self) -> int:
+        out, _ = self.proc.communicate(timeout=120)
+        return int(out.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------
+# One turn
+# --------------------------------------------------------------------------------------
+
+def thread_cpu_by_role() -> dict[str, float]:
+    cpu = {role: 0.0 for role in THREADS.values()}
+    for thread in threading.enumerate():
+        role = THREADS.get(thread.name.split(" ")[0]) or next(
+            (r for n, r in THREADS.items() if thread.name.startswith(n)), None)
+        if role is None:
+            continue
+        try:
+            cpu[role] += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            pass
+    return cpu
+
+
+class Sections:
+    """Wall intervals of the worker's cycles, span exports and metric collections (``--sections``)."""
+
+    def __init__(self) -> None:
+        self.intervals: dict[str, list[tuple[int, int]]] = {"worker cycle": [], "span export": [],
+                                                            "metric collect+export": []}
+
+    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        out = self.intervals[name]
+        clock = time.perf_counter_ns
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                out.append((t0, clock()))
+
+        return wrapper
+
+    def attach(self, telemetry: Any, conf: Any) -> None:
+        pipeline = telemetry._pipeline  # pylint: disable=protected-access
+        pipeline._cycle = self.timed("worker cycle", pipeline._cycle)  # pylint: disable=protected-access
+        for processor in conf.span_processors:
+            exporter = processor._batch_processor._exporter  # pylint: disable=protected-access
+            exporter.export = self.timed("span export", exporter.export)
+        for reader in conf.metric_readers:
+            if hasattr(reader, "_ticker"):
+                reader.collect = self.timed("metric collect+export", reader.collect)
+
+    def attribute(self, late: list[tuple[int, int]]) -> dict[str, Any]:
+        """For each late wake-up (expected, actual), the sections overlapping it."""
+        counts = {name: 0 for name in self.intervals}
+        unexplained = 0
+        for start, end in late:
+            hit = False
+            for name, spans in self.intervals.items():
+                if any(s < end and e > start for s, e in spans):
+                    counts[name] += 1
+                    hit = True
+            unexplained += not hit
+        durations = {name: sorted(e - s for s, e in spans) for name, spans in self.intervals.items()}
+        return {"late": len(late), "overlapping": counts, "none": unexplained,
+                "section_us": {name: {"n": len(d), "p50": percentile(d, 0.5) / 1e3 if d else 0.0,
+                                      "p99": percentile(d, 0.99) / 1e3 if d else 0.0,
+                                      "max": d[-1] / 1e3 if d else 0.0} for name, d in durations.items()}}
+
+
+def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_port: int | None,
+             sections: bool, late_us: float, sinks: tuple[Any, Any] | None = None) -> dict[str, Any]:
+    import otel_hicache
+    from otel_hicache import configuration
+    from otel_hicache.testing import SimulatedDevice
+
+    class WallClockDevice(SimulatedDevice):
+        time_ns = staticmethod(time.time_ns)  # type: ignore[assignment]
+
+    rate = variant["rate"]
+    telemetry = conf = None
+    recorder = Sections() if sections and variant["hicache"] else None
+    if variant["hicache"]:
+        settings = {
+            "OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver_port}",
+            "OTEL_METRIC_EXPORT_INTERVAL": "1000",
+            "OTEL_BSP_MAX_QUEUE_SIZE": "65536",  # never drop: every span is encoded and sent
+            "OTEL_HICACHE_SPAN_SAMPLING": variant.get("sampling", "all"),
+        }
+        if variant.get("sampling") == "outliers":  # outliers kept, the rest at the base sampler's 1%
+            settings.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.01")
+        readers: list[Any] = []
+        if sinks is not None:  # memory: configure()'s parts, with exporters that encode and drop
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+            settings.update(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
+            readers.append(PeriodicExportingMetricReader(sinks[1](), export_interval_millis=1000))
+        with env(**settings):
+            conf = configuration.configure(force=True, metric_readers=readers)
+            if sinks is not None:
+                from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+                from otel_hicache import otel_environment
+
+                batch = int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
+                            or otel_environment.BATCH_SPAN_PROCESSOR["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1]())
+                processor = BatchSpanProcessor(sinks[0](), max_queue_size=65536, max_export_batch_size=batch)
+                conf.tracer_provider.add_span_processor(processor)
+                conf.span_processors = [processor]
+            telemetry = otel_hicache.TransferTelemetry(attributes=STATIC)
+        if recorder is not None:
+            recorder.attach(telemetry, conf)
+    device = WallClockDevice()
+    copy = device.copy
+    ago = COPY_ENDED_AGO_NS + int(COPY_MS * 1e6)
+    stop = threading.Event()
+    lateness: list[int] = []
+    late: list[tuple[int, int]] = []
+    submitted = [0]
+    probe_ns = int(probe_us * 1000)
+    late_ns = int(late_us * 1000)
+
+    def probe() -> None:
+        clock, sleep, out = time.perf_counter_ns, time.sleep, lateness.append
+        seconds_ = probe_ns / 1e9
+        while not stop.is_set():
+            t0 = clock()
+            sleep(seconds_)
+            t1 = clock()
+            delay = t1 - t0 - probe_ns
+            out(delay)
+            if delay > late_ns:
+                late.append((t0 + probe_ns, t1))
+
+    def submitter() -> None:
+        if not rate:
+            return
+        interval = int(1e9 / rate)
+        tel = telemetry
+        time_ns = time.time_ns
+        deadline = time.perf_counter_ns() + interval
+        i = 0
+        while not stop.is_set():
+            deadline = wait_until(deadline) + interval
+            if tel is not None:
+                start, finish = copy(time_ns() - ago, COPY_MS)
+                tel.ack(tel.submit("offload" if i & 1 else "onboard", {"kv": POOL_TOKENS, "swa": POOL_TOKENS},
+                                   NUM_BYTES, PAGE_SIZE, start, finish, True, "kernel"))
+            i += 1
+        submitted[0] = i
+
+    cpu0, process0, t0 = thread_cpu_by_role(), time.process_time(), time.perf_counter()
+    threads = [threading.Thread(target=probe, name="probe"), threading.Thread(target=submitter, name="submitter")]
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - t0
+    flushed = True
+    if telemetry is not None:
+        flushed = telemetry.force_flush(30.0)
+    cpu1, process1 = thread_cpu_by_role(), time.process_time()
+    if telemetry is not None:
+        telemetry.shutdown()
+        configuration.shutdown(10.0)
+    lateness.sort()
+    result = {
+        "samples": len(lateness), "elapsed_s": elapsed, "ops": submitted[0] if rate else 0,
+        "ops_per_s": (submitted[0] / elapsed) if rate else 0.0, "flushed": flushed,
+        "p50_us": percentile(lateness, 0.5) / 1e3, "p99_us": percentile(lateness, 0.99) / 1e3,
+        "p999_us": percentile(lateness, 0.999) / 1e3, "max_us": lateness[-1] / 1e3,
+        "mean_us": statistics.fmean(lateness) / 1e3,
+        "cpu_share": {role: (cpu1[role] - cpu0[role]) / elapsed for role in cpu1},
+        "process_cpu_share": (process1 - process0) / elapsed,
+        "lateness": lateness,
+    }
+    if recorder is not None:
+        result["sections"] = recorder.attribute(late)
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# Rounds and report
+# --------------------------------------------------------------------------------------
+
+def variants_for(rates: Sequence[int], outliers: bool) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{"name": "idle", "rate": 0, "hicache": False, "floor": "idle"}]
+    for rate in rates:
+        out.append({"name": f"paced {rate}", "rate": rate, "hicache": False, "floor": "idle"})
+        out.append({"name": f"hicache {rate}", "rate": rate, "hicache": True, "floor": f"paced {rate}"})
+    if outliers and 1000 in rates:
+        out.append({"name": "hicache 1000 outliers", "rate": 1000, "hicache": True, "floor": "paced 1000",
+                    "sampling": "outliers"})
+    return out
+
+
+def span_sampling_available() -> bool:
+    from otel_hicache import environment_variables as ev
+
+    return hasattr(ev, "OTEL_HICACHE_SPAN_SAMPLING")
+
+
+def merge(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    every = sorted(x for t in turns for x in t["lateness"])
+    elapsed = sum(t["elapsed_s"] for t in turns)
+    roles = turns[0]["cpu_share"].keys()
+    merged = {
+        "samples": len(every), "ops_per_s": sum(t["ops"] for t in turns) / elapsed,
+        "p50_us": percentile(every, 0.5) / 1e3, "p99_us": percentile(every, 0.99) / 1e3,
+        "p999_us": percentile(every, 0.999) / 1e3, "max_us": every[-1] / 1e3,
+        "per_round_p999_us": [t["p999_us"] for t in turns], "per_round_p99_us": [t["p99_us"] for t in turns],
+        "cpu_share": {r: sum(t["cpu_share"][r] * t["elapsed_s"] for t in turns) / elapsed for r in roles},
+        "process_cpu_share": sum(t["process_cpu_share"] * t["elapsed_s"] for t in turns) / elapsed,
+        "flushed": all(t["flushed"] for t in turns), "ops": sum(t["ops"] for t in turns),
+    }
+    if "sections" in turns[0]:
+        merged["sections"] = [t["sections"] for t in turns]
+    return merged
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--serve-otlp", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="short turns (~25 s in all)")
+    parser.add_argument("--rates", type=int, nargs="+", default=[200, 1000, 5000], help="ops/s of the hicache variants")
+    parser.add_argument("--rounds", type=int, help="rounds (each variant one turn per round)")
+    parser.add_argument("--turn-s", type=float, help="seconds per turn")
+    parser.add_argument("--probe-us", type=float, default=100.0, help="the probe's sleep")
+    parser.add_argument("--no-outliers", action="store_true",
+                        help="skip the OTEL_HICACHE_SPAN_SAMPLING=outliers variant")
+    parser.add_argument("--sections", action="store_true", help="attribute late wake-ups to the threads' sections")
+    parser.add_argument("--late-us", type=float, default=200.0, help="--sections: a wake-up later than this is late")
+    parser.add_argument("--sink", choices=("memory", "otlp"), default="memory",
+                        help="memory: encode to OTLP bytes in-process and drop; otlp: OTLP/HTTP to a child process")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.serve_otlp:
+        serve_otlp()
+        return 0
+
+    rounds = args.rounds or (2 if args.quick else 3)
+    turn_s = args.turn_s or (1.0 if args.quick else 3.0)
+    variants = variants_for(args.rates, not args.no_outliers and span_sampling_available())
+    from otel_hicache import __version__
+
+    results: dict[str, Any] = {"machine": machine("otel_hicache", __version__),
+                               "switch_interval_s": sys.getswitchinterval(),
+                               "params": {"rates": args.rates, "rounds": rounds, "turn_s": turn_s,
+                                          "probe_us": args.probe_us}}
+    m = results["machine"]
+    print(f"# otel-hicache {m['otel_hicache']}: GIL wake-up delay of a sleeping scheduler thread "
+          f"({'quick' if args.quick else 'full'} run)")
+    print(f"{m['python']}, opentelemetry-sdk {m['opentelemetry_sdk']}, {m['cpus']} CPUs ({m['processor']}), "
+          f"{m['platform']}; switch interval {sys.getswitchinterval() * 1e3:.1f} ms")
+    print(f"probe: sleep {args.probe_us:.0f} us in a loop, lateness = woke - slept - {args.probe_us:.0f} us; "
+          f"{rounds} rounds x {turn_s:.1f} s per variant, rotating order; spans at 100% "
+          + ("encoded to OTLP protobuf in-process (no network)" if args.sink == "memory"
+             else "to OTLP/HTTP (receiver in a child process)") + ", metric export every 1 s")
+    receiver = Receiver() if args.sink == "otlp" else None
+    sinks = memory_exporters() if args.sink == "memory" else None
+    turns: dict[str, list[dict[str, Any]]] = {v["name"]: [] for v in variants}
+    t_start = time.perf_counter()
+    try:
+        for r in range(rounds):
+            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            for variant in order:
+                turns[variant["name"]].append(run_turn(variant, turn_s, args.probe_us,
+                                                       receiver.port if receiver else None,
+                                                       args.sections, args.late_us, sinks))
+    finally:
+        received = receiver.close() if receiver is not None else sinks[0].spans
+    merged = {name: merge(t) for name, t in turns.items()}
+    submitted = sum(m_["ops"] for name, m_ in merged.items() if name.startswith("hicache") and "outliers" not in name)
+    results["variants"] = merged
+    results["received_spans"] = received
+
+    rows = []
+    for v in variants:
+        res, floor = merged[v["name"]], merged[v["floor"]]
+        added = {q: res[q] - floor[q] for q in ("p50_us", "p99_us", "p999_us")}
+        res["added_us"] = added
+        rows.append([v["name"], f"{res['ops_per_s']:.0f}" if v["rate"] else "", str(res["samples"]),
+                     f"{res['p50_us']:.1f}", f"{res['p99_us']:.1f}", f"{res['p999_us']:.1f}", f"{res['max_us']:.0f}",
+                     "" if v["name"] == "idle" else f"{added['p50_us']:+.1f}",
+                     "" if v["name"] == "idle" else f"{added['p99_us']:+.1f}",
+                     "" if v["name"] == "idle" else f"{added['p999_us']:+.1f}",
+                     " ".join(f"{x:.0f}" for x in res["per_round_p999_us"]),
+                     f"{100 * sum(res['cpu_share'].values()):.1f}" if v["hicache"] else ""])
+    print("\n## Probe lateness (us) and what otel-hicache adds\n")
+    print(table(rows, ["variant", "ops/s", "wake-ups", "p50", "p99", "p99.9", "max", "added p50", "added p99",
+                       "added p99.9", "p99.9 per round", "telemetry CPU %"], left=1))
+    print("added = minus the floor of the same run (hicache R: paced R; paced R: idle). telemetry CPU = the\n"
+          "completion worker + span processor + metric reader threads, % of one core (their CPU clocks).")
+    for v in variants:
+        if v["hicache"]:
+            share = merged[v["name"]]["cpu_share"]
+            print(f"  {v['name']}: " + ", ".join(f"{k} {100 * x:.1f}%" for k, x in share.items()))
+    if args.sections:
+        print("\n## Late wake-ups (> %.0f us) and the sections they overlapped (first round)\n" % args.late_us)
+        for v in variants:
+            if v["hicache"]:
+                sec = merged[v["name"]]["sections"][0]
+                durations = "; ".join(f"{n} n={d['n']} p50 {d['p50']:.0f} p99 {d['p99']:.0f} max {d['max']:.0f} us"
+                                      for n, d in sec["section_us"].items())
+                print(f"  {v['name']}: {sec['late']} late; overlapping " + ", ".join(
+                    f"{n} {c}" for n, c in sec["overlapping"].items()) + f", none {sec['none']}\n    {durations}")
+    goal = merged.get("hicache 1000")
+    if goal is not None:
+        added = goal["added_us"]["p999_us"]
+        results["goal"] = {"p999_added_us_at_1000": added, "goal_us": GOAL_P999_ADDED_US,
+                           "pass": added <= GOAL_P999_ADDED_US}
+        print(f"\ngoal: p99.9 added at 1000 ops/s, spans 100%: {added:+.1f} us (goal <= {GOAL_P999_ADDED_US:.0f} us): "
+              f"{'PASS' if added <= GOAL_P999_ADDED_US else 'FAIL'}")
+    complete = received >= submitted and all(m_["flushed"] for m_ in merged.values())
+    print(f"spans {'received by the OTLP receiver' if receiver else 'encoded by the sink'}: {received} "
+          f"(submitted at 100%: {submitted}): "
+          f"{'all' if received >= submitted else 'MISSING'}")
+    results["elapsed_s"] = time.perf_counter() - t_start
+    print(f"(run took {results['elapsed_s']:.0f} s)")
+    if args.json:
+        for res in merged.values():
+            res.pop("lateness", None)
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=2, default=str)
+    return 0 if complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""benchmarks/gil_impact.py runs end to end (tiny turns) and reports what it claims; no time is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gil_impact.py"
+
+
+def test_gil_impact_runs_and_every_span_is_encoded(tmp_path):
+    out = tmp_path / "gil.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--rates", "200", "--rounds", "1", "--turn-s", "0.3",
+                          "--sections", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())
+    assert {"idle", "paced 200", "hicache 200"} <= set(results["variants"])
+    hicache = results["variants"]["hicache 200"]
+    assert hicache["ops"] > 0 and hicache["flushed"] and hicache["samples"] > 0
+    assert results["received_spans"] >= hicache["ops"]  # spans at 100%: each encoded by the sink
+    assert set(hicache["cpu_share"]) == {"worker", "span_processor", "metric_reader"}
+    assert "sections" in hicache and "added p99.9" in run.stdout
