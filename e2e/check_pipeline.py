@@ -75,6 +75,15 @@ DEVICE_ONLY = {
         "hicache.transfer.queue_wait is recorded only for device_event ops with a wall-clock anchor",
 }
 
+# Series there only when a workload process had NVML (nvidia-ml-py) and a GPU: on a run where
+# no process reported its link capacity, an expression over them is SKIP rather than FAIL.
+NVML_ONLY = {
+    "hicache_link_nominal_bandwidth_bytes_per_second":
+        "hicache.link.nominal_bandwidth needs NVML (otel-hicache[nvml]) and a GPU",
+    "hicache:link_efficiency:ratio_rate1m":
+        "it divides by hicache.link.nominal_bandwidth, which needs NVML (otel-hicache[nvml]) and a GPU",
+}
+
 # The span attributes every transfer span carries, used when docs/reference.md's span
 # attribute table cannot be read (it is read first: its rows "When present: always").
 REQUIRED_SPAN_ATTRIBUTES = ("hicache.direction", "hicache.tokens", "hicache.bytes", "hicache.blocks",
@@ -124,6 +133,7 @@ class Results:
         self.no_data: list[str] = []
         self.skipped = 0
         self.device_timed = True  # set from the data in check_counters
+        self.nvml = True  # any link capacity reported (NVML_ONLY); set in check_counters
 
     def skip(self, name: str, detail: str) -> None:
         print(f"SKIP {name}: {detail}", flush=True)
@@ -137,6 +147,13 @@ class Results:
             if why:
                 self.no_data.append(f"{name} (expected on a CPU-only run: {why[0]}): {' '.join(expr.split())}")
                 self.skip(name, f"no data, expected: no device-timed op in this run and {why[0]}; `{shown or expr}`")
+                return
+        if ok and not result and not self.nvml:
+            why = [why for metric, why in NVML_ONLY.items() if metric in expr]
+            if why:
+                self.no_data.append(f"{name} (expected without NVML: {why[0]}): {' '.join(expr.split())}")
+                self.skip(name, f"no data, expected: no process reported its link capacity and {why[0]}; "
+                                f"`{shown or expr}`")
                 return
         if not (ok and result):
             self.no_data.append(f"{name}: {' '.join(expr.split())}")
@@ -398,6 +415,8 @@ def check_counters(res: Results, prom: Prometheus, truth: dict[str, Any], servic
     device = prom.by_labels(f'sum(hicache_transfer_duration_seconds_count{{service_name="{service}",'
                             f'hicache_timing_source="device_event"}})', ())
     res.device_timed = any(v > 0 for v in device.values())
+    res.nvml = bool(prom.by_labels("count(hicache_link_nominal_bandwidth_bytes_per_second)", ()))
+    print(f"   (link capacity from NVML in this run: {'yes' if res.nvml else 'no'})")
     print(f"   (device-timed ops in this run: {'yes' if res.device_timed else 'no, host clock only'})")
     # a rate needs two exports of the run: the link throughput must be a number, not just a series
     expr = (f"max_over_time((sum by (hicache_direction) (rate(hicache_transfer_bytes_total{sel}[1m]))"
@@ -742,7 +761,8 @@ def check_rules(res: Results, prom: Prometheus, repo: str) -> None:
                 if not found.get(name):
                     q_ok, result, _ = prom.query(sel)
                     found[name] = result if q_ok else []
-            return all(found.values())
+            # without NVML the link efficiency is never recorded: not waited for
+            return all(found[name] for name, _, _ in records if res.nvml or name not in NVML_ONLY)
 
         wait_until(all_recorded, timeout, 1.0)
         waited = time.monotonic() - started
@@ -837,8 +857,11 @@ def check_documented_series(res: Results, prom: Prometheus, repo: str, services:
         want = set(spec["labels"]) | ({"le"} if name.endswith("_bucket") else set())
         if not series:
             why = next((why for base, why in DEVICE_ONLY.items() if name.startswith(base)), None)
+            nvml_why = NVML_ONLY.get(name)
             if why and not res.device_timed:
                 res.skip(f"{name} exists", f"expected absent: no device-timed op in this run and {why}")
+            elif nvml_why and not res.nvml:
+                res.skip(f"{name} exists", f"expected absent: no process reported its link capacity and {nvml_why}")
             else:
                 res.check(f"{name} exists", False, f"documented for `{spec['metric']}`, no series of "
                                                    f"{', '.join(services)} in Prometheus (`{name}{{{sel}}}`)")

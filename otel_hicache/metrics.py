@@ -4,8 +4,8 @@ Recorded on the completion worker from every record, before and independently
 of trace sampling, so counters are exact whatever the sampler drops.
 
 Cost control: counter increments are summed per attribute set in plain dicts
-and handed to the SDK once per worker cycle (:meth:`TransferMetrics.flush`),
-not once per op. Histograms are recorded per op (the SDK offers no batch
+and handed to the SDK at most every 50 ms of the worker and on every flush
+(:meth:`TransferMetrics.flush`), not once per op. Histograms are recorded per op (the SDK offers no batch
 record), with the span context of the op so trace-based exemplars link a
 bucket to its trace, through :mod:`otel_hicache.metrics_fast_path` (no
 per-record attribute work) where that is exactly equivalent. Attribute dicts
@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from . import semconv as sc
+from .diagnostics import warn_once
 from .metrics_fast_path import BoundHistogram, resolver_for
 from .records import DIRECTIONS, ORIGINS, TIERS, TransferRecord
 from .version import __version__
@@ -54,6 +55,7 @@ class TransferInstruments:
         )
         self.dropped = counter(sc.RECORDS_DROPPED)
         self.failed = counter(sc.RECORDS_FAILED)
+        self.span_decisions = counter(sc.SPANS)
 
 
 class TransferMetrics(TransferInstruments):
@@ -95,11 +97,21 @@ class TransferMetrics(TransferInstruments):
         self._by_pool: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._by_duration: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self._by_reason: dict[str, dict[str, Any]] = {}
+        self._by_span_decision: dict[tuple[str, str], dict[str, Any]] = {
+            key: self._attrs({sc.DECISION: key[0], sc.REASON: key[1]}) for key in sc.SPAN_DECISION_SERIES
+        }
         self._by_timing: dict[tuple[str, str], dict[str, Any]] = {}
         self._default_io_backend = str(self._static.get(sc.IO_BACKEND, "unknown"))
         # pending counter increments: (instrument, attrs id) -> [attrs, amount]
         self._pending: dict[tuple[int, int], list[Any]] = {}
         self._zero_series()
+        # stuck and late transfers: ages the pipeline computes at collection time
+        # (bind_oldest_ages); both directions report 0 until bound and while none
+        self._age_sources: tuple[Callable[[], Mapping[str, float]], ...] | None = None
+        for index, spec in enumerate((sc.TRANSFER_OLDEST_INFLIGHT_AGE, sc.TRANSFER_OLDEST_UNACKED_AGE)):
+            meter.create_observable_gauge(
+                spec[0], callbacks=[self._age_callback(index)], unit=spec[1], description=spec[2]
+            )
 
     def _attrs(self, extra: Mapping[str, Any]) -> dict[str, Any]:
         attrs = dict(self._static)
@@ -153,6 +165,33 @@ class TransferMetrics(TransferInstruments):
             self.dropped.add(0, self._reason_attrs(reason))
         for reason in sc.FAIL_REASONS:
             self.failed.add(0, self._reason_attrs(reason))
+        for attrs in self._by_span_decision.values():
+            self.span_decisions.add(0, attrs)
+
+    # -- oldest in-flight / un-acked age (the SDK's collection thread) -----------
+    def bind_oldest_ages(
+        self, inflight: Callable[[], Mapping[str, float]], unacked: Callable[[], Mapping[str, float]]
+    ) -> None:
+        """Where the oldest_inflight_age and oldest_unacked_age gauges read their
+        values: each returns seconds per direction (the completion pipeline's)."""
+        self._age_sources = (inflight, unacked)
+
+    def _age_callback(self, index: int) -> Callable[[Any], list[Any]]:
+        from opentelemetry.metrics import Observation
+
+        def observe(_options: Any) -> list[Any]:
+            sources = self._age_sources
+            if sources is None:
+                return [Observation(0.0, self._by_direction[d]) for d in DIRECTIONS]
+            try:
+                ages = sources[index]()
+            except Exception as exc:  # no point rather than a 0 that reads as healthy
+                warn_once(f"oldest_age:{type(exc).__name__}",
+                          "otel-hicache: cannot compute the oldest transfer ages (%r); not reported", exc)
+                return []
+            return [Observation(ages.get(d, 0.0), self._by_direction[d]) for d in DIRECTIONS]
+
+        return observe
 
     # -- batched counters -------------------------------------------------
     def _add(self, instrument: Any, attrs: dict[str, Any], amount: float) -> None:
@@ -170,10 +209,16 @@ class TransferMetrics(TransferInstruments):
             bound = self._bound[key] = BoundHistogram(instrument, attrs, self._resolver)
         return bound
 
-    def flush(self) -> None:
-        """Hand the summed counter increments to the SDK (once per worker cycle)."""
+    def revalidate(self) -> None:
+        """Re-check the histogram fast path's bindings (every worker cycle: a delta
+        collection or a reader added since must not lose the next values)."""
         for bound in self._bound.values():
             bound.revalidate()
+
+    def flush(self) -> None:
+        """Re-check the bindings and hand the summed counter increments to the SDK
+        (every ``_COUNTER_FLUSH_INTERVAL_NS`` of the worker, and on every flush)."""
+        self.revalidate()
         pending = self._pending
         if not pending:
             return
@@ -222,6 +267,13 @@ class TransferMetrics(TransferInstruments):
     def failed_record(self, record: TransferRecord, reason: str) -> None:
         self.left_flight(record)
         self._add(self.failed, self._reason_attrs(reason), 1)
+
+    def span_decision(self, decision: str, reason: str) -> None:
+        """One span kept or skipped (otel_hicache.spans; the span builder calls it per op)."""
+        attrs = self._by_span_decision.get((decision, reason))
+        if attrs is None:  # a pair not decided by the worker itself (a non-SDK tracer's own sampler)
+            attrs = self._by_span_decision[decision, reason] = self._attrs({sc.DECISION: decision, sc.REASON: reason})
+        self._add(self.span_decisions, attrs, 1)
 
     def dropped_records(self, reason: str, count: int = 1) -> None:
         self._add(self.dropped, self._reason_attrs(reason), count)

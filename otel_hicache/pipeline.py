@@ -11,7 +11,8 @@ worker per process (per :class:`CompletionPipeline`) does everything else:
 3. on completion: resolve timing (:mod:`otel_hicache.timing`), add to busy
    time, begin the span, record metrics and the DEBUG lines;
 4. finish the span once acked (or the ack wait timed out, or no ack expected);
-5. hand the cycle's summed counter increments to the SDK.
+5. hand the summed counter increments to the SDK (at most every
+   ``_COUNTER_FLUSH_INTERVAL_NS``, and on every flush and at stop).
 
 After ``fork()`` the child starts with an empty pipeline and a new worker
 (the parent's records stay the parent's), and rebuilds its sinks (see
@@ -21,6 +22,8 @@ After ``fork()`` the child starts with an empty pipeline and a new worker
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import threading
 import time
 from collections import deque
@@ -30,7 +33,7 @@ from . import environment_variables as ev
 from . import fork
 from . import semconv as sc
 from .busy_time import BusyTimeTracker
-from .clock import WallClockAnchor
+from .clock import EventTimeline, WallClockAnchor
 from .device import anchor_factory_for
 from .diagnostics import logger, warn_once
 from .environment_variables import DEFAULTS
@@ -89,10 +92,48 @@ class PipelineSettings:
 
 _IDLE_WAIT_S = 0.01
 _ACTIVE_GRACE_S = 0.1
+# Counter increments are summed and handed to the SDK at most this often (and on every
+# flush and at stop): each SDK Counter.add costs ~8 us, about 9 of them per hand-off, which
+# per 1 ms cycle was half the worker's CPU at 1,000 ops/s. Collections see counters at most
+# this much behind the histograms (recorded per op).
+_COUNTER_FLUSH_INTERVAL_NS = 50_000_000
 _ACK_SCAN_INTERVAL_NS = 5_000_000
 _GIL_YIELD_EVERY = 16  # records completed between two voluntary GIL releases
 _BUSY_LATE_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
 _BUSY_FORGET_INTERVAL_NS = 100_000_000
+_AGES_LOCK_WAIT_S = 0.05  # the collection thread's longest wait for the intake lock (oldest_inflight_ages)
+
+
+def _ns(value: Any) -> int | float | None:
+    """A submit time usable for an age (an int, a NumPy or torch integer, a finite float), else None."""
+    if type(value) is int:
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value if isinstance(value, float) and math.isfinite(value) else None
+
+
+class _Wake:
+    """The worker's wake-up: ``wait(timeout)`` is one C call (``threading.Event.wait`` is a
+    Condition in Python: ~15 us more CPU per poll on a 2-core VM), ``set()`` from any thread;
+    a wait consumes the wake-up (no ``clear()``), so a ``set()`` is never lost between the
+    two, and a spurious extra wake-up costs one empty cycle."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # already set
+            pass
+
+    def wait(self, timeout: float) -> bool:
+        return self._lock.acquire(timeout=timeout)
 
 
 class CompletionPipeline:
@@ -118,13 +159,16 @@ class CompletionPipeline:
         self.held = 0  # records the worker holds (pending + awaiting ack); never below the truth
         self._pending: list[TransferRecord] = []
         self._awaiting: list[tuple[TransferRecord, Any]] = []
+        self._intake: list[list[Any]] | tuple[()] = ()  # the batch being taken in (oldest_*_ages)
         self._last_ack_scan = 0
         self._busy = {d: BusyTimeTracker() for d in DIRECTIONS}
         self._last_busy_forget = 0
         self._anchor: WallClockAnchor | None = None
         self._anchor_resolved = False
+        self._timeline = EventTimeline()  # places device-timed ops the anchor cannot
         self._sinks: Sinks | None = None
-        self._wake = threading.Event()
+        self._wake = _Wake()
+        self._last_counter_flush = 0  # time.monotonic_ns() of the last hand-off of the summed counters
         self._stopping = False
         self._drain_all = False
         self._flush_waiters: list[tuple[int, threading.Event]] = []
@@ -147,6 +191,73 @@ class CompletionPipeline:
 
     def size(self) -> int:
         return len(self.queue) + self.held
+
+    # -- stuck and late transfers (the metric collection thread) ----------------
+    #
+    # hicache.transfer.oldest_inflight_age / oldest_unacked_age are computed when
+    # the SDK collects, from snapshots of the worker's state: nothing on the hot
+    # path and no per-cycle work on the worker (which would cost on every cycle
+    # what a collection, every export interval, costs once). The snapshots are
+    # safe without a lock on the lists: tuple() of a list is one C call under the
+    # GIL, and the worker only appends to a list or replaces it whole. Only the
+    # intake is read under the worker's existing lock (a bounded wait), which it
+    # holds while it pops: a record is then either still queued or in the batch being taken in
+    # (_intake, cleared only once every record of it is in _pending). A snapshot
+    # may still show an op that completed a moment ago (worst case: one cycle
+    # late), never miss one in flight. Cost per collection: O(records held).
+
+    def oldest_inflight_ages(self) -> dict[str, float]:
+        """Seconds since the submit time of the oldest op per direction still in
+        flight (queued, being taken in, or not seen complete); 0 when none.
+        On the clock that stamps ``submit_ns``."""
+        oldest: dict[str, Any] = dict.fromkeys(DIRECTIONS)
+        # Bounded wait: the SDK calls this holding its collection lock, which the worker
+        # needs while it builds its sinks under this one (a forked child on shared
+        # providers). Past the wait, a batch in transit may be missed for this collection.
+        locked = self._lock.acquire(timeout=_AGES_LOCK_WAIT_S)
+        try:
+            try:
+                queued: tuple[Any, ...] = tuple(self.queue)
+            except RuntimeError:  # a deque mutated while copied (one C call: only a GC finalizer could)
+                queued = ()
+            intake = self._intake
+        finally:
+            if locked:
+                self._lock.release()
+        for item in itertools.chain(queued, intake):
+            try:
+                direction, submit_ns = item[0], _ns(item[S_SUBMIT_NS])
+            except Exception:  # not a submission list: the intake drops it as invalid_input
+                continue
+            if submit_ns is not None and direction in oldest:
+                first = oldest[direction]
+                if first is None or submit_ns < first:
+                    oldest[direction] = submit_ns
+        for record in tuple(self._pending):
+            submit_ns = _ns(record.submit_ns)  # unchecked by validate(): a bad one ends as internal_error
+            first = oldest[record.direction]
+            if submit_ns is not None and (first is None or submit_ns < first):
+                oldest[record.direction] = submit_ns
+        return self._ages(oldest)
+
+    def oldest_unacked_ages(self) -> dict[str, float]:
+        """Seconds since the completion of the oldest op per direction still waiting
+        for its ack (submitted with ``expect_ack=True``); 0 when none. Measured from
+        the completion, as the ack timeout is, so it stays below
+        ``OTEL_HICACHE_ACK_TIMEOUT_S`` (plus a scan) while the worker keeps up."""
+        oldest: dict[str, Any] = dict.fromkeys(DIRECTIONS)
+        for record, _state in tuple(self._awaiting):
+            if record.handle[S_ACK_NS] is not None:  # acked, not yet scanned out (at most 5 ms)
+                continue
+            first = oldest[record.direction]
+            completed = record.completed_at_ns
+            if first is None or completed < first:
+                oldest[record.direction] = completed
+        return self._ages(oldest)
+
+    def _ages(self, oldest: dict[str, Any]) -> dict[str, float]:
+        now = self._clock()
+        return {d: 0.0 if t is None else max(0.0, (now - t) / 1e9) for d, t in oldest.items()}
 
     # -- control (any thread) -----------------------------------------------
     def flush(self, timeout_s: float) -> bool:
@@ -187,6 +298,7 @@ class CompletionPipeline:
             try:
                 self._cycle()
             except Exception as exc:  # keep the worker alive whatever happens
+                self._intake = ()  # a batch the error interrupted is not in flight any more
                 warn_once("worker", "otel-hicache: completion worker error %r (continuing)", exc)
                 logger.debug("otel-hicache worker error", exc_info=True)
             if self._stopping:
@@ -199,7 +311,6 @@ class CompletionPipeline:
             if self._pending or self._awaiting or self.queue or self._taken != taken:
                 last_active = now  # busy (also when this cycle finished all it took in)
             self._wake.wait(poll if now - last_active < _ACTIVE_GRACE_S else _IDLE_WAIT_S)
-            self._wake.clear()
 
     def _sinks_now(self) -> Sinks:
         sinks = self._sinks
@@ -207,7 +318,11 @@ class CompletionPipeline:
             with self._lock:  # built once, whichever thread asks first
                 sinks = self._sinks
                 if sinks is None:
-                    sinks = self._sinks = self._build_sinks()
+                    sinks = self._build_sinks()
+                    bind = getattr(sinks.metrics, "bind_oldest_ages", None)
+                    if bind is not None:  # the oldest in-flight and un-acked ages, observed at collection
+                        bind(self.oldest_inflight_ages, self.oldest_unacked_ages)
+                    self._sinks = sinks
         return sinks
 
     def _cycle(self) -> None:
@@ -235,6 +350,7 @@ class CompletionPipeline:
                 first = self._taken
                 items = [queue.popleft() for _ in range(count)]
                 self._taken = first + count
+                self._intake = items  # popped, not yet in _pending: still seen as in flight
             for seq, item in enumerate(items, first):
                 record = TransferRecord(item)
                 record.seq = seq
@@ -249,6 +365,7 @@ class CompletionPipeline:
                 metrics.submitted(record)
                 pending.append(record)
                 room -= 1  # an invalid record takes no room: the next pass takes another
+        self._intake = ()
         self.held = len(pending) + len(self._awaiting)
         now = self._clock()
         # 2./3. completion
@@ -287,7 +404,14 @@ class CompletionPipeline:
         # 5. counters: refusals counted up to now (a flush registered during this
         # cycle covers them), then every summed increment to the SDK
         self._report_queue_full(metrics)
-        metrics.flush()
+        mono = time.monotonic_ns()
+        if self._flush_waiters or self._drain_all or mono - self._last_counter_flush >= _COUNTER_FLUSH_INTERVAL_NS:
+            self._last_counter_flush = mono
+            metrics.flush()
+        else:
+            revalidate = getattr(metrics, "revalidate", None)
+            if revalidate is not None:
+                revalidate()
         if self._flush_waiters:
             self._release_flush_waiters()
 
@@ -390,7 +514,7 @@ class CompletionPipeline:
     def _complete(self, record: TransferRecord, sinks: Sinks) -> None:
         now = self._clock()
         anchor = self._anchor_for(record) if record.timing_enabled and record.start_event is not None else None
-        resolve(record, now, anchor)
+        resolve(record, now, anchor, self._timeline)
         busy_added = self._busy[record.direction].add(record.start_ns, record.end_ns)
         state = sinks.spans.begin(record)
         sinks.metrics.completed(record, busy_added)

@@ -34,6 +34,7 @@ POOL: Final = "hicache.pool"
 IO_BACKEND: Final = "hicache.io_backend"
 ORIGIN: Final = "hicache.origin"
 TIMING_SOURCE: Final = "hicache.timing_source"
+PLACEMENT_SOURCE: Final = "hicache.placement_source"  # values: otel_hicache.clock.PLACEMENTS
 QUEUE_WAIT_US: Final = "hicache.queue_wait_us"
 ACK_DELAY_US: Final = "hicache.ack_delay_us"
 ACKED: Final = "hicache.acked"
@@ -41,6 +42,15 @@ BANDWIDTH: Final = "hicache.bandwidth_bytes_per_second"
 ERROR_TYPE: Final = "error.type"
 TIER: Final = "hicache.tier"
 REASON: Final = "reason"
+# metric-only, on hicache.link.nominal_bandwidth: the host link of the process's GPU
+LINK_TYPE: Final = "hicache.link.type"
+LINK_GENERATION: Final = "hicache.link.generation"
+LINK_WIDTH: Final = "hicache.link.width"
+PCI_BUS_ID: Final = "pci.bus_id"
+
+# on otel_hicache.spans (metric-only) and, with OTEL_HICACHE_SPAN_SAMPLING=outliers, on kept spans
+DECISION: Final = "decision"
+SAMPLING_REASON: Final = "hicache.sampling.reason"
 
 # metrics: name, unit, description
 TRANSFER_DURATION = (
@@ -82,6 +92,17 @@ TRANSFER_INFLIGHT = (
     "{transfer}",
     "Ops submitted whose completion has not been observed yet.",
 )
+TRANSFER_OLDEST_INFLIGHT_AGE = (
+    "hicache.transfer.oldest_inflight_age",
+    "s",
+    "Age of the oldest op submitted and not yet seen complete (since its submit); 0 when none.",
+)
+TRANSFER_OLDEST_UNACKED_AGE = (
+    "hicache.transfer.oldest_unacked_age",
+    "s",
+    "Time the oldest completed op submitted with expect_ack=True has waited for its ack "
+    "(since its completion was seen); 0 when none.",
+)
 # cache events (not transfers): exact cumulative counts, see otel_hicache.cache_events
 PREFIX_TOKENS = (
     "hicache.prefix.tokens",
@@ -99,6 +120,14 @@ EVICTED_TOKENS = (
     "Tokens evicted from a tier (hicache.tier: device, host).",
 )
 
+# the host link's capacity (not transfers): read once from NVML, see otel_hicache.link_capacity
+LINK_NOMINAL_BANDWIDTH = (
+    "hicache.link.nominal_bandwidth",
+    "By/s",
+    "Nominal bytes/s per direction of the GPU's host link (PCIe at its max generation and width, "
+    "or NVLink-C2C), from NVML at start-up; absent without NVML.",
+)
+
 RECORDS_DROPPED = (
     "otel_hicache.records.dropped",
     "{record}",
@@ -111,11 +140,32 @@ RECORDS_FAILED = (
     "Transfers reported as error spans, not counted in the transfer metrics "
     "(reason: event_error, transfer_timeout).",
 )
+WORKER_CPU_TIME = (
+    "otel_hicache.worker.cpu_time",
+    "s",
+    "CPU time of otel-hicache's completion worker thread (intake, timing, spans and metrics of every op).",
+)
+EXPORT_CPU_TIME = (
+    "otel_hicache.export.cpu_time",
+    "s",
+    "CPU time of the SDK threads exporting otel-hicache's telemetry (thread: span_processor, metric_reader).",
+)
 QUEUE_SIZE = (
     "otel_hicache.queue.size",
     "{record}",
     "Records held by the completion pipeline (queued, in flight or awaiting their ack).",
 )
+SPANS = (
+    "otel_hicache.spans",
+    "{span}",
+    "Transfer spans kept (sampled, handed to the span processors) or skipped (not sampled), by "
+    "decision and reason: error, slow, parent, base (the tracer provider's sampler).",
+)
+
+# on otel_hicache.export.cpu_time (metric-only): which SDK thread
+THREAD: Final = "thread"
+THREAD_SPAN_PROCESSOR: Final = "span_processor"
+THREAD_METRIC_READER: Final = "metric_reader"
 
 TIER_DEVICE: Final = "device"
 TIER_HOST: Final = "host"
@@ -135,6 +185,17 @@ FAIL_EVENT_ERROR: Final = "event_error"
 FAIL_TRANSFER_TIMEOUT: Final = "transfer_timeout"
 DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR)
 FAIL_REASONS = (FAIL_EVENT_ERROR, FAIL_TRANSFER_TIMEOUT)
+
+# otel_hicache.spans: decision and reason (see otel_hicache.span_sampling)
+SPAN_KEPT: Final = "kept"
+SPAN_SKIPPED: Final = "skipped"
+SPAN_REASON_ERROR: Final = "error"
+SPAN_REASON_SLOW: Final = "slow"
+SPAN_REASON_PARENT: Final = "parent"
+SPAN_REASON_BASE: Final = "base"
+SPAN_REASONS = (SPAN_REASON_ERROR, SPAN_REASON_SLOW, SPAN_REASON_PARENT, SPAN_REASON_BASE)
+SPAN_DECISION_SERIES = tuple((SPAN_KEPT, reason) for reason in SPAN_REASONS) + ((SPAN_SKIPPED, SPAN_REASON_BASE),)
+"""(decision, reason) pairs with zero series from start-up: what the worker decides."""
 
 DURATION_BUCKETS_S = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,

@@ -22,6 +22,7 @@ from opentelemetry import trace as otel_trace
 from . import configuration, sdk_internals
 from .bounded_flush import bounded
 from .cache_events import CacheEvents
+from .link_capacity import LinkCapacity
 from . import environment_variables as ev
 from .device import timing_event_pair
 from .diagnostics import warn_once
@@ -30,7 +31,9 @@ from .metrics import TransferMetrics
 from .process_exit import on_exit
 from .pipeline import CompletionPipeline, PipelineSettings, Sinks
 from .records import S_ACK_NS, TransferRecord, submission, validate
+from .self_metrics import TelemetryCpu
 from .settings import env_bool, env_float, sdk_disabled
+from .span_sampling import SpanSamplingSettings
 from .spans import _valid_value, make_span_builder
 
 
@@ -97,6 +100,7 @@ class TransferTelemetry:
         self._strict = env_bool(ev.OTEL_HICACHE_STRICT)
         self._clock = clock or time.time_ns
         self._fast_path = env_bool(ev.OTEL_HICACHE_SPAN_FAST_PATH)
+        self._span_sampling = SpanSamplingSettings.from_environment()
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self._pipeline: CompletionPipeline | None = None
         self._from_configuration = False
@@ -112,6 +116,9 @@ class TransferTelemetry:
             return
         settings = PipelineSettings.from_environment()
         self._cap = settings.max_queue_size
+        # the host link's nominal capacity: the current device is taken here, on the
+        # caller's thread (it is per thread); NVML is read once, by the worker
+        self._link_capacity = LinkCapacity(self._static)
         self._pipeline = CompletionPipeline(settings, self._build_sinks, self._clock, anchor_event_factory)
         self.enabled = True
         on_exit(_shutdown_at_exit, weakref.ref(self), priority=20)  # also in multiprocessing children
@@ -143,15 +150,21 @@ class TransferTelemetry:
             self._resolve_providers()
         tracer_provider, meter_provider = self._providers
         self.cache_events.bind(meter_provider)
-        return Sinks(
-            make_span_builder(tracer_provider, self._static, self._fast_path),
-            TransferMetrics(meter_provider, self._static, queue_size=self._queue_size, fast_path=self._fast_path),
-            TransferLog(),
-        )
+        self._link_capacity.bind(meter_provider)
+        metrics = TransferMetrics(meter_provider, self._static, queue_size=self._queue_size,
+                                  fast_path=self._fast_path)
+        TelemetryCpu(meter_provider, tracer_provider, self._static, self._worker_thread)  # its own CPU, at collection
+        spans = make_span_builder(tracer_provider, self._static, self._fast_path,
+                                  self._span_sampling.policy(self._static), metrics.span_decision)
+        return Sinks(spans, metrics, TransferLog())
 
     def _queue_size(self) -> int:
         pipeline = self._pipeline
         return pipeline.size() if pipeline is not None else 0
+
+    def _worker_thread(self) -> Any:
+        pipeline = self._pipeline
+        return pipeline._worker if pipeline is not None else None  # its thread (a new one after fork)
 
     # -- hot path ---------------------------------------------------------------
     def submit(

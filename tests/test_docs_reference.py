@@ -15,6 +15,7 @@ import ast
 import inspect
 import itertools
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ def semconv_metrics() -> dict[str, tuple[str, str, str]]:
 
 _NOT_ATTRIBUTES = ("SCOPE_NAME", "SPAN_", "EVENT_", "DROP_", "FAIL_", "TIER_")
 OBSERVABLE_COUNTERS = {spec[0] for spec in cache_events._KINDS.values()}  # pylint: disable=protected-access
+OBSERVABLE_COUNTERS |= {sc.WORKER_CPU_TIME[0], sc.EXPORT_CPU_TIME[0]}  # otel_hicache.self_metrics
 
 
 def semconv_attributes() -> dict[str, str]:
@@ -72,7 +74,7 @@ def semconv_attributes() -> dict[str, str]:
 def test_semconv_is_what_this_test_expects():
     metrics = semconv_metrics()
     assert {"TRANSFER_DURATION", "TRANSFER_BYTES", "RECORDS_DROPPED", "RECORDS_FAILED", "QUEUE_SIZE"} <= set(metrics)
-    assert len(metrics) == 15
+    assert len(metrics) == 21
     assert not any(spec[0].startswith("otel.sdk.") for spec in metrics.values())  # the SDK's, not ours
     attrs = semconv_attributes()
     assert attrs["DIRECTION"] == "hicache.direction" and attrs["ERROR_TYPE"] == "error.type"
@@ -145,9 +147,20 @@ def test_label_translation():
 
 
 @pytest.fixture
-def emitted(harness) -> dict[str, Any]:
-    """One acked device-timed op per direction; metric kinds, point attributes and span attributes."""
+def emitted(harness, monkeypatch) -> dict[str, Any]:
+    """One acked device-timed op per direction; metric kinds, point attributes and span attributes.
+    NVML is a fake one GPU (tests/fake_nvml.py), so hicache.link.nominal_bandwidth is emitted too."""
+    from fake_nvml import FakeNvml
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    for key in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):
+        monkeypatch.delenv(key, raising=False)
     h = harness(attributes=dict(STATIC))
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    # an export thread, so otel_hicache.export.cpu_time has a point
+    h.tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
     for direction in ("offload", "onboard"):
         ev0, ev1 = h.device.copy(h.device.time_ns() + 100_000, 1.0)
         handle = h.tel.submit(direction, {"kv": 128, "draft_kv": 128}, 1 << 24, 64, ev0, ev1, True,
