@@ -451,10 +451,8 @@ def export_threads(tracer_provider: Any, meter_provider: Any) -> dict[str, list[
 
 # -- value-checked writes, on any SDK version ---------------------------------------------------------------
 
-def stop_reader_in_fork_child(reader: Any) -> None:
-    """A periodic metric reader inherited from the parent: its exporter replaced by one that
-    discards (the parent's frozen points are not exported again) and the thread the SDK
-    restarted at fork stopped (PeriodicExportingMetricReader._at_fork_reinit)."""
+def discarding_metric_exporter() -> Any:
+    """A ``MetricExporter`` that accepts every export and sends nothing."""
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 
     class Discard(MetricExporter):
@@ -467,8 +465,17 @@ def stop_reader_in_fork_child(reader: Any) -> None:
         def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
             return None
 
+    return Discard()
+
+
+def stop_reader_in_fork_child(reader: Any) -> None:
+    """A periodic metric reader inherited from the parent: its exporter replaced by one that
+    discards (the parent's frozen points are not exported again) and the thread the SDK
+    restarted at fork stopped (PeriodicExportingMetricReader._at_fork_reinit)."""
+    from opentelemetry.sdk.metrics.export import MetricExporter
+
     if isinstance(getattr(reader, "_exporter", None), MetricExporter):
-        reader._exporter = Discard()  # pylint: disable=protected-access
+        reader._exporter = discarding_metric_exporter()  # pylint: disable=protected-access
     event = getattr(reader, "_shutdown_event", None)
     if isinstance(event, threading.Event):
         event.set()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import (InMemoryMetricReader, MetricExporter, MetricExportResult,
+from opentelemetry.sdk.metrics.export import (InMemoryMetricReader,
                                               PeriodicExportingMetricReader)
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -134,20 +134,6 @@ def test_counters_reach_the_sdk_within_the_interval_without_a_flush():
 
 # -- otel_hicache.worker.cpu_time and otel_hicache.export.cpu_time -------------------------------------------
 
-class NullMetricExporter(MetricExporter):
-    def __init__(self) -> None:
-        super().__init__()
-
-    def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
-        return MetricExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return True
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        return None
-
-
 def _cpu_points(reader: InMemoryMetricReader) -> dict[tuple[str, str | None], tuple[float, dict[str, Any]]]:
     found = {}
     for rm in reader.get_metrics_data().resource_metrics:
@@ -163,7 +149,7 @@ def _cpu_points(reader: InMemoryMetricReader) -> dict[tuple[str, str | None], tu
 @linux_thread_clocks
 def test_the_worker_and_export_threads_cpu_are_counted_per_rank():
     reader = InMemoryMetricReader()
-    periodic = PeriodicExportingMetricReader(NullMetricExporter(), export_interval_millis=60_000)
+    periodic = PeriodicExportingMetricReader(sdk_internals.discarding_metric_exporter(), export_interval_millis=60_000)
     meter_provider = MeterProvider(metric_readers=[reader, periodic], shutdown_on_exit=False)
     tracer_provider = TracerProvider(shutdown_on_exit=False)
     tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
