@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 
 import otel_hicache  # noqa: E402
-from bench_common import SDK_SELF_METRICS, read_sdk_delivery  # noqa: E402  (this script's folder)
+from bench_common import SDK_SELF_METRICS, read_sdk_delivery, wait_until  # noqa: E402  (this script's folder)
 from otel_hicache import configuration  # noqa: E402
 
 PAGE = 64
@@ -120,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     thread.start()
     previous = None
     for i in range(total):
-        due = start_ns + i * period_ns
-        now = time.perf_counter_ns()
-        if due > now:
-            time.sleep((due - now) / 1e9)
+        wait_until(start_ns + i * period_ns)  # a fixed schedule: a late op does not delay the next ones
         direction = DIRECTIONS[i & 1]
         pages = 1 + (i * 7919) % 8
         tokens = pages * PAGE

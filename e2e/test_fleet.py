@@ -137,7 +137,7 @@ def node_main(argv: list[str]) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
 
     import otel_hicache
-    from bench_common import read_sdk_delivery
+    from bench_common import read_sdk_delivery, wait_until
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from otel_hicache import configuration
@@ -160,10 +160,7 @@ def node_main(argv: list[str]) -> int:
     period = int(1e9 / args.rate)
     previous = None
     for i in range(total):
-        due = start + i * period
-        now = time.perf_counter_ns()
-        if due > now:
-            time.sleep((due - now) / 1e9)
+        wait_until(start + i * period)  # a fixed schedule: a late op does not delay the next ones
         direction = DIRECTIONS[i & 1]
         pages = 1 + rng.randrange(8)
         tokens = pages * PAGE
