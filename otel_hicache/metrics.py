@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 from . import semconv as sc
 from .diagnostics import warn_once
 from .metrics_fast_path import BoundHistogram, resolver_for
-from .records import DIRECTIONS, ORIGINS, TIERS, TransferRecord
+from .records import DIRECT, DIRECTIONS, MERGED_OP, ORIGINS, TIERS, TransferRecord
 from .version import __version__
 
 
@@ -87,14 +87,8 @@ class TransferMetrics(TransferInstruments):
         self._by_origin = {
             (d, o): self._attrs({sc.DIRECTION: d, sc.ORIGIN: o}) for d in DIRECTIONS for o in ORIGINS
         }
-        self._by_tiers = {
-            (d, o): self._attrs(
-                {sc.DIRECTION: d, sc.SRC_TIER: TIERS[d][0], sc.DST_TIER: TIERS[d][1], sc.ORIGIN: o}
-            )
-            for d in DIRECTIONS
-            for o in ORIGINS
-        }
-        self._by_pool: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self._by_tiers: dict[tuple[str, str, str], dict[str, Any]] = {}  # (direction, origin, cause)
+        self._by_pool: dict[tuple[str, str, str, str], dict[str, Any]] = {}  # ... and pool
         self._by_duration: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self._by_reason: dict[str, dict[str, Any]] = {}
         self._by_span_decision: dict[tuple[str, str], dict[str, Any]] = {
@@ -118,16 +112,26 @@ class TransferMetrics(TransferInstruments):
         attrs.update(extra)
         return attrs
 
-    def _pool_attrs(self, direction: str, origin: str, pool: str) -> dict[str, Any]:
-        key = (direction, origin, pool)
+    def _bytes_attrs(self, direction: str, origin: str, cause: str) -> dict[str, Any]:
+        key = (direction, origin, cause)
+        attrs = self._by_tiers.get(key)
+        if attrs is None:
+            src, dst = TIERS[direction]
+            attrs = self._by_tiers[key] = self._attrs(
+                {sc.DIRECTION: direction, sc.SRC_TIER: src, sc.DST_TIER: dst, sc.ORIGIN: origin, sc.CAUSE: cause})
+        return attrs
+
+    def _pool_attrs(self, direction: str, origin: str, cause: str, pool: str) -> dict[str, Any]:
+        key = (direction, origin, cause, pool)
         attrs = self._by_pool.get(key)
         if attrs is None:
-            attrs = self._by_pool[key] = self._attrs({sc.DIRECTION: direction, sc.ORIGIN: origin, sc.POOL: pool})
+            attrs = self._by_pool[key] = self._attrs(
+                {sc.DIRECTION: direction, sc.ORIGIN: origin, sc.CAUSE: cause, sc.POOL: pool})
         return attrs
 
     def _duration_attrs(self, record: TransferRecord) -> dict[str, Any]:
         io_backend = self._default_io_backend if record.io_backend is None else str(record.io_backend)
-        key = (record.direction, record.origin, io_backend, record.timing_source)
+        key = (record.direction, record.origin, io_backend, record.timing_source, record.cause)
         attrs = self._by_duration.get(key)
         if attrs is None:
             src, dst = TIERS[record.direction]
@@ -139,6 +143,7 @@ class TransferMetrics(TransferInstruments):
                     sc.ORIGIN: record.origin,
                     sc.IO_BACKEND: io_backend,
                     sc.TIMING_SOURCE: record.timing_source,
+                    sc.CAUSE: record.cause,
                 }
             )
         return attrs
@@ -156,9 +161,12 @@ class TransferMetrics(TransferInstruments):
     def _zero_series(self) -> None:
         for d in DIRECTIONS:
             for o in ORIGINS:
-                self.bytes.add(0, self._by_tiers[d, o])
                 self.blocks.add(0, self._by_origin[d, o])
-                self.tokens.add(0, self._pool_attrs(d, o, "kv"))
+            for cause in sc.CAUSES[d]:  # each cause with the origin(s) its copies have
+                for o in ORIGINS if cause == sc.CAUSE_OTHER else (
+                        (DIRECT,) if cause in sc.DIRECT_CAUSES else (MERGED_OP,)):
+                    self.bytes.add(0, self._bytes_attrs(d, o, cause))
+                    self.tokens.add(0, self._pool_attrs(d, o, cause, "kv"))
             self.busy_time.add(0, self._by_direction[d])
             self.inflight.add(0, self._by_direction[d])
         for reason in sc.DROP_REASONS:
@@ -243,10 +251,18 @@ class TransferMetrics(TransferInstruments):
         by_direction = self._by_direction[direction]
         context = record.exemplar_context
         self.left_flight(record)
-        self._add(self.bytes, self._by_tiers[direction, origin], record.num_bytes)
         self._add(self.blocks, self._by_origin[direction, origin], record.blocks)
-        for pool, tokens in zip(record.pool_names, record.pool_tokens):
-            self._add(self.tokens, self._pool_attrs(direction, origin, pool), tokens)
+        parts = record.cause_parts
+        if parts is None:
+            cause = record.cause
+            self._add(self.bytes, self._bytes_attrs(direction, origin, cause), record.num_bytes)
+            for pool, tokens in zip(record.pool_names, record.pool_tokens):
+                self._add(self.tokens, self._pool_attrs(direction, origin, cause, pool), tokens)
+        else:  # a mixed merged op: tokens and bytes where each queued op's cause says
+            for cause, pool_names, pool_tokens, num_bytes in parts:
+                self._add(self.bytes, self._bytes_attrs(direction, origin, cause), num_bytes)
+                for pool, tokens in zip(pool_names, pool_tokens):
+                    self._add(self.tokens, self._pool_attrs(direction, origin, cause, pool), tokens)
         if busy_added_ns:
             self._add(self.busy_time, by_direction, busy_added_ns / 1e9)
         duration_s = record.duration_ns / 1e9

@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Mapping
 
+from . import semconv as sc
 from .diagnostics import warn_once
 
 OFFLOAD = "offload"
@@ -51,6 +52,7 @@ SUBMISSION_FIELDS = (
     "host_start_ns",
     "host_end_ns",
     "ack_watch",
+    "cause",
     # stamped later, on the list itself, by ack() or the worker (ack_watch)
     "ack_ns",
 )
@@ -106,6 +108,7 @@ class TransferRecord:
         *_COPIED_FIELDS,  # captured on the caller's thread
         # filled by the worker
         "origin",
+        "cause_parts",  # a mixed merged op's ((cause, pool names, pool tokens, bytes), ...), else None
         "tokens",
         "blocks",
         "pool_names",
@@ -200,8 +203,65 @@ def validate(record: TransferRecord) -> None:
     record.tokens = counts[0] if counts else 0
     record.blocks = -(-record.tokens // page_size)
     record.origin = MERGED_OP if record.expect_ack else DIRECT
+    _validate_cause(record)
     watch = record.ack_watch
     if watch is not None and not (type(watch) is tuple and len(watch) == 2 and hasattr(watch[0], "__iter__")):
         record.ack_watch = None  # the op is still reported; only its ack time is unknown
         warn_once("ack_watch", "otel-hicache: ack_watch must be a (container, item) tuple, got %r; ignored",
                   type(watch).__name__)
+
+
+def _known_cause(cause: Any, direction: str) -> str:
+    """``cause`` if it is one of ``direction``'s (``semconv.CAUSES``), else ``other`` (warned once):
+    the label stays a closed set whatever a caller passes."""
+    if cause in sc.CAUSES[direction]:
+        return cause
+    warn_once(f"cause:{direction}:{cause!r}"[:200], "otel-hicache: %r is not a %s cause (%s); counted as %r",
+              cause, direction, ", ".join(sc.CAUSES[direction]), sc.CAUSE_OTHER)
+    return sc.CAUSE_OTHER
+
+
+def _validate_cause(record: TransferRecord) -> None:
+    """``cause``: None (``other``), one cause, or a merged op's parts
+    ``[(cause, tokens_by_pool, num_bytes), ...]`` (its queued ops, by cause), which must
+    sum to the op's own tokens per pool and bytes exactly. One cause among the parts makes
+    the op that cause; several make it ``mixed``, its tokens and bytes counted per part.
+    Parts that do not sum are warned about once and the whole op is ``other``."""
+    cause = record.cause
+    record.cause_parts = None
+    if cause is None:
+        record.cause = sc.CAUSE_OTHER
+        return
+    if isinstance(cause, str):  # a str enum member too: its plain value
+        record.cause = _known_cause(str.__str__(cause), record.direction)
+        return
+    try:
+        parts: dict[str, list[Any]] = {}  # cause -> [pools {name: tokens}, bytes]
+        for part_cause, pools, num_bytes in cause:
+            part_cause = _known_cause(part_cause, record.direction)
+            entry = parts.setdefault(part_cause, [{}, 0])
+            for name, count in (pools or {}).items():
+                name = str.__str__(name) if isinstance(name, str) else name
+                entry[0][name] = entry[0].get(name, 0) + _count(count, f"cause part tokens[{name!r}]")
+            entry[1] += _count(num_bytes, "cause part num_bytes")
+        totals: dict[str, int] = {}
+        for pools, _ in parts.values():
+            for name, count in pools.items():
+                totals[name] = totals.get(name, 0) + count
+        expected = {n: c for n, c in zip(record.pool_names, record.pool_tokens) if c}
+        if {n: c for n, c in totals.items() if c} != expected or \
+                sum(b for _, b in parts.values()) != record.num_bytes:
+            raise ValueError(f"parts sum to {totals} tokens and {sum(b for _, b in parts.values())} bytes, "
+                             f"the op moved {expected} and {record.num_bytes}")
+    except (TypeError, ValueError) as exc:
+        warn_once("cause:parts", "otel-hicache: a merged op's cause parts are malformed (%s); such ops are "
+                  "counted as %r", exc, sc.CAUSE_OTHER)
+        record.cause = sc.CAUSE_OTHER
+        return
+    if len(parts) == 1:
+        record.cause = next(iter(parts))
+        return
+    record.cause = sc.CAUSE_MIXED
+    record.cause_parts = tuple(
+        (part_cause, tuple(pools), tuple(pools.values()), num_bytes)
+        for part_cause, (pools, num_bytes) in sorted(parts.items()))

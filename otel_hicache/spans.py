@@ -69,6 +69,9 @@ def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[s
     attrs[sc.SRC_TIER] = src
     attrs[sc.DST_TIER] = dst
     attrs[sc.ORIGIN] = record.origin
+    attrs[sc.CAUSE] = record.cause
+    if record.cause_parts is not None:
+        attrs[sc.CAUSES_ATTR] = tuple(part[0] for part in record.cause_parts)
     attrs[sc.TOKENS] = record.tokens
     attrs[sc.BLOCKS] = record.blocks
     attrs[sc.BYTES] = record.num_bytes

@@ -13,7 +13,7 @@ import os
 import time
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
@@ -183,6 +183,7 @@ class TransferTelemetry:
         host_start_ns: int | None = None,
         host_end_ns: int | None = None,
         ack_watch: tuple[Any, Any] | None = None,
+        cause: str | Sequence[tuple[str, Mapping[str, int], int]] | None = None,
     ) -> list | None:
         """Report one merged op (or one direct copy). Returns the handle for ``ack()``.
 
@@ -196,6 +197,10 @@ class TransferTelemetry:
         from, the op counts as acked when the worker sees ``item`` (by
         identity) gone from ``container`` (a list or deque the consumer pops
         or clears), within a poll interval.
+        ``cause``: why the bytes moved, one of ``semconv.CAUSES[direction]`` (None:
+        ``other``); or, for a merged op whose queued ops had different causes, its parts
+        ``[(cause, tokens_by_pool, num_bytes), ...]``, which must sum to the op's totals
+        (its tokens and bytes are then counted per part, the op as ``mixed``).
         """
         pipeline = self._pipeline
         if pipeline is None:
@@ -224,6 +229,7 @@ class TransferTelemetry:
                 host_start_ns,
                 host_end_ns,
                 ack_watch,
+                cause,
                 None,  # ack time, set by ack() or the worker (ack_watch)
             ]
             pipeline.queue.append(record)
@@ -261,8 +267,10 @@ class TransferTelemetry:
         stream: Any = None,
         io_backend: str | None = None,
         attributes: Mapping[str, Any] | None = None,
+        cause: str | None = None,
     ) -> Iterator[None]:
-        """Time the copies enqueued inside the block and report them as one op.
+        """Time the copies enqueued inside the block and report them as one op
+        (``cause`` as for :meth:`submit`).
 
         With ``stream`` (a ``torch.cuda.Stream`` or any stream whose backend has
         timing events) a start and a finish timing event are recorded on it
@@ -292,10 +300,11 @@ class TransferTelemetry:
                 events = None
         if events is not None:
             self.submit(direction, tokens_by_pool, num_bytes, page_size, events[0], events[1], True,
-                        io_backend, attributes, expect_ack=False, host_start_ns=host_start)
+                        io_backend, attributes, expect_ack=False, host_start_ns=host_start, cause=cause)
         else:
             self.submit(direction, tokens_by_pool, num_bytes, page_size, None, None, False, io_backend,
-                        attributes, expect_ack=False, host_start_ns=host_start, host_end_ns=self._clock())
+                        attributes, expect_ack=False, host_start_ns=host_start, host_end_ns=self._clock(),
+                        cause=cause)
 
     # -- lifecycle ------------------------------------------------------------------
     def force_flush(self, timeout_s: float = 10.0) -> bool:

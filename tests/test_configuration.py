@@ -117,7 +117,8 @@ def test_prometheus_metrics_exporter_serves_the_exact_counters(monkeypatch, harn
     tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 3})
     try:
         for _ in range(3):
-            tel.submit("offload", {"kv": 64}, 1000, 64, expect_ack=False, host_start_ns=1, host_end_ns=2)
+            tel.submit("offload", {"kv": 64}, 1000, 64, expect_ack=False, host_start_ns=1, host_end_ns=2,
+                       cause="retraction_backup")
         # the worker has recorded them (no force_flush: each one queues a collection that the
         # pull reader serves with the next scrape, beside the scrape's own)
         assert tel._pipeline.flush(5)  # pylint: disable=protected-access
@@ -125,8 +126,8 @@ def test_prometheus_metrics_exporter_serves_the_exact_counters(monkeypatch, harn
     finally:
         tel.shutdown()
     [line] = [l for l in body.splitlines() if l.startswith("hicache_transfer_bytes_total{")
-              and 'hicache_direction="offload"' in l and 'hicache_origin="direct"' in l]
-    assert 'tp_rank="3"' in line and line.endswith(" 3000.0")
+              and 'hicache_direction="offload"' in l and 'hicache_cause="retraction_backup"' in l]
+    assert 'tp_rank="3"' in line and 'hicache_origin="direct"' in line and line.endswith(" 3000.0")
 
 
 def test_exponential_histogram_preference_is_honoured_by_the_otlp_exporter_only(monkeypatch):

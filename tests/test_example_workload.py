@@ -119,7 +119,8 @@ def test_summarize_reads_exported_metrics_exactly() -> None:
         for k, ms in enumerate((1, 2, 3, 20)):
             start = base + k * 50_000_000
             tel.submit("offload", {"kv": 100, "swa": 64}, 1_000_000, 64, io_backend="direct",
-                       expect_ack=False, host_start_ns=start, host_end_ns=start + ms * 1_000_000)
+                       expect_ack=False, host_start_ns=start, host_end_ns=start + ms * 1_000_000,
+                       cause="write_back" if k == 3 else "write_through")
         start = base + 500_000_000
         tel.submit("onboard", {"kv": 64}, 5_000_000, 64, expect_ack=False,
                    host_start_ns=start, host_end_ns=start + 4_000_000)
@@ -139,12 +140,15 @@ def test_summarize_reads_exported_metrics_exactly() -> None:
     assert off.p50_s == pytest.approx(0.0025, rel=1e-12)
     assert off.p99_s == pytest.approx(0.01 + 0.015 * 0.96, rel=1e-12)
     assert (on.ops, on.blocks, on.bytes, on.tokens) == (1, 1, 5_000_000, {"kv": 64})
+    assert (off.bytes_by_cause, on.bytes_by_cause) == ({"write_through": 3_000_000, "write_back": 1_000_000},
+                                                       {"other": 5_000_000})
     assert on.p50_s == pytest.approx(0.0025 + 0.0025 * 0.5, rel=1e-12)  # rank 0.5 in (0.0025, 0.005]
     assert summary.dropped.get(sc.DROP_INVALID_INPUT) == 1
 
     truth = {
-        "offload": hw.DirectionSummary("offload", 4, {"kv": 400, "swa": 256}, 8, 4_000_000),
-        "onboard": hw.DirectionSummary("onboard", 1, {"kv": 64}, 1, 5_000_000),
+        "offload": hw.DirectionSummary("offload", 4, {"kv": 400, "swa": 256}, 8, 4_000_000,
+                                       bytes_by_cause={"write_through": 3_000_000, "write_back": 1_000_000}),
+        "onboard": hw.DirectionSummary("onboard", 1, {"kv": 64}, 1, 5_000_000, bytes_by_cause={"other": 5_000_000}),
     }
     assert hw.compare(summary, truth) == ["1 records dropped/failed (invalid_input)"]
     summary.dropped.clear()
@@ -154,6 +158,8 @@ def test_summarize_reads_exported_metrics_exactly() -> None:
     problems = hw.compare(summary, truth)
     assert "onboard ops: metrics 1 != workload 2" in problems
     assert any(p.startswith("offload tokens by pool") for p in problems)
+    truth["offload"].bytes_by_cause["write_back"] -= 1
+    assert any(p.startswith("offload bytes by cause") for p in hw.compare(summary, truth))
 
 
 def test_copy_pages_coalesces_runs_and_copies_bytes() -> None:

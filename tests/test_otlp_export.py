@@ -44,13 +44,13 @@ def test_demo_exports_spans_and_exact_metrics_over_otlp(protocol):
         assert names <= {"hicache.offload", "hicache.onboard"}
         # every transfer span is the child of the scheduler step it was submitted in
         assert steps and all(span.parent_span_id in steps for _, span in spans)
-        by_direction: dict[tuple[str, str], dict[str, int]] = {}
+        by_direction: dict[tuple[str, str, str], dict[str, int]] = {}
         for _, span in spans:
             attrs = attributes(span.attributes)
             assert attrs["hicache.timing_source"] == "host_clock"  # CPU: no timing events
             assert attrs["hicache.blocks"] == -(-attrs["hicache.tokens"] // attrs["hicache.page_size"])
             assert span.end_time_unix_nano >= span.start_time_unix_nano
-            key = (attrs["hicache.direction"], attrs["hicache.origin"])
+            key = (attrs["hicache.direction"], attrs["hicache.origin"], attrs["hicache.cause"])
             totals = by_direction.setdefault(key, {"bytes": 0, "blocks": 0, "ops": 0})
             totals["bytes"] += attrs["hicache.bytes"]
             totals["blocks"] += attrs["hicache.blocks"]
@@ -58,12 +58,15 @@ def test_demo_exports_spans_and_exact_metrics_over_otlp(protocol):
         # the metrics the collector got are exactly what the spans add up to
         def key(point):
             attrs = attributes(point.attributes)
-            return attrs["hicache.direction"], attrs["hicache.origin"]
+            return attrs["hicache.direction"], attrs["hicache.origin"], attrs.get("hicache.cause")
 
         for point in received.last_points("hicache.transfer.bytes"):
             assert point.as_int == by_direction.get(key(point), {}).get("bytes", 0)
+        blocks: dict[tuple[str, str], int] = {}  # blocks are not by cause
         for point in received.last_points("hicache.transfer.blocks"):
-            assert point.as_int == by_direction.get(key(point), {}).get("blocks", 0)
+            blocks[key(point)[:2]] = point.as_int
+        assert {k: v for k, v in blocks.items() if v} == {
+            k[:2]: sum(t["blocks"] for kk, t in by_direction.items() if kk[:2] == k[:2]) for k in by_direction}
         counts = {}
         for point in received.last_points("hicache.transfer.duration"):
             counts[key(point)] = counts.get(key(point), 0) + point.count

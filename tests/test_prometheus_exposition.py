@@ -26,7 +26,8 @@ def exposition():
     tel = TransferTelemetry(TracerProvider(shutdown_on_exit=False), provider, {"tp_rank": 0},
                             clock=device.time_ns, anchor_event_factory=device.anchor_event)
     start, finish = device.copy(device.time_ns() + 200_000, 6.781)
-    handle = tel.submit("onboard", {"kv": 1408}, 161_480_704, 64, start, finish, True, io_backend="kernel")
+    handle = tel.submit("onboard", {"kv": 1408}, 161_480_704, 64, start, finish, True, io_backend="kernel",
+                        cause="prefix_hit")
     device.advance(ms=7)
     device.advance(seconds=5.75)
     tel.ack(handle)
@@ -41,27 +42,35 @@ def test_counters(exposition):
     onboard = f'hicache_direction="onboard",{SCOPE},tp_rank="0"'
     merged = f'hicache_direction="onboard",hicache_origin="merged_op",{SCOPE},tp_rank="0"'
     expected = [
-        f'hicache_transfer_bytes_total{{hicache_direction="onboard",hicache_dst_tier="L1",hicache_origin="merged_op",'
-        f'hicache_src_tier="L2",{SCOPE},tp_rank="0"}} 1.61480704e+08',
+        f'hicache_transfer_bytes_total{{hicache_cause="prefix_hit",hicache_direction="onboard",hicache_dst_tier="L1",'
+        f'hicache_origin="merged_op",hicache_src_tier="L2",{SCOPE},tp_rank="0"}} 1.61480704e+08',
         f"hicache_transfer_blocks_total{{{merged}}} 22.0",
-        f'hicache_transfer_tokens_total{{hicache_direction="onboard",hicache_origin="merged_op",hicache_pool="kv",'
-        f'{SCOPE},tp_rank="0"}} 1408.0',
+        f'hicache_transfer_tokens_total{{hicache_cause="prefix_hit",hicache_direction="onboard",'
+        f'hicache_origin="merged_op",hicache_pool="kv",{SCOPE},tp_rank="0"}} 1408.0',
         f"hicache_transfer_busy_time_seconds_total{{{onboard}}} 0.006781",
         f"hicache_transfer_inflight{{{onboard}}} 0.0",
-        # zero series for the other direction and origin exist from start-up
-        f'hicache_transfer_bytes_total{{hicache_direction="offload",hicache_dst_tier="L2",hicache_origin="merged_op",'
-        f'hicache_src_tier="L1",{SCOPE},tp_rank="0"}} 0.0',
-        f'hicache_transfer_bytes_total{{hicache_direction="onboard",hicache_dst_tier="L1",hicache_origin="direct",'
-        f'hicache_src_tier="L2",{SCOPE},tp_rank="0"}} 0.0',
+        # zero series for every cause of each direction, with the origin its copies have, from start-up
+        f'hicache_transfer_bytes_total{{hicache_cause="write_back",hicache_direction="offload",hicache_dst_tier="L2",'
+        f'hicache_origin="merged_op",hicache_src_tier="L1",{SCOPE},tp_rank="0"}} 0.0',
+        f'hicache_transfer_bytes_total{{hicache_cause="retraction_restore",hicache_direction="onboard",'
+        f'hicache_dst_tier="L1",hicache_origin="direct",hicache_src_tier="L2",{SCOPE},tp_rank="0"}} 0.0',
+        f'hicache_transfer_tokens_total{{hicache_cause="other",hicache_direction="onboard",'
+        f'hicache_origin="direct",hicache_pool="kv",{SCOPE},tp_rank="0"}} 0.0',
         f'otel_hicache_records_dropped_total{{{SCOPE},reason="queue_full",tp_rank="0"}} 0.0',
     ]
+    missing = [line for line in expected if line not in lines]
+    assert not missing, "\n".join(missing)
+    # a cause is never paired with an origin its copies cannot have
+    assert not [line for line in lines if 'hicache_cause="retraction_restore"' in line
+                and 'hicache_origin="merged_op"' in line]
+    assert not [line for line in lines if 'hicache_cause="prefix_hit"' in line and 'hicache_origin="direct"' in line]
     missing = [line for line in expected if line not in lines]
     assert not missing, "\n".join(missing)
 
 
 def test_histograms(exposition):
     lines = set(exposition.splitlines())
-    duration = (f'hicache_direction="onboard",hicache_dst_tier="L1",hicache_io_backend="kernel",'
+    duration = (f'hicache_cause="prefix_hit",hicache_direction="onboard",hicache_dst_tier="L1",hicache_io_backend="kernel",'
                 f'hicache_origin="merged_op",hicache_src_tier="L2",hicache_timing_source="device_event"')
     onboard = f'hicache_direction="onboard",{SCOPE},tp_rank="0"'
     expected = [

@@ -32,7 +32,7 @@ STATIC = {"tp_rank": 0, "model": "qwen3"}
 MEASURED = [
     ("tp_rank", 0), ("model", "qwen3"),
     ("hicache.direction", "onboard"), ("hicache.src_tier", "L2"), ("hicache.dst_tier", "L1"),
-    ("hicache.origin", "merged_op"), ("hicache.tokens", 1408), ("hicache.blocks", 22),
+    ("hicache.origin", "merged_op"), ("hicache.cause", "other"), ("hicache.tokens", 1408), ("hicache.blocks", 22),
     ("hicache.bytes", 161_480_704), ("hicache.page_size", 64), ("hicache.pool.names", ("kv", "swa")),
     ("hicache.pool.tokens", (1408, 64)), ("hicache.io_backend", "kernel"), ("hicache.timing_source", "device_event"),
     ("hicache.queue_wait_us", 200.0), ("hicache.bandwidth_bytes_per_second", 161_480_704 * 1e9 / DURATION),
@@ -314,7 +314,7 @@ def test_only_the_api_builder_calls_on_start():
 # -- span limits: the provider's SpanLimits, both builders alike ------------------------------------------
 
 LIMITS = {
-    "exact-fit": dict(max_span_attributes=18),  # 16 + the two ack fields
+    "exact-fit": dict(max_span_attributes=19),  # 17 + the two ack fields
     "one-short": dict(max_span_attributes=17),
     "value-length": dict(max_span_attribute_length=3),
     "one-event": dict(max_events=1),
@@ -335,13 +335,13 @@ def test_the_fast_builder_applies_limits_as_the_api_does(limits, kind):
 
 @BUILDERS
 def test_attribute_count_limit_drops_the_oldest_attributes(builder):
-    fits = Rig(builder, limits=SpanLimits(max_span_attributes=18)).span(record(ack_ns=END))
-    assert (len(fits.attributes), fits.dropped_attributes) == (18, 0)
-    short = Rig(builder, limits=SpanLimits(max_span_attributes=17)).span(record(ack_ns=END))
+    fits = Rig(builder, limits=SpanLimits(max_span_attributes=19)).span(record(ack_ns=END))
+    assert (len(fits.attributes), fits.dropped_attributes) == (19, 0)
+    short = Rig(builder, limits=SpanLimits(max_span_attributes=18)).span(record(ack_ns=END))
     assert list(short.attributes) == [k for k, _ in MEASURED[1:]] + ["hicache.acked", "hicache.ack_delay_us"]
     assert short.dropped_attributes == 1
-    # a direct copy takes no ack fields: 16 attributes fit under a limit of 17
-    direct = Rig(builder, limits=SpanLimits(max_span_attributes=17)).span(record(expect_ack=False))
+    # a direct copy takes no ack fields: 17 attributes fit under a limit of 18
+    direct = Rig(builder, limits=SpanLimits(max_span_attributes=18)).span(record(expect_ack=False))
     assert (list(direct.attributes.items()), direct.dropped_attributes) == (MEASURED_DIRECT, 0)
 
 
@@ -372,7 +372,7 @@ UNLIMITED = {
 @pytest.mark.parametrize("limits", UNLIMITED.values(), ids=UNLIMITED.keys())
 def test_unlimited_limits_on_the_api_builder(monkeypatch, limits):
     span = Rig(ApiSpanBuilder, limits=limits(monkeypatch)).span(record(ack_ns=END))
-    assert (len(span.attributes), len(span.events), span.dropped_attributes, span.dropped_events) == (18, 2, 0, 0)
+    assert (len(span.attributes), len(span.events), span.dropped_attributes, span.dropped_events) == (19, 2, 0, 0)
 
 
 # A limit left unset is None in SpanLimits (SpanLimits.UNSET, or OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT= set
@@ -381,7 +381,7 @@ def test_unlimited_limits_on_the_api_builder(monkeypatch, limits):
 @pytest.mark.parametrize("limits", UNLIMITED.values(), ids=UNLIMITED.keys())
 def test_unlimited_limits_on_the_fast_builder(monkeypatch, limits):
     span = Rig(FastSpanBuilder, limits=limits(monkeypatch)).span(record(ack_ns=END))
-    assert (len(span.attributes), len(span.events), span.dropped_attributes, span.dropped_events) == (18, 2, 0, 0)
+    assert (len(span.attributes), len(span.events), span.dropped_attributes, span.dropped_events) == (19, 2, 0, 0)
 
 
 # -- the SDK's own span metrics (otel.sdk.span.started / otel.sdk.span.live) -----------------------------

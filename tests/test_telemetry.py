@@ -580,7 +580,7 @@ def test_span_limits_apply_on_both_span_paths(harness, monkeypatch, fast_path):
     assert dict(span.attributes) == {"hicache.bandwidth_bytes_per_second": pytest.approx(161_480_704 / 6.781e-3),
                                      "hicache.queue_wait_us": 200.0, "hicache.acked": True,
                                      "hicache.ack_delay_us": pytest.approx(10_000 - 6_781 - 200, abs=1)}
-    assert span.dropped_attributes == 15  # 19 attributes in all
+    assert span.dropped_attributes == 16  # 20 attributes in all
     assert [e.name for e in span.events] == ["acked"] and span.dropped_events == 1
     assert span.end_time - span.start_time == 6_781_000  # the limits change nothing measured
 
