@@ -233,7 +233,9 @@ def rss_mb() -> float:
         return float("nan")
 
 
-PAIRED_PATTERN = "ABBABAABBAAB"  # A: SGLang's originals, B: the adapter's wrappers (per pair of ops)
+# per pair of ops: A SGLang's originals, B the adapter's wrappers, C the wrappers without the
+# queued-cause lookup of start_* (QueuedCauses.take): B - C is what the cause costs there
+PAIRED_PATTERN = "ABCCBABCAACBCABBAC"
 
 
 def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
@@ -251,10 +253,11 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
         instrumentor.instrument(tracer_provider=providers.tracer_provider, meter_provider=providers.meter_provider)
         controller, _kv, allocator = sglang_cpu.build_controller(PAGE_SIZE, LAYERS, kv_size=max(64, 4 * tokens_per_op))
     wrappers = {n: vars(c)[n] for c, n in names}
+    queued_causes = instrumentor._observer.causes  # pylint: disable=protected-access
     telemetry = instrumentor.telemetry
     pipeline = telemetry._pipeline  # pylint: disable=protected-access
     pipeline._cycle = lambda: None  # paused: the records stay queued (dropped below, never reported)
-    samples: dict[str, dict[str, list[int]]] = {"A": {"wall": [], "cpu": []}, "B": {"wall": [], "cpu": []}}
+    samples: dict[str, dict[str, list[int]]] = {k: {"wall": [], "cpu": []} for k in "ABC"}
     clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     interval_ns = int(interval_us * 1000)
     device_indices = allocator.alloc(tokens_per_op)
@@ -266,6 +269,10 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
             which = PAIRED_PATTERN[(i >> 1) % len(PAIRED_PATTERN)]
             for cls, name in names:
                 setattr(cls, name, (originals if which == "A" else wrappers)[name])
+            if which == "C":
+                queued_causes.take = lambda queue: None  # the instance attribute shadows the method
+            else:
+                vars(queued_causes).pop("take", None)
             deadline = wait_until(deadline) + interval_ns
             if not i & 1:
                 c0, t0 = cpu_clock(), clock()
@@ -288,6 +295,7 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
     finally:
         for cls, name in names:
             setattr(cls, name, wrappers[name])
+        vars(queued_causes).pop("take", None)
         pipeline.queue.clear()
         del pipeline._cycle
         allocator.free(device_indices)
@@ -296,7 +304,44 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
     med = {k: {m: statistics.median(v[m]) / 1e3 for m in v} for k, v in samples.items()}
     return {"tokens_per_op": tokens_per_op, "n": len(samples["B"]["wall"]),
             "sglang_median_us": med["A"]["wall"], "added_wall_us": med["B"]["wall"] - med["A"]["wall"],
-            "added_cpu_us": med["B"]["cpu"] - med["A"]["cpu"]}
+            "added_cpu_us": med["B"]["cpu"] - med["A"]["cpu"],
+            "cause_wall_us": med["B"]["wall"] - med["C"]["wall"], "cause_cpu_us": med["B"]["cpu"] - med["C"]["cpu"]}
+
+
+def run_cause_site(ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
+    """A cause site's own cost per call (``causes.py``) on the real UnifiedRadixCache:
+    ``_execute_and_commit_kv_backup`` of an empty ``BackupKV`` (SGLang returns at once, so
+    the call is nearly all wrapper), the wrapped method and SGLang's original alternating
+    in pairs, paced like the ops."""
+    from otel_hicache_sglang import SGLangHiCacheInstrumentor
+    from sglang.srt.mem_cache.unified_radix_cache import BackupKV, UnifiedRadixCache
+
+    providers = SdkProviders(shutdown_on_exit=False)
+    instrumentor = SGLangHiCacheInstrumentor()
+    with env(OTEL_HICACHE_ENABLED="true"):
+        instrumentor.instrument(tracer_provider=providers.tracer_provider, meter_provider=providers.meter_provider)
+        stack = sglang_cpu.build_stack("write_through")
+    wrapped = UnifiedRadixCache._execute_and_commit_kv_backup  # pylint: disable=protected-access
+    calls = {"A": wrapped.__wrapped__, "B": wrapped}
+    samples: dict[str, list[int]] = {"A": [], "B": []}
+    clock, interval_ns = time.perf_counter_ns, int(interval_us * 1000)
+    action = BackupKV(node_ids=[])
+    try:
+        deadline = clock() + interval_ns
+        for i in range(warmup + 2 * ops):
+            which = PAIRED_PATTERN[(i >> 1) % len(PAIRED_PATTERN)].replace("C", "A")
+            call = calls[which]
+            deadline = wait_until(deadline) + interval_ns
+            t0 = clock()
+            call(stack.cache, action)
+            t1 = clock()
+            if i >= warmup:
+                samples[which].append(t1 - t0)
+    finally:
+        instrumentor.uninstrument()
+        providers.shutdown()
+    med = {k: statistics.median(v) / 1e3 for k, v in samples.items()}
+    return {"n": len(samples["B"]), "sglang_median_us": med["A"], "added_wall_us": med["B"] - med["A"]}
 
 
 def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
@@ -420,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     paired_ops = args.paired_ops if args.paired_ops is not None else (1500 if quick else 6000)
     paired_rows = [run_paired(n, paired_ops, warmup, args.interval_us) for n in args.sizes] if paired_ops else []
     results["paired"] = paired_rows
+    results["cause_site"] = run_cause_site(paired_ops, warmup, args.interval_us) if paired_ops else None
 
     print("\n## Caller (scheduler) thread cost per merged op, each op timed alone\n")
     out = []
@@ -444,10 +490,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if paired_rows:
         print("\n## The adapter's own cost, paired op by op (worker paused)\n")
         print(table([[str(p["tokens_per_op"]), str(p["n"]), f"{p['sglang_median_us']:.2f}",
-                      f"{p['added_wall_us']:+.2f}", f"{p['added_cpu_us']:+.2f}"] for p in paired_rows],
-                    ["tokens", "ops per half", "sglang median us", "added wall us", "added caller CPU us"]))
+                      f"{p['added_wall_us']:+.2f}", f"{p['added_cpu_us']:+.2f}", f"{p['cause_wall_us']:+.2f}",
+                      f"{p['cause_cpu_us']:+.2f}"] for p in paired_rows],
+                    ["tokens", "ops per variant", "sglang median us", "added wall us", "added caller CPU us",
+                     "of which cause, wall", "cause, CPU"]))
         print("SGLang's originals and the adapter's wrappers switched op by op on one instrumented controller\n"
-              "(otel-hicache's worker paused): median(wrapped) - median(originals), wall and the caller thread's CPU.")
+              "(otel-hicache's worker paused): median(wrapped) - median(originals), wall and the caller thread's CPU;\n"
+              "'of which cause': median(wrapped) - median(wrapped without start_*'s queued-cause lookup).")
+        site = results["cause_site"]
+        print(f"  a cause site (UnifiedRadixCache._execute_and_commit_kv_backup, empty action), paired with SGLang's\n"
+              f"  original, {site['n']} calls each: original {site['sglang_median_us']:.2f} us, added "
+              f"{site['added_wall_us']:+.2f} us wall per call")
 
     print("\n## Correctness of the instrumented turns, c and d (after force_flush; ground truth = SGLang's acks)\n")
     exact_all = True

@@ -409,6 +409,10 @@ def check_counters(res: Results, prom: Prometheus, truth: dict[str, Any], servic
         ("ops per direction (duration histogram count)",
          f"sum by (hicache_direction) (hicache_transfer_duration_seconds_count{sel})",
          ("hicache_direction",), {(d,): t["ops"] for d, t in truth.items()}),
+        ("bytes per direction and cause",
+         f"sum by (hicache_direction, hicache_cause) (hicache_transfer_bytes_total{sel})",
+         ("hicache_direction", "hicache_cause"),
+         {(d, c): n for d, t in truth.items() for c, n in t.get("bytes_by_cause", {}).items()}),
     ]
     waited = compare_counters(res, prom, checks)
     print(f"   (polled {waited:.1f} s for the final values)")

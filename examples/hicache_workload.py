@@ -165,6 +165,7 @@ class DirectionSummary:
     p50_s: float | None = None
     p99_s: float | None = None
     timing_sources: dict[str, int] = field(default_factory=dict)
+    bytes_by_cause: dict[str, int] = field(default_factory=dict)  # hicache.cause -> bytes
 
     @property
     def bandwidth(self) -> float | None:
@@ -219,6 +220,9 @@ def summarize(metrics_data: Any) -> MetricsSummary:
                         summary.blocks += int(point.value)
                     elif name == sc.TRANSFER_BYTES[0]:
                         summary.bytes += int(point.value)
+                        if point.value:
+                            cause = str(attrs.get(sc.CAUSE))
+                            summary.bytes_by_cause[cause] = summary.bytes_by_cause.get(cause, 0) + int(point.value)
                     elif name == sc.TRANSFER_BUSY_TIME[0]:
                         summary.busy_s += float(point.value)
     for direction, summary in dirs.items():
@@ -263,6 +267,9 @@ def compare(summary: MetricsSummary, truth: Mapping[str, DirectionSummary]) -> l
         ):
             if g != w:
                 problems.append(f"{direction} {what}: metrics {g:,} != workload {w:,}")
+        if got.bytes_by_cause != want.bytes_by_cause:
+            problems.append(f"{direction} bytes by cause: metrics {got.bytes_by_cause} != workload "
+                            f"{want.bytes_by_cause}")
         got_tokens = {k: v for k, v in got.tokens.items() if v}
         want_tokens = {k: v for k, v in want.tokens.items() if v}
         if got_tokens != want_tokens:
@@ -271,6 +278,14 @@ def compare(summary: MetricsSummary, truth: Mapping[str, DirectionSummary]) -> l
         if count:
             problems.append(f"{count:,} records dropped/failed ({reason})")
     return problems
+
+
+def format_causes(rows: Iterable[DirectionSummary]) -> str:
+    """One line per direction: its bytes by ``hicache.cause``, largest first."""
+    return "\n".join(
+        f"  {row.direction}: " + (", ".join(f"{cause} {n / 1e9:.3f} GB ({n / row.bytes:.0%})" for cause, n in
+                                            sorted(row.bytes_by_cause.items(), key=lambda kv: -kv[1])) or "-")
+        for row in rows)
 
 
 def _ms(seconds: float | None) -> str:
@@ -454,6 +469,16 @@ def read_tags(tensor: Any) -> tuple[list[int], list[int]]:
     first = tensor[:, 0, :8].contiguous().view(torch.int64).view(-1).cpu().tolist()
     last = tensor[:, -1, -8:].contiguous().view(torch.int64).view(-1).cpu().tolist()
     return first, last
+
+
+def _cause(direction: str, index: int) -> str:
+    """The ``hicache.cause`` the workload gives op ``index``, as a server's would vary: offloads
+    are write-through backups of pages a forward pass just filled, every fifth a write-back
+    before a device eviction; load-backs are prefix hits, every seventh a prefix prefetched
+    from storage (L3) and loaded from its host staging pages."""
+    if direction == OFFLOAD:
+        return sc.CAUSE_WRITE_BACK if index % 5 == 0 else sc.CAUSE_WRITE_THROUGH
+    return sc.CAUSE_STORAGE_PREFETCH if index % 7 == 0 else sc.CAUSE_PREFIX_HIT
 
 
 def copy_pages(dst: Any, dst_pages: Sequence[int], src: Any, src_pages: Sequence[int], non_blocking: bool) -> int:
@@ -647,13 +672,15 @@ class HiCacheWorkload:
         self.busy_device.update(device_pages)
         self.busy_host.update(host_pages)
         other_path = index % TRANSFER_EVERY == TRANSFER_EVERY - 1
+        cause = _cause(direction, index)
         if self.cuda:
             stream = self.write_stream if direction == OFFLOAD else self.load_stream
             if direction == OFFLOAD:  # the KV was written on the compute stream
                 stream.wait_stream(torch.cuda.current_stream(self.device))
             if other_path:
                 with torch.cuda.stream(stream), tel.transfer(
-                    direction, tokens_by_pool, num_bytes, page_size, stream=stream, io_backend=IO_BACKEND
+                    direction, tokens_by_pool, num_bytes, page_size, stream=stream, io_backend=IO_BACKEND,
+                    cause=cause,
                 ):
                     copies(non_blocking=True)
                 done = torch.cuda.Event()
@@ -667,17 +694,17 @@ class HiCacheWorkload:
                     copies(non_blocking=True)
                     finish.record(stream)
                 handle = tel.submit(direction, tokens_by_pool, num_bytes, page_size, start_event=start,
-                                    finish_event=finish, timing_enabled=True, io_backend=IO_BACKEND)
+                                    finish_event=finish, timing_enabled=True, io_backend=IO_BACKEND, cause=cause)
                 self.pending.append(InFlight(handle, finish, device_pages, host_pages))
         elif other_path:  # synchronous copy, host times known: submit now, ack from the queue
             t0 = time.time_ns()
             copies(non_blocking=False)
             t1 = time.time_ns()
             handle = tel.submit(direction, tokens_by_pool, num_bytes, page_size, io_backend=IO_BACKEND,
-                                host_start_ns=t0, host_end_ns=t1)
+                                host_start_ns=t0, host_end_ns=t1, cause=cause)
             self.pending.append(InFlight(handle, None, device_pages, host_pages))
         else:
-            with tel.transfer(direction, tokens_by_pool, num_bytes, page_size, io_backend=IO_BACKEND):
+            with tel.transfer(direction, tokens_by_pool, num_bytes, page_size, io_backend=IO_BACKEND, cause=cause):
                 copies(non_blocking=False)
             self.pending.append(InFlight(None, None, device_pages, host_pages))
 
@@ -687,6 +714,7 @@ class HiCacheWorkload:
             truth.tokens[pool] = truth.tokens.get(pool, 0) + tokens
         truth.blocks += -(-tokens_by_pool["kv"] // page_size)
         truth.bytes += num_bytes
+        truth.bytes_by_cause[cause] = truth.bytes_by_cause.get(cause, 0) + num_bytes
 
     def verify(self) -> tuple[int, list[str]]:
         """Check every page's tags in both tiers against the expected ones (after drain())."""
@@ -858,6 +886,7 @@ def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: Emb
     if truth_json:
         with open(truth_json, "w", encoding="utf-8") as out:
             json.dump({d: {"ops": t.ops, "tokens": t.tokens, "blocks": t.blocks, "bytes": t.bytes,
+                           "bytes_by_cause": t.bytes_by_cause,
                            "model": f"qwen3-like-{cfg.layers}L"} for d, t in truth.items()}, out, indent=1)
     flushed = tel.force_flush(timeout_s=10.0 if embedded is not None else 5.0)
     gb = sum(t.bytes for t in truth.values()) / 1e9
@@ -890,6 +919,8 @@ def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: Emb
     print("from the exported OTel metrics (p50/p99 interpolated in histogram buckets, GB/s = bytes / busy time):")
     print(format_table([summary.directions[d] for d in DIRECTIONS],
                        token_pools=list(dict.fromkeys(p for d in DIRECTIONS for p in truth[d].tokens))))
+    print("bytes by cause (hicache.cause):")
+    print(format_causes(summary.directions[d] for d in DIRECTIONS))
     print(f"spans exported: {len(spans):,} ("
           + ", ".join(f"{name} {count:,}" for name, count in sorted(by_name.items())) + ")")
     problems = compare(summary, truth)

@@ -62,7 +62,7 @@ class Instrumented:
         return list(self.spans.get_finished_spans())
 
     def metric(self, name: str, **attrs: Any) -> float:
-        """Sum of the points of ``name`` whose attributes include ``attrs``."""
+        """Sum of the points of ``name`` whose attributes include ``attrs`` (of a histogram's: their counts)."""
         data = self.reader.get_metrics_data()
         total = 0
         for rm in data.resource_metrics if data else ():
@@ -72,7 +72,7 @@ class Instrumented:
                         continue
                     for point in metric.data.data_points:
                         if all(point.attributes.get(k) == v for k, v in attrs.items()):
-                            total += point.value
+                            total += point.count if hasattr(point, "count") else point.value
         return total
 
     def close(self) -> None:

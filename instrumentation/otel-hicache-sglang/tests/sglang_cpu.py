@@ -421,6 +421,27 @@ def write_through_round_trip(stack: CacheStack, n: int = 12, start: int = 100) -
     }
 
 
+def selective_write_through(stack: CacheStack, n: int = 12, start: int = 300) -> Dict[str, Any]:
+    """write_through_selective: a node is backed up on its second hit
+    (``write_through_threshold`` 2), not on its first insert. Inserts ``n`` tokens
+    (nothing queued), matches and inserts them again (one op queued), flushes and
+    consumes the ack."""
+    cache, controller = stack.cache, stack.controller
+    assert controller.write_policy == "write_through_selective"
+    _, _, match = insert_sequence(stack, start, n)
+    queued_first = len(controller.write_queue)
+    match()
+    insert_sequence(stack, start, n)
+    queued_second = len(controller.write_queue)
+    cache.flush_pending_backups()
+    write_acks = list(controller.ack_write_queue)
+    cache.check_hicache_events()
+    assert not controller.ack_write_queue, "write ack not consumed"
+    return {"queued_after_first_insert": queued_first, "queued_after_second_insert": queued_second,
+            "offload_tokens": sum(a.num_tokens for a in write_acks),
+            "offload_bytes": sum(a.num_bytes for a in write_acks), "merged_offloads": len(write_acks)}
+
+
 def write_back_eviction(stack: CacheStack, n: int = 8, start: int = 500,
                         load_back: bool = False) -> Dict[str, Any]:
     """write_back: the insert queues nothing; evicting the node from the device

@@ -32,7 +32,7 @@ from otel_hicache import environment_variables as ev
 from otel_hicache.diagnostics import logger, warn_once
 from otel_hicache.settings import env_bool, sdk_disabled
 
-from . import cache_events
+from . import cache_events, causes
 from .package import _instruments
 from .patching import Group, Incompatible, Patcher, why_not_applied
 from .transfers import OFFLOAD, ONBOARD, TransferObserver
@@ -82,9 +82,13 @@ def _groups(observer: TransferObserver) -> list[Group]:
             (L2_TRANSFER, "L2TransferEngine.submit_device_to_host", observer.submit_wrapper(OFFLOAD)),
             (L2_TRANSFER, "L2TransferEngine.submit_host_to_device", observer.submit_wrapper(ONBOARD)),
             (CACHE_CONTROLLER, "HiCacheController.__init__", observer.wrap_init),
-            (CACHE_CONTROLLER, "HiCacheController.start_writing", observer.start_wrapper(OFFLOAD, "ack_write_queue")),
-            (CACHE_CONTROLLER, "HiCacheController.start_loading", observer.start_wrapper(ONBOARD, "ack_load_queue")),
+            (CACHE_CONTROLLER, "HiCacheController.start_writing",
+             observer.start_wrapper(OFFLOAD, "write_queue", "ack_write_queue")),
+            (CACHE_CONTROLLER, "HiCacheController.start_loading",
+             observer.start_wrapper(ONBOARD, "load_queue", "ack_load_queue")),
         ], check=_check_transfers),
+        *(Group(name, [(site.module, site.path, observer.causes.site(site)) for site in sites])
+          for name, sites in causes.SITES.items()),
         Group("dropped tokens", [
             (UNIFIED_RADIX_CACHE, "UnifiedRadixCache._record_dropped_tokens",
              cache_events.record_dropped_tokens(observer)),

@@ -1,0 +1,184 @@
+"""Why each copy was made (``hicache.cause``), from where SGLang asked for it.
+
+SGLang queues an op (``HiCacheController.write/load``) in one place and submits it
+later, merged with others, in ``start_writing/start_loading``. So the cause is taken
+where the op is *queued*: a wrapper on each SGLang method that asks for copies for
+one reason (a *cause site*, :data:`SITES`) sets the thread's current cause for the
+duration of the call, and when the call returns, tags the ops it appended to its
+controller's ``write_queue``/``load_queue`` with it. ``start_*`` (see
+``transfers.py``) reads the tags of the ops it merges: one cause for all of them is
+the merged op's cause; several are reported as parts, each op's tokens and bytes
+computed with SGLang's own ``_num_tokens_by_pool``/``_transfer_num_bytes`` (which
+add up over merged ops), so bytes and tokens per cause sum exactly to the totals.
+An op queued outside every site, or copied directly outside one, is ``other``.
+
+Nothing inspects the stack: a site costs one Python frame, two queue lengths and
+a thread-local write per call (``docs/performance.md``).
+"""
+
+from __future__ import annotations
+
+from threading import get_ident
+from typing import Any, Callable, NamedTuple
+
+from otel_hicache import semconv as sc
+from otel_hicache.diagnostics import warn_once
+
+from .patching import Method
+
+
+class Site(NamedTuple):
+    """A cause site: ``(module, "Class.method")``, its cause (or a function of the call's
+    ``(instance, controller, args, kwargs)`` that returns one) and how to reach the
+    controller whose queues the call appends to."""
+
+    module: str
+    path: str
+    cause: str | Callable[[Any, Any, tuple, dict], str]
+    controller: Callable[[Any], Any]
+
+
+def _own_controller(instance: Any) -> Any:
+    return instance.cache_controller
+
+
+def _pipeline_controller(pipeline: Any) -> Any:
+    return pipeline._cache.cache_controller  # pylint: disable=protected-access  # BufferModePipeline's cache
+
+
+def backup_cause(_cache: Any, controller: Any, args: tuple, kwargs: dict) -> str:
+    """``UnifiedRadixCache._execute_and_commit_kv_backup(action, write_back=False)``: a
+    write-back backup (device eviction under ``write_back``, or a component's state
+    eviction) when ``write_back``; otherwise the insert-time backup of the write policy."""
+    if (args[1] if len(args) > 1 else kwargs.get("write_back", False)):  # patching.arg(), inlined
+        return sc.CAUSE_WRITE_BACK
+    if getattr(controller, "write_policy", None) == "write_through_selective":
+        return sc.CAUSE_WRITE_THROUGH_SELECTIVE
+    return sc.CAUSE_WRITE_THROUGH
+
+
+UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache"
+BUFFER_PIPELINE = "sglang.srt.mem_cache.buffer_mode.pipeline"
+DECODE_OFFLOAD = "sglang.srt.disaggregation.decode_kvcache_offload_manager"
+
+SITES: dict[str, tuple[Site, ...]] = {
+    # group name -> its sites (wrapped all or nothing, when the module is imported)
+    "transfer causes": (
+        Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache._execute_and_commit_kv_backup", backup_cause, _own_controller),
+        Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.load_back", sc.CAUSE_PREFIX_HIT, _own_controller),
+        Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.backup_kv_cache", sc.CAUSE_RETRACTION_BACKUP, _own_controller),
+        Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.restore_kv_cache", sc.CAUSE_RETRACTION_RESTORE,
+             _own_controller),
+    ),
+    "transfer causes: buffer-only host mode": (
+        Site(BUFFER_PIPELINE, "BufferModePipeline._stage_backup_intent", sc.CAUSE_STORAGE_BACKUP,
+             _pipeline_controller),
+        Site(BUFFER_PIPELINE, "BufferModePipeline._allocate_and_queue_load_back", sc.CAUSE_STORAGE_PREFETCH,
+             _pipeline_controller),
+    ),
+    "transfer causes: decode offload": (
+        Site(DECODE_OFFLOAD, "DecodeKVCacheOffloadManager.offload_kv_cache", sc.CAUSE_DECODE_OFFLOAD,
+             _own_controller),
+    ),
+}
+
+
+class QueuedCauses:
+    """The causes of the ops waiting in each controller queue: ``id(queue) -> {id(op):
+    (op, cause)}``, filled by the sites, taken by ``start_*``. Every access is on the
+    scheduler thread (sites and ``start_*`` run there), so there is no lock."""
+
+    def __init__(self, local: Any) -> None:
+        self.local = local  # the adapter's transfers._Capture: .cause, the current site's
+        self.by_queue: dict[int, dict[int, tuple[Any, str]]] = {}
+
+    def site(self, site: Site) -> Method:
+        """The wrapper of one cause site."""
+        tag = self.tag
+        local = self.local
+        fixed = site.cause if isinstance(site.cause, str) else None
+        resolve = site.cause
+        controller_of = site.controller
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def cause_site(instance: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    controller = controller_of(instance)
+                    cause = fixed or resolve(instance, controller, args, kwargs)  # type: ignore[operator]
+                    writes, loads = controller.write_queue, controller.load_queue
+                    queued_writes, queued_loads = len(writes), len(loads)
+                    first_write = writes[0] if queued_writes else None
+                    first_load = loads[0] if queued_loads else None
+                except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
+                    warn_once(f"cause:{site.path}", "otel-hicache: cannot read the cause of %s (%r); its copies "
+                              "are counted as 'other'", site.path, exc)
+                    return original(instance, *args, **kwargs)
+                outer = local.cause
+                local.cause = cause
+                local.thread = get_ident()
+                try:
+                    return original(instance, *args, **kwargs)
+                finally:
+                    local.cause = outer
+                    # most calls queue nothing (a declined load, a node already backed up)
+                    if len(writes) != queued_writes:
+                        tag(writes, queued_writes, first_write, cause)
+                    if len(loads) != queued_loads:
+                        tag(loads, queued_loads, first_load, cause)
+
+            return cause_site
+
+        return Method(make)
+
+    def tag(self, queue: Any, length: int, first: Any, cause: str) -> None:
+        """Tag the ops a site's call appended to ``queue`` (``length`` long at entry, ``first``
+        its first op then): those after ``length`` if the queue still starts with ``first``,
+        else (empty then, or consumed by a ``start_*`` meanwhile) every op in it. Ops already
+        tagged (by a site nested inside) keep their tag."""
+        try:
+            if not queue:
+                return
+            tags = self.by_queue.get(id(queue))
+            if tags is None:
+                tags = self.by_queue[id(queue)] = {}
+            elif len(tags) > 2 * len(queue) + 64:  # ops that left without a start_* (reset())
+                live = {id(op) for op in queue}
+                for key in [k for k in tags if k not in live]:
+                    del tags[key]
+            for op in queue[length if length and queue[0] is first else 0:]:
+                entry = tags.get(id(op))
+                if entry is None or entry[0] is not op:
+                    tags[id(op)] = (op, cause)
+        except Exception as exc:  # pylint: disable=broad-except
+            warn_once("cause:tag", "otel-hicache: cannot tag queued ops with their cause (%r); they are "
+                      "counted as 'other'", exc)
+
+    def take(self, queue: Any) -> str | tuple[list[Any], list[str]] | None:
+        """In ``start_*``, before the original merges ``queue``: the cause of its ops when
+        they share one, else ``(ops, causes)``. An op no site tagged has the current
+        site's cause (``start_*`` called inside it), or None (``other``)."""
+        by_queue = self.by_queue
+        default = self.local.current_cause()
+        if not by_queue:  # no site ever tagged an op (a controller driven by hand)
+            return default
+        tags = by_queue.pop(id(queue), None)
+        if tags is None:
+            return default
+        ops = list(queue)
+        if not ops:
+            return default
+        causes = []
+        for op in ops:
+            entry = tags.get(id(op))
+            causes.append(entry[1] if entry is not None and entry[0] is op else default or sc.CAUSE_OTHER)
+        first = causes[0]
+        if all(cause == first for cause in causes):
+            return first
+        return ops, causes
+
+
+def parts(controller: Any, queued: tuple[list[Any], list[str]]) -> list[tuple[str, Any, int]]:
+    """A mixed merged op's parts: each queued op's cause, tokens per pool and bytes, as
+    SGLang computes them for the merged op (both add up over the ops it merges)."""
+    return [(cause, controller._num_tokens_by_pool(op), controller._transfer_num_bytes(op))  # pylint: disable=protected-access
+            for op, cause in zip(*queued)]
