@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 from . import semconv as sc
 from .diagnostics import warn_once
 from .metrics_fast_path import BoundHistogram, resolver_for
+from .host_residence import OFFLOAD_CAUSES, Reuse, Waste
 from .records import DIRECT, DIRECTIONS, MERGED_OP, ORIGINS, TIERS, TransferRecord
 from .version import __version__
 
@@ -56,6 +57,10 @@ class TransferInstruments:
         self.dropped = counter(sc.RECORDS_DROPPED)
         self.failed = counter(sc.RECORDS_FAILED)
         self.span_decisions = counter(sc.SPANS)
+        self.residence = histogram(sc.HOST_RESIDENCE_TIME, sc.RESIDENCE_BUCKETS_S)
+        self.reloaded_bytes = counter(sc.HOST_RELOADED_BYTES)
+        self.wasted_bytes = counter(sc.HOST_WASTED_BYTES)
+        self.wasted_tokens = counter(sc.HOST_WASTED_TOKENS)
 
 
 class TransferMetrics(TransferInstruments):
@@ -95,6 +100,8 @@ class TransferMetrics(TransferInstruments):
             key: self._attrs({sc.DECISION: key[0], sc.REASON: key[1]}) for key in sc.SPAN_DECISION_SERIES
         }
         self._by_timing: dict[tuple[str, str], dict[str, Any]] = {}
+        self._by_offload_cause = {c: self._attrs({sc.OFFLOAD_CAUSE: c}) for c in OFFLOAD_CAUSES}
+        self._by_residence: dict[tuple[str, str], dict[str, Any]] = {}  # (load-back cause, offload cause)
         self._default_io_backend = str(self._static.get(sc.IO_BACKEND, "unknown"))
         # pending counter increments: (instrument, attrs id) -> [attrs, amount]
         self._pending: dict[tuple[int, int], list[Any]] = {}
@@ -175,6 +182,10 @@ class TransferMetrics(TransferInstruments):
             self.failed.add(0, self._reason_attrs(reason))
         for attrs in self._by_span_decision.values():
             self.span_decisions.add(0, attrs)
+        for attrs in self._by_offload_cause.values():
+            self.reloaded_bytes.add(0, attrs)
+            self.wasted_bytes.add(0, attrs)
+            self.wasted_tokens.add(0, attrs)
 
     # -- oldest in-flight / un-acked age (the SDK's collection thread) -----------
     def bind_oldest_ages(
@@ -279,6 +290,28 @@ class TransferMetrics(TransferInstruments):
         self._histogram(self.ack_delay, self._by_direction[record.direction]).record(
             delay_ns / 1e9, record.exemplar_context
         )
+
+    # -- host residence (at intake, in submission order) -----------------------
+    def host_waste(self, waste: Waste, page_size: int) -> None:
+        """Host pages freed or overwritten without a load-back since written."""
+        for index, (num_bytes, pages) in enumerate(zip(waste.bytes_by_cause.tolist(), waste.pages_by_cause.tolist())):
+            if pages:
+                attrs = self._by_offload_cause[OFFLOAD_CAUSES[index]]
+                self._add(self.wasted_bytes, attrs, num_bytes)
+                self._add(self.wasted_tokens, attrs, pages * page_size)
+
+    def host_reuse(self, record: TransferRecord, reuse: Reuse) -> None:
+        """A load-back's pages: their residence (one value per writing offload) and bytes."""
+        for index, num_bytes in enumerate(reuse.bytes_by_cause.tolist()):
+            if num_bytes:
+                self._add(self.reloaded_bytes, self._by_offload_cause[OFFLOAD_CAUSES[index]], num_bytes)
+        cause = record.cause
+        for residence_ns, offload_cause in zip(reuse.residence_ns, reuse.causes):
+            key = (cause, offload_cause)
+            attrs = self._by_residence.get(key)
+            if attrs is None:
+                attrs = self._by_residence[key] = self._attrs({sc.CAUSE: cause, sc.OFFLOAD_CAUSE: offload_cause})
+            self._histogram(self.residence, attrs).record(residence_ns / 1e9, None)
 
     def failed_record(self, record: TransferRecord, reason: str) -> None:
         self.left_flight(record)

@@ -37,7 +37,8 @@ from .clock import EventTimeline, WallClockAnchor
 from .device import anchor_factory_for
 from .diagnostics import logger, warn_once
 from .environment_variables import DEFAULTS
-from .records import DIRECTIONS, S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
+from .host_residence import HostFree
+from .records import DIRECTIONS, OFFLOAD, S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
 from .settings import env_float, env_int
 from .timing import is_complete, resolve, resolve_host_clock
 
@@ -352,6 +353,10 @@ class CompletionPipeline:
                 self._taken = first + count
                 self._intake = items  # popped, not yet in _pending: still seen as in flight
             for seq, item in enumerate(items, first):
+                if type(item) is HostFree:  # freed host pages, in order with the ops around them
+                    self.held -= 1
+                    self._host_freed(item, metrics)
+                    continue
                 record = TransferRecord(item)
                 record.seq = seq
                 try:
@@ -363,6 +368,8 @@ class CompletionPipeline:
                               "otel-hicache: dropped a transfer record: %s", exc)
                     continue
                 metrics.submitted(record)
+                if record.host_slots is not None:
+                    self._host_pages(record, metrics)
                 pending.append(record)
                 room -= 1  # an invalid record takes no room: the next pass takes another
         self._intake = ()
@@ -511,12 +518,47 @@ class CompletionPipeline:
                 self._anchor.refresh()
         return self._anchor
 
+    @staticmethod
+    def _host_pages(record: TransferRecord, metrics: Any) -> None:
+        """An op's host pages, at intake (submission order): an offload writes them, a
+        load-back reads them (its residence and bytes, now; its span, at completion)."""
+        pool, slots = record.host_slots
+        try:
+            if record.direction == OFFLOAD:
+                pages, waste = pool.written(slots, record.submit_ns, record.cause, record.num_bytes)
+                record.host_written = (pool, pages)
+                if waste is not None:
+                    metrics.host_waste(waste, pool.page_size)
+            else:
+                reuse = record.reuse = pool.read(slots, record.submit_ns)
+                if reuse is not None:
+                    metrics.host_reuse(record, reuse)
+        except Exception as exc:  # the op is still reported; its pages are not tracked
+            warn_once(f"host_pages:{type(exc).__name__}", "otel-hicache: cannot track an op's host pages (%r)", exc)
+
+    @staticmethod
+    def _host_freed(item: HostFree, metrics: Any) -> None:
+        try:
+            waste = item.pool.freed(item.slots)
+            if waste is not None:
+                metrics.host_waste(waste, item.pool.page_size)
+        except Exception as exc:
+            warn_once(f"host_freed:{type(exc).__name__}", "otel-hicache: cannot track freed host pages (%r)", exc)
+
     def _complete(self, record: TransferRecord, sinks: Sinks) -> None:
         now = self._clock()
         anchor = self._anchor_for(record) if record.timing_enabled and record.start_event is not None else None
         resolve(record, now, anchor, self._timeline)
         busy_added = self._busy[record.direction].add(record.start_ns, record.end_ns)
+        if record.reuse is not None:
+            try:
+                record.links, record.links_dropped = record.host_slots[0].links(record.reuse)
+            except Exception as exc:  # the span is still made, without links
+                warn_once(f"links:{type(exc).__name__}", "otel-hicache: cannot link a load-back's span (%r)", exc)
         state = sinks.spans.begin(record)
+        written = record.host_written
+        if written is not None and record.span_context is not None and record.span_context.trace_flags.sampled:
+            written[0].link(written[1], record.span_context.trace_id, record.span_context.span_id)
         sinks.metrics.completed(record, busy_added)
         sinks.log.completed(record, busy_added)
         if record.expect_ack and record.ack_ns is None and record.ack_watch is not None:

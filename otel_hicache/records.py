@@ -53,6 +53,7 @@ SUBMISSION_FIELDS = (
     "host_end_ns",
     "ack_watch",
     "cause",
+    "host_slots",
     # stamped later, on the list itself, by ack() or the worker (ack_watch)
     "ack_ns",
 )
@@ -109,6 +110,10 @@ class TransferRecord:
         # filled by the worker
         "origin",
         "cause_parts",  # a mixed merged op's ((cause, pool names, pool tokens, bytes), ...), else None
+        "host_written",  # an offload's (host pool, pages written), for the links of later load-backs
+        "reuse",  # a load-back's host_residence.Reuse, else None
+        "links",  # a load-back's ((trace id, span id), ...) of the offloads it read (at completion), else ()
+        "links_dropped",
         "tokens",
         "blocks",
         "pool_names",
@@ -145,6 +150,10 @@ def reset_worker_fields(record: TransferRecord) -> None:
     record.exemplar_context = None
     record.completed_at_ns = None
     record.in_flight = False  # counted in hicache.transfer.inflight
+    record.host_written = None
+    record.reuse = None
+    record.links = ()
+    record.links_dropped = 0
 
 
 def _integer(value: Any, what: str) -> int:
@@ -204,6 +213,11 @@ def validate(record: TransferRecord) -> None:
     record.blocks = -(-record.tokens // page_size)
     record.origin = MERGED_OP if record.expect_ack else DIRECT
     _validate_cause(record)
+    slots = record.host_slots
+    if slots is not None and not (type(slots) is tuple and len(slots) == 2 and hasattr(slots[0], "written")):
+        record.host_slots = None  # the op is still reported; its host pages are not tracked
+        warn_once("host_slots", "otel-hicache: host_slots must be (TransferTelemetry.host_pool(...), slots), got "
+                  "%r; ignored", type(slots).__name__)
     watch = record.ack_watch
     if watch is not None and not (type(watch) is tuple and len(watch) == 2 and hasattr(watch[0], "__iter__")):
         record.ack_watch = None  # the op is still reported; only its ack time is unknown

@@ -211,7 +211,7 @@ def _check_spans() -> list[str]:
     if not callable(getattr(BoundedList, "from_seq", None)):
         problems.append("BoundedList.from_seq")
     limits = SpanLimits()
-    if not all(hasattr(limits, a) for a in ("max_span_attributes", "max_span_attribute_length", "max_events")):
+    if not all(hasattr(limits, a) for a in ("max_span_attributes", "max_span_attribute_length", "max_events", "max_links")):
         problems.append("SpanLimits attributes")
     return problems
 

@@ -76,6 +76,13 @@ from). Tokens and bytes by cause sum exactly to the totals."""
 DIRECT_CAUSES: Final = frozenset((CAUSE_RETRACTION_BACKUP, CAUSE_RETRACTION_RESTORE))
 """Causes whose copies nobody acks (hicache.origin=direct); ``other`` can be either."""
 
+# host residence and lineage (otel_hicache.host_residence)
+OFFLOAD_CAUSE: Final = "hicache.offload_cause"  # metric-only: the cause of the offload that wrote the pages
+RESIDENCE_MIN_US: Final = "hicache.host.residence_min_us"  # load-back spans
+RESIDENCE_MAX_US: Final = "hicache.host.residence_max_us"
+UNKNOWN_PAGES: Final = "hicache.host.unknown_pages"
+LINKS_DROPPED: Final = "hicache.host.links_dropped"
+
 # on otel_hicache.spans (metric-only) and, with OTEL_HICACHE_SPAN_SAMPLING=outliers, on kept spans
 DECISION: Final = "decision"
 SAMPLING_REASON: Final = "hicache.sampling.reason"
@@ -130,6 +137,27 @@ TRANSFER_OLDEST_UNACKED_AGE = (
     "s",
     "Time the oldest completed op submitted with expect_ack=True has waited for its ack "
     "(since its completion was seen); 0 when none.",
+)
+HOST_RESIDENCE_TIME = (
+    "hicache.host.residence_time",
+    "s",
+    "Time host pages sat in host memory (L2), from the submit of the offload that wrote them to the submit "
+    "of the load-back that read them: one value per load-back and writing offload.",
+)
+HOST_RELOADED_BYTES = (
+    "hicache.host.reloaded_bytes",
+    "By",
+    "Bytes of host pages loaded back, by the cause of the offload that wrote them (hicache.offload_cause).",
+)
+HOST_WASTED_BYTES = (
+    "hicache.host.wasted_bytes",
+    "By",
+    "Bytes of host pages freed or overwritten without a load-back since the offload that wrote them.",
+)
+HOST_WASTED_TOKENS = (
+    "hicache.host.wasted_tokens",
+    "{token}",
+    "Tokens (pages x page size) of host pages freed or overwritten without a load-back since written.",
 )
 # cache events (not transfers): exact cumulative counts, see otel_hicache.cache_events
 PREFIX_TOKENS = (
@@ -231,6 +259,12 @@ DURATION_BUCKETS_S = (
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
 """Explicit second-based buckets, 10 us to 60 s (the SDK defaults assume ms)."""
+
+RESIDENCE_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0,
+)
+"""Host residence buckets, 1 ms to 4 hours: a page reused within a step, a minute, a session."""
 
 BANDWIDTH_BUCKETS = (
     1e8, 2.5e8, 5e8, 1e9, 2.5e9, 5e9, 1e10, 1.5e10, 2e10, 2.5e10,

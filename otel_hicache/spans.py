@@ -89,7 +89,27 @@ def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[s
         attrs[sc.BANDWIDTH] = record.num_bytes * 1e9 / record.duration_ns
     if record.error is not None:
         attrs[sc.ERROR_TYPE] = record.error
+    reuse = record.reuse
+    if reuse is not None:
+        if reuse.min_ns is not None:
+            attrs[sc.RESIDENCE_MIN_US] = reuse.min_ns / 1e3
+            attrs[sc.RESIDENCE_MAX_US] = reuse.max_ns / 1e3
+        if reuse.unknown_pages:
+            attrs[sc.UNKNOWN_PAGES] = reuse.unknown_pages
+    if record.links_dropped:
+        attrs[sc.LINKS_DROPPED] = record.links_dropped
     return attrs
+
+
+def span_links(record: TransferRecord) -> tuple[Any, ...]:
+    """A load-back's links: the sampled offload spans that wrote its pages (newest first,
+    at most ``host_residence.MAX_LINKS``)."""
+    links = record.links
+    if not links:
+        return ()
+    return tuple(trace.Link(trace.SpanContext(trace_id, span_id, is_remote=False,
+                                              trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)))
+                 for trace_id, span_id in links)
 
 
 _ABSENT = object()
@@ -155,6 +175,7 @@ class ApiSpanBuilder:
             context=record.parent_context,
             kind=SpanKind.INTERNAL,
             attributes=attributes,
+            links=span_links(record),
             start_time=record.start_ns,
         )
         record.span_context = span.get_span_context()
@@ -231,13 +252,15 @@ class FastSpanBuilder:
         reason = _BASE
         if policy is None:  # OTEL_HICACHE_SPAN_SAMPLING=all: the sampler sees the span's attributes
             attrs = span_attributes(record, self._static)
-            result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, attrs, ())
+            result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, attrs,
+                                                 span_links(record))
             decision, trace_state, extra = result.decision, result.trace_state, result.attributes
         else:
             forced = policy.keep_reason(record, parent)
             if forced is None:  # the base share: the sampler decides before anything is built
                 asked = policy.sampler_attributes[record.direction]
-                result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, asked, ())
+                result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, asked,
+                                                     span_links(record))
                 decision, trace_state = result.decision, result.trace_state
                 if not decision.is_recording():
                     if tracer_metrics is not None:  # otel.sdk.span.started{DROP}, as Tracer.start_span
@@ -296,6 +319,9 @@ class FastSpanBuilder:
         events = _events(record, lambda name, ts: self._event(name, None, ts))
         if self._limits.max_events is not None and len(events) > self._limits.max_events:
             events = self._bounded_list.from_seq(self._limits.max_events, events)
+        links: Any = span_links(record)
+        if links and self._limits.max_links is not None and len(links) > self._limits.max_links:
+            links = self._bounded_list.from_seq(self._limits.max_links, links)
         span = self._readable(
             name=SPAN_NAMES[record.direction],
             context=record.span_context,
@@ -303,6 +329,7 @@ class FastSpanBuilder:
             resource=self._resource,
             attributes=attrs,
             events=events,
+            links=links,
             kind=SpanKind.INTERNAL,
             status=_status(record),
             start_time=record.start_ns,

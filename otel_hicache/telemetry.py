@@ -19,6 +19,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
+from .host_residence import HostFree, make_host_pool
 from . import configuration, sdk_internals
 from .bounded_flush import bounded
 from .cache_events import CacheEvents
@@ -184,6 +185,7 @@ class TransferTelemetry:
         host_end_ns: int | None = None,
         ack_watch: tuple[Any, Any] | None = None,
         cause: str | Sequence[tuple[str, Mapping[str, int], int]] | None = None,
+        host_slots: tuple[Any, Any] | None = None,
     ) -> list | None:
         """Report one merged op (or one direct copy). Returns the handle for ``ack()``.
 
@@ -201,6 +203,10 @@ class TransferTelemetry:
         ``other``); or, for a merged op whose queued ops had different causes, its parts
         ``[(cause, tokens_by_pool, num_bytes), ...]``, which must sum to the op's totals
         (its tokens and bytes are then counted per part, the op as ``mixed``).
+        ``host_slots=(pool, slots)``: the op's token slots in a host pool made by
+        :meth:`host_pool` (an index array, a sequence of them, or a callable returning
+        one; read on the worker, so pass what you do not mutate): the pages an offload
+        wrote or a load-back read, for the host residence metrics and span links.
         """
         pipeline = self._pipeline
         if pipeline is None:
@@ -230,6 +236,7 @@ class TransferTelemetry:
                 host_end_ns,
                 ack_watch,
                 cause,
+                host_slots,
                 None,  # ack time, set by ack() or the worker (ack_watch)
             ]
             pipeline.queue.append(record)
@@ -240,6 +247,28 @@ class TransferTelemetry:
             return None
         except Exception:  # never raise into the host application
             return None
+
+    def host_pool(self, slots: int, page_size: int, name: str = "kv") -> Any:
+        """Host residence bookkeeping for one host pool of ``slots`` token slots in pages of
+        ``page_size`` (:mod:`otel_hicache.host_residence`; preallocated, about 35 bytes per
+        page): pass it with the ops' ``host_slots`` and to :meth:`host_freed`. None when
+        disabled, without NumPy, or for a bad size (warned once)."""
+        if self._pipeline is None:
+            return None
+        return make_host_pool(slots, page_size, name)
+
+    def host_freed(self, pool: Any, slots: Any) -> None:
+        """The host application freed ``slots`` of ``pool`` (from :meth:`host_pool`): pages
+        written and never loaded back since count as wasted offloads. Ordered with the ops
+        submitted before and after it; never refused (frees are tiny and must not be lost).
+        Never raises."""
+        pipeline = self._pipeline
+        if pipeline is None or pool is None:
+            return
+        try:
+            pipeline.queue.append(HostFree(pool, slots))
+        except Exception:  # never raise into the host application
+            return
 
     def ack(self, handle: list | None) -> None:
         """The consumer took this op's ack (optional). Never raises."""

@@ -74,7 +74,7 @@ def semconv_attributes() -> dict[str, str]:
 def test_semconv_is_what_this_test_expects():
     metrics = semconv_metrics()
     assert {"TRANSFER_DURATION", "TRANSFER_BYTES", "RECORDS_DROPPED", "RECORDS_FAILED", "QUEUE_SIZE"} <= set(metrics)
-    assert len(metrics) == 21
+    assert len(metrics) == 25
     assert not any(spec[0].startswith("otel.sdk.") for spec in metrics.values())  # the SDK's, not ours
     attrs = semconv_attributes()
     assert attrs["DIRECTION"] == "hicache.direction" and attrs["ERROR_TYPE"] == "error.type"
@@ -161,10 +161,12 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
 
     # an export thread, so otel_hicache.export.cpu_time has a point
     h.tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
-    for direction in ("offload", "onboard"):
+    pool = h.tel.host_pool(1024, 64)  # the load-back reads what the offload wrote, and a page it did not
+    for direction, slots in (("offload", range(128)), ("onboard", range(192))):
         ev0, ev1 = h.device.copy(h.device.time_ns() + 100_000, 1.0)
         handle = h.tel.submit(direction, {"kv": 128, "draft_kv": 128}, 1 << 24, 64, ev0, ev1, True,
-                              io_backend="kernel")
+                              io_backend="kernel", cause="write_through" if direction == "offload" else "prefix_hit",
+                              host_slots=(pool, list(slots)))
         h.device.advance(ms=2)
         assert h.flush()
         h.device.advance(ms=1)

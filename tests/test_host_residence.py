@@ -1,0 +1,166 @@
+"""Host residence and lineage: how long offloaded pages sat in host memory before a load-back
+used them, which offload wrote them (span links), and what was freed without reuse."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from otel_hicache import semconv as sc
+from otel_hicache.host_residence import MAX_LINKS, HostPool
+
+PAGE = 4
+BYTES_PER_TOKEN = 1000
+
+
+def _op(h, direction, slots, pool, cause, ms=1.0):
+    """One op over ``slots`` (token slots of ``pool``), device-timed, nobody acks it."""
+    ev0, ev1 = h.device.copy(h.device.time_ns() + 10_000, ms)
+    tokens = len(slots)
+    handle = h.tel.submit(direction, {"kv": tokens}, tokens * BYTES_PER_TOKEN, PAGE, ev0, ev1, True,
+                          expect_ack=False, cause=cause, host_slots=(pool, np.asarray(slots, dtype=np.int64)))
+    h.device.advance(ms=ms + 1)
+    assert h.flush()
+    return handle
+
+
+def _value(h, name, **attrs):
+    points = [p for p in h.points(name) if all(p.attributes.get(k) == v for k, v in attrs.items())]
+    return sum(p.value for p in points)
+
+
+def test_residence_is_the_gap_between_the_offload_and_the_load_back(harness):
+    h = harness()
+    pool = h.tel.host_pool(64, PAGE)
+    _op(h, "offload", range(0, 16), pool, "write_through")
+    h.device.advance(seconds=2.5)
+    _op(h, "onboard", range(0, 16), pool, "prefix_hit")
+    offload, onboard = h.finished()
+    point = h.value("hicache.host.residence_time", **{sc.CAUSE: "prefix_hit", sc.OFFLOAD_CAUSE: "write_through"})
+    # submit to submit: the offload's 1 + 1 ms of device time, then 2.5 s, then the 10 us the copy waits
+    gap_s = (1 + 1) / 1e3 + 2.5
+    assert (point.count, point.sum) == (1, pytest.approx(gap_s, abs=1e-9))
+    a = onboard.attributes
+    assert a[sc.RESIDENCE_MIN_US] == a[sc.RESIDENCE_MAX_US] == pytest.approx(gap_s * 1e6, abs=1e-3)
+    assert sc.UNKNOWN_PAGES not in a and sc.RESIDENCE_MIN_US not in offload.attributes
+    # the load-back links to the offload span that wrote its pages
+    assert [(link.context.trace_id, link.context.span_id) for link in onboard.links] == [
+        (offload.context.trace_id, offload.context.span_id)]
+    assert _value(h, "hicache.host.reloaded_bytes", **{sc.OFFLOAD_CAUSE: "write_through"}) == 16 * BYTES_PER_TOKEN
+
+
+def test_pages_of_several_offloads_one_value_each_and_min_max_on_the_span(harness):
+    h = harness()
+    pool = h.tel.host_pool(64, PAGE)
+    _op(h, "offload", range(0, 8), pool, "write_through")
+    h.device.advance(seconds=1)
+    _op(h, "offload", range(8, 16), pool, "write_back")
+    h.device.advance(seconds=1)
+    _op(h, "onboard", range(0, 16), pool, "prefix_hit")
+    *_, onboard = h.finished()
+    values = {c: h.value("hicache.host.residence_time", **{sc.OFFLOAD_CAUSE: c}) for c in ("write_through", "write_back")}
+    assert {c: p.count for c, p in values.items()} == {"write_through": 1, "write_back": 1}
+    assert values["write_through"].sum == pytest.approx(2 * 0.002 + 2.0, abs=1e-9)
+    assert values["write_back"].sum == pytest.approx(0.002 + 1.0, abs=1e-9)
+    a = onboard.attributes
+    assert (a[sc.RESIDENCE_MIN_US], a[sc.RESIDENCE_MAX_US]) == (pytest.approx(1.002e6), pytest.approx(2.004e6))
+    assert len(onboard.links) == 2  # newest first
+    assert _value(h, "hicache.host.reloaded_bytes", **{sc.OFFLOAD_CAUSE: "write_back"}) == 8 * BYTES_PER_TOKEN
+
+
+def test_freed_without_a_load_back_is_wasted_and_after_one_is_not(harness):
+    h = harness()
+    pool = h.tel.host_pool(64, PAGE)
+    _op(h, "offload", range(0, 16), pool, "write_through")
+    _op(h, "offload", range(16, 24), pool, "write_back")
+    _op(h, "onboard", range(0, 8), pool, "prefix_hit")  # half of the first offload is used
+    h.tel.host_freed(pool, np.arange(0, 24))
+    assert h.flush()
+    wasted = {c: (_value(h, "hicache.host.wasted_bytes", **{sc.OFFLOAD_CAUSE: c}),
+                  _value(h, "hicache.host.wasted_tokens", **{sc.OFFLOAD_CAUSE: c})) for c in ("write_through", "write_back")}
+    assert wasted == {"write_through": (8 * BYTES_PER_TOKEN, 8), "write_back": (8 * BYTES_PER_TOKEN, 8)}
+    # freed pages are no longer resident: reading them again knows nothing of them
+    _op(h, "onboard", range(0, 8), pool, "prefix_hit")
+    assert h.finished()[-1].attributes[sc.UNKNOWN_PAGES] == 2
+    # zero series for every offload cause from start-up
+    assert {p.attributes[sc.OFFLOAD_CAUSE] for p in h.points("hicache.host.wasted_bytes")} == set(
+        (*sc.CAUSES["offload"], sc.CAUSE_MIXED))
+
+
+def test_a_page_offloaded_again_without_a_free_wastes_the_unread_write(harness):
+    h = harness()
+    pool = h.tel.host_pool(64, PAGE)
+    _op(h, "offload", range(0, 8), pool, "write_through")
+    h.device.advance(seconds=5)
+    _op(h, "offload", range(0, 8), pool, "retraction_backup")  # the same host pages, written again
+    h.device.advance(seconds=1)
+    _op(h, "onboard", range(0, 8), pool, "retraction_restore")
+    assert _value(h, "hicache.host.wasted_bytes", **{sc.OFFLOAD_CAUSE: "write_through"}) == 8 * BYTES_PER_TOKEN
+    [point] = [p for p in h.points("hicache.host.residence_time")]
+    assert point.attributes[sc.OFFLOAD_CAUSE] == "retraction_backup" and point.sum == pytest.approx(1.002)
+
+
+def test_a_restart_knows_nothing_of_earlier_pages(harness):
+    """Host memory outlives no process: a new process's pool starts empty."""
+    first = harness()
+    pool = first.tel.host_pool(64, PAGE)
+    _op(first, "offload", range(0, 8), pool, "write_through")
+    second = harness()  # the restarted process
+    pool = second.tel.host_pool(64, PAGE)
+    _op(second, "onboard", range(0, 8), pool, "prefix_hit")
+    second.tel.host_freed(pool, range(0, 8))
+    [span] = second.finished()
+    assert span.attributes[sc.UNKNOWN_PAGES] == 2 and sc.RESIDENCE_MIN_US not in span.attributes
+    assert not span.links
+    assert not [p for p in second.points("hicache.host.residence_time")]
+    assert _value(second, "hicache.host.reloaded_bytes") == _value(second, "hicache.host.wasted_bytes") == 0
+
+
+def test_links_are_bounded_and_the_rest_counted(harness):
+    h = harness()
+    pool = h.tel.host_pool(4 * (MAX_LINKS + 5), PAGE)
+    for page in range(MAX_LINKS + 5):
+        _op(h, "offload", range(page * PAGE, (page + 1) * PAGE), pool, "write_through")
+    _op(h, "onboard", range(0, (MAX_LINKS + 5) * PAGE), pool, "prefix_hit")
+    *offloads, onboard = h.finished()
+    assert len(onboard.links) == MAX_LINKS and onboard.attributes[sc.LINKS_DROPPED] == 5
+    newest = [o.context.span_id for o in offloads[::-1][:MAX_LINKS]]
+    assert [link.context.span_id for link in onboard.links] == newest
+    assert h.value("hicache.host.residence_time", **{sc.CAUSE: "prefix_hit"}).count == MAX_LINKS + 5
+
+
+def test_bad_slots_never_raise_and_the_op_is_still_reported(harness, caplog):
+    h = harness()
+    pool = h.tel.host_pool(16, PAGE)
+    with caplog.at_level(logging.WARNING, logger="otel_hicache"):
+        _op(h, "offload", [0, 1, 2, 3, 400, -4], pool, "write_through")  # two slots outside the pool
+        h.tel.submit("offload", {"kv": 4}, 4000, PAGE, expect_ack=False, host_start_ns=1, host_end_ns=2,
+                     host_slots=("not a pool", [0]))
+        h.tel.submit("offload", {"kv": 4}, 4000, PAGE, expect_ack=False, host_start_ns=1, host_end_ns=2,
+                     host_slots=(pool, ["a"]))
+        h.tel.host_freed(pool, object())
+        assert len(h.finished()) == 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("outside the kv host pool" in m for m in messages) == 1
+    assert sum("host_slots must be" in m for m in messages) == 1
+    assert sum("cannot track an op's host pages" in m for m in messages) == 1
+    assert sum("cannot track freed host pages" in m for m in messages) == 1
+    assert pool.written_ns[0] != 0  # the in-range page was tracked
+
+
+def test_bookkeeping_memory_per_page_and_page_ids():
+    pool = HostPool(1000, 64)
+    assert pool.pages == 16 and pool.bytes_per_page == 8 + 1 + 8 + 8 + 8 + 8 + 1
+    assert pool.page_ids([130, 0, 63, 64, 999]).tolist() == [0, 1, 2, 15]
+    assert pool.page_ids(lambda: np.arange(64, 192)).tolist() == [1, 2]
+    assert pool.page_ids([np.arange(0, 4), np.arange(640, 644)]).tolist() == [0, 10]
+
+
+def test_torch_cpu_indices_are_read_in_place():
+    import torch
+
+    pool = HostPool(1000, 64)
+    assert pool.page_ids(torch.arange(128, 256)).tolist() == [2, 3]
+    assert pool.page_ids([torch.arange(0, 4), torch.arange(640, 644)]).tolist() == [0, 10]  # SGLang's queued ops
