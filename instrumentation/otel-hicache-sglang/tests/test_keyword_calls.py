@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 # timings: differ from run to run
-VOLATILE = {"hicache.ack_delay_us", "hicache.queue_wait_us", "hicache.bandwidth_bytes_per_second"}
+VOLATILE = {"hicache.ack_delay_us", "hicache.queue_wait_us", "hicache.bandwidth_bytes_per_second",
+            "hicache.host.residence_min_us", "hicache.host.residence_max_us"}
 
 
 def _reports(spans: list[Any]) -> list[tuple[str, dict[str, Any]]]:

@@ -378,6 +378,9 @@ def scan_keys(exported: Exported, allowed: dict[str, set[str]]) -> list[str]:
 def scan_names(exported: Exported, documented: dict[str, set[str]]) -> list[str]:
     """Span, event and metric names, and the scope, are the documented ones."""
     findings = []
+    spans = [span for request in exported.traces for rs in request.resource_spans for ss in rs.scope_spans
+             for span in ss.spans]
+    offloads = {(span.trace_id, span.span_id) for span in spans if span.name == sc.SPAN_OFFLOAD}
     for request in exported.traces:
         for rs in request.resource_spans:
             for ss in rs.scope_spans:
@@ -388,8 +391,15 @@ def scan_names(exported: Exported, documented: dict[str, set[str]]) -> list[str]
                         findings.append(f"span name {span.name!r}")
                     findings += [f"event name {e.name!r}" for e in span.events
                                  if e.name not in documented["event_names"]]
-                    if span.links:
-                        findings.append(f"span {span.name} has {len(span.links)} links (none documented)")
+                    # links (load-backs to the offloads that wrote their pages): ids of exported
+                    # offload spans only, nothing else on them
+                    if span.links and span.name != sc.SPAN_ONBOARD:
+                        findings.append(f"span {span.name} has {len(span.links)} links (only load-backs link)")
+                    for link in span.links:
+                        if (link.trace_id, link.span_id) not in offloads:
+                            findings.append(f"span {span.name} links to a span that is no exported offload span")
+                        if link.attributes or link.trace_state:
+                            findings.append(f"span {span.name} has a link with attributes or trace state")
     for request in exported.metrics:
         for rm in request.resource_metrics:
             for sm in rm.scope_metrics:
@@ -679,6 +689,7 @@ def test_the_run_exercised_what_the_scan_claims(sglang_run):
     # write-through 2, retraction 2, write-back 2, unbacked drop 1, host eviction 1, Rust core 2, engine 2
     assert len(spans) == 12
     assert all(any(e.name == sc.EVENT_SUBMITTED for e in s.events) for s in spans)
+    assert any(s.links for s in spans)  # a load-back linked to the offload that wrote its pages
     assert any(e.name == sc.EVENT_ACKED for s in spans for e in s.events)
     # the request span (with rid and prompt) was current at submit: it is the parent
     assert sum(s.parent_span_id == facts["request_span_id"].to_bytes(8, "big") for s in spans) >= 4

@@ -22,7 +22,8 @@ from otlp_receiver import GrpcReceiver, attributes
 
 HERE = Path(__file__).resolve().parent
 SPAWN_TIMEOUT_S = 180
-ALL_GROUPS = ["L1<->L2 transfers", "transfer causes", "transfer causes: buffer-only host mode", "dropped tokens",
+ALL_GROUPS = ["L1<->L2 transfers", "transfer causes", "transfer causes: buffer-only host mode", "host residence",
+              "dropped tokens",
               "evictions", "prefix hits"]  # the decode-offload causes: only where its module is imported
 
 

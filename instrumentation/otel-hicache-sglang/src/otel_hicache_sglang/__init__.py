@@ -45,6 +45,7 @@ CACHE_CONTROLLER = "sglang.srt.managers.cache_controller"
 UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache"
 BASE_PREFIX_CACHE = "sglang.srt.mem_cache.base_prefix_cache"
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
+HOST_POOL = "sglang.srt.mem_cache.pool_host.base"
 
 ACK_FIELDS = ("start_event", "finish_event", "num_tokens", "timing_enabled", "num_tokens_by_pool", "num_bytes")
 COMPLETION_FIELDS = ("start_event", "finish_event", "timing_enabled")
@@ -89,6 +90,9 @@ def _groups(observer: TransferObserver) -> list[Group]:
         ], check=_check_transfers),
         *(Group(name, [(site.module, site.path, observer.causes.site(site)) for site in sites])
           for name, sites in causes.SITES.items()),
+        Group("host residence", [
+            (HOST_POOL, "HostKVCache.free", observer.host_free_wrapper()),
+        ]),
         Group("dropped tokens", [
             (UNIFIED_RADIX_CACHE, "UnifiedRadixCache._record_dropped_tokens",
              cache_events.record_dropped_tokens(observer)),

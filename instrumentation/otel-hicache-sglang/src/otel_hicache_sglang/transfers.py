@@ -33,6 +33,7 @@ import threading
 from threading import get_ident
 import time
 import weakref
+from functools import partial
 from typing import Any, Callable
 
 from otel_hicache import TransferTelemetry
@@ -85,6 +86,11 @@ def _is_synchronous_event(event: Any) -> bool:
     return known
 
 
+def _host_indices(ops: list[Any]) -> list[Any]:
+    """The host (CPU) token slots of SGLang's queued ``CacheOperation``s (on the worker)."""
+    return [op.host_indices for op in ops]
+
+
 def _engine_method(engine: Any, direction: str) -> Any:
     """The (patched) engine method that made a copy in ``direction``: for warnings that name it."""
     return getattr(type(engine), "submit_device_to_host" if direction == OFFLOAD else "submit_host_to_device", None)
@@ -93,7 +99,8 @@ def _engine_method(engine: Any, direction: str) -> Any:
 class _ControllerInfo:
     """What is reported with every op of one controller, built once."""
 
-    __slots__ = ("page_size", "io_backend", "has_drafts", "attributes", "pool_names", "__weakref__")
+    __slots__ = ("page_size", "io_backend", "has_drafts", "attributes", "pool_names", "anchor_host", "host_pool",
+                 "__weakref__")
 
     def __init__(self, controller: Any) -> None:
         host = getattr(controller, "mem_pool_host", None)
@@ -110,6 +117,9 @@ class _ControllerInfo:
             if isinstance(value, (str, int)) and not isinstance(value, bool):
                 attributes[key] = value
         self.attributes = attributes
+        # the anchor (KV) host pool, whose pages host residence tracks (TransferObserver._info)
+        self.anchor_host = getattr(getattr(host, "anchor_entry", None), "host_pool", None) or host
+        self.host_pool: Any = None
         # host pool -> pool name, for the token counts of direct copies
         self.pool_names: dict[int, str] = {}
         entries = getattr(host, "entry_map", None)
@@ -140,6 +150,8 @@ class TransferObserver:
         self._controllers: "weakref.WeakKeyDictionary[Any, _ControllerInfo]" = weakref.WeakKeyDictionary()
         self._engines: "weakref.WeakKeyDictionary[Any, _ControllerInfo]" = weakref.WeakKeyDictionary()
         self._last_controller: tuple[Any, _ControllerInfo] | None = None  # (weakref, its info)
+        # id(SGLang host pool) -> (weakref to it, its otel_hicache.host_residence.HostPool)
+        self.host_pools: dict[int, tuple[Any, Any]] = {}
 
     # -- set-up ---------------------------------------------------------------
     def telemetry_now(self) -> TransferTelemetry | None:
@@ -175,7 +187,56 @@ class TransferObserver:
             engine = getattr(controller, "l2_transfer_engine", None)
             if engine is not None:
                 self._engines[engine] = info
+            self._track_host_pool(info)
         return info
+
+    def _controller_info(self, controller: Any) -> _ControllerInfo:
+        """The info of the controller of the last op (the common case, without a lookup), or looked up."""
+        last = self._last_controller
+        if last is not None and last[0]() is controller:
+            return last[1]
+        info = self._info(controller)
+        self._last_controller = (weakref.ref(controller), info)
+        return info
+
+    def _track_host_pool(self, info: _ControllerInfo) -> None:
+        """Host residence for the controller's anchor host pool (shared by controllers on one pool)."""
+        telemetry, host = self.telemetry, info.anchor_host
+        if telemetry is None or host is None:
+            return
+        known = self.host_pools.get(id(host))
+        if known is not None and known[0]() is host:
+            info.host_pool = known[1]
+            return
+        slots, page_size = getattr(host, "size", None), getattr(host, "page_size", None)
+        if not isinstance(slots, int) or not isinstance(page_size, int):
+            return
+        info.host_pool = telemetry.host_pool(slots, page_size)
+        if info.host_pool is not None:
+            self.host_pools[id(host)] = (weakref.ref(host), info.host_pool)
+
+    def host_free_wrapper(self) -> Method:
+        """For ``HostKVCache.free(indices)``: freed pages of a tracked host pool, to the worker."""
+        observer = self
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def free_patched(host: Any, *args: Any, **kwargs: Any) -> Any:
+                result = original(host, *args, **kwargs)
+                tracked = observer.host_pools.get(id(host))
+                if tracked is not None and tracked[0]() is host:
+                    telemetry = observer.telemetry
+                    indices = args[0] if args else kwargs.get("indices", MISSING)  # patching.arg(), inlined
+                    if telemetry is not None and indices is not MISSING:
+                        if getattr(indices, "is_cuda", False):  # reading them would synchronize
+                            warn_once("sglang:host_free_cuda", "otel-hicache: host pages freed by device indices "
+                                      "are not tracked (reading them would synchronize)")
+                        else:
+                            telemetry.host_freed(tracked[1], indices)
+                return result
+
+            return free_patched
+
+        return Method(make)
 
     # -- engine wrappers (every copy) -------------------------------------------
     def submit_wrapper(self, direction: str) -> Method:
@@ -237,10 +298,15 @@ class TransferObserver:
                 if telemetry is None or not telemetry.enabled:
                     return original(controller, *args, **kwargs)
                 try:
-                    cause = queued_causes.take(getattr(controller, op_queue))
+                    queued = getattr(controller, op_queue)
+                    cause = queued_causes.take(queued)
+                    info = observer._controller_info(controller)
+                    # the queued ops' CPU host indices, read on the worker (host residence)
+                    host = info.host_pool
+                    host_slots = (host, partial(_host_indices, list(queued))) if host is not None and queued else None
                 except Exception as exc:  # pylint: disable=broad-except
-                    warn_once("sglang:cause", "otel-hicache: cannot read the queued ops' causes (%r)", exc)
-                    cause = None
+                    warn_once("sglang:cause", "otel-hicache: cannot read the queued ops (%r)", exc)
+                    cause = info = host_slots = None
                 outer = local.captured
                 captured: list[Any] = []
                 local.captured = captured
@@ -265,9 +331,7 @@ class TransferObserver:
                     # The common case inline (one copy, the controller of the last op, its ack
                     # appended last, no draft pools on a load): what _report_merged does, without
                     # its frame and lookups; anything else goes there.
-                    last = observer._last_controller
-                    if len(captured) == 1 and last is not None and last[0]() is controller:
-                        info = last[1]
+                    if len(captured) == 1 and info is not None:
                         engine, copy_args, copy_kwargs, completion, start_ns, end_ns = captured[0]
                         queue = getattr(controller, ack_queue)
                         ack = queue[-1] if queue else None
@@ -280,10 +344,10 @@ class TransferObserver:
                                 info.page_size, ack.start_event, finish, timing, info.io_backend, info.attributes,
                                 host_start_ns=start_ns,
                                 host_end_ns=end_ns if not timing and _is_synchronous_event(finish) else None,
-                                ack_watch=(queue, ack), cause=cause,
+                                ack_watch=(queue, ack), cause=cause, host_slots=host_slots,
                             )
                             return result
-                    observer._report_merged(telemetry, direction, controller, ack_queue, captured, cause)
+                    observer._report_merged(telemetry, direction, controller, ack_queue, captured, cause, host_slots)
                 except Exception as exc:  # pylint: disable=broad-except
                     warn_once("sglang:start", "otel-hicache: could not report a merged op (%r)", exc)
                 return result
@@ -299,15 +363,10 @@ class TransferObserver:
 
     # -- reporting ------------------------------------------------------------
     def _report_merged(self, telemetry: TransferTelemetry, direction: str, controller: Any, ack_queue: str,
-                       captured: list[Any], cause: Any) -> None:
+                       captured: list[Any], cause: Any, host_slots: Any) -> None:
         # Runs once per merged op on the scheduler thread, between two device ops (cold
         # caches): every lookup counts several times what it costs in a loop.
-        last = self._last_controller
-        if last is not None and last[0]() is controller:
-            info = last[1]
-        else:
-            info = self._info(controller)
-            self._last_controller = (weakref.ref(controller), info)
+        info = self._controller_info(controller)
         queue = getattr(controller, ack_queue)
         for engine, args, kwargs, completion, start_ns, end_ns in captured:
             transfers = args[0] if args else kwargs.get("transfers", MISSING)  # arg(), inlined
@@ -332,8 +391,9 @@ class TransferObserver:
                 ack.start_event, finish, timing, info.io_backend, attributes,
                 host_start_ns=start_ns,
                 host_end_ns=end_ns if not timing and _is_synchronous_event(finish) else None,
-                ack_watch=(queue, ack), cause=cause,
+                ack_watch=(queue, ack), cause=cause, host_slots=host_slots,
             )
+            host_slots = None  # the queued ops' pages belong to the first copy paired with an ack
 
     def _report_unpaired(self, telemetry: TransferTelemetry, direction: str, captured: list[Any],
                          cause: str | None) -> None:
