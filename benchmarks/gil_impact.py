@@ -206,10 +206,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
              sections: bool, late_us: float, sinks: tuple[Any, Any] | None = None) -> dict[str, Any]:
     import otel_hicache
     from otel_hicache import configuration
-    from otel_hicache.testing import SimulatedDevice
-
-    class WallClockDevice(SimulatedDevice):
-        time_ns = staticmethod(time.time_ns)  # type: ignore[assignment]
+    from otel_hicache.testing import WallClockDevice
 
     rate = variant["rate"]
     telemetry = conf = None

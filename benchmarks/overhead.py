@@ -86,7 +86,7 @@ from otel_hicache import semconv as sc
 from otel_hicache.busy_time import BusyTimeTracker
 from otel_hicache.metrics import TransferInstruments
 from otel_hicache.records import DIRECTIONS, TIERS
-from otel_hicache.testing import SimulatedDevice
+from otel_hicache.testing import WallClockDevice
 
 # a sibling module: this script's folder is first on sys.path
 from bench_common import (CountingSpanExporter, SdkProviders, env, machine, percentile, table, thread_cpu,
@@ -113,13 +113,6 @@ GOALS = {
     "disabled_us": 0.2,
     "ops_per_s": 20_000.0,
 }
-
-
-class WallClockDevice(SimulatedDevice):
-    """A simulated device whose clock is the host wall clock (so ``query()`` of an
-    event placed in the past is True, and spans land at the real time)."""
-
-    time_ns = staticmethod(time.time_ns)  # type: ignore[assignment]
 
 
 def make_prep() -> Callable[[int], tuple[str, dict[str, int], Any, Any]]:

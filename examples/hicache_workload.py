@@ -166,6 +166,11 @@ class DirectionSummary:
     p99_s: float | None = None
     timing_sources: dict[str, int] = field(default_factory=dict)
     bytes_by_cause: dict[str, int] = field(default_factory=dict)  # hicache.cause -> bytes
+    # host residence (offload: the bytes it wrote that were overwritten unread; onboard: the bytes it read)
+    host_bytes: int = 0
+    residence_p50_s: float | None = None
+    residence_p99_s: float | None = None
+    residence_count: int = 0
 
     @property
     def bandwidth(self) -> float | None:
@@ -225,6 +230,17 @@ def summarize(metrics_data: Any) -> MetricsSummary:
                             summary.bytes_by_cause[cause] = summary.bytes_by_cause.get(cause, 0) + int(point.value)
                     elif name == sc.TRANSFER_BUSY_TIME[0]:
                         summary.busy_s += float(point.value)
+                if name in (sc.HOST_WASTED_BYTES[0], sc.HOST_RELOADED_BYTES[0]):
+                    summary = dirs[OFFLOAD if name == sc.HOST_WASTED_BYTES[0] else ONBOARD]
+                    summary.host_bytes += sum(int(p.value) for p in metric.data.data_points)
+                elif name == sc.HOST_RESIDENCE_TIME[0]:
+                    for point in metric.data.data_points:
+                        dirs[ONBOARD].residence_count += int(point.count)
+                        _merge_buckets(histograms, "residence", point)
+    residence = histograms.get("residence")
+    if residence is not None and dirs[ONBOARD].residence_count:
+        dirs[ONBOARD].residence_p50_s = histogram_quantile(0.50, *residence)
+        dirs[ONBOARD].residence_p99_s = histogram_quantile(0.99, *residence)
     for direction, summary in dirs.items():
         merged = histograms.get(direction)
         if merged is not None and summary.ops:
@@ -267,6 +283,9 @@ def compare(summary: MetricsSummary, truth: Mapping[str, DirectionSummary]) -> l
         ):
             if g != w:
                 problems.append(f"{direction} {what}: metrics {g:,} != workload {w:,}")
+        if got.host_bytes != want.host_bytes:
+            what = "wasted (overwritten before any load-back)" if direction == OFFLOAD else "reloaded"
+            problems.append(f"host bytes {what}: metrics {got.host_bytes:,} != workload {want.host_bytes:,}")
         if got.bytes_by_cause != want.bytes_by_cause:
             problems.append(f"{direction} bytes by cause: metrics {got.bytes_by_cause} != workload "
                             f"{want.bytes_by_cause}")
@@ -286,6 +305,13 @@ def format_causes(rows: Iterable[DirectionSummary]) -> str:
         f"  {row.direction}: " + (", ".join(f"{cause} {n / 1e9:.3f} GB ({n / row.bytes:.0%})" for cause, n in
                                             sorted(row.bytes_by_cause.items(), key=lambda kv: -kv[1])) or "-")
         for row in rows)
+
+
+def format_residence(offload: DirectionSummary, onboard: DirectionSummary) -> str:
+    """Host residence: how long load-backs' pages sat in L2, what was reloaded and wasted."""
+    return (f"  {onboard.residence_count:,} load-back x writing-offload pairs, residence p50 {_ms(onboard.residence_p50_s)}"
+            f" ms, p99 {_ms(onboard.residence_p99_s)} ms; reloaded {onboard.host_bytes / 1e9:.3f} GB, wasted "
+            f"(overwritten before any load-back) {offload.host_bytes / 1e9:.3f} GB")
 
 
 def _ms(seconds: float | None) -> str:
@@ -522,6 +548,8 @@ class HiCacheWorkload:
         self.pending: deque[InFlight] = deque()
         self.next_tag = 1
         self.truth = {d: DirectionSummary(d, tokens={"kv": 0}) for d in DIRECTIONS}
+        self.host_pool: Any = None  # tel.host_pool(), made in run()
+        self.page_state: dict[int, list[int]] = {}  # host page -> [bytes the offload put on it, times read]
         self.acked = 0
         if self.cuda:
             self.write_stream = torch.cuda.Stream(device=device)
@@ -598,6 +626,7 @@ class HiCacheWorkload:
         """Run every op; with ``tracer``, each inside a ``example.scheduler_step`` span (the
         transfer spans become its children, as under a request span in a server)."""
         started = time.monotonic()
+        self.host_pool = tel.host_pool(self.cfg.host_pages * self.cfg.page_size, self.cfg.page_size)
         for i in range(self.cfg.ops):
             if self.cfg.rate > 0:  # paced: op i starts i/rate seconds in (a serving process is never flat out)
                 delay = started + i / self.cfg.rate - time.monotonic()
@@ -673,6 +702,7 @@ class HiCacheWorkload:
         self.busy_host.update(host_pages)
         other_path = index % TRANSFER_EVERY == TRANSFER_EVERY - 1
         cause = _cause(direction, index)
+        host_slots = self._host_slots(direction, host_pages, num_bytes)
         if self.cuda:
             stream = self.write_stream if direction == OFFLOAD else self.load_stream
             if direction == OFFLOAD:  # the KV was written on the compute stream
@@ -680,7 +710,7 @@ class HiCacheWorkload:
             if other_path:
                 with torch.cuda.stream(stream), tel.transfer(
                     direction, tokens_by_pool, num_bytes, page_size, stream=stream, io_backend=IO_BACKEND,
-                    cause=cause,
+                    cause=cause, host_slots=host_slots,
                 ):
                     copies(non_blocking=True)
                 done = torch.cuda.Event()
@@ -694,17 +724,19 @@ class HiCacheWorkload:
                     copies(non_blocking=True)
                     finish.record(stream)
                 handle = tel.submit(direction, tokens_by_pool, num_bytes, page_size, start_event=start,
-                                    finish_event=finish, timing_enabled=True, io_backend=IO_BACKEND, cause=cause)
+                                    finish_event=finish, timing_enabled=True, io_backend=IO_BACKEND, cause=cause,
+                                    host_slots=host_slots)
                 self.pending.append(InFlight(handle, finish, device_pages, host_pages))
         elif other_path:  # synchronous copy, host times known: submit now, ack from the queue
             t0 = time.time_ns()
             copies(non_blocking=False)
             t1 = time.time_ns()
             handle = tel.submit(direction, tokens_by_pool, num_bytes, page_size, io_backend=IO_BACKEND,
-                                host_start_ns=t0, host_end_ns=t1, cause=cause)
+                                host_start_ns=t0, host_end_ns=t1, cause=cause, host_slots=host_slots)
             self.pending.append(InFlight(handle, None, device_pages, host_pages))
         else:
-            with tel.transfer(direction, tokens_by_pool, num_bytes, page_size, io_backend=IO_BACKEND, cause=cause):
+            with tel.transfer(direction, tokens_by_pool, num_bytes, page_size, io_backend=IO_BACKEND, cause=cause,
+                              host_slots=host_slots):
                 copies(non_blocking=False)
             self.pending.append(InFlight(None, None, device_pages, host_pages))
 
@@ -715,6 +747,29 @@ class HiCacheWorkload:
         truth.blocks += -(-tokens_by_pool["kv"] // page_size)
         truth.bytes += num_bytes
         truth.bytes_by_cause[cause] = truth.bytes_by_cause.get(cause, 0) + num_bytes
+
+    def _host_slots(self, direction: str, host_pages: list[int], num_bytes: int) -> Any:
+        """The op's host token slots for host residence, and its ground truth: an offload puts
+        ``num_bytes`` over its pages (the remainder on the lowest pages, as otel-hicache does)
+        and wastes what it overwrites unread; a load-back reloads what its pages hold."""
+        if self.host_pool is None:
+            return None
+        truth = self.truth[direction]
+        pages = sorted(host_pages)
+        if direction == OFFLOAD:
+            base, extra = divmod(num_bytes, len(pages))
+            for k, page in enumerate(pages):
+                old = self.page_state.get(page)
+                if old is not None and old[1] == 0:
+                    truth.host_bytes += old[0]
+                self.page_state[page] = [base + (1 if k < extra else 0), 0]
+        else:
+            for page in pages:
+                state = self.page_state[page]
+                truth.host_bytes += state[0]
+                state[1] += 1
+        ps = self.cfg.page_size
+        return self.host_pool, (torch.tensor(pages)[:, None] * ps + torch.arange(ps)).reshape(-1)
 
     def verify(self) -> tuple[int, list[str]]:
         """Check every page's tags in both tiers against the expected ones (after drain())."""
@@ -921,6 +976,8 @@ def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: Emb
                        token_pools=list(dict.fromkeys(p for d in DIRECTIONS for p in truth[d].tokens))))
     print("bytes by cause (hicache.cause):")
     print(format_causes(summary.directions[d] for d in DIRECTIONS))
+    print("host residence (hicache.host.*):")
+    print(format_residence(summary.directions[OFFLOAD], summary.directions[ONBOARD]))
     print(f"spans exported: {len(spans):,} ("
           + ", ".join(f"{name} {count:,}" for name, count in sorted(by_name.items())) + ")")
     problems = compare(summary, truth)

@@ -144,6 +144,17 @@ were seen.
 Default: ``0.99``
 """
 
+OTEL_HICACHE_HOST_RESIDENCE = "OTEL_HICACHE_HOST_RESIDENCE"
+"""
+.. envvar:: OTEL_HICACHE_HOST_RESIDENCE
+
+``true`` (default): ``TransferTelemetry.host_pool()`` makes host residence bookkeeping
+(``hicache.host.*``, load-back span links; needs NumPy), which the SGLang adapter uses
+for the anchor KV host pool. ``false``: it returns None and no host pages are tracked,
+which saves the completion worker's per-op cost of it (``docs/performance.md``).
+Default: ``true``
+"""
+
 DEFAULTS = {
     OTEL_HICACHE_ENABLED: True,
     OTEL_HICACHE_STRICT: False,
@@ -157,5 +168,6 @@ DEFAULTS = {
     OTEL_HICACHE_SPAN_SAMPLING: "all",
     OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS: 50.0,
     OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE: 0.99,
+    OTEL_HICACHE_HOST_RESIDENCE: True,
 }
 """The documented default of every ``OTEL_HICACHE_*`` variable."""

@@ -19,7 +19,6 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
-from .host_residence import HostFree, make_host_pool
 from . import configuration, sdk_internals
 from .bounded_flush import bounded
 from .cache_events import CacheEvents
@@ -27,6 +26,7 @@ from .link_capacity import LinkCapacity
 from . import environment_variables as ev
 from .device import timing_event_pair
 from .diagnostics import warn_once
+from .host_residence import HostFree, make_host_pool
 from .logs import TransferLog
 from .metrics import TransferMetrics
 from .process_exit import on_exit
@@ -253,7 +253,7 @@ class TransferTelemetry:
         ``page_size`` (:mod:`otel_hicache.host_residence`; preallocated, about 35 bytes per
         page): pass it with the ops' ``host_slots`` and to :meth:`host_freed`. None when
         disabled, without NumPy, or for a bad size (warned once)."""
-        if self._pipeline is None:
+        if self._pipeline is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
             return None
         return make_host_pool(slots, page_size, name)
 
@@ -297,9 +297,10 @@ class TransferTelemetry:
         io_backend: str | None = None,
         attributes: Mapping[str, Any] | None = None,
         cause: str | None = None,
+        host_slots: tuple[Any, Any] | None = None,
     ) -> Iterator[None]:
         """Time the copies enqueued inside the block and report them as one op
-        (``cause`` as for :meth:`submit`).
+        (``cause`` and ``host_slots`` as for :meth:`submit`).
 
         With ``stream`` (a ``torch.cuda.Stream`` or any stream whose backend has
         timing events) a start and a finish timing event are recorded on it
@@ -329,11 +330,12 @@ class TransferTelemetry:
                 events = None
         if events is not None:
             self.submit(direction, tokens_by_pool, num_bytes, page_size, events[0], events[1], True,
-                        io_backend, attributes, expect_ack=False, host_start_ns=host_start, cause=cause)
+                        io_backend, attributes, expect_ack=False, host_start_ns=host_start, cause=cause,
+                        host_slots=host_slots)
         else:
             self.submit(direction, tokens_by_pool, num_bytes, page_size, None, None, False, io_backend,
                         attributes, expect_ack=False, host_start_ns=host_start, host_end_ns=self._clock(),
-                        cause=cause)
+                        cause=cause, host_slots=host_slots)
 
     # -- lifecycle ------------------------------------------------------------------
     def force_flush(self, timeout_s: float = 10.0) -> bool:

@@ -1,0 +1,108 @@
+"""What host residence bookkeeping costs the completion worker per op, and its memory per page.
+
+Two TransferTelemetry instances, each with its own SDK providers (spans at 100% into a
+counting exporter, an in-memory metric reader), take the same stream of ops in turns
+(rotating order, ``--rounds``): one submits each op with ``host_slots`` (its host token
+slots in a pool made by ``TransferTelemetry.host_pool``; a host free every tenth op), the
+other the same op without. An op is a merged op of ``--pages`` pages of 64 tokens
+(default 22: the 1,408-token op of ``benchmarks/overhead.py``), device-timed events already
+complete, directions alternating: every load-back reads the pages an earlier offload wrote
+(two writing offloads per load-back), so each records residences, reloaded bytes and links.
+Ops are submitted flat out; the worker's CPU (its thread's clock) from the first submit until
+``force_flush`` returned, per op, and the difference, are printed. The caller's ``submit()``
+is timed too: ``host_slots`` is one more keyword, nothing else runs on the caller's thread.
+
+Usage::
+
+    python benchmarks/host_residence.py            # ~20 s on 2 cores
+    python benchmarks/host_residence.py --quick    # ~6 s
+
+Only differences within one run mean anything; nothing asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_common import SdkProviders, env, table, thread_cpu  # noqa: E402
+
+from otel_hicache import TransferTelemetry  # noqa: E402
+from otel_hicache.testing import WallClockDevice  # noqa: E402
+
+PAGE = 64
+STATIC = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0}
+
+
+def run(tracked: bool, ops: int, pages: int) -> dict[str, float]:
+    providers = SdkProviders(max_spans_queued=1 << 20)
+    with env(OTEL_HICACHE_ENABLED="true", OTEL_HICACHE_MAX_QUEUE_SIZE=str(ops + 1000)):
+        tel = TransferTelemetry(providers.tracer_provider, providers.meter_provider, attributes=STATIC)
+    host_pages = 64 * pages
+    pool = tel.host_pool(host_pages * PAGE, PAGE) if tracked else None
+    slots = [np.arange(start * PAGE, (start + pages) * PAGE, dtype=np.int64)
+             for start in range(0, host_pages - pages, pages)]
+    half = pages // 2 * PAGE  # a load-back reads the second half of one offload and the first of the next
+    reads = [np.concatenate([a[half:], b[:half]]) for a, b in zip(slots, slots[1:])]
+    device = WallClockDevice()
+    submit = tel.submit
+    costs = []
+    try:
+        before = thread_cpu().get("otel-hicache-completion", 0.0)
+        for i in range(ops):
+            k = (i // 2) % len(reads)
+            offload = not i & 1
+            start_event, finish_event = device.copy(time.time_ns() - 7_000_000, 6.0)  # done 1 ms ago
+            t0 = time.perf_counter_ns()
+            submit("offload" if offload else "onboard", {"kv": pages * PAGE}, 161_480_704, PAGE, start_event,
+                   finish_event, True, "kernel", expect_ack=False,
+                   cause="write_through" if offload else "prefix_hit",
+                   host_slots=(pool, slots[k] if offload else reads[k - 1 if k else 0]) if tracked else None)
+            costs.append(time.perf_counter_ns() - t0)
+            if tracked and i % 10 == 9:
+                tel.host_freed(pool, slots[(k + 7) % len(slots)])  # evicted, some never read
+        if not tel.force_flush(600):
+            raise RuntimeError("force_flush timed out")
+        worker = thread_cpu().get("otel-hicache-completion", 0.0) - before
+    finally:
+        tel.shutdown()
+        providers.shutdown()
+    return {"worker_us": worker / ops * 1e6, "submit_median_us": statistics.median(costs) / 1e3,
+            "bytes_per_page": float(pool.bytes_per_page) if pool is not None else 0.0,
+            "spans": float(providers.exporter.count)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--ops", type=int)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--pages", type=int, default=22)
+    args = parser.parse_args(argv)
+    ops = args.ops or (4000 if args.quick else 20000)
+    rounds = args.rounds or (2 if args.quick else 4)
+    results: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for r in range(rounds):
+        for tracked in ((False, True) if r % 2 == 0 else (True, False)):
+            results[tracked].append(run(tracked, ops, args.pages))
+    med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
+    print(f"# host residence: {ops} ops x {rounds} rounds per variant, {args.pages} pages of {PAGE} tokens per op\n")
+    print(table([["without host_slots", f"{med[False]['worker_us']:.1f}", f"{med[False]['submit_median_us']:.2f}", ""],
+                 ["with host_slots", f"{med[True]['worker_us']:.1f}", f"{med[True]['submit_median_us']:.2f}",
+                  f"{med[True]['bytes_per_page']:.0f}"]],
+                ["variant", "worker CPU us/op", "submit() median us", "bookkeeping B/page"]))
+    print(f"\nadded by host residence: worker {med[True]['worker_us'] - med[False]['worker_us']:+.1f} us/op "
+          f"({med[True]['worker_us'] / med[False]['worker_us']:.2f}x), submit() "
+          f"{med[True]['submit_median_us'] - med[False]['submit_median_us']:+.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
