@@ -41,3 +41,32 @@ def scheduler_like(results: Any) -> None:
     report["global_tracer_provider"] = type(trace.get_tracer_provider()).__name__
     results.put(report)
     # no explicit flush: the multiprocessing finalizers otel-hicache registered export at exit
+
+
+def scheduler_rank(results: Any, tp_rank: int, dp_attention: bool, tokens: int) -> None:
+    """A scheduler of a TP=2 server (with attention DP: ``--dp-size 2 --enable-dp-attention``)
+    at ``tp_rank``: its ranks published through SGLang's runtime context the way
+    ``run_scheduler_process`` publishes them (``publish(..., ranks=SpawnRanks(...))``, then the
+    DP-attention flags distributed initialization sets), then a write-through round trip of
+    ``tokens`` tokens, different per rank, so that a sum over ranks would show."""
+    import sglang_cpu
+
+    sglang_cpu.install_cpu_support()
+    from sglang.srt.layers.dp_attention import initialize_dp_attention_flags
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, spawn_world_rank
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()
+    sglang_cpu.PARALLEL_ARGS.update(tp_size=2, **({"dp_size": 2, "enable_dp_attention": True} if dp_attention else {}))
+    server_args = ServerArgs(model_path="dummy", device="cpu", page_size=4, **sglang_cpu.PARALLEL_ARGS)
+    publish(server_args, role="scheduler",
+            ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0), gpu_id=None))
+    initialize_dp_attention_flags(server_args)
+    parallel = get_parallel()
+    stack = sglang_cpu.build_stack("write_through")
+    did = sglang_cpu.write_through_round_trip(stack, n=tokens, start=100 + tokens)
+    results.put({"tp_rank": tp_rank, "published": {"tp_rank": parallel.tp_rank, "attn_tp_rank": parallel.attn_tp_rank,
+                                                   "attn_dp_rank": parallel.attn_dp_rank},
+                 "offload_tokens": did["offload_tokens"], "onboard_tokens": did["onboard_tokens"],
+                 "offload_bytes": did["offload_bytes"]})

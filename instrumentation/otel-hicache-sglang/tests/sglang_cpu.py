@@ -185,10 +185,17 @@ def install_cpu_support() -> None:
     logging.getLogger("sglang.srt.mem_cache.pool_host.base").setLevel(logging.ERROR)
 
 
+PARALLEL_ARGS: Dict[str, Any] = {}
+"""Server arguments of the process's parallel topology (``tp_size``, ``dp_size``, ...), in
+every ``ServerArgs`` published here: a scheduler rank publishes its ranks once
+(``runtime_context.publish(..., ranks=...)``), and a later publish must keep the topology
+they belong to. Set by a scheduler-like child (``sglang_child.scheduler_rank``)."""
+
+
 def _publish_server_args(**fields: Any):
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    server_args = ServerArgs(model_path="dummy", **fields)
+    server_args = ServerArgs(model_path="dummy", **{**PARALLEL_ARGS, **fields})
     set_global_server_args_for_scheduler(server_args)
     return server_args
 

@@ -1,0 +1,98 @@
+"""Two spawned scheduler-like processes of one TP=2 server (and one with attention DP), each
+publishing its ranks through SGLang's runtime context as its scheduler does: every span and
+series carries its own rank labels, per-rank counters are exact, nothing is summed."""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import pytest
+from otlp_receiver import GrpcReceiver, attributes
+
+SPAWN_TIMEOUT_S = 180
+TOKENS = {0: 12, 1: 16}  # per tp_rank: a sum over ranks (28) matches neither
+
+
+def _last_points(received: Any, name: str) -> list[Any]:
+    """Points of metric ``name`` from each process's last export that had it (cumulative):
+    the receiver's ``last_points`` keeps one request, of whichever process exported last."""
+    seen: dict[str, list[Any]] = {}
+    with received.lock:
+        for request in reversed(received.metrics):
+            for rm in request.resource_metrics:
+                instance = attributes(rm.resource.attributes)["service.instance.id"]
+                points = [p for sm in rm.scope_metrics for m in sm.metrics if m.name == name
+                          for p in (m.sum.data_points if m.HasField("sum") else m.histogram.data_points)]
+                if points and instance not in seen:
+                    seen[instance] = points
+    return [p for points in seen.values() for p in points]
+
+
+def _spawn_ranks(dp_attention: bool) -> list[dict[str, Any]]:
+    import sglang_child
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    children = [ctx.Process(target=sglang_child.scheduler_rank, args=(results, rank, dp_attention, TOKENS[rank]))
+                for rank in TOKENS]
+    for child in children:
+        child.start()
+    try:
+        reports = [results.get(timeout=SPAWN_TIMEOUT_S) for _ in children]
+    finally:
+        for child in children:
+            child.join(SPAWN_TIMEOUT_S)
+    assert [child.exitcode for child in children] == [0, 0]
+    return sorted(reports, key=lambda r: r["tp_rank"])
+
+
+@pytest.mark.parametrize("dp_attention", [False, True], ids=["tp2", "tp2-dp-attention"])
+def test_each_rank_reports_its_own_labels_and_exact_counts(monkeypatch, dp_attention):
+    receiver = GrpcReceiver()
+    try:
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "sglang")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+        monkeypatch.setenv("SGLANG_PLUGINS", "otel_hicache")
+        reports = _spawn_ranks(dp_attention)
+        # SGLang's labels for its own series (radix_cache_metric_labels): under attention DP,
+        # tp_rank is the attention-TP rank and dp_rank the attention-DP rank
+        want = {r["tp_rank"]: ({"tp_rank": 0, "dp_rank": r["tp_rank"]} if dp_attention
+                               else {"tp_rank": r["tp_rank"], "dp_rank": 0}) for r in reports}
+        assert [r["published"]["attn_dp_rank"] for r in reports] == ([0, 1] if dp_attention else [0, 0])
+        received = receiver.received
+        spans = received.spans()
+        assert len(spans) == 4  # one write-through and one load-back per rank
+        instances = {}
+        for resource, span in spans:
+            a, res = attributes(span.attributes), attributes(resource.attributes)
+            rank = next(r for r, labels in want.items()
+                        if all(a[k] == v for k, v in labels.items()) and a["hicache.tokens"] == TOKENS[r])
+            instances.setdefault(rank, set()).add(res["service.instance.id"])
+        assert sorted(instances) == [0, 1] and all(len(v) == 1 for v in instances.values())
+        assert instances[0] != instances[1]  # one process per rank, told apart
+        # every metric point has the rank labels; per rank, the counters are that rank's own
+        points = _last_points(received, "hicache.transfer.tokens")
+        assert points and all({"tp_rank", "pp_rank", "dp_rank", "attn_cp_rank"} <= set(attributes(p.attributes))
+                              for p in points)
+        for rank, labels in want.items():
+            got = {}
+            for point in points:
+                a = attributes(point.attributes)
+                if all(a[k] == v for k, v in labels.items()) and a["hicache.pool"] == "kv":
+                    key = a["hicache.direction"]
+                    got[key] = got.get(key, 0) + getattr(point, point.WhichOneof("value"))
+            report = reports[rank]
+            assert got == {"offload": report["offload_tokens"], "onboard": report["onboard_tokens"]} == {
+                "offload": TOKENS[rank], "onboard": TOKENS[rank]}, (rank, got)
+        by_rank_bytes = {}
+        for point in _last_points(received, "hicache.transfer.bytes"):
+            a = attributes(point.attributes)
+            if a["hicache.direction"] == "offload":
+                key = (a["tp_rank"], a["dp_rank"])
+                by_rank_bytes[key] = by_rank_bytes.get(key, 0) + getattr(point, point.WhichOneof("value"))
+        assert {k: v for k, v in by_rank_bytes.items() if v} == {
+            (want[r["tp_rank"]]["tp_rank"], want[r["tp_rank"]]["dp_rank"]): r["offload_bytes"] for r in reports}
+    finally:
+        receiver.stop()
