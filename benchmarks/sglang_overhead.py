@@ -234,7 +234,8 @@ def rss_mb() -> float:
 
 
 # per pair of ops: A SGLang's originals, B the adapter's wrappers, C the wrappers without the
-# queued-cause lookup of start_* (QueuedCauses.take): B - C is what the cause costs there
+# queued-op reads of start_* (the causes' QueuedCauses.take and host residence's list of the
+# queued ops): B - C is what cause and residence cost there
 PAIRED_PATTERN = "ABCCBABCAACBCABBAC"
 
 
@@ -253,7 +254,10 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
         instrumentor.instrument(tracer_provider=providers.tracer_provider, meter_provider=providers.meter_provider)
         controller, _kv, allocator = sglang_cpu.build_controller(PAGE_SIZE, LAYERS, kv_size=max(64, 4 * tokens_per_op))
     wrappers = {n: vars(c)[n] for c, n in names}
-    queued_causes = instrumentor._observer.causes  # pylint: disable=protected-access
+    observer = instrumentor._observer  # pylint: disable=protected-access
+    queued_causes = observer.causes
+    info = observer._controller_info(controller)  # pylint: disable=protected-access
+    host_pool = info.host_pool
     telemetry = instrumentor.telemetry
     pipeline = telemetry._pipeline  # pylint: disable=protected-access
     pipeline._cycle = lambda: None  # paused: the records stay queued (dropped below, never reported)
@@ -271,8 +275,10 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
                 setattr(cls, name, (originals if which == "A" else wrappers)[name])
             if which == "C":
                 queued_causes.take = lambda queue: None  # the instance attribute shadows the method
+                info.host_pool = None
             else:
                 vars(queued_causes).pop("take", None)
+                info.host_pool = host_pool
             deadline = wait_until(deadline) + interval_ns
             if not i & 1:
                 c0, t0 = cpu_clock(), clock()
@@ -296,6 +302,7 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
         for cls, name in names:
             setattr(cls, name, wrappers[name])
         vars(queued_causes).pop("take", None)
+        info.host_pool = host_pool
         pipeline.queue.clear()
         del pipeline._cycle
         allocator.free(device_indices)
@@ -493,10 +500,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{p['added_wall_us']:+.2f}", f"{p['added_cpu_us']:+.2f}", f"{p['cause_wall_us']:+.2f}",
                       f"{p['cause_cpu_us']:+.2f}"] for p in paired_rows],
                     ["tokens", "ops per variant", "sglang median us", "added wall us", "added caller CPU us",
-                     "of which cause, wall", "cause, CPU"]))
+                     "of which cause+residence, wall", "cause+residence, CPU"]))
         print("SGLang's originals and the adapter's wrappers switched op by op on one instrumented controller\n"
               "(otel-hicache's worker paused): median(wrapped) - median(originals), wall and the caller thread's CPU;\n"
-              "'of which cause': median(wrapped) - median(wrapped without start_*'s queued-cause lookup).")
+              "'of which cause+residence': median(wrapped) - median(wrapped without start_*'s reads of the queued\n"
+              "ops: the queued-cause lookup and the list of their host indices for host residence).")
         site = results["cause_site"]
         print(f"  a cause site (UnifiedRadixCache._execute_and_commit_kv_backup, empty action), paired with SGLang's\n"
               f"  original, {site['n']} calls each: original {site['sglang_median_us']:.2f} us, added "
