@@ -80,6 +80,7 @@ except ImportError:  # run as a script from a checkout where the package is not 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import otel_hicache
 
+from otel_hicache import environment_variables as ev
 from otel_hicache import semconv as sc
 from otel_hicache import TransferTelemetry
 from otel_hicache.records import DIRECTIONS, OFFLOAD, ONBOARD
@@ -875,6 +876,8 @@ def _device(choice: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # the example shows host residence, off by default in a server (docs/configuration.md)
+    os.environ.setdefault(ev.OTEL_HICACHE_HOST_RESIDENCE, "true")
     if torch is None:
         print("hicache_workload.py needs torch: pip install torch (the CPU build is enough)", file=sys.stderr)
         return 2

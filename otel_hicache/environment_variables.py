@@ -148,11 +148,12 @@ OTEL_HICACHE_HOST_RESIDENCE = "OTEL_HICACHE_HOST_RESIDENCE"
 """
 .. envvar:: OTEL_HICACHE_HOST_RESIDENCE
 
-``true`` (default): ``TransferTelemetry.host_pool()`` makes host residence bookkeeping
+``true``: ``TransferTelemetry.host_pool()`` makes host residence bookkeeping
 (``hicache.host.*``, load-back span links; needs NumPy), which the SGLang adapter uses
-for the anchor KV host pool. ``false``: it returns None and no host pages are tracked,
-which saves the completion worker's per-op cost of it (``docs/performance.md``).
-Default: ``true``
+for the anchor KV host pool. ``false`` (default): it returns None and no host pages are
+tracked. Off by default while its completion-worker cost slows the scheduler thread
+beside it (``docs/performance.md``, "Host residence").
+Default: ``false``
 """
 
 DEFAULTS = {
@@ -168,6 +169,6 @@ DEFAULTS = {
     OTEL_HICACHE_SPAN_SAMPLING: "all",
     OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS: 50.0,
     OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE: 0.99,
-    OTEL_HICACHE_HOST_RESIDENCE: True,
+    OTEL_HICACHE_HOST_RESIDENCE: False,
 }
 """The documented default of every ``OTEL_HICACHE_*`` variable."""

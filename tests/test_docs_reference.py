@@ -161,6 +161,7 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
 
     # an export thread, so otel_hicache.export.cpu_time has a point
     h.tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
+    monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")
     pool = h.tel.host_pool(1024, 64)  # the load-back reads what the offload wrote, and a page it did not
     for direction, slots in (("offload", range(128)), ("onboard", range(192))):
         ev0, ev1 = h.device.copy(h.device.time_ns() + 100_000, 1.0)

@@ -15,6 +15,20 @@ PAGE = 4
 BYTES_PER_TOKEN = 1000
 
 
+@pytest.fixture(autouse=True)
+def _on(monkeypatch):
+    monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")  # off by default
+
+
+def test_off_by_default_host_pool_is_none(harness, monkeypatch):
+    monkeypatch.delenv("OTEL_HICACHE_HOST_RESIDENCE")
+    h = harness()
+    assert h.tel.host_pool(64, PAGE) is None
+    h.tel.host_freed(None, [0])  # and a free of no pool is nothing
+    monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")
+    assert h.tel.host_pool(64, PAGE) is not None
+
+
 def _op(h, direction, slots, pool, cause, ms=1.0):
     """One op over ``slots`` (token slots of ``pool``), device-timed, nobody acks it."""
     ev0, ev1 = h.device.copy(h.device.time_ns() + 10_000, ms)

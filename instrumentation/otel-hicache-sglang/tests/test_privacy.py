@@ -620,6 +620,7 @@ def sglang_run(sglang_cpu: Any) -> Run:
         mp.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         mp.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")  # exports at force_flush and shutdown
         mp.setenv("OTEL_HICACHE_POLL_INTERVAL_MS", "0.5")
+        mp.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")  # its links and attributes are scanned too
         mp.setattr(UnifiedTreeNode, "counter", NODE_IDS.start)
         mp.setattr(CacheOperation, "counter", OP_IDS.start)
         mp.setattr(sglang_cpu, "insert_sequence", insert_sequence)

@@ -7,9 +7,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from test_sglang_transfers import SGLangDelta
 
 RESIDENCE = "hicache.host.residence_time"
+
+
+@pytest.fixture(autouse=True)
+def _on(monkeypatch):
+    monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")  # off by default; read per controller
 
 
 def _points(instrumented: Any, name: str) -> list[Any]:
