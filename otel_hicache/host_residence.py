@@ -212,8 +212,3 @@ def make_host_pool(slots: int, page_size: int, name: str = "kv") -> HostPool | N
     except (TypeError, ValueError) as exc:
         warn_once(f"host_pool:{exc}", "otel-hicache: cannot track the %s host pool (%s)", name, exc)
     return None
-
-
-HostSlots = tuple[HostPool, Any]
-"""``submit(host_slots=(pool, slots))``: the op's token slots in ``pool`` (an index array, a
-sequence of them, or a callable returning one, read on the worker)."""

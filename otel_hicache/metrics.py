@@ -263,17 +263,12 @@ class TransferMetrics(TransferInstruments):
         context = record.exemplar_context
         self.left_flight(record)
         self._add(self.blocks, self._by_origin[direction, origin], record.blocks)
-        parts = record.cause_parts
-        if parts is None:
-            cause = record.cause
-            self._add(self.bytes, self._bytes_attrs(direction, origin, cause), record.num_bytes)
-            for pool, tokens in zip(record.pool_names, record.pool_tokens):
+        # tokens and bytes by cause: the op's own, or (a mixed merged op) each queued op's
+        parts = record.cause_parts or ((record.cause, record.pool_names, record.pool_tokens, record.num_bytes),)
+        for cause, pool_names, pool_tokens, num_bytes in parts:
+            self._add(self.bytes, self._bytes_attrs(direction, origin, cause), num_bytes)
+            for pool, tokens in zip(pool_names, pool_tokens):
                 self._add(self.tokens, self._pool_attrs(direction, origin, cause, pool), tokens)
-        else:  # a mixed merged op: tokens and bytes where each queued op's cause says
-            for cause, pool_names, pool_tokens, num_bytes in parts:
-                self._add(self.bytes, self._bytes_attrs(direction, origin, cause), num_bytes)
-                for pool, tokens in zip(pool_names, pool_tokens):
-                    self._add(self.tokens, self._pool_attrs(direction, origin, cause, pool), tokens)
         if busy_added_ns:
             self._add(self.busy_time, by_direction, busy_added_ns / 1e9)
         duration_s = record.duration_ns / 1e9

@@ -250,17 +250,17 @@ class FastSpanBuilder:
         tracer_metrics = self._tracer_metrics
         policy = self._policy
         reason = _BASE
+        links = span_links(record)  # built once: for the sampler, and for the span in finish()
         if policy is None:  # OTEL_HICACHE_SPAN_SAMPLING=all: the sampler sees the span's attributes
             attrs = span_attributes(record, self._static)
-            result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, attrs,
-                                                 span_links(record))
+            result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, attrs, links)
             decision, trace_state, extra = result.decision, result.trace_state, result.attributes
         else:
             forced = policy.keep_reason(record, parent)
             if forced is None:  # the base share: the sampler decides before anything is built
                 asked = policy.sampler_attributes[record.direction]
                 result = self._sampler.should_sample(parent_context, trace_id, name, SpanKind.INTERNAL, asked,
-                                                     span_links(record))
+                                                     links)
                 decision, trace_state = result.decision, result.trace_state
                 if not decision.is_recording():
                     if tracer_metrics is not None:  # otel.sdk.span.started{DROP}, as Tracer.start_span
@@ -306,12 +306,12 @@ class FastSpanBuilder:
             # which is what the fast path otherwise saves), so the result is the API path's
             attrs = self._bounded_attributes(limits.max_span_attributes, attrs, immutable=False,
                                              max_value_len=limits.max_span_attribute_length)
-        return (parent, attrs, end_metrics)
+        return (parent, attrs, end_metrics, links)
 
     def finish(self, record: TransferRecord, state: Any) -> None:
         if state is None:
             return
-        parent, attrs, end_metrics = state
+        parent, attrs, end_metrics, links = state
         ack: dict[str, Any] = {}
         _ack_attributes(record, ack)
         for key, value in ack.items():  # one by one, as Span.set_attributes: the oldest give way
@@ -319,7 +319,6 @@ class FastSpanBuilder:
         events = _events(record, lambda name, ts: self._event(name, None, ts))
         if self._limits.max_events is not None and len(events) > self._limits.max_events:
             events = self._bounded_list.from_seq(self._limits.max_events, events)
-        links: Any = span_links(record)
         if links and self._limits.max_links is not None and len(links) > self._limits.max_links:
             links = self._bounded_list.from_seq(self._limits.max_links, links)
         span = self._readable(

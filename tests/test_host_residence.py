@@ -40,11 +40,6 @@ def _op(h, direction, slots, pool, cause, ms=1.0):
     return handle
 
 
-def _value(h, name, **attrs):
-    points = [p for p in h.points(name) if all(p.attributes.get(k) == v for k, v in attrs.items())]
-    return sum(p.value for p in points)
-
-
 def test_residence_is_the_gap_between_the_offload_and_the_load_back(harness):
     h = harness()
     pool = h.tel.host_pool(64, PAGE)
@@ -62,7 +57,7 @@ def test_residence_is_the_gap_between_the_offload_and_the_load_back(harness):
     # the load-back links to the offload span that wrote its pages
     assert [(link.context.trace_id, link.context.span_id) for link in onboard.links] == [
         (offload.context.trace_id, offload.context.span_id)]
-    assert _value(h, "hicache.host.reloaded_bytes", **{sc.OFFLOAD_CAUSE: "write_through"}) == 16 * BYTES_PER_TOKEN
+    assert h.value("hicache.host.reloaded_bytes", **{sc.OFFLOAD_CAUSE: "write_through"}) == 16 * BYTES_PER_TOKEN
 
 
 def test_pages_of_several_offloads_one_value_each_and_min_max_on_the_span(harness):
@@ -81,7 +76,7 @@ def test_pages_of_several_offloads_one_value_each_and_min_max_on_the_span(harnes
     a = onboard.attributes
     assert (a[sc.RESIDENCE_MIN_US], a[sc.RESIDENCE_MAX_US]) == (pytest.approx(1.002e6), pytest.approx(2.004e6))
     assert len(onboard.links) == 2  # newest first
-    assert _value(h, "hicache.host.reloaded_bytes", **{sc.OFFLOAD_CAUSE: "write_back"}) == 8 * BYTES_PER_TOKEN
+    assert h.value("hicache.host.reloaded_bytes", **{sc.OFFLOAD_CAUSE: "write_back"}) == 8 * BYTES_PER_TOKEN
 
 
 def test_freed_without_a_load_back_is_wasted_and_after_one_is_not(harness):
@@ -92,8 +87,8 @@ def test_freed_without_a_load_back_is_wasted_and_after_one_is_not(harness):
     _op(h, "onboard", range(0, 8), pool, "prefix_hit")  # half of the first offload is used
     h.tel.host_freed(pool, np.arange(0, 24))
     assert h.flush()
-    wasted = {c: (_value(h, "hicache.host.wasted_bytes", **{sc.OFFLOAD_CAUSE: c}),
-                  _value(h, "hicache.host.wasted_tokens", **{sc.OFFLOAD_CAUSE: c})) for c in ("write_through", "write_back")}
+    wasted = {c: (h.value("hicache.host.wasted_bytes", **{sc.OFFLOAD_CAUSE: c}),
+                  h.value("hicache.host.wasted_tokens", **{sc.OFFLOAD_CAUSE: c})) for c in ("write_through", "write_back")}
     assert wasted == {"write_through": (8 * BYTES_PER_TOKEN, 8), "write_back": (8 * BYTES_PER_TOKEN, 8)}
     # freed pages are no longer resident: reading them again knows nothing of them
     _op(h, "onboard", range(0, 8), pool, "prefix_hit")
@@ -111,7 +106,7 @@ def test_a_page_offloaded_again_without_a_free_wastes_the_unread_write(harness):
     _op(h, "offload", range(0, 8), pool, "retraction_backup")  # the same host pages, written again
     h.device.advance(seconds=1)
     _op(h, "onboard", range(0, 8), pool, "retraction_restore")
-    assert _value(h, "hicache.host.wasted_bytes", **{sc.OFFLOAD_CAUSE: "write_through"}) == 8 * BYTES_PER_TOKEN
+    assert h.value("hicache.host.wasted_bytes", **{sc.OFFLOAD_CAUSE: "write_through"}) == 8 * BYTES_PER_TOKEN
     [point] = [p for p in h.points("hicache.host.residence_time")]
     assert point.attributes[sc.OFFLOAD_CAUSE] == "retraction_backup" and point.sum == pytest.approx(1.002)
 
@@ -129,7 +124,7 @@ def test_a_restart_knows_nothing_of_earlier_pages(harness):
     assert span.attributes[sc.UNKNOWN_PAGES] == 2 and sc.RESIDENCE_MIN_US not in span.attributes
     assert not span.links
     assert not [p for p in second.points("hicache.host.residence_time")]
-    assert _value(second, "hicache.host.reloaded_bytes") == _value(second, "hicache.host.wasted_bytes") == 0
+    assert second.value("hicache.host.reloaded_bytes") == second.value("hicache.host.wasted_bytes") == 0
 
 
 def test_links_are_bounded_and_the_rest_counted(harness):
