@@ -102,7 +102,7 @@ _ACK_SCAN_INTERVAL_NS = 5_000_000
 _GIL_YIELD_EVERY = 16  # records completed between two voluntary GIL releases
 _BUSY_LATE_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
 _BUSY_FORGET_INTERVAL_NS = 100_000_000
-_AGES_LOCK_WAIT_S = 0.05  # the collection thread's longest wait for the intake lock (oldest_inflight_ages)
+_AGES_LOCK_WAIT_S = 0.05  # the collection thread's longest wait for the intake lock (oldest_inflight_ages, size)
 
 
 def _ns(value: Any) -> int | float | None:
@@ -191,7 +191,16 @@ class CompletionPipeline:
         self._start_worker()
 
     def size(self) -> int:
-        return len(self.queue) + self.held
+        """Records queued or held (the otel_hicache.queue.size gauge). Read under the intake's
+        lock, with the bounded wait of oldest_inflight_ages: the worker counts a batch in
+        ``held`` before it pops it from ``queue`` (so submit() never sees a record in neither
+        place), and an unlocked read between the two counts that batch twice."""
+        locked = self._lock.acquire(timeout=_AGES_LOCK_WAIT_S)
+        try:
+            return len(self.queue) + self.held
+        finally:
+            if locked:
+                self._lock.release()
 
     # -- stuck and late transfers (the metric collection thread) ----------------
     #
