@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from . import environment_variables as ev
 from . import fork
+from . import request_links
 from . import semconv as sc
 from .busy_time import BusyTimeTracker
 from .clock import EventTimeline, WallClockAnchor
@@ -564,6 +565,8 @@ class CompletionPipeline:
                 record.links, record.links_dropped = record.host_slots[0].links(record.reuse)
             except Exception as exc:  # the span is still made, without links
                 warn_once(f"links:{type(exc).__name__}", "otel-hicache: cannot link a load-back's span (%r)", exc)
+        if record.requests is not None:
+            self._link_requests(record)
         state = sinks.spans.begin(record)
         written = record.host_written
         if written is not None and record.span_context is not None and record.span_context.trace_flags.sampled:
@@ -577,6 +580,13 @@ class CompletionPipeline:
             self._awaiting.append((record, state))
         else:
             self._finish(record, state, sinks)
+
+    @staticmethod
+    def _link_requests(record: TransferRecord) -> None:
+        try:
+            record.request_links, record.request_links_dropped = request_links.resolve(record.requests)
+        except Exception as exc:  # the span is still made, without them
+            warn_once(f"requests:{type(exc).__name__}", "otel-hicache: cannot link an op's requests (%r)", exc)
 
     def _finish(self, record: TransferRecord, state: Any, sinks: Sinks) -> None:
         if record.ack_ns is not None:
@@ -642,6 +652,8 @@ class CompletionPipeline:
         record.error = reason
         resolve_host_clock(record, now)  # an event misbehaved or never finished: host clock only
         record.expect_ack = False
+        if record.requests is not None:
+            self._link_requests(record)
         state = sinks.spans.begin(record)
         sinks.metrics.failed_record(record, reason)
         sinks.spans.finish(record, state)

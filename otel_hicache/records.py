@@ -54,6 +54,7 @@ SUBMISSION_FIELDS = (
     "ack_watch",
     "cause",
     "host_slots",
+    "requests",
     # stamped later, on the list itself, by ack() or the worker (ack_watch)
     "ack_ns",
 )
@@ -114,6 +115,8 @@ class TransferRecord:
         "reuse",  # a load-back's host_residence.Reuse, else None
         "links",  # a load-back's ((trace id, span id), ...) of the offloads it read (at completion), else ()
         "links_dropped",
+        "request_links",  # the sampled span contexts of the requests it served or wrote (request_links.resolve)
+        "request_links_dropped",
         "tokens",
         "blocks",
         "pool_names",
@@ -154,6 +157,8 @@ def reset_worker_fields(record: TransferRecord) -> None:
     record.reuse = None
     record.links = ()
     record.links_dropped = 0
+    record.request_links = ()
+    record.request_links_dropped = 0
 
 
 def _integer(value: Any, what: str) -> int:

@@ -18,6 +18,7 @@ SPAN_ONBOARD: Final = "hicache.onboard"
 # span events
 EVENT_SUBMITTED: Final = "submitted"
 EVENT_ACKED: Final = "acked"
+EVENT_REQUEST: Final = "hicache.request"  # one per linked request: its trace id, searchable in Jaeger
 
 # attributes: spans carry all but POOL, REASON and TIER (metric-only); metric points
 # carry the subset listed in otel_hicache.metrics
@@ -82,6 +83,13 @@ RESIDENCE_MIN_US: Final = "hicache.host.residence_min_us"  # load-back spans
 RESIDENCE_MAX_US: Final = "hicache.host.residence_max_us"
 UNKNOWN_PAGES: Final = "hicache.host.unknown_pages"
 LINKS_DROPPED: Final = "hicache.host.links_dropped"
+
+# links to requests (otel_hicache.request_links)
+REQUEST_TRACE_ID: Final = "hicache.request.trace_id"  # on a hicache.request span event
+REQUEST_LINKS_DROPPED: Final = "hicache.request.links_dropped"
+LINK_TO: Final = "hicache.link_to"  # on every span link (not the span): what it points to
+LINK_TO_OFFLOAD: Final = "offload"  # a load-back's link to an offload span that wrote its pages
+LINK_TO_REQUEST: Final = "request"  # a link to the root span of a request (SGLang --enable-trace)
 
 # on otel_hicache.spans (metric-only) and, with OTEL_HICACHE_SPAN_SAMPLING=outliers, on kept spans
 DECISION: Final = "decision"
@@ -248,8 +256,9 @@ SPAN_SKIPPED: Final = "skipped"
 SPAN_REASON_ERROR: Final = "error"
 SPAN_REASON_SLOW: Final = "slow"
 SPAN_REASON_PARENT: Final = "parent"
+SPAN_REASON_REQUEST: Final = "request"
 SPAN_REASON_BASE: Final = "base"
-SPAN_REASONS = (SPAN_REASON_ERROR, SPAN_REASON_SLOW, SPAN_REASON_PARENT, SPAN_REASON_BASE)
+SPAN_REASONS = (SPAN_REASON_ERROR, SPAN_REASON_SLOW, SPAN_REASON_PARENT, SPAN_REASON_REQUEST, SPAN_REASON_BASE)
 SPAN_DECISION_SERIES = tuple((SPAN_KEPT, reason) for reason in SPAN_REASONS) + ((SPAN_SKIPPED, SPAN_REASON_BASE),)
 """(decision, reason) pairs with zero series from start-up: what the worker decides."""
 

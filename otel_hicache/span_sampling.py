@@ -9,11 +9,13 @@ op's duration and error state before its span exists, decides in this order:
    of the recent ops of its direction -> kept;
 3. ``parent``: the op's parent context (the caller's span at ``submit()``) is
    sampled -> kept, so a sampled trace keeps its transfers;
-4. ``base``: the tracer provider's sampler (``OTEL_TRACES_SAMPLER``/``_ARG``)
+4. ``request``: the op is linked to a sampled request (``submit(requests=...)``,
+   :mod:`.request_links`) -> kept, so a traced request's transfers can be found;
+5. ``base``: the tracer provider's sampler (``OTEL_TRACES_SAMPLER``/``_ARG``)
    decides, as for any span. What it does not sample is skipped before the
    span's attributes are built.
 
-The first three are forced: the span builder (:mod:`.spans`) marks the span
+The first four are forced: the span builder (:mod:`.spans`) marks the span
 sampled itself (fast path) or starts it on a tracer whose sampler keeps it (API
 path). Kept spans carry ``hicache.sampling.reason``. With the default ``all`` the
 sampler decides every span, as before, and every decision counts as ``base``.
@@ -111,7 +113,7 @@ class OutlierPolicy:
         self.sampler_attributes = {d: {**(static or {}), sc.DIRECTION: d} for d in DIRECTIONS}
 
     def keep_reason(self, record: TransferRecord, parent: Any) -> str | None:
-        """``error``, ``slow``, ``parent`` or None (the sampler decides). ``parent``: the
+        """``error``, ``slow``, ``parent``, ``request`` or None (the sampler decides). ``parent``: the
         op's valid parent span context, or None. Every successful op's duration is
         counted in its direction's quantile, kept or not."""
         if record.error is not None:
@@ -123,6 +125,8 @@ class OutlierPolicy:
             return sc.SPAN_REASON_SLOW
         if parent is not None and parent.trace_flags.sampled:
             return sc.SPAN_REASON_PARENT
+        if record.request_links:  # only sampled requests are linked
+            return sc.SPAN_REASON_REQUEST
         return None
 
 

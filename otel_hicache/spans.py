@@ -44,6 +44,7 @@ from opentelemetry.trace.propagation import set_span_in_context
 from . import sdk_internals
 from . import semconv as sc
 from .records import ONBOARD, TIERS, TransferRecord
+from .request_links import OFFLOAD_LINK_ATTRIBUTES, REQUEST_LINK_ATTRIBUTES, trace_id_hex
 from .span_sampling import OutlierPolicy, keeping_tracer
 from .version import __version__
 
@@ -98,18 +99,22 @@ def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[s
             attrs[sc.UNKNOWN_PAGES] = reuse.unknown_pages
     if record.links_dropped:
         attrs[sc.LINKS_DROPPED] = record.links_dropped
+    if record.request_links_dropped:
+        attrs[sc.REQUEST_LINKS_DROPPED] = record.request_links_dropped
     return attrs
 
 
 def span_links(record: TransferRecord) -> tuple[Any, ...]:
-    """A load-back's links: the sampled offload spans that wrote its pages (newest first,
-    at most ``host_residence.MAX_LINKS``)."""
-    links = record.links
-    if not links:
+    """A span's links: for a load-back, the sampled offload spans that wrote its pages
+    (newest first, at most ``host_residence.MAX_LINKS``); then the requests it served or
+    wrote (:mod:`.request_links`). Each says what it points to in ``hicache.link_to``."""
+    links, requests = record.links, record.request_links
+    if not links and not requests:
         return ()
-    return tuple(trace.Link(trace.SpanContext(trace_id, span_id, is_remote=False,
-                                              trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)))
-                 for trace_id, span_id in links)
+    sampled = trace.TraceFlags(trace.TraceFlags.SAMPLED)
+    return (*(trace.Link(trace.SpanContext(trace_id, span_id, is_remote=False, trace_flags=sampled),
+                         OFFLOAD_LINK_ATTRIBUTES) for trace_id, span_id in links),
+            *(trace.Link(context, REQUEST_LINK_ATTRIBUTES) for context in requests))
 
 
 _ABSENT = object()
@@ -132,9 +137,12 @@ def _ack_attributes(record: TransferRecord, attrs: dict[str, Any]) -> None:
 
 
 def _events(record: TransferRecord, make_event: Any) -> list[Any]:
-    events = [make_event(sc.EVENT_SUBMITTED, record.submit_ns)]
+    """``make_event(name, timestamp, attributes or None)`` for each of the span's events."""
+    events = [make_event(sc.EVENT_SUBMITTED, record.submit_ns, None)]
+    for context in record.request_links:  # the way back from a request, in Jaeger's search
+        events.append(make_event(sc.EVENT_REQUEST, record.submit_ns, {sc.REQUEST_TRACE_ID: trace_id_hex(context)}))
     if record.ack_ns is not None:
-        events.append(make_event(sc.EVENT_ACKED, record.ack_ns))
+        events.append(make_event(sc.EVENT_ACKED, record.ack_ns, None))
     return events
 
 
@@ -193,7 +201,7 @@ class ApiSpanBuilder:
         _ack_attributes(record, attrs)
         if attrs:
             span.set_attributes(attrs)
-        _events(record, lambda name, timestamp: span.add_event(name, timestamp=timestamp))
+        _events(record, lambda name, timestamp, attributes: span.add_event(name, attributes, timestamp))
         if record.error is not None:
             span.set_status(_status(record))
         span.end(end_time=record.end_ns)
@@ -308,6 +316,9 @@ class FastSpanBuilder:
                                              max_value_len=limits.max_span_attribute_length)
         return (parent, attrs, end_metrics, links)
 
+    def _make_event(self, name: str, timestamp: int, attributes: Any) -> Any:
+        return self._event(name, attributes, timestamp)
+
     def finish(self, record: TransferRecord, state: Any) -> None:
         if state is None:
             return
@@ -316,7 +327,7 @@ class FastSpanBuilder:
         _ack_attributes(record, ack)
         for key, value in ack.items():  # one by one, as Span.set_attributes: the oldest give way
             attrs[key] = value
-        events = _events(record, lambda name, ts: self._event(name, None, ts))
+        events = _events(record, self._make_event)
         if self._limits.max_events is not None and len(events) > self._limits.max_events:
             events = self._bounded_list.from_seq(self._limits.max_events, events)
         if links and self._limits.max_links is not None and len(links) > self._limits.max_links:

@@ -186,6 +186,7 @@ class TransferTelemetry:
         ack_watch: tuple[Any, Any] | None = None,
         cause: str | Sequence[tuple[str, Mapping[str, int], int]] | None = None,
         host_slots: tuple[Any, Any] | None = None,
+        requests: Any = None,
     ) -> list | None:
         """Report one merged op (or one direct copy). Returns the handle for ``ack()``.
 
@@ -207,6 +208,9 @@ class TransferTelemetry:
         :meth:`host_pool` (an index array, a sequence of them, or a callable returning
         one; read on the worker, so pass what you do not mutate): the pages an offload
         wrote or a load-back read, for the host residence metrics and span links.
+        ``requests``: the span contexts (or spans, or contexts) of the traced requests the op
+        served or whose KV it wrote, or a callable returning them (read on the worker): the
+        span links to them (:mod:`otel_hicache.request_links`).
         """
         pipeline = self._pipeline
         if pipeline is None:
@@ -237,6 +241,7 @@ class TransferTelemetry:
                 ack_watch,
                 cause,
                 host_slots,
+                requests,
                 None,  # ack time, set by ack() or the worker (ack_watch)
             ]
             pipeline.queue.append(record)
@@ -298,9 +303,10 @@ class TransferTelemetry:
         attributes: Mapping[str, Any] | None = None,
         cause: str | None = None,
         host_slots: tuple[Any, Any] | None = None,
+        requests: Any = None,
     ) -> Iterator[None]:
         """Time the copies enqueued inside the block and report them as one op
-        (``cause`` and ``host_slots`` as for :meth:`submit`).
+        (``cause``, ``host_slots`` and ``requests`` as for :meth:`submit`).
 
         With ``stream`` (a ``torch.cuda.Stream`` or any stream whose backend has
         timing events) a start and a finish timing event are recorded on it
@@ -331,11 +337,11 @@ class TransferTelemetry:
         if events is not None:
             self.submit(direction, tokens_by_pool, num_bytes, page_size, events[0], events[1], True,
                         io_backend, attributes, expect_ack=False, host_start_ns=host_start, cause=cause,
-                        host_slots=host_slots)
+                        host_slots=host_slots, requests=requests)
         else:
             self.submit(direction, tokens_by_pool, num_bytes, page_size, None, None, False, io_backend,
                         attributes, expect_ack=False, host_start_ns=host_start, host_end_ns=self._clock(),
-                        cause=cause, host_slots=host_slots)
+                        cause=cause, host_slots=host_slots, requests=requests)
 
     # -- lifecycle ------------------------------------------------------------------
     def force_flush(self, timeout_s: float = 10.0) -> bool:

@@ -77,10 +77,13 @@ def test_steady_state_add_costs_what_a_fresh_add_costs():
             tracker.add(start + i * 588, start + i * 588 + 60)
         return (time.perf_counter() - t0) / n
 
-    fresh = per_add(BusyTimeTracker(horizon_ns=120_000_000), 0)
     old = BusyTimeTracker(horizon_ns=120_000_000)
     per_add(old, 0, n=204_000)  # 120 "s" of history at one op per 588 "ns"
-    steady = per_add(old, 204_000 * 588)
+    # the best of three, side by side: a one-off stall on a shared machine is not the cost
+    fresh, steady = float("inf"), float("inf")
+    for round_ in range(3):
+        fresh = min(fresh, per_add(BusyTimeTracker(horizon_ns=120_000_000), 0))
+        steady = min(steady, per_add(old, (204_000 + round_ * 20_000) * 588))
     assert steady < 3 * fresh, (steady, fresh)
 
 

@@ -116,7 +116,7 @@ def test_records_and_submissions_follow_the_declared_layout():
     assert {name: getattr(record, name) for name in SUBMISSION_FIELDS} == sentinel
     assert not hasattr(record, "__dict__")
     assert submission("offload", submit_ns=5) == ["offload", None, 0, 1, None, None, False, None, None, False, 5,
-                                                  None, None, None, None, None, None, None]
+                                                  None, None, None, None, None, None, None, None]
     with pytest.raises(TypeError, match="pagesize"):
         submission("offload", pagesize=64)
     with pytest.raises(TypeError, match="direction"):

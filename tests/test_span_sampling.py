@@ -88,7 +88,7 @@ def test_the_default_is_all_spans_subject_to_the_sampler(harness):
     assert len(spans) == 11
     assert all(sc.SAMPLING_REASON not in s.attributes for s in spans)  # the span shape is unchanged
     assert decisions(h) == {("kept", "base"): 11, ("kept", "error"): 0, ("kept", "slow"): 0,
-                            ("kept", "parent"): 0, ("skipped", "base"): 0}
+                            ("kept", "parent"): 0, ("kept", "request"): 0, ("skipped", "base"): 0}
 
 
 @PATHS
@@ -127,8 +127,8 @@ def test_errors_and_slow_ops_are_kept_with_an_always_off_base(harness, monkeypat
     assert all(s.context.trace_flags.sampled for s in spans)
     assert {s.attributes["hicache.direction"] for s in spans if s.attributes[sc.SAMPLING_REASON] == "slow"} == {
         "offload", "onboard"}
-    assert decisions(h) == {("kept", "error"): 1, ("kept", "slow"): 2, ("kept", "parent"): 0, ("kept", "base"): 0,
-                            ("skipped", "base"): 39}
+    assert decisions(h) == {("kept", "error"): 1, ("kept", "slow"): 2, ("kept", "parent"): 0, ("kept", "request"): 0,
+                            ("kept", "base"): 0, ("skipped", "base"): 39}
     # counters exact: every op counted, whatever span was dropped
     assert h.value("hicache.transfer.bytes") == 41 * BYTES
     assert h.value("hicache.transfer.duration", **{"hicache.direction": "onboard"}).count == 21

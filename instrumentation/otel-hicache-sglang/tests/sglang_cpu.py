@@ -28,6 +28,7 @@ SGLang's own ``sglang:*_total`` Prometheus counters (:func:`sglang_counter_value
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import importlib
 import importlib.abc
@@ -51,6 +52,10 @@ __all__ = [
     "host_eviction",
     "insert_sequence",
     "install_cpu_support",
+    "request_tracing",
+    "traced_request",
+    "checkpoint_request",
+    "load_back_request",
     "sglang_counter",
     "sglang_counter_values",
     "unbacked_eviction_drop",
@@ -599,6 +604,79 @@ def host_eviction(stack: CacheStack, n: int = 12, start: int = 1300,
             "merged_offloads": len(write_acks), "device_evicted_tokens": device_evicted,
             "host_evict_requested": requested, "host_evicted_tokens": host_evicted,
             "host_slots_freed": freed}
+
+
+# --------------------------------------------------------------------------
+# SGLang's request tracing (--enable-trace)
+# --------------------------------------------------------------------------
+@contextlib.contextmanager
+def request_tracing(tracer_provider: Any):
+    """SGLang's request tracing on in this process, as ``process_tracing_init`` leaves
+    it (``opentelemetry_initialized``, the module's ``tracer``), with spans going to
+    ``tracer_provider`` instead of an OTLP exporter behind the global provider."""
+    import sglang.srt.observability.trace as sglang_trace
+
+    saved = sglang_trace.opentelemetry_initialized, sglang_trace.tracer
+    sglang_trace.tracer = tracer_provider.get_tracer("sglang server")
+    sglang_trace.opentelemetry_initialized = True
+    try:
+        yield sglang_trace
+    finally:
+        sglang_trace.opentelemetry_initialized, sglang_trace.tracer = saved
+
+
+def traced_request(rid: str, tokens: List[int], sampled: bool = True) -> Tuple[Any, Any]:
+    """A ``schedule_batch.Req`` of ``tokens`` whose trace context came the way a
+    scheduler gets it: SGLang's ``TraceReqContext`` started a request's root span (the
+    tokenizer's side) and crossed a process boundary by pickling. Returns ``(req, the
+    tokenizer-side context)``; call ``.trace_req_finish()`` on the latter when done.
+    Needs :func:`request_tracing`. ``sampled=False``: the request's trace was not sampled."""
+    import pickle
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.observability.trace import TraceReqContext
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    tokenizer_side = TraceReqContext(rid)
+    headers = None if sampled else {"traceparent": "00-0000000000000000000000000000abcd-00000000000000ef-00"}
+    tokenizer_side.external_trace_header = headers
+    tokenizer_side.trace_req_start()
+    req = Req(rid, "", array("q", tokens), SamplingParams())
+    req.time_stats.trace_ctx = pickle.loads(pickle.dumps(tokenizer_side))  # the scheduler's copy
+    req.refresh_fill_ids()
+    return req, tokenizer_side
+
+
+def checkpoint_request(stack: CacheStack, req: Any, req_pool_idx: int = 0) -> Any:
+    """The scheduler caching a finished request's KV: ``len(req.origin_input_ids)`` device
+    slots with random KV in the request's row, ``UnifiedRadixCache.checkpoint`` (the insert;
+    under write_through it queues the backup), then its tree lock released, as
+    ``release_kv_cache`` does. Returns the slots."""
+    n = len(req.origin_input_ids)
+    value = stack.allocator.alloc(n)
+    assert value is not None, "device pool exhausted"
+    _fill_random(stack.kv, value)
+    stack.req_to_token.req_to_token[req_pool_idx, :n] = value.to(stack.req_to_token.req_to_token.dtype)
+    req.kv.req_pool_idx = req_pool_idx
+    stack.cache.checkpoint(req, up_to=n)
+    stack.cache.unlock(req.lock)
+    req.lock = None
+    return value
+
+
+def load_back_request(stack: CacheStack, req: Any) -> int:
+    """Admission of a request whose prefix is on the host only: ``match_prefix``, then
+    ``init_load_back`` with the request, as ``schedule_policy`` does (the load is queued;
+    ``ready_to_load_host_cache`` submits it). Returns the tokens to load."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+
+    hit = stack.cache.match_prefix(MatchPrefixParams(key=_radix_key(list(req.origin_input_ids))))
+    assert hit.host_hit_length > 0, hit
+    req.last_node = hit.last_device_node
+    loaded = stack.cache.init_load_back(InitLoadBackParams(best_match_node=hit.best_match_node,
+                                                           host_hit_length=hit.host_hit_length, req=req))
+    assert loaded is not None and loaded[0] == hit.host_hit_length, (loaded, hit)
+    return loaded[0]
 
 
 # --------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from opentelemetry import baggage, context
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 import otel_hicache
 from otel_hicache import semconv as sc
@@ -75,6 +76,11 @@ IDENTIFIER_WORDS = {
     "text", "texts", "input", "inputs", "output", "outputs", "node", "nodes", "hash", "hashes",
     "digest", "key", "keys", "session", "user", "content", "message", "messages",
 }
+
+#: Keys that name a request but carry no identity of it: a traced request's trace id (the
+#: only thing of a request that may leave the process, docs/reference.md "Links to
+#: requests") and a count. Their values are checked by scan_names().
+TRACE_LINKAGE_KEYS = {sc.REQUEST_TRACE_ID, sc.REQUEST_LINKS_DROPPED}
 
 _DIGITS = re.compile(r"(?<![0-9])[0-9]+(?![0-9])")
 _RAW_DIGITS = re.compile(rb"(?<![0-9])[0-9]+(?![0-9])")
@@ -369,14 +375,23 @@ def scan_keys(exported: Exported, allowed: dict[str, set[str]]) -> list[str]:
     for owner, path, key in attribute_keys(exported):
         if key not in allowed.get(owner, set()):
             findings.append(f"{path}: {owner} attribute key {key!r} is not documented")
-        words = identifier_words(key) if owner != "resource" else set()  # the SDK's service.instance.id
+        # the SDK's service.instance.id; a request's trace id (checked by scan_names)
+        words = identifier_words(key) if owner != "resource" and key not in TRACE_LINKAGE_KEYS else set()
         if words:
             findings.append(f"{path}: {owner} attribute key {key!r} names an identifier ({', '.join(sorted(words))})")
     return findings
 
 
-def scan_names(exported: Exported, documented: dict[str, set[str]]) -> list[str]:
-    """Span, event and metric names, and the scope, are the documented ones."""
+def scan_names(exported: Exported, documented: dict[str, set[str]],
+               requests: frozenset[tuple[int, int]] = frozenset()) -> list[str]:
+    """Span, event and metric names, and the scope, are the documented ones; links go to
+    exported offload spans or to ``requests`` (the traced requests' root spans, as
+    ``(trace id, span id)``), and a ``hicache.request`` event names a linked request's trace id."""
+    from opentelemetry.trace import SpanContext
+    from otlp_receiver import attributes
+
+    from otel_hicache.request_links import trace_id_hex
+
     findings = []
     spans = [span for request in exported.traces for rs in request.resource_spans for ss in rs.scope_spans
              for span in ss.spans]
@@ -391,15 +406,30 @@ def scan_names(exported: Exported, documented: dict[str, set[str]]) -> list[str]
                         findings.append(f"span name {span.name!r}")
                     findings += [f"event name {e.name!r}" for e in span.events
                                  if e.name not in documented["event_names"]]
-                    # links (load-backs to the offloads that wrote their pages): ids of exported
-                    # offload spans only, nothing else on them
-                    if span.links and span.name != sc.SPAN_ONBOARD:
-                        findings.append(f"span {span.name} has {len(span.links)} links (only load-backs link)")
+                    # links: a load-back's to the exported offload spans that wrote its pages, and
+                    # any op's to the traced requests' root spans; ids and hicache.link_to only
+                    linked_requests = set()
                     for link in span.links:
-                        if (link.trace_id, link.span_id) not in offloads:
-                            findings.append(f"span {span.name} links to a span that is no exported offload span")
-                        if link.attributes or link.trace_state:
-                            findings.append(f"span {span.name} has a link with attributes or trace state")
+                        ids = (int.from_bytes(link.trace_id, "big"), int.from_bytes(link.span_id, "big"))
+                        to = attributes(link.attributes)
+                        if to == {sc.LINK_TO: sc.LINK_TO_OFFLOAD}:
+                            if span.name != sc.SPAN_ONBOARD or (link.trace_id, link.span_id) not in offloads:
+                                findings.append(f"span {span.name} has an offload link to no exported offload span")
+                        elif to == {sc.LINK_TO: sc.LINK_TO_REQUEST}:
+                            if ids not in requests:
+                                findings.append(f"span {span.name} has a request link to no traced request")
+                            linked_requests.add(trace_id_hex(SpanContext(ids[0], ids[1], is_remote=True)))
+                        else:
+                            findings.append(f"span {span.name} has a link with attributes {to!r}")
+                        if link.trace_state:
+                            findings.append(f"span {span.name} has a link with trace state")
+                    for event in span.events:
+                        got = attributes(event.attributes)
+                        if event.name == sc.EVENT_REQUEST:
+                            if set(got) != {sc.REQUEST_TRACE_ID} or got[sc.REQUEST_TRACE_ID] not in linked_requests:
+                                findings.append(f"span {span.name}: a {event.name} event names no linked request")
+                        elif got:
+                            findings.append(f"span {span.name}: event {event.name} has attributes")
     for request in exported.metrics:
         for rm in request.resource_metrics:
             for sm in rm.scope_metrics:
@@ -461,6 +491,9 @@ def documented() -> dict[str, set[str]]:
     assert not missing, f"rank labels not documented in docs/sglang.md: {missing}"
     ranks = set(RANK_LABELS)
     spans = _section(reference, "### Names, kind, parent, times")
+    events = _row(spans, "Events")
+    event_keys = {sc.REQUEST_TRACE_ID} & set(_ticked(events))  # the one event attribute
+    link_keys = {sc.LINK_TO} if f"`{sc.LINK_TO}=" in _row(spans, "Links") else set()
     # resource attributes come from the SDK and OTEL_*, not from otel-hicache: the SDK's
     # defaults (service.instance.id is a random UUID per process) and what this test sets
     assert "`service.name`" in reference and "`service.instance.id`" in reference
@@ -470,10 +503,10 @@ def documented() -> dict[str, set[str]]:
         "exemplar": point_keys | ranks,
         "resource": {"service.name", "service.instance.id"} | SDK_RESOURCE_KEYS | set(RESOURCE),
         "scope": set(),
-        "event": set(),
-        "link": set(),
+        "event": event_keys,
+        "link": link_keys,
         "span_names": _ticked_names(_row(spans, "Names")),
-        "event_names": _ticked_names(_row(spans, "Events")),
+        "event_names": _ticked_names(events) - event_keys,
         "metric_names": metric_names,
     }
 
@@ -483,14 +516,15 @@ def test_the_documented_allow_list_names_no_identifier():
     assert {"hicache.direction", "hicache.tokens", "hicache.controller", "tp_rank"} <= allowed["span"]
     assert {"hicache.pool", "reason", "hicache.tier", "hicache.origin", "attn_cp_rank"} <= allowed["point"]
     assert allowed["span_names"] == {sc.SPAN_OFFLOAD, sc.SPAN_ONBOARD}
-    assert allowed["event_names"] == {sc.EVENT_SUBMITTED, sc.EVENT_ACKED}
+    assert allowed["event_names"] == {sc.EVENT_SUBMITTED, sc.EVENT_REQUEST, sc.EVENT_ACKED}
+    assert allowed["event"] == {sc.REQUEST_TRACE_ID} and allowed["link"] == {sc.LINK_TO}
     metric_specs = [v for v in vars(sc).values() if isinstance(v, tuple) and len(v) == 3 and "." in str(v[0])]
     assert allowed["metric_names"] == {spec[0] for spec in metric_specs}
     # pci.bus_id (on hicache.link.nominal_bandwidth) is the GPU's PCI address, one per process
     # and the same on every point, named as DCGM names it: hardware, not a request's identifier
     hardware = {sc.PCI_BUS_ID}
     offending = {k: identifier_words(k) for owner in ("span", "point", "exemplar") for k in allowed[owner]
-                 if identifier_words(k) and k not in hardware}
+                 if identifier_words(k) and k not in hardware | TRACE_LINKAGE_KEYS}
     assert not offending, f"documented attribute keys that name identifiers: {offending}"
 
 
@@ -512,19 +546,82 @@ def _walk_python_tree(root: Any) -> Iterator[Any]:
         stack.extend(node.children.values())
 
 
+class _LetterIds(IdGenerator):
+    """Ids spelled with the hex letters a-f only: a request's trace id, exported as 32 hex
+    digits, never has a run of decimal digits that the value scan would read as a number."""
+
+    def __init__(self) -> None:
+        self._n = 0
+
+    def _next(self, digits: int) -> int:
+        self._n += 1
+        n, letters = self._n, []
+        for _ in range(digits):
+            n, r = divmod(n, 6)
+            letters.append("abcdef"[r])
+        return int("".join(reversed(letters)), 16)
+
+    def generate_span_id(self) -> int:
+        return self._next(16)
+
+    def generate_trace_id(self) -> int:
+        return self._next(32)
+
+
+def _traced_requests(sglang_cpu: Any, secrets: Secrets, facts: dict[str, Any], base: int,
+                     python_stacks: list[Any]) -> None:
+    """SGLang's own request tracing (``TraceReqContext``, root spans with the request id):
+    a request's insert backs its KV up (write-through), a later request's admission loads it
+    back. Both ops link to their request's root span; only its trace and span ids leave."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    tokens = list(range(base + 700, base + 712))
+    stack = sglang_cpu.build_stack("write_through", tree_core_backend="python")
+    python_stacks.append(stack)
+    writer, writer_side = sglang_cpu.traced_request(RID, tokens)
+    sglang_cpu.checkpoint_request(stack, writer)
+    stack.cache.flush_pending_backups()
+    stack.cache.check_hicache_events()
+    assert stack.cache.evict(EvictParams(num_tokens=12)).num_tokens_evicted == 12
+    reader, reader_side = sglang_cpu.traced_request(RID + "-2", tokens)
+    sglang_cpu.load_back_request(stack, reader)
+    stack.cache.ready_to_load_host_cache()
+    stack.cache.check_hicache_events()
+    facts["request_roots"] = frozenset()
+    for side in (writer_side, reader_side):
+        root = side.root_span.get_span_context()
+        facts["request_roots"] |= {(root.trace_id, root.span_id)}
+        side.trace_req_finish()
+    secrets.token_ids.update(tokens)
+    secrets.token_sequences.append(tokens)
+
+
 def _scenarios(sglang_cpu: Any, secrets: Secrets, facts: dict[str, Any]) -> None:
+    base = TOKEN_IDS.start
+    python_stacks = []
+
+    # SGLang's own request tracing (--enable-trace), on before the first cache controller
+    # exists (as in a scheduler), so the request sites are wrapped; its spans stay here
+    request_provider = TracerProvider(shutdown_on_exit=False, id_generator=_LetterIds())
+    tracing = sglang_cpu.request_tracing(request_provider)
+    tracing.__enter__()
+    try:
+        _scenarios_traced(sglang_cpu, secrets, facts, base, python_stacks, request_provider)
+    finally:
+        tracing.__exit__(None, None, None)
+    _scenarios_untraced(sglang_cpu, secrets, facts, base, python_stacks)
+
+
+def _scenarios_traced(sglang_cpu: Any, secrets: Secrets, facts: dict[str, Any], base: int, python_stacks: list[Any],
+                      request_provider: Any) -> None:
     from sglang.srt.managers import schedule_batch
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    base = TOKEN_IDS.start
-    python_stacks = []
-
-    # SGLang's own request tracing (--enable-trace): a span with the request's
-    # identity is current on the scheduler thread, and baggage carries it too
-    request_tracer = TracerProvider(shutdown_on_exit=False).get_tracer("sglang")
+    # a span with the request's identity is current on the scheduler thread, and baggage carries it too
+    request_tracer = request_provider.get_tracer("sglang")
     ctx = baggage.set_baggage("sglang.rid", RID)
     ctx = baggage.set_baggage("sglang.prompt", PROMPT, ctx)
     token = context.attach(ctx)
@@ -550,7 +647,11 @@ def _scenarios(sglang_cpu: Any, secrets: Secrets, facts: dict[str, Any]) -> None
         facts["request_span_id"] = request.get_span_context().span_id
     finally:
         context.detach(token)
+    _traced_requests(sglang_cpu, secrets, facts, base, python_stacks)
 
+
+def _scenarios_untraced(sglang_cpu: Any, secrets: Secrets, facts: dict[str, Any], base: int,
+                        python_stacks: list[Any]) -> None:
     wb = sglang_cpu.build_stack("write_back", tree_core_backend="python")
     python_stacks.append(wb)
     sglang_cpu.write_back_eviction(wb, n=12, start=base + 300, load_back=True)
@@ -687,8 +788,16 @@ def test_the_run_exercised_what_the_scan_claims(sglang_run):
     kinds = {(_attributes(s.attributes)["hicache.direction"], _attributes(s.attributes)["hicache.origin"])
              for s in spans}
     assert kinds == {(d, o) for d in ("offload", "onboard") for o in ("merged_op", "direct")}
-    # write-through 2, retraction 2, write-back 2, unbacked drop 1, host eviction 1, Rust core 2, engine 2
-    assert len(spans) == 12
+    # write-through 2, retraction 2, traced requests 2, write-back 2, unbacked drop 1, host eviction 1,
+    # Rust core 2, engine 2
+    assert len(spans) == 14
+    # the traced requests' write-through and load-back, each linked to its request (trace ids only)
+    to_requests = [s for s in spans for link in s.links
+                   if _attributes(link.attributes) == {sc.LINK_TO: sc.LINK_TO_REQUEST}]
+    assert [_attributes(s.attributes)["hicache.cause"] for s in to_requests] == ["write_through", "prefix_hit"]
+    assert {(int.from_bytes(l.trace_id, "big"), int.from_bytes(l.span_id, "big")) for s in to_requests
+            for l in s.links if _attributes(l.attributes)[sc.LINK_TO] == sc.LINK_TO_REQUEST} == facts["request_roots"]
+    assert sum(e.name == sc.EVENT_REQUEST for s in spans for e in s.events) == 2
     assert all(any(e.name == sc.EVENT_SUBMITTED for e in s.events) for s in spans)
     assert any(s.links for s in spans)  # a load-back linked to the offload that wrote its pages
     assert any(e.name == sc.EVENT_ACKED for s in spans for e in s.events)
@@ -734,7 +843,7 @@ def test_every_attribute_key_is_documented_and_names_no_identifier(sglang_run):
 
 
 def test_every_name_is_documented(sglang_run):
-    findings = scan_names(sglang_run.exported, documented())
+    findings = scan_names(sglang_run.exported, documented(), sglang_run.facts["request_roots"])
     assert not findings, "\n".join(findings)
 
 
@@ -851,3 +960,39 @@ def test_the_log_scan_ignores_only_the_documented_hex_ids():
     record.args = (12, "ab" * 16, "cd" * 8)
     record.otelTraceID = "rid 4817123"
     assert any("extra otelTraceID" in f for f in scan_values(exported, secrets)[0])
+
+
+def test_the_name_scan_flags_links_to_anything_but_traced_requests():
+    """A link to a span that is no traced request's root, and a hicache.request event naming
+    a trace the span does not link to, are reported."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    capture = OtlpCapture()
+    tracer_provider = TracerProvider(shutdown_on_exit=False)
+    tracer_provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=capture.endpoint + "/v1/traces")))
+    request = SpanContext(0xABCDEF, 0xFEDCBA, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    with LogCapture(("otel_hicache",)) as logs:
+        tel = otel_hicache.TransferTelemetry(tracer_provider, MeterProvider(shutdown_on_exit=False), {})
+        try:
+            tel.submit("onboard", {"kv": 4}, 4096, 4, expect_ack=False, host_start_ns=1, host_end_ns=2_000,
+                       requests=[request])
+            assert tel.force_flush(10.0)
+        finally:
+            tel.shutdown()
+            tracer_provider.shutdown()
+            capture.stop()
+    exported = _capture_of(capture, logs)
+    assert scan_names(exported, documented(), frozenset({(0xABCDEF, 0xFEDCBA)})) == []
+    findings = scan_names(exported, documented(), frozenset({(0xABCDEF, 0x1)}))
+    assert findings == ["span hicache.onboard has a request link to no traced request"]
+    # the event names the trace of a link: take the link away and the event names no linked request
+    for request_ in exported.traces:
+        for rs in request_.resource_spans:
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    del span.links[:]
+    assert scan_names(exported, documented(), frozenset({(0xABCDEF, 0xFEDCBA)})) == [
+        "span hicache.onboard: a hicache.request event names no linked request"]

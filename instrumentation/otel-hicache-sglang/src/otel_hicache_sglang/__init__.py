@@ -108,11 +108,18 @@ def _groups(observer: TransferObserver) -> list[Group]:
     ]
 
 
+def _request_groups(observer: TransferObserver) -> list[Group]:
+    """The request sites (``causes.REQUEST_SITES``): wrapped only once SGLang's request tracing is on."""
+    return [Group(name, [(site.module, site.path, observer.causes.request_site(site)) for site in sites])
+            for name, sites in causes.REQUEST_SITES.items()]
+
+
 class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-method
     """Instruments SGLang HiCache's L1<->L2 transfers and cache events."""
 
     _observer: TransferObserver | None = None
     _patcher: Patcher | None = None
+    _request_patcher: Patcher | None = None
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -129,13 +136,22 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
                 otel_hicache.configure()  # private providers from OTEL_*, this process's own
             return otel_hicache.TransferTelemetry(tracer_provider, meter_provider, attributes=ranks)
 
-        self._observer = TransferObserver(make_telemetry)
-        self._patcher = Patcher("SGLang", _groups(self._observer))
+        observer = self._observer = TransferObserver(make_telemetry)
+        self._patcher = Patcher("SGLang", _groups(observer))
         self._patcher.instrument()
 
+        def link_requests() -> None:  # SGLang traces requests: wrap the request sites (over the cause sites)
+            if self._observer is observer:
+                self._request_patcher = Patcher("SGLang", _request_groups(observer))
+                self._request_patcher.instrument()
+
+        observer.on_request_tracing = link_requests
+
     def _uninstrument(self, **kwargs: Any) -> None:
-        patcher, observer = self._patcher, self._observer
-        self._patcher = self._observer = None
+        patcher, requests, observer = self._patcher, self._request_patcher, self._observer
+        self._patcher = self._request_patcher = self._observer = None
+        if requests is not None:  # applied last, over the cause sites: removed first
+            requests.uninstrument()
         if patcher is not None:
             patcher.uninstrument()
         telemetry = observer.telemetry if observer is not None else None
@@ -150,7 +166,8 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
 
     def instrumented_groups(self) -> list[str]:
         """Which patch groups are in place (the rest were incompatible or not imported yet)."""
-        return self._patcher.applied() if self._patcher is not None else []
+        requests = self._request_patcher.applied() if self._request_patcher is not None else []
+        return (self._patcher.applied() if self._patcher is not None else []) + requests
 
 
 def patch_groups() -> list[tuple[str, str | None]]:
@@ -160,7 +177,8 @@ def patch_groups() -> list[tuple[str, str | None]]:
 
     failed: str | None = None  # after one failed import, not the seconds of another
     report = []
-    for group in _groups(TransferObserver(lambda ranks: None)):  # wrappers made, never applied
+    observer = TransferObserver(lambda ranks: None)
+    for group in [*_groups(observer), *_request_groups(observer)]:  # wrappers made, never applied
         why = None
         for module in dict.fromkeys(m for m, _, _ in group.targets):
             if module not in sys.modules and failed is None:

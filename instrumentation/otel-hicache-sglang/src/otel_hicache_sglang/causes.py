@@ -12,6 +12,16 @@ computed with SGLang's own ``_num_tokens_by_pool``/``_transfer_num_bytes`` (whic
 add up over merged ops), so bytes and tokens per cause sum exactly to the totals.
 An op queued outside every site, or copied directly outside one, is ``other``.
 
+Requests (``REQUEST_SITES``): with SGLang's request tracing on (``--enable-trace``),
+a wrapper on each SGLang method that handles one request sets the thread's current
+request (its trace context, ``req.time_stats.trace_ctx.root_span_context``) for the
+call, and the ops its cause sites queue, or the copies they make, are tagged with it
+too: the span links to the requests (``otel_hicache.request_links``). Only for the
+causes that belong to one request (:data:`REQUEST_CAUSES`): a write-back during a
+request's allocation wrote other requests' KV. The request sites are wrapped only in a
+process whose SGLang tracing is on (``TransferObserver``); without it nothing is paid
+but one attribute read per tagged call.
+
 Nothing inspects the stack: a site costs one Python frame, two queue lengths and
 a thread-local write per call (``docs/performance.md``).
 """
@@ -83,14 +93,79 @@ SITES: dict[str, tuple[Site, ...]] = {
 }
 
 
+class RequestSite(NamedTuple):
+    """A request site: ``(module, "Class.method")`` and where its request parameter is
+    (position after ``self``, name)."""
+
+    module: str
+    path: str
+    position: int
+    name: str
+
+
+REQUEST_SITES: dict[str, tuple[RequestSite, ...]] = {
+    # group name -> its sites (as SITES: one module per group, each applied when it is imported)
+    "request links": (
+        RequestSite(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.checkpoint_into_tree", 0, "req"),  # insert
+        RequestSite(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.load_back", 2, "req"),  # a prefix hit's load-back
+        RequestSite(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.backup_kv_cache", 0, "req"),
+        RequestSite(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.restore_kv_cache", 0, "req"),
+    ),
+    "request links: decode offload": (
+        RequestSite(DECODE_OFFLOAD, "DecodeKVCacheOffloadManager.offload_kv_cache", 0, "req"),
+    ),
+}
+
+REQUEST_CAUSES = frozenset((
+    sc.CAUSE_WRITE_THROUGH, sc.CAUSE_WRITE_THROUGH_SELECTIVE, sc.CAUSE_PREFIX_HIT, sc.CAUSE_DECODE_OFFLOAD,
+    sc.CAUSE_RETRACTION_BACKUP, sc.CAUSE_RETRACTION_RESTORE,
+))
+"""The causes whose copies belong to the request of their site: linked to it."""
+
+
+def request_context(req: Any) -> Any:
+    """A traced SGLang request's trace context (its root span's), else None. SGLang's
+    ``TraceNullContext`` answers every attribute with itself, hence the type check."""
+    trace_ctx = getattr(getattr(req, "time_stats", None), "trace_ctx", None)
+    context = getattr(trace_ctx, "root_span_context", None)
+    return context if isinstance(context, dict) else None  # an OTel Context is a dict
+
+
 class QueuedCauses:
     """The causes of the ops waiting in each controller queue: ``id(queue) -> {id(op):
     (op, cause)}``, filled by the sites, taken by ``start_*``. Every access is on the
     scheduler thread (sites and ``start_*`` run there), so there is no lock."""
 
     def __init__(self, local: Any) -> None:
-        self.local = local  # the adapter's transfers._Capture: .cause, the current site's
+        self.local = local  # the adapter's transfers._Capture: .cause and .request, the current sites'
         self.by_queue: dict[int, dict[int, tuple[Any, str]]] = {}
+        # id(queue) -> {id(op): (op, request trace context)}: only with request sites wrapped
+        self.requests: dict[int, dict[int, tuple[Any, Any]]] = {}
+
+    def request_site(self, site: RequestSite) -> Method:
+        """The wrapper of one request site: the request is the current one during the call."""
+        local = self.local
+        position, name = site.position, site.name
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def request_site(instance: Any, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    context = request_context(args[position] if len(args) > position else kwargs.get(name))
+                except Exception:  # pylint: disable=broad-except  # not linked, never into SGLang
+                    context = None
+                if context is None:
+                    return original(instance, *args, **kwargs)
+                outer = local.request
+                local.request = context
+                local.thread = get_ident()
+                try:
+                    return original(instance, *args, **kwargs)
+                finally:
+                    local.request = outer
+
+            return request_site
+
+        return Method(make)
 
     def site(self, site: Site) -> Method:
         """The wrapper of one cause site."""
@@ -145,13 +220,45 @@ class QueuedCauses:
                 live = {id(op) for op in queue}
                 for key in [k for k in tags if k not in live]:
                     del tags[key]
-            for op in queue[length if length and queue[0] is first else 0:]:
+            appended = queue[length if length and queue[0] is first else 0:]
+            for op in appended:
                 entry = tags.get(id(op))
                 if entry is None or entry[0] is not op:
                     tags[id(op)] = (op, cause)
+            if self.local.request is not None and cause in REQUEST_CAUSES:
+                self._tag_request(queue, appended)
         except Exception as exc:  # pylint: disable=broad-except
             warn_once("cause:tag", "otel-hicache: cannot tag queued ops with their cause (%r); they are "
                       "counted as 'other'", exc)
+
+    def _tag_request(self, queue: Any, appended: list[Any]) -> None:
+        request = self.local.current_request()
+        if request is None:
+            return
+        tags = self.requests.get(id(queue))
+        if tags is None:
+            tags = self.requests[id(queue)] = {}
+        elif len(tags) > 2 * len(queue) + 64:  # ops that left without a start_* (reset())
+            live = {id(op) for op in queue}
+            for key in [k for k in tags if k not in live]:
+                del tags[key]
+        for op in appended:
+            entry = tags.get(id(op))
+            if entry is None or entry[0] is not op:
+                tags[id(op)] = (op, request)
+
+    def take_requests(self, queue: Any) -> list[Any] | None:
+        """In ``start_*``: the trace contexts of the requests of the ops in ``queue`` (and
+        the current request's, when called inside a request site), or None."""
+        current = self.local.current_request()
+        tags = self.requests.pop(id(queue), None)
+        found = [] if current is None else [current]
+        if tags:
+            for op in queue:
+                entry = tags.get(id(op))
+                if entry is not None and entry[0] is op:
+                    found.append(entry[1])
+        return found or None
 
     def take(self, queue: Any) -> str | tuple[list[Any], list[str]] | None:
         """In ``start_*``, before the original merges ``queue``: the cause of its ops when

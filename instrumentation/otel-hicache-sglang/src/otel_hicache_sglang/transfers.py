@@ -29,6 +29,7 @@ Python frames and the pairing; ``docs/performance.md`` has the figures.
 
 from __future__ import annotations
 
+import sys
 import threading
 from threading import get_ident
 import time
@@ -46,6 +47,7 @@ from .ranks import rank_attributes
 OFFLOAD = "offload"
 ONBOARD = "onboard"
 ANCHOR_POOL = "kv"  # PoolName.KV.value: the anchor pool of a plain HiCacheController
+SGLANG_TRACE = "sglang.srt.observability.trace"
 
 # span-only attributes SGLang knows about a controller
 WRITE_POLICY = "hicache.write_policy"
@@ -65,16 +67,34 @@ class _Capture:
     ``threading.local`` (5x cheaper to read and write, ~0.2 us per op warm), with the
     thread checked, so a copy on another thread is never taken for one of its."""
 
-    __slots__ = ("captured", "cause", "thread")
+    __slots__ = ("captured", "cause", "request", "thread")
 
     def __init__(self) -> None:
         self.captured: list[Any] | None = None
         self.cause: str | None = None
+        self.request: Any = None  # the trace context of the request site's request (causes.py)
         self.thread = 0
 
     def current_cause(self) -> str | None:
         cause = self.cause
         return cause if cause is None or self.thread == get_ident() else None
+
+    def current_request(self) -> Any:
+        request = self.request
+        return request if request is None or self.thread == get_ident() else None
+
+    def direct_requests(self, cause: str | None) -> list[Any] | None:
+        """The request a direct copy made now belongs to (``causes.REQUEST_CAUSES``), as ``submit(requests=)``."""
+        request = self.current_request()
+        return [request] if request is not None and cause in causes.REQUEST_CAUSES else None
+
+
+def sglang_tracing_enabled() -> bool:
+    """Whether SGLang's request tracing (``--enable-trace``) is on in this process: its
+    ``process_tracing_init`` runs before the scheduler makes its cache controllers."""
+    module = sys.modules.get(SGLANG_TRACE)
+    enabled = getattr(module, "get_global_tracing_enabled", None)
+    return bool(enabled()) if enabled is not None else False
 
 
 def _is_synchronous_event(event: Any) -> bool:
@@ -152,6 +172,8 @@ class TransferObserver:
         self._last_controller: tuple[Any, _ControllerInfo] | None = None  # (weakref, its info)
         # id(SGLang host pool) -> (weakref to it, its otel_hicache.host_residence.HostPool)
         self.host_pools: dict[int, tuple[Any, Any]] = {}
+        # called once, at the first controller of a process whose SGLang request tracing is on
+        self.on_request_tracing: Callable[[], None] | None = None
 
     # -- set-up ---------------------------------------------------------------
     def telemetry_now(self) -> TransferTelemetry | None:
@@ -176,6 +198,9 @@ class TransferObserver:
         try:
             if self.telemetry_now() is not None:
                 self._info(controller)
+                if self.on_request_tracing is not None and sglang_tracing_enabled():
+                    hook, self.on_request_tracing = self.on_request_tracing, None
+                    hook()
         except Exception as exc:  # pylint: disable=broad-except
             warn_once("sglang:controller", "otel-hicache: cannot read a %s (%r); its ops carry fewer attributes",
                       type(controller).__name__, exc)
@@ -300,13 +325,14 @@ class TransferObserver:
                 try:
                     queued = getattr(controller, op_queue)
                     cause = queued_causes.take(queued)
+                    requests = queued_causes.take_requests(queued) if queued_causes.requests else None
                     info = observer._controller_info(controller)
                     # the queued ops' CPU host indices, read on the worker (host residence)
                     host = info.host_pool
                     host_slots = (host, partial(_host_indices, list(queued))) if host is not None and queued else None
                 except Exception as exc:  # pylint: disable=broad-except
                     warn_once("sglang:cause", "otel-hicache: cannot read the queued ops (%r)", exc)
-                    cause = info = host_slots = None
+                    cause = info = host_slots = requests = None
                 outer = local.captured
                 captured: list[Any] = []
                 local.captured = captured
@@ -344,10 +370,11 @@ class TransferObserver:
                                 info.page_size, ack.start_event, finish, timing, info.io_backend, info.attributes,
                                 host_start_ns=start_ns,
                                 host_end_ns=end_ns if not timing and _is_synchronous_event(finish) else None,
-                                ack_watch=(queue, ack), cause=cause, host_slots=host_slots,
+                                ack_watch=(queue, ack), cause=cause, host_slots=host_slots, requests=requests,
                             )
                             return result
-                    observer._report_merged(telemetry, direction, controller, ack_queue, captured, cause, host_slots)
+                    observer._report_merged(telemetry, direction, controller, ack_queue, captured, cause, host_slots,
+                                            requests)
                 except Exception as exc:  # pylint: disable=broad-except
                     warn_once("sglang:start", "otel-hicache: could not report a merged op (%r)", exc)
                 return result
@@ -363,7 +390,7 @@ class TransferObserver:
 
     # -- reporting ------------------------------------------------------------
     def _report_merged(self, telemetry: TransferTelemetry, direction: str, controller: Any, ack_queue: str,
-                       captured: list[Any], cause: Any, host_slots: Any) -> None:
+                       captured: list[Any], cause: Any, host_slots: Any, requests: Any = None) -> None:
         # Runs once per merged op on the scheduler thread, between two device ops (cold
         # caches): every lookup counts several times what it costs in a loop.
         info = self._controller_info(controller)
@@ -391,9 +418,9 @@ class TransferObserver:
                 ack.start_event, finish, timing, info.io_backend, attributes,
                 host_start_ns=start_ns,
                 host_end_ns=end_ns if not timing and _is_synchronous_event(finish) else None,
-                ack_watch=(queue, ack), cause=cause, host_slots=host_slots,
+                ack_watch=(queue, ack), cause=cause, host_slots=host_slots, requests=requests,
             )
-            host_slots = None  # the queued ops' pages belong to the first copy paired with an ack
+            host_slots = requests = None  # the queued ops belong to the first copy paired with an ack
 
     def _report_unpaired(self, telemetry: TransferTelemetry, direction: str, captured: list[Any],
                          cause: str | None) -> None:
@@ -439,7 +466,7 @@ class TransferObserver:
             expect_ack=False,
             host_start_ns=start_ns,
             host_end_ns=end_ns if not completion.timing_enabled and _is_synchronous_event(finish) else None,
-            cause=cause,
+            cause=cause, requests=self._local.direct_requests(cause) if self._local.request is not None else None,
         )
 
     @classmethod

@@ -1,0 +1,198 @@
+"""Links from transfer spans to the requests they served (``submit(requests=...)``): which
+requests are linked (valid, sampled, each once, at most 16, the rest counted), the links
+and ``hicache.request`` events on both span paths, outlier sampling keeping them, bad
+input skipped with one warning, and the metrics unchanged."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from otel_hicache import environment_variables as ev
+from otel_hicache import semconv as sc
+from otel_hicache.request_links import MAX_REQUEST_LINKS, resolve, trace_id_hex
+
+PATHS = pytest.mark.parametrize("fast_path", ["true", "false"], ids=["fast", "api"])
+
+
+def request(n: int, sampled: bool = True) -> SpanContext:
+    return SpanContext(0x1000 + n, 0x2000 + n, is_remote=True,
+                       trace_flags=TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT))
+
+
+def copy(h, requests, direction="onboard", **kwargs):
+    now = h.device.time_ns()
+    ev0, ev1 = h.device.copy(now - 2_000_000, 1.0)
+    return h.tel.submit(direction, {"kv": 64}, 1 << 20, 64, ev0, ev1, True, expect_ack=False, requests=requests,
+                        **kwargs)
+
+
+def linked(span):
+    return [(link.context.trace_id, link.context.span_id, dict(link.attributes)) for link in span.links]
+
+
+def request_events(span):
+    return [(e.name, dict(e.attributes), e.timestamp) for e in span.events if e.name == sc.EVENT_REQUEST]
+
+
+# -- which requests -----------------------------------------------------------------------------------
+
+def test_resolve_keeps_valid_sampled_requests_once_in_order():
+    a, b = request(1), request(2)
+    assert resolve([a, b, a, request(3, sampled=False), trace.INVALID_SPAN_CONTEXT, b]) == ((a, b), 0)
+    assert resolve(None) == ((), 0) and resolve([]) == ((), 0)
+
+
+def test_resolve_takes_spans_contexts_and_callables():
+    a, b, c = request(1), request(2), request(3)
+    as_context = trace.set_span_in_context(NonRecordingSpan(b))  # what SGLang's trace_ctx.root_span_context is
+    assert resolve([NonRecordingSpan(a), as_context, c]) == ((a, b, c), 0)
+    assert resolve(lambda: [c, a]) == ((c, a), 0)  # read on the worker
+    assert resolve([trace.set_span_in_context(trace.INVALID_SPAN)]) == ((), 0)  # a context with no span
+
+
+def test_trace_ids_are_named_as_jaeger_and_zipkin_show_them():
+    wide = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 1, is_remote=True)
+    assert trace_id_hex(wide) == "0af7651916cd43dd8448eb211c80319c"
+    assert trace_id_hex(SpanContext((1 << 64) - 1, 1, is_remote=True)) == "ffffffffffffffff"
+    assert trace_id_hex(SpanContext(1 << 64, 1, is_remote=True)) == "00000000000000010000000000000000"
+
+
+def test_resolve_links_at_most_sixteen_and_counts_the_rest():
+    many = [request(n) for n in range(MAX_REQUEST_LINKS + 5)]
+    kept, dropped = resolve(many + many)  # duplicates are not counted as dropped
+    assert kept == tuple(many[:MAX_REQUEST_LINKS]) and dropped == 5
+
+
+def test_a_bad_request_is_skipped_with_one_warning_and_the_others_kept(caplog):
+    caplog.set_level(logging.WARNING, logger="otel_hicache")
+    a = request(1)
+    assert resolve(["rid-1", a, 42, "rid-2"]) == ((a,), 0)
+    warnings = [r for r in caplog.records if "cannot link a request" in r.getMessage()]
+    assert len(warnings) == 2  # once per type (str, int), not per item
+
+
+# -- on the span -----------------------------------------------------------------------------------------
+
+@PATHS
+def test_the_span_links_to_its_requests_and_names_their_trace_ids(harness, monkeypatch, fast_path):
+    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_FAST_PATH, fast_path)
+    h = harness()
+    a, b = request(1), request(2)
+    handle = copy(h, [a, b, request(3, sampled=False)])
+    copy(h, None, direction="offload")
+    onboard, offload = h.finished()
+    assert linked(onboard) == [(a.trace_id, a.span_id, {sc.LINK_TO: sc.LINK_TO_REQUEST}),
+                               (b.trace_id, b.span_id, {sc.LINK_TO: sc.LINK_TO_REQUEST})]
+    submit_ns = handle[10]
+    assert request_events(onboard) == [  # 64-bit trace ids, as Jaeger shows them: 16 hex digits
+        (sc.EVENT_REQUEST, {sc.REQUEST_TRACE_ID: "0000000000001001"}, submit_ns),
+        (sc.EVENT_REQUEST, {sc.REQUEST_TRACE_ID: "0000000000001002"}, submit_ns),
+    ]
+    assert [e.name for e in onboard.events] == [sc.EVENT_SUBMITTED, sc.EVENT_REQUEST, sc.EVENT_REQUEST]
+    assert onboard.parent is None  # a link, not a parent: the op is not part of the request's trace
+    assert sc.REQUEST_LINKS_DROPPED not in onboard.attributes
+    assert offload.links == () and [e.name for e in offload.events] == [sc.EVENT_SUBMITTED]
+
+
+@PATHS
+def test_more_than_sixteen_requests_are_counted_on_the_span(harness, monkeypatch, fast_path):
+    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_FAST_PATH, fast_path)
+    h = harness()
+    copy(h, [request(n) for n in range(20)])
+    (span,) = h.finished()
+    assert len(span.links) == MAX_REQUEST_LINKS == len(request_events(span))
+    assert span.attributes[sc.REQUEST_LINKS_DROPPED] == 4
+
+
+@PATHS
+def test_outlier_sampling_keeps_an_op_linked_to_a_sampled_request(harness, monkeypatch, fast_path):
+    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_FAST_PATH, fast_path)
+    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_SAMPLING, "outliers")
+    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS, "0")
+    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE, "0")
+    h = harness(sampler=ALWAYS_OFF)
+    copy(h, [request(1)])
+    copy(h, [request(2, sampled=False)])  # not linked: the sampler decides (and drops it)
+    copy(h, None)
+    (span,) = h.finished()
+    assert span.attributes[sc.SAMPLING_REASON] == sc.SPAN_REASON_REQUEST and len(span.links) == 1
+    counts = {(p.attributes[sc.DECISION], p.attributes[sc.REASON]): p.value for p in h.points(sc.SPANS[0])}
+    assert counts[(sc.SPAN_KEPT, sc.SPAN_REASON_REQUEST)] == 1 and counts[(sc.SPAN_SKIPPED, sc.SPAN_REASON_BASE)] == 2
+    assert h.value("hicache.transfer.bytes") == 3 << 20  # the metrics count every op
+
+
+def test_requests_given_to_transfer_are_linked(harness):
+    h = harness()
+    with h.tel.transfer("offload", {"kv": 8}, 4096, 4, requests=[request(7)]):
+        pass
+    (span,) = h.finished()
+    assert [(t, s) for t, s, _ in linked(span)] == [(0x1007, 0x2007)]
+
+
+def test_a_failed_op_keeps_its_request_links(harness):
+    h = harness()
+    now = h.device.time_ns()
+    ev0, ev1 = h.device.copy(now - 2_000_000, 1.0)
+    ev1.raise_on_query = RuntimeError("device lost")
+    h.tel.submit("onboard", {"kv": 64}, 1 << 20, 64, ev0, ev1, True, expect_ack=False, requests=[request(1)])
+    (span,) = h.finished()
+    assert span.attributes["error.type"] == sc.FAIL_EVENT_ERROR and len(span.links) == 1
+
+
+def test_links_to_requests_pass_the_span_limits_as_on_the_api_path(harness, monkeypatch):
+    """The fast path bounds links and events with the provider's limits, as the SDK's Span does."""
+    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", "3")
+    monkeypatch.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", "2")
+    got = {}
+    for fast_path in ("true", "false"):
+        monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_FAST_PATH, fast_path)
+        h = harness()
+        copy(h, [request(n) for n in range(5)])
+        (span,) = h.finished()
+        got[fast_path] = ([l.context.trace_id for l in span.links], span.dropped_links,
+                          [e.name for e in span.events], span.dropped_events)
+    assert got["true"] == got["false"]
+    assert got["true"][1] == 2 and got["true"][3] == 4  # 5 links (3 kept), 6 events (2 kept)
+
+
+def test_a_tracer_provider_without_the_sdk_still_gets_links(monkeypatch):
+    """Any TracerProvider (the API path): links go through start_span(links=...)."""
+    from otel_hicache import TransferTelemetry
+    from otel_hicache.testing import WallClockDevice
+
+    seen = []
+
+    class Tracer:
+        def start_span(self, name, context=None, kind=None, attributes=None, links=None, start_time=None):
+            seen.append([link.context for link in links or ()])
+            return NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
+
+    class Provider:
+        def get_tracer(self, *args, **kwargs):
+            return Tracer()
+
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    tel = TransferTelemetry(Provider(), MeterProvider(shutdown_on_exit=False), {})
+    try:
+        device = WallClockDevice()
+        ev0, ev1 = device.copy(device.time_ns() - 2_000_000, 1.0)
+        tel.submit("onboard", {"kv": 4}, 4096, 4, ev0, ev1, True, expect_ack=False, requests=[request(1)])
+        assert tel.force_flush(5.0)
+    finally:
+        tel.shutdown()
+    assert seen == [[request(1)]]
+
+
+def test_without_requests_the_span_is_unchanged(harness):
+    h = harness()
+    copy(h, None)
+    (span,) = h.finished()
+    assert span.links == () and [e.name for e in span.events] == [sc.EVENT_SUBMITTED]
+    assert not any(k.startswith("hicache.request") for k in span.attributes)
+
