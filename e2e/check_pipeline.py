@@ -984,6 +984,52 @@ def check_jaeger(res: Results, jaeger: Jaeger, truth: dict[str, Any], st: dict[s
     check_example_traces(res, jaeger, truth, service, required + ["tp_rank"])
     if st is not None:
         check_sglang_traces(res, jaeger, st, sglang_service, required + list(RANK_LABELS))
+        check_request_links(res, jaeger, st, sglang_service)
+
+
+def check_request_links(res: Results, jaeger: Jaeger, st: dict[str, Any], service: str) -> None:
+    """docs/sglang.md "Links to requests", both ways, as a user does it in the Jaeger UI: the
+    tag search for a request's trace id finds its transfer, and the transfer's reference
+    opens the request's trace (SGLang's own root span, exported by SGLang's provider)."""
+    requests = st.get("requests")
+    if not requests:
+        res.skip("transfers linked to SGLang's traced requests", "the SGLang truth has no traced requests")
+        return
+    problems: list[str] = []
+    for want in requests:
+        tid = want["trace_id"]
+        state: dict[str, Any] = {}
+
+        def search() -> bool:
+            params = {"service": service, "tags": json.dumps({"hicache.request.trace_id": tid}), "limit": 20,
+                      "start": jaeger.start_us, "end": int((time.time() + 60) * 1e6)}
+            data, state["err"] = jaeger.api("/api/traces", params)
+            state["spans"] = [s for tr in data or [] for s in tr.get("spans") or []
+                              if s.get("operationName", "").startswith("hicache.")]
+            return bool(state["spans"])
+
+        wait_until(search, TRACE_WAIT_S, 2.0)
+        spans = state.get("spans") or []
+        causes = [_tags(s).get("hicache.cause") for s in spans]
+        if causes != [want["cause"]]:
+            problems.append(f"hicache.request.trace_id={tid}: found causes {causes} (want [{want['cause']!r}])"
+                            + (f"; {state.get('err')}" if state.get("err") else ""))
+            continue
+        refs = [(r.get("traceID"), r.get("spanID")) for r in spans[0].get("references") or []]
+        if (tid, want["span_id"]) not in refs:
+            problems.append(f"{want['cause']} span of request {tid}: references {refs} lack the request's root span")
+            continue
+        tr, err = jaeger.trace(tid)
+        processes = (tr or {}).get("processes") or {}
+        root = next((s for s in (tr or {}).get("spans") or [] if s.get("spanID") == want["span_id"]), None)
+        service_of_root = (processes.get(root.get("processID")) or {}).get("serviceName") if root else None
+        if service_of_root != want["service"]:
+            problems.append(f"request trace {tid}: root span {want['span_id']} "
+                            f"{'from ' + str(service_of_root) if root else 'not found'} ({err or 'ok'})")
+    res.check(f"{service}: each traced request's tag search finds its transfer, whose link opens the request's "
+              f"trace ({requests[0]['service']})", not problems,
+              "; ".join(problems[:3]) or f"{len(requests)} requests: "
+              + ", ".join(sorted({r['cause'] for r in requests})))
 
 
 def _span_problems(d: str, tags: dict[str, Any]) -> list[str]:

@@ -56,6 +56,7 @@ __all__ = [
     "traced_request",
     "checkpoint_request",
     "load_back_request",
+    "traced_round_trip",
     "sglang_counter",
     "sglang_counter_values",
     "unbacked_eviction_drop",
@@ -677,6 +678,35 @@ def load_back_request(stack: CacheStack, req: Any) -> int:
                                                            host_hit_length=hit.host_hit_length, req=req))
     assert loaded is not None and loaded[0] == hit.host_hit_length, (loaded, hit)
     return loaded[0]
+
+
+def traced_round_trip(stack: CacheStack, n: int = 12, start: int = 100) -> Dict[str, Any]:
+    """Two traced requests over one prefix (needs :func:`request_tracing`): the first's
+    insert backs its KV up (one merged write-through offload), the prefix is evicted from
+    the device, the second's admission loads it back (one merged prefix-hit onboard).
+    Returns the ops' tokens and bytes from their acks and each request's root span
+    context (``writer``, ``reader``); both requests' root spans are ended."""
+    cache, controller = stack.cache, stack.controller
+    tokens = list(range(start, start + n))
+    writer, writer_side = traced_request(f"rid-writer-{start}", tokens)
+    checkpoint_request(stack, writer)
+    cache.flush_pending_backups()
+    write_acks = list(controller.ack_write_queue)
+    cache.check_hicache_events()
+    assert _evict_device(stack, n) == n
+    reader, reader_side = traced_request(f"rid-reader-{start}", tokens)
+    assert load_back_request(stack, reader) == n
+    cache.ready_to_load_host_cache()
+    load_acks = list(controller.ack_load_queue)
+    cache.check_hicache_events()
+    assert len(write_acks) == 1 and len(load_acks) == 1
+    roots = {}
+    for name, side in (("writer", writer_side), ("reader", reader_side)):
+        roots[name] = side.root_span.get_span_context()
+        side.trace_req_finish()
+    return {"offload_tokens": write_acks[0].num_tokens, "offload_bytes": write_acks[0].num_bytes,
+            "onboard_tokens": load_acks[0].num_tokens, "onboard_bytes": load_acks[0].num_bytes,
+            "merged_offloads": 1, "merged_onboards": 1, **roots}
 
 
 # --------------------------------------------------------------------------

@@ -573,27 +573,14 @@ def _traced_requests(sglang_cpu: Any, secrets: Secrets, facts: dict[str, Any], b
     """SGLang's own request tracing (``TraceReqContext``, root spans with the request id):
     a request's insert backs its KV up (write-through), a later request's admission loads it
     back. Both ops link to their request's root span; only its trace and span ids leave."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    tokens = list(range(base + 700, base + 712))
     stack = sglang_cpu.build_stack("write_through", tree_core_backend="python")
     python_stacks.append(stack)
-    writer, writer_side = sglang_cpu.traced_request(RID, tokens)
-    sglang_cpu.checkpoint_request(stack, writer)
-    stack.cache.flush_pending_backups()
-    stack.cache.check_hicache_events()
-    assert stack.cache.evict(EvictParams(num_tokens=12)).num_tokens_evicted == 12
-    reader, reader_side = sglang_cpu.traced_request(RID + "-2", tokens)
-    sglang_cpu.load_back_request(stack, reader)
-    stack.cache.ready_to_load_host_cache()
-    stack.cache.check_hicache_events()
-    facts["request_roots"] = frozenset()
-    for side in (writer_side, reader_side):
-        root = side.root_span.get_span_context()
-        facts["request_roots"] |= {(root.trace_id, root.span_id)}
-        side.trace_req_finish()
+    did = sglang_cpu.traced_round_trip(stack, n=12, start=base + 700)
+    facts["request_roots"] = frozenset((did[r].trace_id, did[r].span_id) for r in ("writer", "reader"))
+    tokens = list(range(base + 700, base + 712))
     secrets.token_ids.update(tokens)
     secrets.token_sequences.append(tokens)
+    secrets.texts |= {f"rid-writer-{base + 700}", f"rid-reader-{base + 700}"}  # the requests' ids
 
 
 def _scenarios(sglang_cpu: Any, secrets: Secrets, facts: dict[str, Any]) -> None:

@@ -34,8 +34,10 @@ def sglang_tracing(sglang_cpu: Any) -> Any:
     provider.shutdown()
 
 
-def _root(tokenizer_side: Any) -> Any:
-    return tokenizer_side.root_span.get_span_context()
+def _root(request: Any) -> Any:
+    """A request's root span context, from its tokenizer-side TraceReqContext (or given)."""
+    root_span = getattr(request, "root_span", None)
+    return root_span.get_span_context() if root_span is not None else request
 
 
 def _linked(span: Any) -> list[tuple[int, int, str]]:
@@ -57,23 +59,14 @@ def test_write_through_and_load_back_link_to_their_requests(sglang_tracing, make
     instrumented = make_instrumented()
     stack = sglang_cpu.build_stack("write_through", tree_core_backend="python")
     assert REQUEST_GROUP in instrumented.instrumentor.instrumented_groups()
-    writer, writer_ctx = sglang_cpu.traced_request("rid-writer", list(range(100, 112)))
-    sglang_cpu.checkpoint_request(stack, writer)
-    stack.cache.flush_pending_backups()
-    stack.cache.check_hicache_events()
-    assert sglang_cpu._evict_device(stack, 12) == 12  # pylint: disable=protected-access
-    # a later request with that prefix: a host hit, loaded back for it
-    reader, reader_ctx = sglang_cpu.traced_request("rid-reader", list(range(100, 112)))
-    assert sglang_cpu.load_back_request(stack, reader) == 12
-    stack.cache.ready_to_load_host_cache()
-    stack.cache.check_hicache_events()
+    did = sglang_cpu.traced_round_trip(stack)
     offload, onboard = instrumented.finished()
     assert (offload.attributes["hicache.cause"], onboard.attributes["hicache.cause"]) == ("write_through",
                                                                                           "prefix_hit")
-    _expect(offload, writer_ctx)
-    _expect(onboard, reader_ctx)
-    for ctx in (writer_ctx, reader_ctx):
-        ctx.trace_req_finish()
+    assert (offload.attributes["hicache.bytes"], onboard.attributes["hicache.bytes"]) == (did["offload_bytes"],
+                                                                                          did["onboard_bytes"])
+    _expect(offload, did["writer"])
+    _expect(onboard, did["reader"])
     exported = {(s.context.trace_id, s.context.span_id) for s in sglang_tracing.get_finished_spans()}
     assert {(t, s) for span in (offload, onboard) for t, s, _ in _linked(span)} <= exported  # real, exported spans
 
