@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation import set_span_in_context
 
 from . import sdk_internals
@@ -50,6 +50,7 @@ from .version import __version__
 
 SPAN_NAMES = {"offload": sc.SPAN_OFFLOAD, ONBOARD: sc.SPAN_ONBOARD}
 _ACK_ATTRIBUTES = 2  # hicache.acked and hicache.ack_delay_us, set at finish
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _KEPT, _SKIPPED, _BASE = sc.SPAN_KEPT, sc.SPAN_SKIPPED, sc.SPAN_REASON_BASE
 Count = Callable[[str, str], None]  # (decision, reason): otel_hicache.spans
 
@@ -109,12 +110,11 @@ def span_links(record: TransferRecord) -> tuple[Any, ...]:
     (newest first, at most ``host_residence.MAX_LINKS``); then the requests it served or
     wrote (:mod:`.request_links`). Each says what it points to in ``hicache.link_to``."""
     links, requests = record.links, record.request_links
-    if not links and not requests:
-        return ()
-    sampled = trace.TraceFlags(trace.TraceFlags.SAMPLED)
-    return (*(trace.Link(trace.SpanContext(trace_id, span_id, is_remote=False, trace_flags=sampled),
-                         OFFLOAD_LINK_ATTRIBUTES) for trace_id, span_id in links),
-            *(trace.Link(context, REQUEST_LINK_ATTRIBUTES) for context in requests))
+    if not links:
+        return tuple([Link(context, REQUEST_LINK_ATTRIBUTES) for context in requests]) if requests else ()
+    return (*[Link(SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED), OFFLOAD_LINK_ATTRIBUTES)
+              for trace_id, span_id in links],
+            *[Link(context, REQUEST_LINK_ATTRIBUTES) for context in requests])
 
 
 _ABSENT = object()

@@ -123,11 +123,15 @@ REQUEST_CAUSES = frozenset((
 """The causes whose copies belong to the request of their site: linked to it."""
 
 
+_NO_ATTRIBUTES: dict[str, Any] = {}
+
+
 def request_context(req: Any) -> Any:
-    """A traced SGLang request's trace context (its root span's), else None. SGLang's
-    ``TraceNullContext`` answers every attribute with itself, hence the type check."""
+    """A traced SGLang request's trace context (its root span's), else None. Read from the
+    trace context's own ``__dict__``: SGLang's ``TraceNullContext`` (an untraced request)
+    answers every missing attribute with itself, after an AttributeError (~1.5 us)."""
     trace_ctx = getattr(getattr(req, "time_stats", None), "trace_ctx", None)
-    context = getattr(trace_ctx, "root_span_context", None)
+    context = getattr(trace_ctx, "__dict__", _NO_ATTRIBUTES).get("root_span_context")
     return context if isinstance(context, dict) else None  # an OTel Context is a dict
 
 
