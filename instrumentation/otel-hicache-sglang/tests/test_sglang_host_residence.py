@@ -87,6 +87,35 @@ def test_write_back_pages_loaded_back_count_for_write_back(instrumented, sglang_
     assert dict(point.attributes)["hicache.offload_cause"] == "write_back" and point.count == 1
 
 
+def test_selective_write_through_pages_count_for_their_policy_loaded_back_or_wasted(instrumented, sglang_cpu):
+    """write_through_selective backs a prefix up on its second hit: loaded back, its bytes
+    count as reloaded for that policy; of two host copies freed, only the one never read back
+    counts as wasted."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    stack = sglang_cpu.build_stack("write_through_selective")
+    cache, controller = stack.cache, stack.controller
+    kept = sglang_cpu.selective_write_through(stack, n=12, start=300)  # backed up on its second hit
+    assert sglang_cpu._evict_device(stack, 12) == 12  # pylint: disable=protected-access
+    hit = cache.match_prefix(MatchPrefixParams(key=sglang_cpu._radix_key(list(range(300, 312)))))  # pylint: disable=protected-access
+    assert hit.host_hit_length == 12 and cache.load_back(hit.best_match_node)
+    cache.ready_to_load_host_cache()
+    [load_ack] = list(controller.ack_load_queue)
+    cache.check_hicache_events()
+    wasted = sglang_cpu.selective_write_through(stack, n=8, start=600)  # another prefix, never read again
+    sglang_cpu._evict_device(stack, cache.evictable_size())  # pylint: disable=protected-access
+    freed = cache.evict_host(20)  # both host copies: the one read back is no waste, the other is
+    instrumented.finished()
+    selective = {"hicache.offload_cause": "write_through_selective"}
+    assert instrumented.metric("hicache.host.reloaded_bytes", **selective) == load_ack.num_bytes == kept[
+        "offload_bytes"]
+    [point] = _points(instrumented, RESIDENCE)
+    assert dict(point.attributes)["hicache.offload_cause"] == "write_through_selective" and point.count == 1
+    assert freed >= 20
+    assert instrumented.metric("hicache.host.wasted_bytes", **selective) == wasted["offload_bytes"]
+    assert instrumented.metric("hicache.host.wasted_tokens", **selective) == wasted["offload_tokens"] == 8
+
+
 def test_retraction_copies_are_not_host_residence_and_their_frees_waste_nothing(instrumented, sglang_cpu):
     """Retraction backups live outside the radix tree's host pages: not tracked, not wasted."""
     stack = sglang_cpu.build_stack("write_through")
