@@ -414,6 +414,15 @@ def check_counters(res: Results, prom: Prometheus, truth: dict[str, Any], servic
          ("hicache_direction", "hicache_cause"),
          {(d, c): n for d, t in truth.items() for c, n in t.get("bytes_by_cause", {}).items()}),
     ]
+    if all("host_bytes" in t for t in truth.values()):  # host residence (the example turns it on)
+        checks += [
+            ("host bytes reloaded by load-backs", f"sum(hicache_host_reloaded_bytes_total{sel})", (),
+             {(): truth["onboard"]["host_bytes"]}),
+            ("host bytes wasted (overwritten before any load-back)", f"sum(hicache_host_wasted_bytes_total{sel})",
+             (), {(): truth["offload"]["host_bytes"]}),
+            ("host residence values (load-back x writing offload)",
+             f"sum(hicache_host_residence_time_seconds_count{sel})", (), {(): truth["onboard"]["residence_count"]}),
+        ]
     waited = compare_counters(res, prom, checks)
     print(f"   (polled {waited:.1f} s for the final values)")
     device = prom.by_labels(f'sum(hicache_transfer_duration_seconds_count{{service_name="{service}",'
@@ -1085,6 +1094,19 @@ def _attribute_checks(res: Results, spans: list[tuple[str, dict, dict]], require
               else "timing_source " + ", ".join(f"{k}={v}" for k, v in sorted(sources.items())))
 
 
+def check_residence_links(res: Results, found: dict[str, list], residence_count: int, service: str) -> None:
+    """A load-back's links (Jaeger references FOLLOWS_FROM) go to the offload spans that wrote
+    its pages: one per load-back x writing offload (at most 12 writers per op here, under the
+    16 linked), each an exported hicache.offload span of the run."""
+    offloads = {(s.get("traceID"), s.get("spanID")) for _, s in found.get("offload", [])}
+    refs = [(r.get("traceID"), r.get("spanID")) for _, s in found.get("onboard", [])
+            for r in s.get("references") or [] if r.get("refType") == "FOLLOWS_FROM"]
+    dangling = [r for r in refs if r not in offloads]
+    res.check(f"{service}: load-backs link to the offload spans that wrote their pages (one per residence value)",
+              len(refs) == residence_count and not dangling,
+              f"{len(refs)} links (want {residence_count}), {len(dangling)} to no exported offload span")
+
+
 def check_example_traces(res: Results, jaeger: Jaeger, truth: dict[str, Any], service: str,
                          required: list[str]) -> None:
     want = {d: truth[d]["ops"] for d in DIRECTIONS if d in truth}
@@ -1120,6 +1142,8 @@ def check_example_traces(res: Results, jaeger: Jaeger, truth: dict[str, Any], se
     res.check(f"{service}: the spans' process is the service", not foreign,
               f"{foreign[:3]}" if foreign else f"serviceName {service}")
     _attribute_checks(res, spans, required, service)
+    if "residence_count" in truth.get("onboard", {}):
+        check_residence_links(res, found, truth["onboard"]["residence_count"], service)
     sums = {d: {"bytes": 0, "blocks": 0, "tokens": 0} for d in DIRECTIONS}
     for d, _, s in spans:
         tags = _tags(s)

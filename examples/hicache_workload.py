@@ -287,6 +287,9 @@ def compare(summary: MetricsSummary, truth: Mapping[str, DirectionSummary]) -> l
         if got.host_bytes != want.host_bytes:
             what = "wasted (overwritten before any load-back)" if direction == OFFLOAD else "reloaded"
             problems.append(f"host bytes {what}: metrics {got.host_bytes:,} != workload {want.host_bytes:,}")
+        if got.residence_count != want.residence_count:
+            problems.append(f"{direction} host residence values: metrics {got.residence_count:,} != workload "
+                            f"{want.residence_count:,}")
         if got.bytes_by_cause != want.bytes_by_cause:
             problems.append(f"{direction} bytes by cause: metrics {got.bytes_by_cause} != workload "
                             f"{want.bytes_by_cause}")
@@ -550,7 +553,9 @@ class HiCacheWorkload:
         self.next_tag = 1
         self.truth = {d: DirectionSummary(d, tokens={"kv": 0}) for d in DIRECTIONS}
         self.host_pool: Any = None  # tel.host_pool(), made in run()
-        self.page_state: dict[int, list[int]] = {}  # host page -> [bytes the offload put on it, times read]
+        # host page -> [bytes the offload put on it, times read, which offload (its number)]
+        self.page_state: dict[int, list[int]] = {}
+        self.offloads_written = 0
         self.acked = 0
         if self.cuda:
             self.write_stream = torch.cuda.Stream(device=device)
@@ -758,17 +763,21 @@ class HiCacheWorkload:
         truth = self.truth[direction]
         pages = sorted(host_pages)
         if direction == OFFLOAD:
+            self.offloads_written += 1
             base, extra = divmod(num_bytes, len(pages))
             for k, page in enumerate(pages):
                 old = self.page_state.get(page)
                 if old is not None and old[1] == 0:
                     truth.host_bytes += old[0]
-                self.page_state[page] = [base + (1 if k < extra else 0), 0]
+                self.page_state[page] = [base + (1 if k < extra else 0), 0, self.offloads_written]
         else:
+            writers = set()
             for page in pages:
                 state = self.page_state[page]
                 truth.host_bytes += state[0]
                 state[1] += 1
+                writers.add(state[2])
+            truth.residence_count += len(writers)  # one residence value per writing offload
         ps = self.cfg.page_size
         return self.host_pool, (torch.tensor(pages)[:, None] * ps + torch.arange(ps)).reshape(-1)
 
@@ -944,7 +953,8 @@ def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: Emb
     if truth_json:
         with open(truth_json, "w", encoding="utf-8") as out:
             json.dump({d: {"ops": t.ops, "tokens": t.tokens, "blocks": t.blocks, "bytes": t.bytes,
-                           "bytes_by_cause": t.bytes_by_cause,
+                           "bytes_by_cause": t.bytes_by_cause, "host_bytes": t.host_bytes,
+                           "residence_count": t.residence_count,
                            "model": f"qwen3-like-{cfg.layers}L"} for d, t in truth.items()}, out, indent=1)
     flushed = tel.force_flush(timeout_s=10.0 if embedded is not None else 5.0)
     gb = sum(t.bytes for t in truth.values()) / 1e9
