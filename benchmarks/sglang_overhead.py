@@ -37,7 +37,10 @@ scheduler-thread cost more precisely: one instrumented controller, otel-hicache'
 paused, and the four per-op methods (``start_writing``, ``start_loading``, the engine's
 ``submit_*``) switched between SGLang's originals and the adapter's wrappers op by op
 (pairs of ops alternating, in a fixed shuffled pattern), so both halves share every
-moment of the machine's noise; it reports the median wall and caller-CPU difference.
+moment of the machine's noise; it reports the median wall and caller-CPU difference. The
+wrapped half queues each op inside a cause site (``causes.QueuedCauses.site``), as
+SGLang's cache methods queue theirs, so its figure is the adapter's whole cost per op; a
+third variant leaves out ``start_*``'s cause lookup.
 
 Each turn instruments (b, c), builds a fresh controller (the adapter starts its
 telemetry when a ``HiCacheController`` is created, as in a scheduler), warms up, times
@@ -233,9 +236,9 @@ def rss_mb() -> float:
         return float("nan")
 
 
-# per pair of ops: A SGLang's originals, B the adapter's wrappers, C the wrappers without the
-# queued-op reads of start_* (the causes' QueuedCauses.take and host residence's list of the
-# queued ops): B - C is what cause and residence cost there
+# per pair of ops: A SGLang's originals, B the adapter's wrappers (default settings: host
+# residence off) with each op queued inside a cause site, as SGLang's flows queue them, C the
+# same without start_*'s cause lookup (QueuedCauses.take): B - C is what the lookup costs there
 PAIRED_PATTERN = "ABCCBABCAACBCABBAC"
 
 
@@ -256,8 +259,14 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
     wrappers = {n: vars(c)[n] for c, n in names}
     observer = instrumentor._observer  # pylint: disable=protected-access
     queued_causes = observer.causes
+    from otel_hicache_sglang.causes import Site
+
+    # B and C queue each op inside a cause site (SGLang's sites are its cache's methods, which
+    # these ops bypass): the op is tagged, so start_* finds its cause as in SGLang's flows
+    in_site = {cause: queued_causes.site(Site("bench", "queue", cause, lambda ctl: ctl)).make(
+        lambda ctl, queue, *args, **kwargs: queue(*args, **kwargs)) for cause in ("write_through", "prefix_hit")}
     info = observer._controller_info(controller)  # pylint: disable=protected-access
-    host_pool = info.host_pool
+    assert info.host_pool is None  # host residence is off by default: B is the default adapter
     telemetry = instrumentor.telemetry
     pipeline = telemetry._pipeline  # pylint: disable=protected-access
     pipeline._cycle = lambda: None  # paused: the records stay queued (dropped below, never reported)
@@ -265,7 +274,7 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
     clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     interval_ns = int(interval_us * 1000)
     device_indices = allocator.alloc(tokens_per_op)
-    host_pool = controller.mem_pool_host
+    sglang_host = controller.mem_pool_host
     host = None
     try:
         deadline = clock() + interval_ns
@@ -275,24 +284,28 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
                 setattr(cls, name, (originals if which == "A" else wrappers)[name])
             if which == "C":
                 queued_causes.take = lambda queue: None  # the instance attribute shadows the method
-                info.host_pool = None
             else:
                 vars(queued_causes).pop("take", None)
-                info.host_pool = host_pool
             deadline = wait_until(deadline) + interval_ns
             if not i & 1:
                 c0, t0 = cpu_clock(), clock()
-                host = controller.write(device_indices, node_id=i)
+                if which == "A":
+                    host = controller.write(device_indices, node_id=i)
+                else:
+                    host = in_site["write_through"](controller, controller.write, device_indices, node_id=i)
                 controller.ack_write_queue.pop(0)
                 t1, c1 = clock(), cpu_clock()
             else:
                 c0, t0 = cpu_clock(), clock()
-                loaded = controller.load(host, node_id=i)
+                if which == "A":
+                    loaded = controller.load(host, node_id=i)
+                else:
+                    loaded = in_site["prefix_hit"](controller, controller.load, host, node_id=i)
                 controller.start_loading()
                 controller.ack_load_queue.pop(0)
                 t1, c1 = clock(), cpu_clock()
                 allocator.free(loaded)
-                host_pool.free(host)
+                sglang_host.free(host)
             if i >= warmup:
                 samples[which]["wall"].append(t1 - t0)
                 samples[which]["cpu"].append(c1 - c0)
@@ -302,7 +315,6 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
         for cls, name in names:
             setattr(cls, name, wrappers[name])
         vars(queued_causes).pop("take", None)
-        info.host_pool = host_pool
         pipeline.queue.clear()
         del pipeline._cycle
         allocator.free(device_indices)
@@ -500,11 +512,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{p['added_wall_us']:+.2f}", f"{p['added_cpu_us']:+.2f}", f"{p['cause_wall_us']:+.2f}",
                       f"{p['cause_cpu_us']:+.2f}"] for p in paired_rows],
                     ["tokens", "ops per variant", "sglang median us", "added wall us", "added caller CPU us",
-                     "of which cause+residence, wall", "cause+residence, CPU"]))
+                     "of which the cause lookup, wall", "cause lookup, CPU"]))
         print("SGLang's originals and the adapter's wrappers switched op by op on one instrumented controller\n"
-              "(otel-hicache's worker paused): median(wrapped) - median(originals), wall and the caller thread's CPU;\n"
-              "'of which cause+residence': median(wrapped) - median(wrapped without start_*'s reads of the queued\n"
-              "ops: the queued-cause lookup and the list of their host indices for host residence).")
+              "(otel-hicache's worker paused), each wrapped op queued inside a cause site as in SGLang's flows:\n"
+              "median(wrapped) - median(originals), wall and the caller thread's CPU;\n"
+              "'of which the cause lookup': median(wrapped) - median(wrapped without start_*'s lookup of the\n"
+              "queued ops' causes); host residence is off, as by default.")
         site = results["cause_site"]
         print(f"  a cause site (UnifiedRadixCache._execute_and_commit_kv_backup, empty action), paired with SGLang's\n"
               f"  original, {site['n']} calls each: original {site['sglang_median_us']:.2f} us, added "

@@ -124,23 +124,27 @@ def test_retraction_backup_and_restore_link_to_the_retracted_request(sglang_trac
 def test_a_write_back_during_a_request_does_not_link_to_it(sglang_tracing, make_instrumented, sglang_cpu):
     """A request's load-back that needs device memory evicts other prefixes; under
     write_back that backs them up first, inside the request's ``load_back``. Those
-    offloads wrote earlier requests' KV: not linked to the current one."""
+    offloads wrote earlier requests' KV: not linked to the current one, even while an
+    earlier request's load-back waits in the load queue, tagged with its request."""
     instrumented = make_instrumented()
-    stack = sglang_cpu.build_stack("write_back", kv_size=32, tree_core_backend="python")
-    sglang_cpu.insert_sequence(stack, 100, 16)
-    assert sglang_cpu._evict_device(stack, 16) == 16  # pylint: disable=protected-access  # backed up, host only
-    sglang_cpu.insert_sequence(stack, 200, 16)
-    sglang_cpu.insert_sequence(stack, 300, 16)  # the device pool (32 slots) is full
-    assert stack.allocator.available_size() == 0
-    req, ctx = sglang_cpu.traced_request("rid-late", list(range(100, 116)))
-    assert sglang_cpu.load_back_request(stack, req) == 16  # evicts (and backs up) 16 other tokens for it
+    stack = sglang_cpu.build_stack("write_back", kv_size=48, tree_core_backend="python")
+    for start in (100, 200):  # two prefixes on the host only
+        sglang_cpu.insert_sequence(stack, start, 16)
+        assert sglang_cpu._evict_device(stack, 16) == 16  # pylint: disable=protected-access  # backed up
+    for start in (300, 400, 500):
+        sglang_cpu.insert_sequence(stack, start, 16)
+    assert stack.allocator.available_size() == 0  # the device pool (48 slots) is full
+    first, first_ctx = sglang_cpu.traced_request("rid-first", list(range(100, 116)))
+    second, second_ctx = sglang_cpu.traced_request("rid-second", list(range(200, 216)))
+    for req in (first, second):  # each load-back evicts (and backs up) 16 other tokens first
+        assert sglang_cpu.load_back_request(stack, req) == 16
     stack.cache.ready_to_load_host_cache()
     stack.cache.check_hicache_events()
     spans = instrumented.finished()
     assert [(s.name, s.attributes["hicache.cause"]) for s in spans] == [
-        ("hicache.offload", "write_back"), ("hicache.offload", "write_back"), ("hicache.onboard", "prefix_hit")]
-    assert spans[0].links == () and spans[1].links == ()
-    _expect(spans[2], ctx)
+        ("hicache.offload", "write_back")] * 4 + [("hicache.onboard", "prefix_hit")]
+    assert all(s.links == () for s in spans[:4])
+    _expect(spans[4], first_ctx, second_ctx)
 
 
 def test_without_sglang_tracing_nothing_is_wrapped_or_linked(make_instrumented, sglang_cpu):

@@ -252,40 +252,43 @@ class QueuedCauses:
                 tags[id(op)] = (op, request)
 
     def take_requests(self, queue: Any) -> list[Any] | None:
-        """In ``start_*``: the trace contexts of the requests of the ops in ``queue`` (and
-        the current request's, when called inside a request site), or None."""
-        current = self.local.current_request()
+        """In ``start_*``: the trace contexts of the requests the ops in ``queue`` were tagged
+        with, or None. Not the current request: a ``start_*`` inside a request site merges
+        ops of other causes too (a write-back during a load-back)."""
         tags = self.requests.pop(id(queue), None)
-        found = [] if current is None else [current]
-        if tags:
-            for op in queue:
-                entry = tags.get(id(op))
-                if entry is not None and entry[0] is op:
-                    found.append(entry[1])
+        if not tags:
+            return None
+        found = []
+        for op in queue:
+            entry = tags.get(id(op))
+            if entry is not None and entry[0] is op:
+                found.append(entry[1])
         return found or None
 
     def take(self, queue: Any) -> str | tuple[list[Any], list[str]] | None:
         """In ``start_*``, before the original merges ``queue``: the cause of its ops when
         they share one, else ``(ops, causes)``. An op no site tagged has the current
         site's cause (``start_*`` called inside it), or None (``other``)."""
-        by_queue = self.by_queue
-        default = self.local.current_cause()
-        if not by_queue:  # no site ever tagged an op (a controller driven by hand)
-            return default
-        tags = by_queue.pop(id(queue), None)
-        if tags is None:
-            return default
-        ops = list(queue)
-        if not ops:
-            return default
+        tags = self.by_queue.pop(id(queue), None) if self.by_queue else None
+        if tags is None:  # nothing tagged (a controller driven by hand, or ops queued inside this site)
+            return self.local.current_cause()
         causes = []
-        for op in ops:
+        mixed = False
+        first = None
+        for op in queue:  # one op, or a few: the common case is one cause, no list kept
             entry = tags.get(id(op))
-            causes.append(entry[1] if entry is not None and entry[0] is op else default or sc.CAUSE_OTHER)
-        first = causes[0]
-        if all(cause == first for cause in causes):
-            return first
-        return ops, causes
+            if entry is not None and entry[0] is op:
+                cause = entry[1]
+            else:
+                cause = self.local.current_cause() or sc.CAUSE_OTHER
+            causes.append(cause)
+            if first is None:
+                first = cause
+            elif cause != first:
+                mixed = True
+        if first is None:  # an empty queue
+            return self.local.current_cause()
+        return (list(queue), causes) if mixed else first
 
 
 def parts(controller: Any, queued: tuple[list[Any], list[str]]) -> list[tuple[str, Any, int]]:

@@ -324,7 +324,9 @@ class TransferObserver:
                     return original(controller, *args, **kwargs)
                 try:
                     queued = getattr(controller, op_queue)
-                    cause = queued_causes.take(queued)
+                    # no call when no site tagged anything and none is running (ops driven by hand)
+                    cause = queued_causes.take(queued) if queued_causes.by_queue or local.cause is not None \
+                        else None
                     requests = queued_causes.take_requests(queued) if queued_causes.requests else None
                     info = observer._controller_info(controller)
                     # the queued ops' CPU host indices, read on the worker (host residence)
