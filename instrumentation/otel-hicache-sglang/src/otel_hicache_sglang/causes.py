@@ -23,7 +23,7 @@ process whose SGLang tracing is on (``TransferObserver``); without it nothing is
 but one attribute read per tagged call.
 
 Nothing inspects the stack: a site costs one Python frame, two queue lengths and
-a thread-local write per call (``docs/performance.md``).
+the current cause set and restored per call (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -217,39 +217,15 @@ class QueuedCauses:
         try:
             if not queue:
                 return
-            tags = self.by_queue.get(id(queue))
-            if tags is None:
-                tags = self.by_queue[id(queue)] = {}
-            elif len(tags) > 2 * len(queue) + 64:  # ops that left without a start_* (reset())
-                live = {id(op) for op in queue}
-                for key in [k for k in tags if k not in live]:
-                    del tags[key]
             appended = queue[length if length and queue[0] is first else 0:]
-            for op in appended:
-                entry = tags.get(id(op))
-                if entry is None or entry[0] is not op:
-                    tags[id(op)] = (op, cause)
+            _tag_ops(self.by_queue, queue, appended, cause)
             if self.local.request is not None and cause in REQUEST_CAUSES:
-                self._tag_request(queue, appended)
+                request = self.local.current_request()
+                if request is not None:
+                    _tag_ops(self.requests, queue, appended, request)
         except Exception as exc:  # pylint: disable=broad-except
             warn_once("cause:tag", "otel-hicache: cannot tag queued ops with their cause (%r); they are "
                       "counted as 'other'", exc)
-
-    def _tag_request(self, queue: Any, appended: list[Any]) -> None:
-        request = self.local.current_request()
-        if request is None:
-            return
-        tags = self.requests.get(id(queue))
-        if tags is None:
-            tags = self.requests[id(queue)] = {}
-        elif len(tags) > 2 * len(queue) + 64:  # ops that left without a start_* (reset())
-            live = {id(op) for op in queue}
-            for key in [k for k in tags if k not in live]:
-                del tags[key]
-        for op in appended:
-            entry = tags.get(id(op))
-            if entry is None or entry[0] is not op:
-                tags[id(op)] = (op, request)
 
     def take_requests(self, queue: Any) -> list[Any] | None:
         """In ``start_*``: the trace contexts of the requests the ops in ``queue`` were tagged
@@ -289,6 +265,23 @@ class QueuedCauses:
         if first is None:  # an empty queue
             return self.local.current_cause()
         return (list(queue), causes) if mixed else first
+
+
+def _tag_ops(store: dict[int, dict[int, tuple[Any, Any]]], queue: Any, ops: list[Any], value: Any) -> None:
+    """Tag ``ops`` of ``queue`` with ``value`` in ``store`` (``id(queue) -> {id(op): (op, value)}``);
+    an op already tagged (by a site nested inside) keeps its tag. A queue's tags are pruned of
+    ops that left it without a ``start_*`` (``reset()``) once they outnumber the queue."""
+    tags = store.get(id(queue))
+    if tags is None:
+        tags = store[id(queue)] = {}
+    elif len(tags) > 2 * len(queue) + 64:
+        live = {id(op) for op in queue}
+        for key in [k for k in tags if k not in live]:
+            del tags[key]
+    for op in ops:
+        entry = tags.get(id(op))
+        if entry is None or entry[0] is not op:
+            tags[id(op)] = (op, value)
 
 
 def parts(controller: Any, queued: tuple[list[Any], list[str]]) -> list[tuple[str, Any, int]]:
