@@ -209,6 +209,22 @@ def thread_cpu() -> dict[str, float]:
     return cpu
 
 
+def worker_us_per_op(tel: Any, providers: "SdkProviders", ops: int, drive: Any) -> float:
+    """``drive()`` submits ``ops`` ops to ``tel``: run it, flush, and return the completion
+    worker's CPU per op in microseconds (its thread's clock, from the first submit until
+    ``force_flush`` returned). Shuts ``tel`` and ``providers`` down either way."""
+    try:
+        before = thread_cpu().get("otel-hicache-completion", 0.0)
+        drive()
+        if not tel.force_flush(600):
+            raise RuntimeError("force_flush timed out")
+        worker = thread_cpu().get("otel-hicache-completion", 0.0) - before
+    finally:
+        tel.shutdown()
+        providers.shutdown()
+    return worker / ops * 1e6
+
+
 def wait_until(deadline: int, spin_ns: int = 0) -> int:
     """Wait until ``deadline`` (``perf_counter_ns``). Returns the deadline, or now if it
     already passed (no catch-up bursts).

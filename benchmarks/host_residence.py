@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_common import SdkProviders, env, table, thread_cpu  # noqa: E402
+from bench_common import SdkProviders, env, table, worker_us_per_op  # noqa: E402
 
 from otel_hicache import TransferTelemetry  # noqa: E402
 from otel_hicache.testing import WallClockDevice  # noqa: E402
@@ -43,10 +43,14 @@ STATIC = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0}
 
 def run(tracked: bool, ops: int, pages: int) -> dict[str, float]:
     providers = SdkProviders(max_spans_queued=1 << 20)
-    with env(OTEL_HICACHE_ENABLED="true", OTEL_HICACHE_MAX_QUEUE_SIZE=str(ops + 1000)):
-        tel = TransferTelemetry(providers.tracer_provider, providers.meter_provider, attributes=STATIC)
     host_pages = 64 * pages
-    pool = tel.host_pool(host_pages * PAGE, PAGE) if tracked else None
+    # host residence is off by default (OTEL_HICACHE_HOST_RESIDENCE): on here, for the tracked variant
+    with env(OTEL_HICACHE_ENABLED="true", OTEL_HICACHE_MAX_QUEUE_SIZE=str(ops + 1000),
+             OTEL_HICACHE_HOST_RESIDENCE="true"):
+        tel = TransferTelemetry(providers.tracer_provider, providers.meter_provider, attributes=STATIC)
+        pool = tel.host_pool(host_pages * PAGE, PAGE) if tracked else None
+    if tracked and pool is None:
+        raise RuntimeError("host residence did not start (NumPy missing?)")
     slots = [np.arange(start * PAGE, (start + pages) * PAGE, dtype=np.int64)
              for start in range(0, host_pages - pages, pages)]
     half = pages // 2 * PAGE  # a load-back reads the second half of one offload and the first of the next
@@ -54,8 +58,8 @@ def run(tracked: bool, ops: int, pages: int) -> dict[str, float]:
     device = WallClockDevice()
     submit = tel.submit
     costs = []
-    try:
-        before = thread_cpu().get("otel-hicache-completion", 0.0)
+
+    def drive() -> None:
         for i in range(ops):
             k = (i // 2) % len(reads)
             offload = not i & 1
@@ -68,13 +72,9 @@ def run(tracked: bool, ops: int, pages: int) -> dict[str, float]:
             costs.append(time.perf_counter_ns() - t0)
             if tracked and i % 10 == 9:
                 tel.host_freed(pool, slots[(k + 7) % len(slots)])  # evicted, some never read
-        if not tel.force_flush(600):
-            raise RuntimeError("force_flush timed out")
-        worker = thread_cpu().get("otel-hicache-completion", 0.0) - before
-    finally:
-        tel.shutdown()
-        providers.shutdown()
-    return {"worker_us": worker / ops * 1e6, "submit_median_us": statistics.median(costs) / 1e3,
+
+    worker_us = worker_us_per_op(tel, providers, ops, drive)
+    return {"worker_us": worker_us, "submit_median_us": statistics.median(costs) / 1e3,
             "bytes_per_page": float(pool.bytes_per_page) if pool is not None else 0.0,
             "spans": float(providers.exporter.count)}
 

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "instrumentation" / "otel-hicache-sglang" / "tests"))
 
-from bench_common import SdkProviders, env, table, thread_cpu, wait_until  # noqa: E402
+from bench_common import SdkProviders, env, table, wait_until, worker_us_per_op  # noqa: E402
 from opentelemetry.trace import SpanContext, TraceFlags  # noqa: E402
 
 from otel_hicache import TransferTelemetry  # noqa: E402
@@ -55,8 +55,8 @@ def run_worker(requests_per_op: int, ops: int) -> dict[str, float]:
     sampled = TraceFlags(TraceFlags.SAMPLED)
     device = WallClockDevice()
     submit = tel.submit
-    try:
-        before = thread_cpu().get("otel-hicache-completion", 0.0)
+
+    def drive() -> None:
         for i in range(ops):
             offload = not i & 1
             start_event, finish_event = device.copy(time.time_ns() - 7_000_000, 6.0)  # done 1 ms ago
@@ -67,15 +67,11 @@ def run_worker(requests_per_op: int, ops: int) -> dict[str, float]:
             submit("offload" if offload else "onboard", {"kv": 1408, "swa": 1408}, 161_480_704, 64, start_event,
                    finish_event, True, "kernel", expect_ack=False,
                    cause="write_through" if offload else "prefix_hit", requests=requests)
-        if not tel.force_flush(600):
-            raise RuntimeError("force_flush timed out")
-        worker = thread_cpu().get("otel-hicache-completion", 0.0) - before
-    finally:
-        tel.shutdown()
-        providers.shutdown()
+
+    worker_us = worker_us_per_op(tel, providers, ops, drive)
     if providers.exporter.count != ops:
         raise RuntimeError(f"{providers.exporter.count} spans for {ops} ops")
-    return {"worker_us": worker / ops * 1e6}
+    return {"worker_us": worker_us}
 
 
 def run_request_site(calls: int, interval_us: float) -> dict[str, float]:
