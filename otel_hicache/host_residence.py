@@ -31,6 +31,8 @@ _CAUSE_INDEX = {cause: index for index, cause in enumerate(OFFLOAD_CAUSES)}
 MAX_LINKS = 16
 """At most this many span links on a load-back span: the offload spans that wrote its pages,
 the most recent first; the rest are counted in ``hicache.host.links_dropped``."""
+OFFLOAD_LINK_ATTRIBUTES = {sc.LINK_TO: sc.LINK_TO_OFFLOAD}
+"""The attributes of every such link (shared, never mutated)."""
 
 
 class HostFree(NamedTuple):

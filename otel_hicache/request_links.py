@@ -10,9 +10,9 @@ so a link to it would lead nowhere), each once, in the order given, at most
 
 Each kept one becomes a span link (``hicache.link_to=request``), the way from a
 transfer to its requests, and a ``hicache.request`` span event carrying the request's
-trace id as Jaeger shows it (``hicache.request.trace_id``), the way back: Jaeger's tag search matches
-event attributes, never links. Trace and span ids only: nothing else of a request
-leaves the process (``test_privacy.py``).
+trace id as Jaeger shows it (``hicache.request.trace_id``), the way back: Jaeger's tag
+search matches event attributes, never links. Trace and span ids only: nothing else of
+a request leaves the process (``test_privacy.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .diagnostics import warn_once
 MAX_REQUEST_LINKS = 16
 
 REQUEST_LINK_ATTRIBUTES = {sc.LINK_TO: sc.LINK_TO_REQUEST}
-OFFLOAD_LINK_ATTRIBUTES = {sc.LINK_TO: sc.LINK_TO_OFFLOAD}
+"""The attributes of every link to a request (shared, never mutated)."""
 
 
 def _span_context(item: Any) -> Any:

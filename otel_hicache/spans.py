@@ -43,8 +43,9 @@ from opentelemetry.trace.propagation import set_span_in_context
 
 from . import sdk_internals
 from . import semconv as sc
+from .host_residence import OFFLOAD_LINK_ATTRIBUTES
 from .records import ONBOARD, TIERS, TransferRecord
-from .request_links import OFFLOAD_LINK_ATTRIBUTES, REQUEST_LINK_ATTRIBUTES, trace_id_hex
+from .request_links import REQUEST_LINK_ATTRIBUTES, trace_id_hex
 from .span_sampling import OutlierPolicy, keeping_tracer
 from .version import __version__
 
