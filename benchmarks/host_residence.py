@@ -1,13 +1,17 @@
 """What host residence bookkeeping costs the completion worker per op, and its memory per page.
 
-Two TransferTelemetry instances, each with its own SDK providers (spans at 100% into a
+Three TransferTelemetry instances, each with its own SDK providers (spans at 100% into a
 counting exporter, an in-memory metric reader), take the same stream of ops in turns
-(rotating order, ``--rounds``): one submits each op with ``host_slots`` (its host token
-slots in a pool made by ``TransferTelemetry.host_pool``; a host free every tenth op), the
-other the same op without. An op is a merged op of ``--pages`` pages of 64 tokens
-(default 22: the 1,408-token op of ``benchmarks/overhead.py``), device-timed events already
-complete, directions alternating: every load-back reads the pages an earlier offload wrote
-(two writing offloads per load-back), so each records residences, reloaded bytes and links.
+(rotating order, ``--rounds``): two submit each op with ``host_slots`` (its host token
+slots in a pool made by ``TransferTelemetry.host_pool``; a host free every tenth op), one
+keeping its pages in plain Python (``HostPool``'s path for small ops), one in NumPy (its
+path for large ones), both forced whatever the op's size; the third submits the same op
+without. An op is a merged op of ``--pages`` pages of 64 tokens, for each size given
+(default 1, 4, 8, 16 and 22 pages: 22 is the 1,408-token op of ``benchmarks/overhead.py``),
+device-timed events already complete, directions alternating: every load-back reads the
+pages an earlier offload wrote (two writing offloads per load-back), so each records
+residences, reloaded bytes and links. The sizes where each path is cheaper say where
+``host_residence.SMALL_OP_SLOTS`` belongs.
 Ops are submitted flat out; the worker's CPU (its thread's clock) from the first submit until
 ``force_flush`` returned, per op, and the difference, are printed. The caller's ``submit()``
 is timed too: ``host_slots`` is one more keyword, nothing else runs on the caller's thread.
@@ -35,13 +39,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import SdkProviders, env, table, worker_us_per_op  # noqa: E402
 
 from otel_hicache import TransferTelemetry  # noqa: E402
+from otel_hicache.host_residence import SMALL_OP_PAGES, SMALL_OP_SLOTS  # noqa: E402
 from otel_hicache.testing import WallClockDevice  # noqa: E402
 
 PAGE = 64
 STATIC = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0}
 
 
-def run(tracked: bool, ops: int, pages: int) -> dict[str, float]:
+VARIANTS = {"without host_slots": None, "with, plain Python": 1 << 30, "with, NumPy": 0}  # -> small_op_slots
+
+
+def run(variant: str, ops: int, pages: int) -> dict[str, float]:
+    small_op_slots = VARIANTS[variant]
+    tracked = small_op_slots is not None
     providers = SdkProviders(max_spans_queued=1 << 20)
     host_pages = 64 * pages
     # host residence is off by default (OTEL_HICACHE_HOST_RESIDENCE): on here, for the tracked variant
@@ -51,6 +61,8 @@ def run(tracked: bool, ops: int, pages: int) -> dict[str, float]:
         pool = tel.host_pool(host_pages * PAGE, PAGE) if tracked else None
     if tracked and pool is None:
         raise RuntimeError("host residence did not start (NumPy missing?)")
+    if tracked:
+        pool.small_op_slots = pool.small_op_pages = small_op_slots
     slots = [np.arange(start * PAGE, (start + pages) * PAGE, dtype=np.int64)
              for start in range(0, host_pages - pages, pages)]
     half = pages // 2 * PAGE  # a load-back reads the second half of one offload and the first of the next
@@ -84,23 +96,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--ops", type=int)
     parser.add_argument("--rounds", type=int)
-    parser.add_argument("--pages", type=int, default=22)
+    parser.add_argument("--pages", default="1,4,8,16,22", help="op sizes in pages of 64 tokens (comma-separated)")
     args = parser.parse_args(argv)
-    ops = args.ops or (4000 if args.quick else 20000)
-    rounds = args.rounds or (2 if args.quick else 4)
-    results: dict[bool, list[dict[str, float]]] = {False: [], True: []}
-    for r in range(rounds):
-        for tracked in ((False, True) if r % 2 == 0 else (True, False)):
-            results[tracked].append(run(tracked, ops, args.pages))
-    med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
-    print(f"# host residence: {ops} ops x {rounds} rounds per variant, {args.pages} pages of {PAGE} tokens per op\n")
-    print(table([["without host_slots", f"{med[False]['worker_us']:.1f}", f"{med[False]['submit_median_us']:.2f}", ""],
-                 ["with host_slots", f"{med[True]['worker_us']:.1f}", f"{med[True]['submit_median_us']:.2f}",
-                  f"{med[True]['bytes_per_page']:.0f}"]],
-                ["variant", "worker CPU us/op", "submit() median us", "bookkeeping B/page"]))
-    print(f"\nadded by host residence: worker {med[True]['worker_us'] - med[False]['worker_us']:+.1f} us/op "
-          f"({med[True]['worker_us'] / med[False]['worker_us']:.2f}x), submit() "
-          f"{med[True]['submit_median_us'] - med[False]['submit_median_us']:+.2f} us")
+    ops = args.ops or (2000 if args.quick else 10000)
+    rounds = args.rounds or (2 if args.quick else 3)
+    sizes = [int(p) for p in args.pages.split(",")]
+    names = list(VARIANTS)
+    rows = []
+    bytes_per_page = 0.0
+    for pages in sizes:
+        results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotating order
+                results[name].append(run(name, ops, pages))
+        med = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in results.items()}
+        base = med[names[0]]["worker_us"]
+        python, numpy_ = med[names[1]]["worker_us"], med[names[2]]["worker_us"]
+        bytes_per_page = med[names[1]]["bytes_per_page"]
+        rows.append([str(pages), str(pages * PAGE), f"{base:.1f}", f"{python - base:+.1f}", f"{numpy_ - base:+.1f}",
+                     f"{numpy_ / python:.2f}", f"{med[names[1]]['submit_median_us'] - med[names[0]]['submit_median_us']:+.2f}",
+                     "plain Python" if pages * PAGE <= min(SMALL_OP_SLOTS, SMALL_OP_PAGES * PAGE) else "NumPy"])
+    print(f"# host residence: {ops} ops x {rounds} rounds per variant and size, pages of {PAGE} tokens, "
+          f"bookkeeping {bytes_per_page:.0f} B per host page\n")
+    print(table(rows, ["pages", "slots", "worker us/op without", "added: Python", "added: NumPy", "NumPy/Python",
+                       "submit() added us", f"default path (<= {min(SMALL_OP_SLOTS, SMALL_OP_PAGES * PAGE)} slots: Python)"]))
     return 0
 
 

@@ -289,7 +289,7 @@ class TransferMetrics(TransferInstruments):
     # -- host residence (at intake, in submission order) -----------------------
     def host_waste(self, waste: Waste, page_size: int) -> None:
         """Host pages freed or overwritten without a load-back since written."""
-        for index, (num_bytes, pages) in enumerate(zip(waste.bytes_by_cause.tolist(), waste.pages_by_cause.tolist())):
+        for index, (num_bytes, pages) in enumerate(zip(waste.bytes_by_cause, waste.pages_by_cause)):
             if pages:
                 attrs = self._by_offload_cause[OFFLOAD_CAUSES[index]]
                 self._add(self.wasted_bytes, attrs, num_bytes)
@@ -297,7 +297,7 @@ class TransferMetrics(TransferInstruments):
 
     def host_reuse(self, record: TransferRecord, reuse: Reuse) -> None:
         """A load-back's pages: their residence (one value per writing offload) and bytes."""
-        for index, num_bytes in enumerate(reuse.bytes_by_cause.tolist()):
+        for index, num_bytes in enumerate(reuse.bytes_by_cause):
             if num_bytes:
                 self._add(self.reloaded_bytes, self._by_offload_cause[OFFLOAD_CAUSES[index]], num_bytes)
         cause = record.cause

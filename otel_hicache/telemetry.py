@@ -255,7 +255,7 @@ class TransferTelemetry:
 
     def host_pool(self, slots: int, page_size: int, name: str = "kv") -> Any:
         """Host residence bookkeeping for one host pool of ``slots`` token slots in pages of
-        ``page_size`` (:mod:`otel_hicache.host_residence`; preallocated, about 35 bytes per
+        ``page_size`` (:mod:`otel_hicache.host_residence`; preallocated, 42 bytes per
         page): pass it with the ops' ``host_slots`` and to :meth:`host_freed`. None when
         disabled, without NumPy, or for a bad size (warned once)."""
         if self._pipeline is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):

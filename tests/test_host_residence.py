@@ -15,9 +15,13 @@ PAGE = 4
 BYTES_PER_TOKEN = 1000
 
 
-@pytest.fixture(autouse=True)
-def _on(monkeypatch):
+@pytest.fixture(autouse=True, params=["python", "numpy"])
+def _on(monkeypatch, request):
+    """Every test on both paths: plain Python (small ops) and NumPy (every op here, forced)."""
     monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")  # off by default
+    if request.param == "numpy":
+        monkeypatch.setattr(HostPool, "small_op_slots", 0)
+    return request.param
 
 
 def test_off_by_default_host_pool_is_none(harness, monkeypatch):
@@ -162,14 +166,80 @@ def test_bad_slots_never_raise_and_the_op_is_still_reported(harness, caplog):
 def test_bookkeeping_memory_per_page_and_page_ids():
     pool = HostPool(1000, 64)
     assert pool.pages == 16 and pool.bytes_per_page == 8 + 1 + 8 + 8 + 8 + 8 + 1
-    assert pool.page_ids([130, 0, 63, 64, 999]).tolist() == [0, 1, 2, 15]
-    assert pool.page_ids(lambda: np.arange(64, 192)).tolist() == [1, 2]
-    assert pool.page_ids([np.arange(0, 4), np.arange(640, 644)]).tolist() == [0, 10]
+    assert list(pool.page_ids([130, 0, 63, 64, 999])) == [0, 1, 2, 15]
+    assert list(pool.page_ids(lambda: np.arange(64, 192))) == [1, 2]
+    assert list(pool.page_ids([np.arange(0, 4), np.arange(640, 644)])) == [0, 10]
+    assert list(pool.page_ids(np.arange(0, 130).reshape(2, 65))) == [0, 1, 2]  # 2-D: read flat (NumPy)
 
 
 def test_torch_cpu_indices_are_read_in_place():
     import torch
 
     pool = HostPool(1000, 64)
-    assert pool.page_ids(torch.arange(128, 256)).tolist() == [2, 3]
-    assert pool.page_ids([torch.arange(0, 4), torch.arange(640, 644)]).tolist() == [0, 10]  # SGLang's queued ops
+    assert list(pool.page_ids(torch.arange(128, 256))) == [2, 3]
+    assert list(pool.page_ids([torch.arange(0, 4), torch.arange(640, 644)])) == [0, 10]  # SGLang's queued ops
+
+
+def test_the_path_follows_the_op_size(_on):
+    pool = HostPool(100_000, 4)
+    small, large = pool.page_ids(range(0, 256)), pool.page_ids(np.arange(0, 260))  # 64 pages, 65
+    assert isinstance(large, np.ndarray)
+    assert isinstance(small, list) == (_on == "python")
+    pool = HostPool(100_000, 64)
+    small, large = pool.page_ids(np.arange(0, 1024)), pool.page_ids(np.arange(0, 1088))  # 1,024 slots, 1,088
+    assert isinstance(large, np.ndarray) and isinstance(small, list) == (_on == "python")
+    with pytest.raises(TypeError, match="host slots must be integers"):  # declined by Python, refused by NumPy
+        pool.page_ids(np.arange(0, 8, dtype=np.float64))
+
+
+def test_both_paths_give_the_same_answers_and_state():
+    """Random offloads, links, load-backs and frees of random sizes and layouts (whole pages,
+    partial pages, repeats, out of order, out of range) through a pool on each path."""
+    import random
+    import warnings
+
+    rng = random.Random(1234)
+    pools = [HostPool(4096, PAGE), HostPool(4096, PAGE)]
+    pools[0].small_op_slots = pools[0].small_op_pages = 1 << 30  # always Python
+    pools[1].small_op_slots = 0  # always NumPy
+
+    def slots():
+        shape = rng.choice(("pages", "slots", "scattered"))
+        if shape == "pages":
+            first = rng.randrange(0, 1000)
+            return list(range(first * PAGE, (first + rng.randrange(1, 40)) * PAGE))
+        if shape == "slots":
+            first = rng.randrange(0, 4000)
+            return list(range(first, first + rng.randrange(1, 200)))  # may run past the pool's end
+        return [rng.randrange(-8, 4200) for _ in range(rng.randrange(1, 30))]
+
+    def same(a, b):  # a list on one path is a NumPy array on the other
+        if isinstance(a, (tuple, list, np.ndarray)):  # Waste, Reuse, (pages, waste), links
+            return isinstance(b, (tuple, list, np.ndarray)) and len(a) == len(b) and all(map(same, a, b))
+        return type(a) is type(b) and a == b if isinstance(a, str) or a is None else int(a) == int(b)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(3000):
+            kind, when = rng.random(), step + 1
+            arg = slots()
+            if kind < 0.45:
+                arg = np.asarray(arg, dtype=np.int64) if rng.random() < 0.5 else arg
+                cause, num_bytes = rng.choice(sc.CAUSES["offload"]), rng.randrange(0, 1 << 20)
+                results = [pool.written(arg, when, cause, num_bytes) for pool in pools]
+                if rng.random() < 0.7:
+                    trace, span = rng.getrandbits(128), rng.getrandbits(64)
+                    for pool, (pages, _) in zip(pools, results):
+                        pool.link(pages, trace, span)
+            elif kind < 0.85:
+                results = [pool.read(arg, when) for pool in pools]
+                if results[0] is not None:
+                    results += [pool.links(reuse) for pool, reuse in zip(pools, results)]
+                    assert same(results[2], results[3]), step
+            else:
+                results = [pool.freed(arg) for pool in pools]
+            assert same(results[0], results[1]), (step, results)
+    a, b = pools
+    for column in ("written_ns", "cause", "page_bytes", "trace_hi", "trace_lo", "span_id", "reloaded"):
+        assert (getattr(a, column) == getattr(b, column)).all(), column
+    assert a.reloaded.any() and (a.span_id != 0).any() and (a.written_ns == 0).any()
