@@ -17,7 +17,8 @@ Everything is read through the HTTP APIs the UIs use.
       hicache_*/otel_hicache_* series Prometheus has is documented;
   (d) Jaeger (/api/services, /api/operations, /api/traces): one trace per example op, span
       counts and attribute sums equal the truth, documented attributes, the parent is the
-      example.scheduler_step span; the SGLang service's spans: merged ops + direct copies,
+      example.scheduler_step span, write-throughs and prefix hits link to their example.request
+      span; the SGLang service's spans: merged ops + direct copies,
       with the rank attributes;
   (e) exemplars of hicache_transfer_duration_seconds_bucket open their trace in Jaeger, on
       the very span (span id) they name;
@@ -62,6 +63,7 @@ DIRECTIONS = ("offload", "onboard")
 SPAN_NAMES = {"offload": "hicache.offload", "onboard": "hicache.onboard"}
 TIERS = {"offload": ("L1", "L2"), "onboard": ("L2", "L1")}  # (src, dst)
 STEP_SPAN = "example.scheduler_step"
+REQUEST_SPAN = "example.request"
 RANK_LABELS = ("tp_rank", "pp_rank", "dp_rank")
 WAIT_S = 30.0          # counters: the final export reaches Prometheus within a scrape or two
 TRACE_WAIT_S = 90.0    # spans: Collector batch (1 s) + Jaeger batch, on 2 busy cores
@@ -1094,17 +1096,51 @@ def _attribute_checks(res: Results, spans: list[tuple[str, dict, dict]], require
               else "timing_source " + ", ".join(f"{k}={v}" for k, v in sorted(sources.items())))
 
 
-def check_residence_links(res: Results, found: dict[str, list], residence_count: int, service: str) -> None:
+def check_residence_links(res: Results, found: dict[str, list], residence_count: int, service: str,
+                          requests_linked: bool) -> None:
     """A load-back's links (Jaeger references FOLLOWS_FROM) go to the offload spans that wrote
     its pages: one per load-back x writing offload (at most 12 writers per op here, under the
-    16 linked), each an exported hicache.offload span of the run."""
+    16 linked), each an exported hicache.offload span of the run. Jaeger's references carry
+    no link attributes: with ``requests_linked``, a link to anything else is a link to a
+    request (checked by :func:`check_example_request_links`), else it is dangling."""
     offloads = {(s.get("traceID"), s.get("spanID")) for _, s in found.get("offload", [])}
     refs = [(r.get("traceID"), r.get("spanID")) for _, s in found.get("onboard", [])
             for r in s.get("references") or [] if r.get("refType") == "FOLLOWS_FROM"]
-    dangling = [r for r in refs if r not in offloads]
+    to_offloads = [r for r in refs if r in offloads]
+    dangling = 0 if requests_linked else len(refs) - len(to_offloads)
     res.check(f"{service}: load-backs link to the offload spans that wrote their pages (one per residence value)",
-              len(refs) == residence_count and not dangling,
-              f"{len(refs)} links (want {residence_count}), {len(dangling)} to no exported offload span")
+              len(to_offloads) == residence_count and not dangling,
+              f"{len(to_offloads)} links to exported offload spans (want {residence_count})"
+              + (f", {dangling} to no exported offload span" if dangling else ""))
+
+
+def check_example_request_links(res: Results, jaeger: Jaeger, found: dict[str, list], truth: dict[str, Any],
+                                service: str) -> None:
+    """Each write-through and prefix hit of the example links (FOLLOWS_FROM) to the
+    ``example.request`` span it served, the root of a trace of its own; a load-back's other
+    links go to the run's offload spans. Counted per direction against the truth, and every
+    link opened in Jaeger: its span must be an ``example.request`` root."""
+    offloads = {(s.get("traceID"), s.get("spanID")) for _, s in found.get("offload", [])}
+    got, targets = {}, []
+    for d in DIRECTIONS:
+        linked = 0
+        for _, s in found.get(d, []):
+            to = [(r.get("traceID"), r.get("spanID")) for r in s.get("references") or []
+                  if r.get("refType") == "FOLLOWS_FROM" and (r.get("traceID"), r.get("spanID")) not in offloads]
+            linked += bool(to)
+            targets += to
+        got[d] = linked
+    want = {d: truth[d].get("request_links", 0) for d in DIRECTIONS if d in truth}
+    wrong = []
+    for trace_id, span_id in targets:
+        tr, err = jaeger.trace(trace_id)
+        span = next((x for x in (tr or {}).get("spans") or [] if x.get("spanID") == span_id), None)
+        if span is None or span.get("operationName") != REQUEST_SPAN or span.get("references"):
+            wrong.append(f"{trace_id}/{span_id}: {span.get('operationName') if span else err or 'not found'}")
+    res.check(f"{service}: write-throughs and prefix hits link to the {REQUEST_SPAN} span each served (a root)",
+              got == want and bool(targets) and not wrong,
+              f"{got} spans with a link to a request (want {want}); {len(targets) - len(wrong)} of {len(targets)} "
+              f"links open an {REQUEST_SPAN} root" + (f"; {wrong[:3]}" if wrong else ""))
 
 
 def check_example_traces(res: Results, jaeger: Jaeger, truth: dict[str, Any], service: str,
@@ -1142,8 +1178,11 @@ def check_example_traces(res: Results, jaeger: Jaeger, truth: dict[str, Any], se
     res.check(f"{service}: the spans' process is the service", not foreign,
               f"{foreign[:3]}" if foreign else f"serviceName {service}")
     _attribute_checks(res, spans, required, service)
+    requests_linked = "request_links" in truth.get("onboard", {})
     if "residence_count" in truth.get("onboard", {}):
-        check_residence_links(res, found, truth["onboard"]["residence_count"], service)
+        check_residence_links(res, found, truth["onboard"]["residence_count"], service, requests_linked)
+    if requests_linked:
+        check_example_request_links(res, jaeger, found, truth, service)
     sums = {d: {"bytes": 0, "blocks": 0, "tokens": 0} for d in DIRECTIONS}
     for d, _, s in spans:
         tags = _tags(s)

@@ -24,6 +24,12 @@ Three pools move together in every op:
   ``num_bytes`` only, as SGLang's ``HiCacheAck.num_bytes`` includes draft and
   sidecar bytes.
 
+Requests: every write-through backup writes one request's KV and every prefix-hit
+load-back loads one request's prefix, so each such op's span links to that request's
+span (``example.request``, the root of its own trace, as SGLang's request tracing
+makes them; ``submit(requests=...)``); write-backs and storage prefetches serve no one
+request and link to none.
+
 Op sizes (pages per op) and directions come from a seeded RNG. Every copy is a
 real ``copy_`` of page runs between the two pools (SGLang's ``direct`` I/O
 backend); a tag written into each page by the simulated forward pass is checked
@@ -80,13 +86,17 @@ except ImportError:  # run as a script from a checkout where the package is not 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import otel_hicache
 
+from opentelemetry import context as otel_context
+
 from otel_hicache import environment_variables as ev
 from otel_hicache import semconv as sc
 from otel_hicache import TransferTelemetry
 from otel_hicache.records import DIRECTIONS, OFFLOAD, ONBOARD
 
 STEP_SPAN = "example.scheduler_step"
-"""The span each op runs under, standing in for a server's request span."""
+"""The span each op runs under, standing in for a server's scheduler step."""
+REQUEST_SPAN = "example.request"
+"""The root span of the request an op serves (its own trace): the op's span links to it."""
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -172,6 +182,7 @@ class DirectionSummary:
     residence_p50_s: float | None = None
     residence_p99_s: float | None = None
     residence_count: int = 0
+    request_links: int = 0  # ops whose span links to the request they served (sampled requests)
 
     @property
     def bandwidth(self) -> float | None:
@@ -316,6 +327,25 @@ def format_residence(offload: DirectionSummary, onboard: DirectionSummary) -> st
     return (f"  {onboard.residence_count:,} load-back x writing-offload pairs, residence p50 {_ms(onboard.residence_p50_s)}"
             f" ms, p99 {_ms(onboard.residence_p99_s)} ms; reloaded {onboard.host_bytes / 1e9:.3f} GB, wasted "
             f"(overwritten before any load-back) {offload.host_bytes / 1e9:.3f} GB")
+
+
+def request_links(spans: Iterable[Any]) -> tuple[dict[str, int], int]:
+    """Per direction, the transfer spans that link to a request (``hicache.link_to=request``),
+    and how many of those links point at no exported ``example.request`` span."""
+    requests = {(s.context.trace_id, s.context.span_id) for s in spans if s.name == REQUEST_SPAN}
+    linked = {d: 0 for d in DIRECTIONS}
+    dangling = 0
+    for span in spans:
+        to = [link.context for link in span.links if (link.attributes or {}).get(sc.LINK_TO) == sc.LINK_TO_REQUEST]
+        if to:
+            linked[str(span.attributes.get(sc.DIRECTION))] += 1
+            dangling += sum((c.trace_id, c.span_id) not in requests for c in to)
+    return linked, dangling
+
+
+def format_request_links(linked: Mapping[str, int], dangling: int) -> str:
+    return (f"  {linked[OFFLOAD]:,} offload and {linked[ONBOARD]:,} load-back spans link to the request they "
+            f"served; every link to an exported {REQUEST_SPAN} span: {'yes' if not dangling else f'NO ({dangling:,} not)'}")
 
 
 def _ms(seconds: float | None) -> str:
@@ -501,6 +531,10 @@ def read_tags(tensor: Any) -> tuple[list[int], list[int]]:
     return first, last
 
 
+REQUEST_CAUSES = frozenset((sc.CAUSE_WRITE_THROUGH, sc.CAUSE_PREFIX_HIT))
+"""The causes of the workload whose op serves one request (its span links to it)."""
+
+
 def _cause(direction: str, index: int) -> str:
     """The ``hicache.cause`` the workload gives op ``index``, as a server's would vary: offloads
     are write-through backups of pages a forward pass just filled, every fifth a write-back
@@ -553,6 +587,7 @@ class HiCacheWorkload:
         self.next_tag = 1
         self.truth = {d: DirectionSummary(d, tokens={"kv": 0}) for d in DIRECTIONS}
         self.host_pool: Any = None  # tel.host_pool(), made in run()
+        self.tracer: Any = None  # run()'s: request spans
         # host page -> [bytes the offload put on it, times read, which offload (its number)]
         self.page_state: dict[int, list[int]] = {}
         self.offloads_written = 0
@@ -632,6 +667,7 @@ class HiCacheWorkload:
         """Run every op; with ``tracer``, each inside a ``example.scheduler_step`` span (the
         transfer spans become its children, as under a request span in a server)."""
         started = time.monotonic()
+        self.tracer = tracer
         self.host_pool = tel.host_pool(self.cfg.host_pages * self.cfg.page_size, self.cfg.page_size)
         for i in range(self.cfg.ops):
             if self.cfg.rate > 0:  # paced: op i starts i/rate seconds in (a serving process is never flat out)
@@ -709,6 +745,8 @@ class HiCacheWorkload:
         other_path = index % TRANSFER_EVERY == TRANSFER_EVERY - 1
         cause = _cause(direction, index)
         host_slots = self._host_slots(direction, host_pages, num_bytes)
+        request = self._request(direction, index, cause)
+        requests = None if request is None else [request.get_span_context()]
         if self.cuda:
             stream = self.write_stream if direction == OFFLOAD else self.load_stream
             if direction == OFFLOAD:  # the KV was written on the compute stream
@@ -716,7 +754,7 @@ class HiCacheWorkload:
             if other_path:
                 with torch.cuda.stream(stream), tel.transfer(
                     direction, tokens_by_pool, num_bytes, page_size, stream=stream, io_backend=IO_BACKEND,
-                    cause=cause, host_slots=host_slots,
+                    cause=cause, host_slots=host_slots, requests=requests,
                 ):
                     copies(non_blocking=True)
                 done = torch.cuda.Event()
@@ -731,20 +769,23 @@ class HiCacheWorkload:
                     finish.record(stream)
                 handle = tel.submit(direction, tokens_by_pool, num_bytes, page_size, start_event=start,
                                     finish_event=finish, timing_enabled=True, io_backend=IO_BACKEND, cause=cause,
-                                    host_slots=host_slots)
+                                    host_slots=host_slots, requests=requests)
                 self.pending.append(InFlight(handle, finish, device_pages, host_pages))
         elif other_path:  # synchronous copy, host times known: submit now, ack from the queue
             t0 = time.time_ns()
             copies(non_blocking=False)
             t1 = time.time_ns()
             handle = tel.submit(direction, tokens_by_pool, num_bytes, page_size, io_backend=IO_BACKEND,
-                                host_start_ns=t0, host_end_ns=t1, cause=cause, host_slots=host_slots)
+                                host_start_ns=t0, host_end_ns=t1, cause=cause, host_slots=host_slots,
+                                requests=requests)
             self.pending.append(InFlight(handle, None, device_pages, host_pages))
         else:
             with tel.transfer(direction, tokens_by_pool, num_bytes, page_size, io_backend=IO_BACKEND, cause=cause,
-                              host_slots=host_slots):
+                              host_slots=host_slots, requests=requests):
                 copies(non_blocking=False)
             self.pending.append(InFlight(None, None, device_pages, host_pages))
+        if request is not None:
+            request.end()
 
         truth = self.truth[direction]
         truth.ops += 1
@@ -753,6 +794,16 @@ class HiCacheWorkload:
         truth.blocks += -(-tokens_by_pool["kv"] // page_size)
         truth.bytes += num_bytes
         truth.bytes_by_cause[cause] = truth.bytes_by_cause.get(cause, 0) + num_bytes
+
+    def _request(self, direction: str, index: int, cause: str) -> Any:
+        """The span of the request op ``index`` serves (a new trace), or None: only for the causes
+        of one request, and only with a tracer. A sampled one is a link the op's span must carry."""
+        if self.tracer is None or cause not in REQUEST_CAUSES:
+            return None
+        span = self.tracer.start_span(REQUEST_SPAN, context=otel_context.Context(), attributes={"example.step": index})
+        if span.get_span_context().trace_flags.sampled:
+            self.truth[direction].request_links += 1
+        return span
 
     def _host_slots(self, direction: str, host_pages: list[int], num_bytes: int) -> Any:
         """The op's host token slots for host residence, and its ground truth: an offload puts
@@ -954,7 +1005,7 @@ def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: Emb
         with open(truth_json, "w", encoding="utf-8") as out:
             json.dump({d: {"ops": t.ops, "tokens": t.tokens, "blocks": t.blocks, "bytes": t.bytes,
                            "bytes_by_cause": t.bytes_by_cause, "host_bytes": t.host_bytes,
-                           "residence_count": t.residence_count,
+                           "residence_count": t.residence_count, "request_links": t.request_links,
                            "model": f"qwen3-like-{cfg.layers}L"} for d, t in truth.items()}, out, indent=1)
     flushed = tel.force_flush(timeout_s=10.0 if embedded is not None else 5.0)
     gb = sum(t.bytes for t in truth.values()) / 1e9
@@ -980,7 +1031,9 @@ def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: Emb
         print(format_table([truth[d] for d in DIRECTIONS], timing=False))
         return exit_code
     summary = summarize(embedded.metrics_data())
-    spans = [span for span in embedded.spans() if span.name != STEP_SPAN]
+    exported = embedded.spans()
+    spans = [span for span in exported if span.name not in (STEP_SPAN, REQUEST_SPAN)]
+    linked, dangling = request_links(exported)
     by_name: dict[str, int] = {}
     for span in spans:
         by_name[span.name] = by_name.get(span.name, 0) + 1
@@ -991,11 +1044,20 @@ def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: Emb
     print(format_causes(summary.directions[d] for d in DIRECTIONS))
     print("host residence (hicache.host.*):")
     print(format_residence(summary.directions[OFFLOAD], summary.directions[ONBOARD]))
+    print("links to requests (hicache.link_to=request):")
+    print(format_request_links(linked, dangling))
     print(f"spans exported: {len(spans):,} ("
           + ", ".join(f"{name} {count:,}" for name, count in sorted(by_name.items())) + ")")
     problems = compare(summary, truth)
-    if not os.environ.get("OTEL_TRACES_SAMPLER", "").strip() and len(spans) != cfg.ops:
-        problems.append(f"spans: exported {len(spans):,} != ops {cfg.ops:,}")
+    if not os.environ.get("OTEL_TRACES_SAMPLER", "").strip():  # every span kept: every link is there
+        if len(spans) != cfg.ops:
+            problems.append(f"spans: exported {len(spans):,} != ops {cfg.ops:,}")
+        for direction in DIRECTIONS:
+            if linked[direction] != truth[direction].request_links:
+                problems.append(f"{direction} spans linked to a request: {linked[direction]:,} != workload "
+                                f"{truth[direction].request_links:,}")
+    if dangling:
+        problems.append(f"{dangling:,} links to requests point at no exported {REQUEST_SPAN} span")
     if not flushed:
         problems.append("force_flush did not complete")
     print(f"counters match ground truth: {'yes' if not problems else 'NO'}")

@@ -8,6 +8,7 @@ import importlib.util
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -226,7 +227,49 @@ def test_main_embedded_prints_both_directions_and_matches(capsys: pytest.Capture
     assert "spans exported: 20 " in out
     assert "copies verified: yes" in out
     assert "counters match ground truth: yes" in out
+    assert re.search(r"\d+ offload and \d+ load-back spans link to the request they served; every link to an "
+                     r"exported example.request span: yes", out)
     assert otel_hicache.configured() is None  # embedded mode never configures the OTEL_* providers
+
+
+def test_main_fails_when_request_links_are_lost(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    submit = hw.TransferTelemetry.submit
+    monkeypatch.setattr(hw.TransferTelemetry, "submit", lambda self, *a, requests=None, **k: submit(self, *a, **k))
+    assert hw.main(SMALL) == 1
+    out = capsys.readouterr().out
+    assert "counters match ground truth: NO" in out
+    assert re.search(r"(offload|onboard) spans linked to a request: \d+ != workload \d+", out)
+
+
+def test_request_links_of_the_workload() -> None:
+    """Write-throughs and prefix hits link to the request they served (a trace of its own),
+    with its trace id on a hicache.request event; write-backs and storage prefetches to none."""
+    cfg = hw.WorkloadConfig(ops=40, seed=5, layers=2, pool_tokens=512, max_op_pages=4)
+    pipeline = hw.EmbeddedPipeline()
+    tel = TransferTelemetry(tracer_provider=pipeline.tracer_provider, meter_provider=pipeline.meter_provider)
+    try:
+        truth = hw.HiCacheWorkload(cfg, torch.device("cpu")).run(
+            tel, tracer=pipeline.tracer_provider.get_tracer("test"))
+        assert tel.force_flush(5.0)
+        spans = pipeline.spans()
+    finally:
+        tel.shutdown()
+        pipeline.shutdown()
+    linked, dangling = hw.request_links(spans)
+    assert dangling == 0 and linked == {d: truth[d].request_links for d in ("offload", "onboard")}
+    assert linked["offload"] > 0 and linked["onboard"] > 0
+    requests = {s.context.span_id: s for s in spans if s.name == hw.REQUEST_SPAN}
+    for span in (s for s in spans if s.name.startswith("hicache.")):
+        to = [link for link in span.links if link.attributes.get(sc.LINK_TO) == sc.LINK_TO_REQUEST]
+        events = [e for e in span.events if e.name == "hicache.request"]
+        if span.attributes[sc.CAUSE] in hw.REQUEST_CAUSES:
+            [link] = to
+            request = requests[link.context.span_id]
+            assert request.parent is None and request.context.trace_id != span.context.trace_id
+            assert [e.attributes[sc.REQUEST_TRACE_ID] for e in events] == [f"{request.context.trace_id:032x}"]
+        else:
+            assert not to and not events
 
 
 def test_main_fails_when_metrics_miss_ops(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
