@@ -34,16 +34,25 @@ def test_demo_exports_spans_and_exact_metrics_over_otlp(protocol):
         assert done.returncode == 0, done.stdout + done.stderr
         received = receiver.received
         spans = received.spans()
-        assert len(spans) == 2 * 24  # each op's transfer span and the scheduler step it ran in
         resource = attributes(spans[0][0].attributes)
         assert resource["service.name"] == "hicache-test"
         assert resource["deployment.environment"] == "ci"
         steps = {span.span_id for _, span in spans if span.name == "example.scheduler_step"}
-        spans = [(r, span) for r, span in spans if span.name != "example.scheduler_step"]
+        requests = {(span.trace_id, span.span_id) for _, span in spans if span.name == "example.request"}
+        spans = [(r, span) for r, span in spans if span.name not in ("example.scheduler_step", "example.request")]
+        assert len(spans) == len(steps) == 24  # each op's transfer span and the scheduler step it ran in
         names = {span.name for _, span in spans}
         assert names <= {"hicache.offload", "hicache.onboard"}
         # every transfer span is the child of the scheduler step it was submitted in
         assert steps and all(span.parent_span_id in steps for _, span in spans)
+        # write-throughs and prefix hits link to the request each served, the others to none
+        linked = {span.span_id: [(link.trace_id, link.span_id) for link in span.links
+                                 if attributes(link.attributes).get("hicache.link_to") == "request"]
+                  for _, span in spans}
+        served = {span.span_id for _, span in spans
+                  if attributes(span.attributes)["hicache.cause"] in ("write_through", "prefix_hit")}
+        assert served and {k for k, v in linked.items() if v} == served
+        assert sorted(to for v in linked.values() for to in v) == sorted(requests)
         by_direction: dict[tuple[str, str, str], dict[str, int]] = {}
         for _, span in spans:
             attrs = attributes(span.attributes)
