@@ -40,7 +40,7 @@ paused, and the four per-op methods (``start_writing``, ``start_loading``, the e
 moment of the machine's noise; it reports the median wall and caller-CPU difference. The
 wrapped half queues each op inside a cause site (``causes.QueuedCauses.site``), as
 SGLang's cache methods queue theirs, so its figure is the adapter's whole cost per op; a
-third variant leaves out ``start_*``'s cause lookup.
+third variant leaves out transfer causes (the op queued outside a site, no lookup in ``start_*``).
 
 Each turn instruments (b, c), builds a fresh controller (the adapter starts its
 telemetry when a ``HiCacheController`` is created, as in a scheduler), warms up, times
@@ -238,7 +238,8 @@ def rss_mb() -> float:
 
 # per pair of ops: A SGLang's originals, B the adapter's wrappers (default settings: host
 # residence off) with each op queued inside a cause site, as SGLang's flows queue them, C the
-# same without start_*'s cause lookup (QueuedCauses.take): B - C is what the lookup costs there
+# wrappers without transfer causes (no site, no start_* lookup: QueuedCauses.take answers
+# nothing): B - C is what the causes cost per op
 PAIRED_PATTERN = "ABCCBABCAACBCABBAC"
 
 
@@ -283,13 +284,13 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
             for cls, name in names:
                 setattr(cls, name, (originals if which == "A" else wrappers)[name])
             if which == "C":
-                queued_causes.take = lambda queue: None  # the instance attribute shadows the method
+                queued_causes.take = lambda controller, queue, other: (None, None)  # shadows the method
             else:
                 vars(queued_causes).pop("take", None)
             deadline = wait_until(deadline) + interval_ns
             if not i & 1:
                 c0, t0 = cpu_clock(), clock()
-                if which == "A":
+                if which != "B":
                     host = controller.write(device_indices, node_id=i)
                 else:
                     host = in_site["write_through"](controller, controller.write, device_indices, node_id=i)
@@ -297,7 +298,7 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
                 t1, c1 = clock(), cpu_clock()
             else:
                 c0, t0 = cpu_clock(), clock()
-                if which == "A":
+                if which != "B":
                     loaded = controller.load(host, node_id=i)
                 else:
                     loaded = in_site["prefix_hit"](controller, controller.load, host, node_id=i)
@@ -512,12 +513,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{p['added_wall_us']:+.2f}", f"{p['added_cpu_us']:+.2f}", f"{p['cause_wall_us']:+.2f}",
                       f"{p['cause_cpu_us']:+.2f}"] for p in paired_rows],
                     ["tokens", "ops per variant", "sglang median us", "added wall us", "added caller CPU us",
-                     "of which the cause lookup, wall", "cause lookup, CPU"]))
+                     "of which transfer causes, wall", "causes, CPU"]))
         print("SGLang's originals and the adapter's wrappers switched op by op on one instrumented controller\n"
               "(otel-hicache's worker paused), each wrapped op queued inside a cause site as in SGLang's flows:\n"
               "median(wrapped) - median(originals), wall and the caller thread's CPU;\n"
-              "'of which the cause lookup': median(wrapped) - median(wrapped without start_*'s lookup of the\n"
-              "queued ops' causes); host residence is off, as by default.")
+              "'of which transfer causes': median(wrapped) - median(wrapped, the op queued outside a cause\n"
+              "site and start_*'s lookup of the queued ops' causes left out); host residence is off, as by default.")
         site = results["cause_site"]
         print(f"  a cause site (UnifiedRadixCache._execute_and_commit_kv_backup, empty action), paired with SGLang's\n"
               f"  original, {site['n']} calls each: original {site['sglang_median_us']:.2f} us, added "

@@ -4,13 +4,16 @@ SGLang queues an op (``HiCacheController.write/load``) in one place and submits 
 later, merged with others, in ``start_writing/start_loading``. So the cause is taken
 where the op is *queued*: a wrapper on each SGLang method that asks for copies for
 one reason (a *cause site*, :data:`SITES`) sets the thread's current cause for the
-duration of the call, and when the call returns, tags the ops it appended to its
-controller's ``write_queue``/``load_queue`` with it. ``start_*`` (see
-``transfers.py``) reads the tags of the ops it merges: one cause for all of them is
-the merged op's cause; several are reported as parts, each op's tokens and bytes
-computed with SGLang's own ``_num_tokens_by_pool``/``_transfer_num_bytes`` (which
-add up over merged ops), so bytes and tokens per cause sum exactly to the totals.
-An op queued outside every site, or copied directly outside one, is ``other``.
+duration of the call. Every op is a ``CacheOperation`` numbered in creation order
+(``CacheOperation.counter``, its ``id``): the site reads the counter before and after
+the call, and a call that made ops records its range of ids and its cause for its
+controller (nothing is read from the queues; most calls make no op). ``start_*`` (see
+``transfers.py``) finds each op it merges in those ranges (innermost site first): one
+cause for all of them is the merged op's cause; several are reported as parts, each
+op's tokens and bytes computed with SGLang's own ``_num_tokens_by_pool``/
+``_transfer_num_bytes`` (which add up over merged ops), so bytes and tokens per cause
+sum exactly to the totals. An op queued outside every site, or copied directly outside
+one, is ``other``.
 
 Requests (``REQUEST_SITES``): with SGLang's request tracing on (``--enable-trace``),
 a wrapper on each SGLang method that handles one request sets the thread's current
@@ -22,12 +25,16 @@ request's allocation wrote other requests' KV. The request sites are wrapped onl
 process whose SGLang tracing is on (``TransferObserver``); without it nothing is paid
 but one attribute read per tagged call.
 
-Nothing inspects the stack: a site costs one Python frame, two queue lengths and
-the current cause set and restored per call (``docs/performance.md``).
+Nothing inspects the stack: a site costs one Python frame, two reads of the counter and
+the current cause set and restored per call, and an id range appended when it made ops
+(``docs/performance.md``).
 """
 
 from __future__ import annotations
 
+import sys
+from bisect import bisect_right
+from operator import attrgetter
 from threading import get_ident
 from typing import Any, Callable, NamedTuple
 
@@ -48,12 +55,8 @@ class Site(NamedTuple):
     controller: Callable[[Any], Any]
 
 
-def _own_controller(instance: Any) -> Any:
-    return instance.cache_controller
-
-
-def _pipeline_controller(pipeline: Any) -> Any:
-    return pipeline._cache.cache_controller  # pylint: disable=protected-access  # BufferModePipeline's cache
+_own_controller = attrgetter("cache_controller")  # C: no Python frame per site call
+_pipeline_controller = attrgetter("_cache.cache_controller")  # BufferModePipeline's cache's
 
 
 def backup_cause(_cache: Any, controller: Any, args: tuple, kwargs: dict) -> str:
@@ -125,6 +128,23 @@ REQUEST_CAUSES = frozenset((
 
 _NO_ATTRIBUTES: dict[str, Any] = {}
 
+MAX_ID_RANGES = 4096
+"""Id ranges kept per controller at most. Each ``start_*`` drops those that no op still
+waiting in the controller's queues needs; ops dropped without one (``reset()``) leave
+theirs until this many pile up, then the oldest half go."""
+
+
+def _cache_operation() -> Any:
+    """SGLang's ``CacheOperation`` (the class that numbers the queued ops), or None. Its
+    module is imported by then: the sites' modules import it, and the adapter patches it."""
+    module = sys.modules.get("sglang.srt.managers.cache_controller")
+    operation = getattr(module, "CacheOperation", None)
+    return operation if isinstance(getattr(operation, "counter", None), int) else None
+
+
+class _NoCounter:
+    counter = 0  # never moves: nothing is tagged (warned once)
+
 
 def request_context(req: Any) -> Any:
     """A traced SGLang request's trace context (its root span's), else None. Read from the
@@ -136,15 +156,26 @@ def request_context(req: Any) -> Any:
 
 
 class QueuedCauses:
-    """The causes of the ops waiting in each controller queue: ``id(queue) -> {id(op):
-    (op, cause)}``, filled by the sites, taken by ``start_*``. Every access is on the
-    scheduler thread (sites and ``start_*`` run there), so there is no lock."""
+    """The causes (and requests) of the ops each controller has queued, as ranges of op ids:
+    ``id(controller) -> (ends, entries)``, ``entries[i] = (first id, cause, request)`` of the
+    ops ``first <= id < ends[i]`` made by one site's call, in the order the calls returned
+    (so ``ends`` never decreases, and a nested site's range comes before its caller's). Filled
+    by the sites, read by ``start_*``. Every access is on the scheduler thread (sites and
+    ``start_*`` run there), so there is no lock."""
 
-    def __init__(self, local: Any) -> None:
+    def __init__(self, local: Any, operations: Any = None) -> None:
         self.local = local  # the adapter's transfers._Capture: .cause and .request, the current sites'
-        self.by_queue: dict[int, dict[int, tuple[Any, str]]] = {}
-        # id(queue) -> {id(op): (op, request trace context)}: only with request sites wrapped
-        self.requests: dict[int, dict[int, tuple[Any, Any]]] = {}
+        self.operations = operations  # the class numbering the ops (.counter, op.id); None: SGLang's
+        self.by_controller: dict[int, tuple[list[int], list[tuple[int, str, Any]]]] = {}
+
+    def _counter(self) -> Any:
+        if self.operations is None:
+            self.operations = _cache_operation()
+            if self.operations is None:
+                warn_once("cause:counter", "otel-hicache: SGLang's CacheOperation.counter is missing; queued ops "
+                          "are counted as 'other'")
+                self.operations = _NoCounter
+        return self.operations
 
     def request_site(self, site: RequestSite) -> Method:
         """The wrapper of one request site: the request is the current one during the call."""
@@ -173,25 +204,24 @@ class QueuedCauses:
 
     def site(self, site: Site) -> Method:
         """The wrapper of one cause site."""
-        tag = self.tag
         local = self.local
         fixed = site.cause if isinstance(site.cause, str) else None
         resolve = site.cause
         controller_of = site.controller
+        made = self.made
+        by_controller = self.by_controller
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            operations = self._counter()
+
             def cause_site(instance: Any, *args: Any, **kwargs: Any) -> Any:
                 try:
-                    controller = controller_of(instance)
-                    cause = fixed or resolve(instance, controller, args, kwargs)  # type: ignore[operator]
-                    writes, loads = controller.write_queue, controller.load_queue
-                    queued_writes, queued_loads = len(writes), len(loads)
-                    first_write = writes[0] if queued_writes else None
-                    first_load = loads[0] if queued_loads else None
+                    cause = fixed or resolve(instance, controller_of(instance), args, kwargs)  # type: ignore[operator]
                 except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
                     warn_once(f"cause:{site.path}", "otel-hicache: cannot read the cause of %s (%r); its copies "
                               "are counted as 'other'", site.path, exc)
                     return original(instance, *args, **kwargs)
+                first = operations.counter
                 outer = local.cause
                 local.cause = cause
                 local.thread = get_ident()
@@ -199,89 +229,86 @@ class QueuedCauses:
                     return original(instance, *args, **kwargs)
                 finally:
                     local.cause = outer
-                    # most calls queue nothing (a declined load, a node already backed up)
-                    if len(writes) != queued_writes:
-                        tag(writes, queued_writes, first_write, cause)
-                    if len(loads) != queued_loads:
-                        tag(loads, queued_loads, first_load, cause)
+                    end = operations.counter
+                    if end != first:  # most calls make no op (a declined load, a node backed up)
+                        try:  # made(), inlined for the common case: a known controller, no request
+                            ranges = by_controller.get(id(controller_of(instance)))
+                            if ranges is None or local.request is not None or len(ranges[0]) >= MAX_ID_RANGES:
+                                made(instance, controller_of, first, end, cause)
+                            else:
+                                ranges[0].append(end)
+                                ranges[1].append((first, cause, None))
+                        except Exception:  # pylint: disable=broad-except  # made() warns
+                            made(instance, controller_of, first, end, cause)
 
             return cause_site
 
         return Method(make)
 
-    def tag(self, queue: Any, length: int, first: Any, cause: str) -> None:
-        """Tag the ops a site's call appended to ``queue`` (``length`` long at entry, ``first``
-        its first op then): those after ``length`` if the queue still starts with ``first``,
-        else (empty then, or consumed by a ``start_*`` meanwhile) every op in it. Ops already
-        tagged (by a site nested inside) keep their tag."""
+    def made(self, instance: Any, controller_of: Callable[[Any], Any], first: int, end: int, cause: str) -> None:
+        """A site's call made the ops ``first <= id < end``: their cause (and request) for its controller."""
         try:
-            if not queue:
-                return
-            appended = queue[length if length and queue[0] is first else 0:]
-            _tag_ops(self.by_queue, queue, appended, cause)
-            if self.local.request is not None and cause in REQUEST_CAUSES:
-                request = self.local.current_request()
-                if request is not None:
-                    _tag_ops(self.requests, queue, appended, request)
+            key = id(controller_of(instance))
+            ranges = self.by_controller.get(key)
+            if ranges is None:
+                ranges = self.by_controller[key] = ([], [])
+            ends, entries = ranges
+            if len(ends) >= MAX_ID_RANGES:  # ops that left without a start_* (reset()), or a controller never started
+                del ends[:MAX_ID_RANGES // 2], entries[:MAX_ID_RANGES // 2]
+            request = self.local.request
+            if request is not None:
+                request = self.local.current_request() if cause in REQUEST_CAUSES else None
+            ends.append(end)
+            entries.append((first, cause, request))
         except Exception as exc:  # pylint: disable=broad-except
             warn_once("cause:tag", "otel-hicache: cannot tag queued ops with their cause (%r); they are "
                       "counted as 'other'", exc)
 
-    def take_requests(self, queue: Any) -> list[Any] | None:
-        """In ``start_*``: the trace contexts of the requests the ops in ``queue`` were tagged
-        with, or None. Not the current request: a ``start_*`` inside a request site merges
-        ops of other causes too (a write-back during a load-back)."""
-        tags = self.requests.pop(id(queue), None)
-        if not tags:
-            return None
-        found = []
-        for op in queue:
-            entry = tags.get(id(op))
-            if entry is not None and entry[0] is op:
-                found.append(entry[1])
-        return found or None
-
-    def take(self, queue: Any) -> str | tuple[list[Any], list[str]] | None:
-        """In ``start_*``, before the original merges ``queue``: the cause of its ops when
-        they share one, else ``(ops, causes)``. An op no site tagged has the current
-        site's cause (``start_*`` called inside it), or None (``other``)."""
-        tags = self.by_queue.pop(id(queue), None) if self.by_queue else None
-        if tags is None:  # nothing tagged (a controller driven by hand, or ops queued inside this site)
-            return self.local.current_cause()
+    def take(self, controller: Any, queue: Any, other: Any) -> tuple[Any, list[Any] | None]:
+        """In ``start_*``, before the original merges ``queue`` (``other``: the controller's
+        other queue, whose ops wait on): the cause of its ops when they share one, else
+        ``(ops, causes)``; and the trace contexts of the requests they were made for, or
+        None. An op no site made has the current site's cause (``start_*`` called inside it),
+        or None (``other``). Then the ranges no waiting op needs are dropped."""
+        local = self.local
+        current = local.cause  # current_cause(), inlined
+        if current is not None and local.thread != get_ident():
+            current = None
+        ranges = self.by_controller.get(id(controller))
+        if ranges is None or not ranges[0]:
+            return current, None
+        ends, entries = ranges
+        count = len(ends)
         causes = []
+        requests = None
         mixed = False
         first = None
-        for op in queue:  # one op, or a few: the common case is one cause, no list kept
-            entry = tags.get(id(op))
-            if entry is not None and entry[0] is op:
-                cause = entry[1]
+        for op in queue:  # one op, or a few
+            op_id = op.id
+            i = bisect_right(ends, op_id)  # the first range ending after it, then outwards (nested sites)
+            while i < count and entries[i][0] > op_id:
+                i += 1
+            if i < count:
+                cause, request = entries[i][1], entries[i][2]
+                if request is not None:
+                    if requests is None:
+                        requests = []
+                    requests.append(request)
             else:
-                cause = self.local.current_cause() or sc.CAUSE_OTHER
+                cause = current or sc.CAUSE_OTHER
             causes.append(cause)
             if first is None:
                 first = cause
             elif cause != first:
                 mixed = True
+        if other:
+            drop = bisect_right(ends, min(op.id for op in other))  # ranges ending at or before the oldest waiting op
+            del ends[:drop], entries[:drop]
+        else:
+            del ends[:], entries[:]
         if first is None:  # an empty queue
-            return self.local.current_cause()
-        return (list(queue), causes) if mixed else first
-
-
-def _tag_ops(store: dict[int, dict[int, tuple[Any, Any]]], queue: Any, ops: list[Any], value: Any) -> None:
-    """Tag ``ops`` of ``queue`` with ``value`` in ``store`` (``id(queue) -> {id(op): (op, value)}``);
-    an op already tagged (by a site nested inside) keeps its tag. A queue's tags are pruned of
-    ops that left it without a ``start_*`` (``reset()``) once they outnumber the queue."""
-    tags = store.get(id(queue))
-    if tags is None:
-        tags = store[id(queue)] = {}
-    elif len(tags) > 2 * len(queue) + 64:
-        live = {id(op) for op in queue}
-        for key in [k for k in tags if k not in live]:
-            del tags[key]
-    for op in ops:
-        entry = tags.get(id(op))
-        if entry is None or entry[0] is not op:
-            tags[id(op)] = (op, value)
+            return current, None
+        return ((list(queue), causes) if mixed else first), requests
 
 
 def parts(controller: Any, queued: tuple[list[Any], list[str]]) -> list[tuple[str, Any, int]]:

@@ -316,6 +316,7 @@ class TransferObserver:
         local = self._local
         queued_causes = self.causes
         onboard = direction == ONBOARD
+        other_queue = "write_queue" if op_queue == "load_queue" else "load_queue"
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def start_patched(controller: Any, *args: Any, **kwargs: Any) -> Any:
@@ -324,10 +325,11 @@ class TransferObserver:
                     return original(controller, *args, **kwargs)
                 try:
                     queued = getattr(controller, op_queue)
-                    # no call when no site tagged anything and none is running (ops driven by hand)
-                    cause = queued_causes.take(queued) if queued_causes.by_queue or local.cause is not None \
-                        else None
-                    requests = queued_causes.take_requests(queued) if queued_causes.requests else None
+                    # no call before any site made an op, and none is running (ops driven by hand)
+                    if queued_causes.by_controller or local.cause is not None:
+                        cause, requests = queued_causes.take(controller, queued, getattr(controller, other_queue))
+                    else:
+                        cause = requests = None
                     info = observer._controller_info(controller)
                     # the queued ops' CPU host indices, read on the worker (host residence)
                     host = info.host_pool
