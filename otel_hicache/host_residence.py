@@ -43,8 +43,9 @@ SMALL_OP_SLOTS = 1024
 SMALL_OP_PAGES = 64
 """Ops (and frees) of at most this many slots and (by their slot count) pages take the
 plain-Python path; larger ones NumPy. Both give the same results (``tests/test_host_residence.py``).
-Python costs ~1 us a page per event, NumPy ~40 us an event whatever its size, here: they
-cross between 32 and 64 pages, or past 1,024 slots (``benchmarks/host_residence.py``)."""
+On a 2-core VM, Python costs a few microseconds an event plus ~1 us a page, NumPy 25 to 70 us
+an event whatever its size: they cross between 32 and 64 pages, or past 1,024 slots
+(``docs/performance.md``, "Host residence")."""
 
 
 class HostFree(NamedTuple):
