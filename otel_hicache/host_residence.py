@@ -2,7 +2,7 @@
 load-back used them, which offload wrote them, and which were freed without ever being
 loaded back (offloads that never paid off).
 
-A :class:`HostPool` keeps, per page of one host pool, in preallocated NumPy arrays sized
+A :class:`HostPool` keeps, per page of one host pool, in preallocated arrays sized
 from the pool: the submit time of the offload that last wrote it (0: not written since
 tracking began), that offload's cause, its bytes per page, the span that offload made
 (for span links), and whether the page was loaded back since. Every update runs on the
@@ -128,8 +128,9 @@ class HostPool:
             dtype = getattr(part, "dtype", None)
             if dtype is not None:  # a NumPy or torch array: its dtype says integers, tolist() is ~0.3 us
                 kind = getattr(dtype, "kind", None)  # NumPy's (its str() is Python code, ~5 us); torch's str() is C
-                if part.ndim != 1 or part.shape[0] > limit - len(found) or \
-                        not (kind in ("i", "u") if kind is not None else "int" in str(dtype)):
+                # never tolist() a tensor outside host memory (a device tensor's would synchronize)
+                if part.ndim != 1 or part.shape[0] > limit - len(found) or not getattr(part, "is_cpu", True) \
+                        or not (kind in ("i", "u") if kind is not None else "int" in str(dtype)):
                     return None
                 found += part.tolist()
             elif isinstance(part, (list, tuple)) and len(part) <= limit - len(found) and \

@@ -178,6 +178,10 @@ def test_torch_cpu_indices_are_read_in_place():
     pool = HostPool(1000, 64)
     assert list(pool.page_ids(torch.arange(128, 256))) == [2, 3]
     assert list(pool.page_ids([torch.arange(0, 4), torch.arange(640, 644)])) == [0, 10]  # SGLang's queued ops
+    # a tensor not in host memory is never read element by element (a device tensor's tolist() synchronizes)
+    assert pool._small_slots(torch.empty(4, dtype=torch.int64, device="meta")) is None
+    pool.small_op_slots = 1024  # whatever the path the test runs on
+    assert pool._small_slots(torch.arange(0, 4)) == [0, 1, 2, 3]
 
 
 def test_the_path_follows_the_op_size(_on):
