@@ -235,9 +235,12 @@ class TransferMetrics(TransferInstruments):
             bound.revalidate()
 
     def flush(self) -> None:
-        """Re-check the bindings and hand the summed counter increments to the SDK
-        (every ``_COUNTER_FLUSH_INTERVAL_NS`` of the worker, and on every flush)."""
+        """Re-check the bindings and hand the summed counter increments and the kept
+        histogram values to the SDK (every ``_COUNTER_FLUSH_INTERVAL_NS`` of the worker,
+        and on every flush)."""
         self.revalidate()
+        for bound in self._bound.values():
+            bound.flush_values()
         pending = self._pending
         if not pending:
             return

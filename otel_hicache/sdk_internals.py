@@ -296,6 +296,20 @@ def _check_metrics() -> list[str]:
     if not _has_params(aggregation._Aggregation.aggregate,  # pylint: disable=protected-access
                        "measurement", "should_sample_exemplar"):
         problems.append("_Aggregation.aggregate(measurement, should_sample_exemplar)")
+    # what histogram_adder() does for many values at once, statement for statement
+    explicit = getattr(aggregation, "_ExplicitBucketHistogramAggregation", None)
+    if explicit is None:
+        problems.append("aggregation._ExplicitBucketHistogramAggregation")
+    else:
+        problems += [f"_ExplicitBucketHistogramAggregation.aggregate ({n})" for n in _lacks(
+            explicit.aggregate, "with self._lock:", "if self._value is None:",
+            "self._value = self._get_empty_bucket_counts()", "self._sum += measurement_value",
+            "if self._record_min_max:", "self._min = min(self._min, measurement_value)",
+            "self._max = max(self._max, measurement_value)",
+            "self._value[bisect_left(self._boundaries, measurement_value)] += 1",
+            "self._sample_exemplar(measurement, should_sample_exemplar)")]
+        problems += [f"_ExplicitBucketHistogramAggregation._sample_exemplar ({n})" for n in _lacks(
+            explicit._sample_exemplar, "if should_sample_exemplar:")]  # pylint: disable=protected-access
     return problems
 
 
@@ -364,6 +378,35 @@ def view_attribute_keys(match: Any) -> Any:
 def aggregation_of(match: Any, key: Any) -> Any:
     """The aggregation the match keeps for one attribute hash (None when it has none)."""
     return match._attributes_aggregation.get(key)  # pylint: disable=protected-access
+
+
+def histogram_adder(aggregation: Any) -> Callable[[list[float]], None] | None:
+    """``add(values)``: what ``aggregate(measurement, should_sample_exemplar=False)`` does for each
+    value (no exemplar: its sample call is a no-op then), for many values under one lock; None
+    for any aggregation but the explicit-bucket histogram's (then each value is aggregated)."""
+    from bisect import bisect_left
+
+    from opentelemetry.sdk.metrics._internal.aggregation import _ExplicitBucketHistogramAggregation
+
+    if type(aggregation) is not _ExplicitBucketHistogramAggregation:  # pylint: disable=unidiomatic-typecheck
+        return None
+    agg = aggregation
+
+    def add(values: list[float]) -> None:
+        # pylint: disable=protected-access
+        with agg._lock:
+            if agg._value is None:
+                agg._value = agg._get_empty_bucket_counts()
+            counts, bounds, total = agg._value, agg._boundaries, agg._sum
+            for value in values:  # summed in order, as one aggregate() each would
+                total += value
+                counts[bisect_left(bounds, value)] += 1
+            agg._sum = total
+            if agg._record_min_max:
+                agg._min = min(agg._min, min(values))
+                agg._max = max(agg._max, max(values))
+
+    return add
 
 
 # -- the batch span processor's queue (opentelemetry/sdk/_shared_internal/__init__.py, BatchProcessor) ---

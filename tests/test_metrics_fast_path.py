@@ -10,7 +10,7 @@ from opentelemetry.metrics import NoOpMeterProvider
 from opentelemetry.sdk.metrics import (AlwaysOffExemplarFilter, AlwaysOnExemplarFilter, Histogram, MeterProvider,
                                        TraceBasedExemplarFilter)
 from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
-from opentelemetry.sdk.metrics.view import View
+from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from opentelemetry.trace.propagation import set_span_in_context
 
@@ -73,8 +73,10 @@ def through_record(values, contexts=None, **rig_kwargs):
 
 
 def record_all(bound, values, contexts=None):
+    """Record, then flush the values kept for the bulk add, as the worker's metrics flush does."""
     for value, context in zip(values, contexts or [None] * len(values)):
         bound.record(value, context)
+    bound.flush_values()
 
 
 # -- resolver ---------------------------------------------------------------------------------
@@ -162,6 +164,52 @@ def test_revalidate_rebinds_once_the_sdk_replaced_the_aggregation():
     assert rig.via_record == [VALUES[0], VALUES[2]]  # the first after the drop recreates it through record
     # only the two values after the drop; without revalidate() both would have gone to the dropped one
     assert rig.summary()[0][1:3] == (2, VALUES[2] + VALUES[3])
+
+
+def test_values_without_an_exemplar_wait_for_the_flush_then_add_as_record_would():
+    rig = Rig()
+    bound = rig.bound()
+    for value in VALUES:
+        bound.record(value, None)
+    assert rig.summary()[0][1] == 1  # the first went through record; the rest are kept
+    bound.flush_values()
+    assert rig.summary() == through_record(VALUES).summary()  # count, sum (same order), min, max, buckets
+    bound.flush_values()  # nothing kept: nothing added twice
+    assert rig.summary()[0][1] == 6
+
+
+def test_a_sampled_value_is_aggregated_at_once():
+    rig = Rig()
+    bound = rig.bound()
+    record_all(bound, VALUES[:1])
+    bound.record(0.02, sampled(7))  # an exemplar candidate: its Measurement, now
+    [point] = rig.points()  # (a collection resets the exemplars: read once)
+    assert point.count == 2 and [e.span_id for e in point.exemplars] == [7]
+
+
+def test_kept_values_go_through_record_when_the_binding_goes_stale():
+    rig = Rig()
+    bound = rig.bound()
+    record_all(bound, VALUES[:1])
+    for value in VALUES[1:4]:
+        bound.record(value, None)  # kept for the flush
+    late = InMemoryMetricReader()
+    rig.provider.add_metric_reader(late)
+    bound.revalidate()  # stale: the kept values go where the SDK routes them now, the new reader too
+    assert rig.via_record == VALUES[:4]
+    assert rig.summary()[0][1] == 4 and rig.summary(late)[0][1] == 3
+
+
+@pytest.mark.parametrize("rig", [lambda: Rig(exemplar_filter=AlwaysOnExemplarFilter()),
+                                 lambda: Rig(views=[View(instrument_name="h",
+                                                         aggregation=ExponentialBucketHistogramAggregation())])],
+                         ids=["every-value-a-candidate", "exponential-histogram"])
+def test_no_values_are_kept_where_each_may_be_an_exemplar_or_the_aggregation_is_another(rig):
+    rig = rig()
+    bound = rig.bound()
+    for value in VALUES:
+        bound.record(value, None)
+    assert rig.points()[0].count == 6  # each aggregated at once
 
 
 @pytest.mark.parametrize("failure", ["raises", "no-aggregation"])
