@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (2 if args.quick else 3)
     sizes = [int(p) for p in args.pages.split(",")]
     names = list(VARIANTS)
+    python_up_to = min(SMALL_OP_SLOTS, SMALL_OP_PAGES * PAGE)  # ops of at most this many slots: the Python path
     rows = []
     bytes_per_page = 0.0
     for pages in sizes:
@@ -115,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         bytes_per_page = med[names[1]]["bytes_per_page"]
         rows.append([str(pages), str(pages * PAGE), f"{base:.1f}", f"{python - base:+.1f}", f"{numpy_ - base:+.1f}",
                      f"{numpy_ / python:.2f}", f"{med[names[1]]['submit_median_us'] - med[names[0]]['submit_median_us']:+.2f}",
-                     "plain Python" if pages * PAGE <= min(SMALL_OP_SLOTS, SMALL_OP_PAGES * PAGE) else "NumPy"])
+                     "plain Python" if pages * PAGE <= python_up_to else "NumPy"])
     print(f"# host residence: {ops} ops x {rounds} rounds per variant and size, pages of {PAGE} tokens, "
           f"bookkeeping {bytes_per_page:.0f} B per host page\n")
     print(table(rows, ["pages", "slots", "worker us/op without", "added: Python", "added: NumPy", "NumPy/Python",
-                       "submit() added us", f"default path (<= {min(SMALL_OP_SLOTS, SMALL_OP_PAGES * PAGE)} slots: Python)"]))
+                       "submit() added us", f"default path (<= {python_up_to} slots: Python)"]))
     return 0
 
 

@@ -262,8 +262,8 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
     queued_causes = observer.causes
     from otel_hicache_sglang.causes import Site
 
-    # B and C queue each op inside a cause site (SGLang's sites are its cache's methods, which
-    # these ops bypass): the op is tagged, so start_* finds its cause as in SGLang's flows
+    # B queues each op inside a cause site (SGLang's sites are its cache's methods, which these
+    # ops bypass): the site records the op's id, so start_* finds its cause as in SGLang's flows
     in_site = {cause: queued_causes.site(Site("bench", "queue", cause, lambda ctl: ctl)).make(
         lambda ctl, queue, *args, **kwargs: queue(*args, **kwargs)) for cause in ("write_through", "prefix_hit")}
     info = observer._controller_info(controller)  # pylint: disable=protected-access

@@ -142,8 +142,8 @@ class HostPool:
 
     def _pages_of_list(self, slots: list[int]) -> list[int]:
         size = self.page_size
-        firsts = slots[::size]
-        if size > 1 and len(slots) % size == 0 and not any(first % size for first in firsts) and \
+        firsts = slots[::size] if size > 1 and len(slots) % size == 0 else None
+        if firsts is not None and not any(first % size for first in firsts) and \
                 slots[size - 1::size] == [first + size - 1 for first in firsts]:
             pages = [first // size for first in firsts]  # whole pages, as HiCache allocates them
         else:
