@@ -148,7 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     last = (end - (warm[1] - warm[0]), end + 1)
     rss_warm = statistics.median(_window(samples, *warm, "rss"))
     rss_last = statistics.median(_window(samples, *last, "rss"))
-    pipe_warm, pipe_last = max(_window(samples, *warm, "pipeline")), max(_window(samples, *last, "pipeline"))
+    # The completion queue's depth by its median per window: on 2-core machines the worker
+    # falls behind for 10-20 s at times (the queue reaching 3,000-4,000 records, then
+    # draining), in either window, so a window's maximum is one episode, not a trend, and
+    # failed CI once (206 -> 3,032) as it passed another run (3,267 -> 1,241). Growth moves
+    # the median; nothing dropped is the exact counters' check. The maximum is printed.
+    pipe_warm = statistics.median(_window(samples, *warm, "pipeline"))
+    pipe_last = statistics.median(_window(samples, *last, "pipeline"))
+    pipe_max = (max(_window(samples, *warm, "pipeline")), max(_window(samples, *last, "pipeline")))
     spanq_warm, spanq_last = max(_window(samples, *warm, "span_queue")), max(_window(samples, *last, "span_queue"))
     def worker_us_per_op(window: tuple[float, float]) -> float:
         inside = [x for x in samples if window[0] <= x["t"] < window[1]]
@@ -173,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
          f"export_failed {export_failed}, queue_full {queue_full}, failed metric data points {metric_failures}"),
         ("RSS flat (last window vs after warm-up)", growth < 16 * 2**20,
          f"{rss_warm / 2**20:.1f} -> {rss_last / 2**20:.1f} MiB ({growth / 2**20:+.1f} MiB)"),
-        ("completion queue flat (max per window)", pipe_last <= 2 * pipe_warm + 256,
-         f"{pipe_warm} -> {pipe_last} records"),
+        ("completion queue flat (median per window)", pipe_last <= 2 * pipe_warm + 256,
+         f"{pipe_warm:.0f} -> {pipe_last:.0f} records (max {pipe_max[0]} -> {pipe_max[1]})"),
         ("span export queue flat (max per window)", spanq_last <= 2 * spanq_warm + 512,
          f"{spanq_warm} -> {spanq_last} spans"),
         ("completion worker CPU per op flat", cpu_last <= 1.5 * cpu_warm + 5,
