@@ -13,6 +13,9 @@ It is used only where it is exactly equivalent:
 * an SDK ``MeterProvider`` whose internals look as expected (checked once, by
   :mod:`.sdk_internals`; anything unexpected falls back to ``Histogram.record``
   for good);
+* values ``Histogram.record`` takes (finite, non-negative; the others go to it,
+  which drops them with its warning), from an enabled meter (re-checked every
+  cycle);
 * aggregations that survive collection (cumulative temporality, the default):
   with delta temporality the SDK discards aggregations on collect, so the
   public API is used;
@@ -27,13 +30,17 @@ attributes included (cleaned once per attribute set, not per value): the
 exemplar reservoir keeps them, and a view that drops attribute keys exports the
 dropped ones as the exemplar's ``filtered_attributes``.
 
-A value that is no exemplar candidate (no sampled span, the default trace-based
-filter) needs none of that: it is kept in a list and added to explicit-bucket
-aggregations in bulk at the worker's next metrics flush (at most 50 ms later,
-as the counters are, and on every ``force_flush``), what ``aggregate()`` does
-for it under one lock for all of them (``sdk_internals.histogram_adder``). On a
-2-core VM the three histogram values of an op cost ~17 us of worker CPU one by
-one (``benchmarks/overhead.py``).
+With the default trace-based exemplar filter and explicit-bucket aggregations,
+values are kept in a list and added in bulk at the worker's next metrics flush
+(at most 50 ms later, as the counters are, and on every ``force_flush``), what
+``aggregate()`` does for them under one lock for all of them
+(``sdk_internals.histogram_adder``). On a 2-core VM the three histogram values
+of an op cost ~17 us of worker CPU one by one (``benchmarks/overhead.py``). An
+exemplar candidate (a sampled span's context) is kept with its time and context:
+the bucket-aligned reservoir (the default) keeps each bucket's last offer, so at
+the flush only each bucket's last candidate is offered
+(``sdk_internals.exemplar_offer``), the exemplars ``Histogram.record`` would
+leave. With another reservoir each candidate is aggregated at once.
 
 ``OTEL_HICACHE_SPAN_FAST_PATH=false`` turns this off together with the span
 fast path.
@@ -45,6 +52,8 @@ import time
 from typing import Any, Mapping
 
 from . import sdk_internals
+
+_INF = float("inf")
 
 
 class _Resolver:
@@ -88,7 +97,8 @@ class _Resolver:
 class BoundHistogram:
     """``record(value, context)`` for one histogram and one attribute set."""
 
-    __slots__ = ("_instrument", "_attributes", "_resolver", "_bound", "_cleaned", "_storages", "_adders", "_values")
+    __slots__ = ("_instrument", "_attributes", "_resolver", "_bound", "_cleaned", "_storages", "_adders", "_offers",
+                 "_values", "_candidates")
 
     def __init__(self, instrument: Any, attributes: Mapping[str, Any], resolver: _Resolver | None) -> None:
         self._instrument = instrument
@@ -98,7 +108,9 @@ class BoundHistogram:
         self._cleaned: Any = None  # the attributes as Histogram.record's Measurement carries them
         self._storages: Any = None  # the reader storages the binding covers
         self._adders: list[Any] | None = None  # bulk adds into the bound aggregations (None: value by value)
+        self._offers: list[Any] | None = None  # their exemplar offers in bulk (None: candidates value by value)
         self._values: list[float] = []  # values waiting for flush_values()
+        self._candidates: list[tuple[int, int, Any]] = []  # of them, the exemplar candidates: (index, time, context)
 
     def record(self, value: float, context: Any) -> None:
         """``context``: the op's span context when it is sampled (an exemplar
@@ -116,14 +128,25 @@ class BoundHistogram:
                     self._cleaned, self._storages = cleaned, storages
                     adders = [sdk_internals.histogram_adder(a) for _m, _k, a in self._bound or ()]
                     self._adders = adders if resolver.trace_based and None not in adders else None
+                    offers = [sdk_internals.exemplar_offer(a) for _m, _k, a in self._bound or ()]
+                    self._offers = offers if self._adders is not None and None not in offers else None
                 except Exception:
                     self._bound = None
                 if self._bound is None:
                     self._resolver = None  # delta temporality or unexpected internals: public API for good
             return
-        if context is None and self._adders is not None:  # no exemplar: added in bulk (flush_values)
-            self._values.append(value)
+        if not 0 <= value < _INF:  # what Histogram.record ignores (and warns of): NaN, infinite, negative
+            self._instrument.record(value, self._attributes, context=context)
             return
+        if self._adders is not None:  # added in bulk (flush_values)
+            if context is None:
+                self._values.append(value)
+                return
+            if self._offers is not None:  # an exemplar candidate: offered in bulk too
+                values = self._values
+                self._candidates.append((len(values), time.time_ns(), context))
+                values.append(value)
+                return
         resolver = self._resolver
         now = time.time_ns()
         # the measurement Histogram.record makes (its attributes: the exemplars' filtered_attributes)
@@ -140,14 +163,19 @@ class BoundHistogram:
         values = self._values
         if not values:
             return
-        self._values = []
-        adders = self._adders
+        candidates = self._candidates
+        self._values, self._candidates = [], []
+        adders, offers = self._adders, self._offers
         if self._bound is None or adders is None:  # unbound since: as Histogram.record would have
-            for value in values:
-                self._instrument.record(value, self._attributes)
+            contexts = {index: context for index, _time, context in candidates}
+            for index, value in enumerate(values):
+                self._instrument.record(value, self._attributes, context=contexts.get(index))
             return
         for add in adders:
             add(values)
+        if candidates and offers is not None:
+            for offer in offers:
+                offer(values, candidates, self._cleaned)
 
     def revalidate(self) -> None:
         """Drop the binding if the SDK replaced an aggregation, or a reader was added or removed
@@ -157,9 +185,10 @@ class BoundHistogram:
         if bound is None:
             return
         stale = self._resolver.reader_storages() is not self._storages or any(
-            sdk_internals.aggregation_of(match, key) is not aggregation for match, key, aggregation in bound)
+            sdk_internals.aggregation_of(match, key) is not aggregation for match, key, aggregation in bound
+        ) or not sdk_internals.instrument_enabled(self._instrument)  # a meter disabled since: record() no-ops
         if stale:
-            self._bound = self._adders = None
+            self._bound = self._adders = self._offers = None
             self.flush_values()
 
 

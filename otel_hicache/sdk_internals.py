@@ -293,6 +293,14 @@ def _check_metrics() -> list[str]:
         problems.append("MetricReaderStorage._get_or_init_view_instrument_match")
     problems += [f"_ViewInstrumentMatch{n[4:]}" for n in _lacks(
         _ViewInstrumentMatch.__init__, "self._attributes_aggregation", "self._reset_on_collect", "self._view")]
+    # what BoundHistogram mirrors of Histogram.record before it consumes a measurement
+    from opentelemetry.sdk.metrics._internal.instrument import Histogram, _Synchronous
+
+    if not callable(getattr(_Synchronous, "_is_enabled", None)):
+        problems.append("instrument._Synchronous._is_enabled")
+    problems += [f"Histogram.record ({n})" for n in _lacks(
+        Histogram.record, "if not self._is_enabled():", "if not math.isfinite(amount):", "if amount < 0:",
+        "self._measurement_consumer.consume_measurement(")]
     if not _has_params(aggregation._Aggregation.aggregate,  # pylint: disable=protected-access
                        "measurement", "should_sample_exemplar"):
         problems.append("_Aggregation.aggregate(measurement, should_sample_exemplar)")
@@ -309,7 +317,24 @@ def _check_metrics() -> list[str]:
             "self._value[bisect_left(self._boundaries, measurement_value)] += 1",
             "self._sample_exemplar(measurement, should_sample_exemplar)")]
         problems += [f"_ExplicitBucketHistogramAggregation._sample_exemplar ({n})" for n in _lacks(
-            explicit._sample_exemplar, "if should_sample_exemplar:")]  # pylint: disable=protected-access
+            explicit._sample_exemplar, "if should_sample_exemplar:", "self._reservoir.offer(",  # pylint: disable=protected-access
+            "measurement.value,", "measurement.time_unix_nano,", "measurement.attributes,", "measurement.context,")]
+    # what exemplar_offer() relies on: the aligned reservoir keeps each bucket's last offer
+    from opentelemetry.sdk.metrics._internal.exemplar import exemplar_reservoir
+
+    for name, method, needed in (
+            ("AlignedHistogramBucketExemplarReservoir", "_find_bucket_index",
+             ("for index, boundary in enumerate(self._boundaries):", "if value <= boundary:", "return index",
+              "return len(self._boundaries)")),
+            ("FixedSizeExemplarReservoirABC", "offer",
+             ("with self._lock:", "self._reservoir_storage[index].offer(value, time_unix_nano, attributes, context)")),
+            ("ExemplarBucket", "offer", ("self.__value = value", "self.__time_unix_nano = time_unix_nano",
+                                         "self.__attributes = attributes", "self.__offered = True"))):
+        cls = getattr(exemplar_reservoir, name, None)
+        if cls is None or not callable(getattr(cls, method, None)):
+            problems.append(f"exemplar_reservoir.{name}.{method}")
+        else:
+            problems += [f"{name}.{method} ({n})" for n in _lacks(getattr(cls, method), *needed)]
     return problems
 
 
@@ -375,6 +400,12 @@ def view_attribute_keys(match: Any) -> Any:
     return match._view._attribute_keys  # pylint: disable=protected-access
 
 
+def instrument_enabled(instrument: Any) -> bool:
+    """Whether an SDK instrument's meter is enabled (its ``record()`` no-ops otherwise)."""
+    enabled = getattr(instrument, "_is_enabled", None)
+    return enabled() if enabled is not None else True
+
+
 def aggregation_of(match: Any, key: Any) -> Any:
     """The aggregation the match keeps for one attribute hash (None when it has none)."""
     return match._attributes_aggregation.get(key)  # pylint: disable=protected-access
@@ -407,6 +438,36 @@ def histogram_adder(aggregation: Any) -> Callable[[list[float]], None] | None:
                 agg._max = max(agg._max, max(values))
 
     return add
+
+
+def exemplar_offer(aggregation: Any) -> Callable[[list[float], list[tuple[int, int, Any]], Any], None] | None:
+    """``offer(values, candidates, attributes)``: the exemplar sampling of ``aggregate(measurement,
+    should_sample_exemplar=True)`` for each ``values[i]`` of ``candidates`` ``(i, time_unix_nano,
+    context)`` (in record order; the measurements' attributes are ``attributes``), after
+    :func:`histogram_adder` added the values. The aligned-bucket reservoir (the explicit-bucket
+    histogram's default) keeps each bucket's last offer, so only the last candidate of each bucket is
+    offered: the same exemplars, one offer per bucket instead of one per value. None for any other
+    reservoir (a view's own ``exemplar_reservoir_factory``: then each candidate is aggregated)."""
+    from bisect import bisect_left
+
+    from opentelemetry.sdk.metrics._internal.exemplar.exemplar_reservoir import (
+        AlignedHistogramBucketExemplarReservoir)
+
+    reservoir = getattr(aggregation, "_reservoir", None)
+    if type(reservoir) is not AlignedHistogramBucketExemplarReservoir:  # pylint: disable=unidiomatic-typecheck
+        return None
+    bounds = tuple(reservoir._boundaries)  # pylint: disable=protected-access
+
+    def offer(values: list[float], candidates: list[tuple[int, int, Any]], attributes: Any) -> None:
+        seen: set[int] = set()
+        for index, time_unix_nano, context in reversed(candidates):
+            value = values[index]
+            bucket = bisect_left(bounds, value)  # its _find_bucket_index for a finite value (the only kind kept)
+            if bucket not in seen:
+                seen.add(bucket)
+                reservoir.offer(value, time_unix_nano, attributes, context)
+
+    return offer
 
 
 # -- the batch span processor's queue (opentelemetry/sdk/_shared_internal/__init__.py, BatchProcessor) ---

@@ -178,13 +178,51 @@ def test_values_without_an_exemplar_wait_for_the_flush_then_add_as_record_would(
     assert rig.summary()[0][1] == 6
 
 
-def test_a_sampled_value_is_aggregated_at_once():
+def test_a_sampled_value_waits_for_the_flush_with_its_exemplar():
     rig = Rig()
     bound = rig.bound()
     record_all(bound, VALUES[:1])
-    bound.record(0.02, sampled(7))  # an exemplar candidate: its Measurement, now
+    bound.record(0.02, sampled(7))  # an exemplar candidate: kept with its time and context
+    bound.record(0.03, None)
+    assert rig.via_record == VALUES[:1] and rig.summary()[0][1] == 1
+    bound.flush_values()
     [point] = rig.points()  # (a collection resets the exemplars: read once)
+    assert point.count == 3 and [(e.value, e.span_id) for e in point.exemplars] == [(0.02, 7)]
+
+
+def test_many_candidates_leave_what_record_leaves_value_for_value():
+    # interleaved sampled and unsampled values over every bucket, two readers: the same counts,
+    # sums (added in record order), min, max and exemplars (each bucket's last sampled value)
+    # (and the values record() drops with a warning: infinite, NaN, negative go to it)
+    dropped = [float("inf"), float("nan"), -1.0]
+    values = [(i * 7919 % 1000) / 37.0 for i in range(400)] + [0.0, 10.0, 0.001, 0.005] + dropped
+    contexts = [sampled(i + 1) if i % 3 else None for i in range(len(values))]
+    rig = Rig(InMemoryMetricReader(), InMemoryMetricReader())
+    record_all(rig.bound(), values, contexts)
+    reference = through_record(values, contexts)
+    assert rig.via_record == values[:1] + dropped
+    expected = exemplars(reference)
+    assert len(expected) == len(BUCKETS) + 1
+    for reader in rig.readers:
+        [point] = rig.points(reader)  # (a collection resets the exemplars: read once)
+        assert [(e.value, e.span_id, e.trace_id, e.filtered_attributes or None, e.time_unix_nano > 0)
+                for e in point.exemplars] == [x + (True,) for x in expected]
+        assert rig.summary(reader) == reference.summary()
+
+
+def test_with_another_reservoir_each_candidate_is_aggregated_at_once():
+    from opentelemetry.sdk.metrics._internal.exemplar import SimpleFixedSizeExemplarReservoir
+
+    view = View(instrument_name="h", exemplar_reservoir_factory=lambda _aggregation: lambda **_: SimpleFixedSizeExemplarReservoir())
+    rig = Rig(views=[view])
+    bound = rig.bound()
+    record_all(bound, VALUES[:1])
+    bound.record(0.02, sampled(7))
+    bound.record(0.03, None)  # no exemplar: still added in bulk
+    [point] = rig.points()
     assert point.count == 2 and [e.span_id for e in point.exemplars] == [7]
+    bound.flush_values()
+    assert rig.points()[0].count == 3
 
 
 def test_kept_values_go_through_record_when_the_binding_goes_stale():
@@ -193,11 +231,14 @@ def test_kept_values_go_through_record_when_the_binding_goes_stale():
     record_all(bound, VALUES[:1])
     for value in VALUES[1:4]:
         bound.record(value, None)  # kept for the flush
+    bound.record(0.02, sampled(9))  # a candidate: kept with its context
     late = InMemoryMetricReader()
     rig.provider.add_metric_reader(late)
     bound.revalidate()  # stale: the kept values go where the SDK routes them now, the new reader too
-    assert rig.via_record == VALUES[:4]
-    assert rig.summary()[0][1] == 4 and rig.summary(late)[0][1] == 3
+    assert rig.via_record == VALUES[:4] + [0.02]
+    [point] = rig.points(late)  # (a collection resets the exemplars: read once)
+    assert point.count == 4 and [e.span_id for e in point.exemplars] == [9]  # its exemplar kept
+    assert rig.summary()[0][1] == 5
 
 
 @pytest.mark.parametrize("rig", [lambda: Rig(exemplar_filter=AlwaysOnExemplarFilter()),
