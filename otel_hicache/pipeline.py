@@ -363,25 +363,30 @@ class CompletionPipeline:
                 self._taken = first + count
                 self._intake = items  # popped, not yet in _pending: still seen as in flight
             for seq, item in enumerate(items, first):
-                if type(item) is HostFree:  # freed host pages, in order with the ops around them
-                    self.held -= 1
-                    self._host_freed(item, metrics)
-                    continue
-                record = TransferRecord(item)
-                record.seq = seq
+                record = None
                 try:
-                    validate(record)
-                except Exception as exc:  # whatever the caller passed, count it and go on
+                    if type(item) is HostFree:  # freed host pages, in order with the ops around them
+                        self.held -= 1
+                        self._host_freed(item, metrics)
+                        continue
+                    record = TransferRecord(item)
+                    record.seq = seq
+                    try:
+                        validate(record)
+                    except Exception as exc:  # whatever the caller passed, count it and go on
+                        self.held -= 1
+                        metrics.dropped_records(sc.DROP_INVALID_INPUT)
+                        warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
+                                  "otel-hicache: dropped a transfer record: %s", exc)
+                        continue
+                    metrics.submitted(record)
+                    if record.host_slots is not None:
+                        self._host_pages(record, metrics)
+                    pending.append(record)
+                    room -= 1  # an invalid record takes no room: the next pass takes another
+                except Exception as exc:  # one record lost, counted; never the rest of its batch
                     self.held -= 1
-                    metrics.dropped_records(sc.DROP_INVALID_INPUT)
-                    warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
-                              "otel-hicache: dropped a transfer record: %s", exc)
-                    continue
-                metrics.submitted(record)
-                if record.host_slots is not None:
-                    self._host_pages(record, metrics)
-                pending.append(record)
-                room -= 1  # an invalid record takes no room: the next pass takes another
+                    self._intake_error(metrics, record, exc)
         self._intake = ()
         self.held = len(pending) + len(self._awaiting)
         now = self._clock()
@@ -637,6 +642,19 @@ class CompletionPipeline:
             else:
                 keep.append((record, state))
         self._awaiting = keep
+
+    @staticmethod
+    def _intake_error(metrics: Any, record: TransferRecord | None, exc: BaseException) -> None:
+        """A record the intake could not take in (an error of ours, or of a sink): counted as
+        internal_error, out of flight if it was counted in; the rest of the batch goes on."""
+        try:
+            if record is not None:
+                metrics.left_flight(record)  # a no-op unless submitted() counted it in flight
+        finally:
+            metrics.dropped_records(sc.DROP_INTERNAL_ERROR)
+            warn_once(f"intake:{type(exc).__name__}", "otel-hicache: a record could not be taken in (%r); "
+                      "counted in otel_hicache.records.dropped{reason=internal_error}", exc)
+            logger.debug("otel-hicache intake error", exc_info=True)
 
     @staticmethod
     def _internal_error(sinks: Sinks, record: TransferRecord, exc: BaseException) -> None:

@@ -120,3 +120,29 @@ def test_a_failing_sink_drops_that_record_once_and_the_worker_goes_on(harness, m
     assert calls["n"] == 3  # the failed record was not retried
     assert h.value("hicache.transfer.inflight", **{"hicache.direction": "offload"}) == 0
     assert "span processor exploded" in warnings_log.text
+
+
+def test_a_record_the_intake_fails_on_is_counted_and_the_rest_of_its_batch_goes_on(harness, monkeypatch,
+                                                                                    warnings_log):
+    h = harness()
+    pipeline = h.tel._pipeline  # pylint: disable=protected-access
+    metrics = pipeline._sinks_now().metrics  # pylint: disable=protected-access
+    original = metrics.submitted
+    calls = {"n": 0}
+
+    def flaky(record):
+        calls["n"] += 1
+        original(record)  # counted in flight, then the error
+        if calls["n"] == 2:
+            raise RuntimeError("intake exploded")
+
+    monkeypatch.setattr(metrics, "submitted", flaky)
+    with pipeline._lock:  # pylint: disable=protected-access  # the worker takes all three in one batch
+        for _ in range(3):
+            h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
+    assert len(h.finished()) == 2
+    assert calls["n"] == 3  # the batch went on past the failed record
+    assert h.value("otel_hicache.records.dropped", reason="internal_error") == 1
+    assert h.value("hicache.transfer.inflight", **{"hicache.direction": "offload"}) == 0
+    assert pipeline.size() == 0
+    assert "intake exploded" in warnings_log.text
