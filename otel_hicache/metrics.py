@@ -229,17 +229,19 @@ class TransferMetrics(TransferInstruments):
         return bound
 
     def revalidate(self) -> None:
-        """Re-check the histogram fast path's bindings (every worker cycle: a delta
-        collection or a reader added since must not lose the next values)."""
+        """Re-check the histogram fast path's bindings that aggregate values at once (every
+        worker cycle: an aggregation the SDK replaced or a reader added since must not lose the
+        next values). Bindings whose values all wait for the flush are checked there."""
         for bound in self._bound.values():
-            bound.revalidate()
+            if not bound.bulk:
+                bound.revalidate()
 
     def flush(self) -> None:
         """Re-check the bindings and hand the summed counter increments and the kept
         histogram values to the SDK (every ``_COUNTER_FLUSH_INTERVAL_NS`` of the worker,
         and on every flush)."""
-        self.revalidate()
         for bound in self._bound.values():
+            bound.revalidate()
             bound.flush_values()
         pending = self._pending
         if not pending:

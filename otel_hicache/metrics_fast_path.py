@@ -14,16 +14,18 @@ It is used only where it is exactly equivalent:
   :mod:`.sdk_internals`; anything unexpected falls back to ``Histogram.record``
   for good);
 * values ``Histogram.record`` takes (finite, non-negative; the others go to it,
-  which drops them with its warning), from an enabled meter (re-checked every
-  cycle);
+  which drops them with its warning), from an enabled meter (re-checked with the
+  binding);
 * aggregations that survive collection (cumulative temporality, the default):
   with delta temporality the SDK discards aggregations on collect, so the
   public API is used;
 * the first value of each attribute set goes through ``Histogram.record`` (it
-  creates the aggregation), and the binding is re-checked every worker cycle
-  (:meth:`BoundHistogram.revalidate`): an aggregation the SDK replaced, or a
-  reader added or removed (``add_metric_reader``: from the next cycle on, the
-  new reader gets every value, as it does from ``Histogram.record``).
+  creates the aggregation), and the binding is re-checked before values reach
+  an aggregation (:meth:`BoundHistogram.revalidate`: at every metrics flush, and
+  every worker cycle for a binding that aggregates some values at once): an
+  aggregation the SDK replaced, or a reader added or removed
+  (``add_metric_reader``: from then on, the new reader gets every value, as it
+  does from ``Histogram.record``).
 
 Each bound value is the ``Measurement`` ``Histogram.record`` would make, its
 attributes included (cleaned once per attribute set, not per value): the
@@ -98,7 +100,7 @@ class BoundHistogram:
     """``record(value, context)`` for one histogram and one attribute set."""
 
     __slots__ = ("_instrument", "_attributes", "_resolver", "_bound", "_cleaned", "_storages", "_adders", "_offers",
-                 "_values", "_candidates")
+                 "_values", "_candidates", "bulk")
 
     def __init__(self, instrument: Any, attributes: Mapping[str, Any], resolver: _Resolver | None) -> None:
         self._instrument = instrument
@@ -111,6 +113,9 @@ class BoundHistogram:
         self._offers: list[Any] | None = None  # their exemplar offers in bulk (None: candidates value by value)
         self._values: list[float] = []  # values waiting for flush_values()
         self._candidates: list[tuple[int, int, Any]] = []  # of them, the exemplar candidates: (index, time, context)
+        # every value waits for flush_values() (none reaches an aggregation before): the binding
+        # needs checking only there, not every cycle (TransferMetrics.revalidate)
+        self.bulk = False
 
     def record(self, value: float, context: Any) -> None:
         """``context``: the op's span context when it is sampled (an exemplar
@@ -130,6 +135,7 @@ class BoundHistogram:
                     self._adders = adders if resolver.trace_based and None not in adders else None
                     offers = [sdk_internals.exemplar_offer(a) for _m, _k, a in self._bound or ()]
                     self._offers = offers if self._adders is not None and None not in offers else None
+                    self.bulk = self._offers is not None
                 except Exception:
                     self._bound = None
                 if self._bound is None:
@@ -189,6 +195,7 @@ class BoundHistogram:
         ) or not sdk_internals.instrument_enabled(self._instrument)  # a meter disabled since: record() no-ops
         if stale:
             self._bound = self._adders = self._offers = None
+            self.bulk = False
             self.flush_values()
 
 

@@ -211,9 +211,7 @@ def test_many_candidates_leave_what_record_leaves_value_for_value():
 
 
 def test_with_another_reservoir_each_candidate_is_aggregated_at_once():
-    from opentelemetry.sdk.metrics._internal.exemplar import SimpleFixedSizeExemplarReservoir
-
-    view = View(instrument_name="h", exemplar_reservoir_factory=lambda _aggregation: lambda **_: SimpleFixedSizeExemplarReservoir())
+    view = View(instrument_name="h", exemplar_reservoir_factory=lambda _aggregation: lambda **_: _simple_reservoir())
     rig = Rig(views=[view])
     bound = rig.bound()
     record_all(bound, VALUES[:1])
@@ -334,3 +332,55 @@ def test_a_reader_added_later_gets_the_bound_values():
     bound.revalidate()  # what the worker does every cycle
     record_all(bound, VALUES[1:])
     assert rig.summary(late) == through_record(VALUES[1:]).summary()  # all it could see
+
+
+def _transfer_metrics(monkeypatch, views=()):
+    """TransferMetrics on an SDK MeterProvider, its duration histogram bound for offloads, and
+    the BoundHistogram.revalidate calls from then on."""
+    from otel_hicache.metrics import TransferMetrics
+
+    provider = MeterProvider(metric_readers=[InMemoryMetricReader()], views=list(views), shutdown_on_exit=False)
+    metrics = TransferMetrics(provider, {"tp_rank": 0})
+    bound = metrics._histogram(metrics.duration, metrics._by_direction["offload"])  # pylint: disable=protected-access
+    bound.record(0.003, None)  # binds
+    checked = []
+    revalidate = BoundHistogram.revalidate
+    monkeypatch.setattr(BoundHistogram, "revalidate", lambda self: (checked.append(self), revalidate(self))[1])
+    return provider, metrics, bound, checked
+
+
+def test_bulk_bindings_are_checked_at_the_flush_not_every_cycle(monkeypatch):
+    # every value of a bulk binding waits for the flush, so the worker's per-cycle re-check
+    # skips it; the flush re-checks it before the values go in (a reader added in between
+    # gets them, through Histogram.record)
+    from otel_hicache import semconv as sc
+
+    provider, metrics, bound, checked = _transfer_metrics(monkeypatch)
+    assert bound.bulk
+    metrics.revalidate()  # a worker cycle
+    assert checked == []
+    bound.record(0.02, sampled(7))
+    late = InMemoryMetricReader()
+    provider.add_metric_reader(late)
+    metrics.flush()
+    assert checked == [bound]
+    [point] = [p for rm in late.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+               for m in sm.metrics if m.name == sc.TRANSFER_DURATION[0] for p in m.data.data_points]
+    assert point.count == 1 and [e.span_id for e in point.exemplars] == [7]
+
+
+def test_a_binding_that_aggregates_at_once_is_checked_every_cycle(monkeypatch):
+    from otel_hicache import semconv as sc
+
+    view = View(instrument_name=sc.TRANSFER_DURATION[0],
+                exemplar_reservoir_factory=lambda _aggregation: lambda **_: _simple_reservoir())
+    _provider, metrics, bound, checked = _transfer_metrics(monkeypatch, [view])
+    assert not bound.bulk  # its exemplar candidates are aggregated at once
+    metrics.revalidate()
+    assert checked == [bound]
+
+
+def _simple_reservoir():
+    from opentelemetry.sdk.metrics._internal.exemplar import SimpleFixedSizeExemplarReservoir
+
+    return SimpleFixedSizeExemplarReservoir()
