@@ -6,7 +6,7 @@ SGLang adapter's acks are stamped when a cycle sees them leave SGLang's ack queu
 so the poll interval is the ack delay's resolution. This prints the thread CPU
 (user + system, ``time.thread_time``) and the wall time of one wait with each
 primitive the worker could use, side by side, so the per-cycle floor of a machine
-is a measured number: a hot idle worker cycle is ~2.5 us of CPU, and the wait
+is a measured number: a hot idle worker cycle is ~2 us of CPU, and the wait
 after it is what this prints.
 
     python benchmarks/wait_cost.py [--poll-ms 1] [--waits 2000]

@@ -114,7 +114,8 @@ class BoundHistogram:
         self._values: list[float] = []  # values waiting for flush_values()
         self._candidates: list[tuple[int, int, Any]] = []  # of them, the exemplar candidates: (index, time, context)
         # every value waits for flush_values() (none reaches an aggregation before): the binding
-        # needs checking only there, not every cycle (TransferMetrics.revalidate)
+        # needs checking only there, not every cycle (TransferMetrics.revalidate). A slot, not a
+        # property of _bound and _offers: read for every binding every cycle (~1 us a cycle more)
         self.bulk = False
 
     def record(self, value: float, context: Any) -> None:
@@ -135,7 +136,7 @@ class BoundHistogram:
                     self._adders = adders if resolver.trace_based and None not in adders else None
                     offers = [sdk_internals.exemplar_offer(a) for _m, _k, a in self._bound or ()]
                     self._offers = offers if self._adders is not None and None not in offers else None
-                    self.bulk = self._offers is not None
+                    self.bulk = self._bound is not None and self._offers is not None
                 except Exception:
                     self._bound = None
                 if self._bound is None:
