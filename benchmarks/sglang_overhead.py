@@ -40,7 +40,9 @@ paused, and the four per-op methods (``start_writing``, ``start_loading``, the e
 moment of the machine's noise; it reports the median wall and caller-CPU difference. The
 wrapped half queues each op inside a cause site (``causes.QueuedCauses.site``), as
 SGLang's cache methods queue theirs, so its figure is the adapter's whole cost per op; a
-third variant leaves out transfer causes (the op queued outside a site, no lookup in ``start_*``).
+third variant leaves out transfer causes (the op queued outside a site, no deferred lookup from
+``start_*``). A last, warm measurement (``--cause-rounds``) resolves transfer causes' cost to a
+tenth of a microsecond: the same wrappers on stand-in objects that do nearly nothing else.
 
 Each turn instruments (b, c), builds a fresh controller (the adapter starts its
 telemetry when a ``HiCacheController`` is created, as in a scheduler), warms up, times
@@ -238,8 +240,8 @@ def rss_mb() -> float:
 
 # per pair of ops: A SGLang's originals, B the adapter's wrappers (default settings: host
 # residence off) with each op queued inside a cause site, as SGLang's flows queue them, C the
-# wrappers without transfer causes (no site, no start_* lookup: QueuedCauses.take answers
-# nothing): B - C is what the causes cost per op
+# wrappers without transfer causes (no site, and start_* sees no site call logged, so it hands
+# the worker no deferred lookup): B - C is what the causes cost per op
 PAIRED_PATTERN = "ABCCBABCAACBCABBAC"
 
 
@@ -283,10 +285,8 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
             which = PAIRED_PATTERN[(i >> 1) % len(PAIRED_PATTERN)]
             for cls, name in names:
                 setattr(cls, name, (originals if which == "A" else wrappers)[name])
-            if which == "C":
-                queued_causes.take = lambda controller, queue, other: (None, None)  # shadows the method
-            else:
-                vars(queued_causes).pop("take", None)
+            if which == "C":  # start_* sees no site call logged, and none handed over before
+                queued_causes.log, queued_causes.handed = [], False
             deadline = wait_until(deadline) + interval_ns
             if not i & 1:
                 c0, t0 = cpu_clock(), clock()
@@ -315,7 +315,7 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
     finally:
         for cls, name in names:
             setattr(cls, name, wrappers[name])
-        vars(queued_causes).pop("take", None)
+        queued_causes.log = []
         pipeline.queue.clear()
         del pipeline._cycle
         allocator.free(device_indices)
@@ -362,6 +362,158 @@ def run_cause_site(ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
         providers.shutdown()
     med = {k: statistics.median(v) / 1e3 for k, v in samples.items()}
     return {"n": len(samples["B"]), "sglang_median_us": med["A"], "added_wall_us": med["B"] - med["A"]}
+
+
+class _Op:
+    """SGLang's ``CacheOperation``, as far as transfer causes read it: numbered in creation order."""
+
+    counter = 0
+    __slots__ = ("id",)
+
+    def __init__(self) -> None:
+        self.id = _Op.counter
+        _Op.counter += 1
+
+
+class _Event:
+    """A device event that has completed (the worker is paused: never read)."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def elapsed_time(other: Any) -> float:
+        return 0.0
+
+
+class _Completion:
+    __slots__ = ("start_event", "finish_event", "timing_enabled")
+
+    def __init__(self) -> None:
+        self.start_event, self.finish_event, self.timing_enabled = _Event(), _Event(), True
+
+
+class _Ack:
+    __slots__ = ("start_event", "finish_event", "timing_enabled", "num_tokens_by_pool", "num_tokens", "num_bytes")
+
+    def __init__(self, completion: _Completion, tokens: int) -> None:
+        self.start_event, self.finish_event = completion.start_event, completion.finish_event
+        self.timing_enabled, self.num_tokens_by_pool = True, {"kv": tokens}
+        self.num_tokens, self.num_bytes = tokens, tokens * 1024
+
+
+class _Engine:
+    io_backend = "direct"
+
+    def submit_device_to_host(self, transfers: Any) -> _Completion:
+        return _Completion()
+
+
+class _Controller:
+    """``HiCacheController``'s shape as the adapter sees it: queues, an engine, acks."""
+
+    def __init__(self) -> None:
+        self.write_queue: list[_Op] = []
+        self.load_queue: list[_Op] = []
+        self.ack_write_queue: list[_Ack] = []
+        self.l2_transfer_engine = _Engine()
+        self.page_size = PAGE_SIZE
+
+    def write(self) -> None:
+        self.write_queue.append(_Op())
+
+    def start_writing(self) -> None:
+        if not self.write_queue:
+            return
+        completion = self.l2_transfer_engine.submit_device_to_host(self.write_queue)
+        self.write_queue.clear()
+        self.ack_write_queue.append(_Ack(completion, 2 * PAGE_SIZE))
+
+
+class _Cache:
+    def __init__(self, controller: _Controller) -> None:
+        self.cache_controller = controller
+
+    def backup(self) -> None:
+        self.cache_controller.write()
+
+
+def run_cause_warm(rounds: int, ops: int) -> dict[str, Any]:
+    """Transfer causes' scheduler-thread cost per merged op, warm, to a tenth of a microsecond:
+    the adapter's real wrappers (``start_writing``, the engine's ``submit_device_to_host``, a
+    cause site) on stand-in objects that do nearly nothing else (``_Controller``), in a tight
+    loop, otel-hicache's worker paused. One op: a cache method queues one op, then
+    ``start_writing()`` merges it (one copy, one ack) and the ack is popped. A: SGLang-shaped
+    originals; B: the wrappers, the op queued inside a cause site; C: the wrappers, the op
+    queued outside one (no site call logged: no deferred lookup). Variants take turns, and each
+    one's fastest round counts (the least disturbed by the machine); B - C is what transfer
+    causes add on the scheduler thread. The worker's share, each B op's deferred lookup, is
+    timed apart after its round."""
+    from otel_hicache import TransferTelemetry
+    from otel_hicache.records import SUBMISSION_FIELDS
+    from otel_hicache_sglang.causes import QueuedCauses, Site
+    from otel_hicache_sglang.transfers import TransferObserver
+
+    providers = SdkProviders(shutdown_on_exit=False)
+    with env(OTEL_HICACHE_ENABLED="true", OTEL_HICACHE_POLL_INTERVAL_MS="60000"):  # no wake-up beside the loop
+        telemetry = TransferTelemetry(providers.tracer_provider, providers.meter_provider)
+    observer = TransferObserver(lambda attributes: telemetry)
+    observer.causes = queued_causes = QueuedCauses(observer._local, operations=_Op)  # pylint: disable=protected-access
+    originals = {"start_writing": _Controller.start_writing, "submit": _Engine.submit_device_to_host}
+    wrapped_start = observer.start_wrapper("offload", "write_queue", "ack_write_queue").make(_Controller.start_writing)
+    wrapped_submit = observer.submit_wrapper("offload").make(_Engine.submit_device_to_host)
+    in_site = queued_causes.site(Site("bench", "_Cache.backup", "write_through", lambda cache: cache.cache_controller)
+                                 ).make(_Cache.backup)
+    controller = _Controller()
+    cache = _Cache(controller)
+    observer.controller_created(controller)
+    assert telemetry.force_flush(30.0)  # the worker's first cycle (it builds the sinks) is over
+    pipeline = telemetry._pipeline  # pylint: disable=protected-access
+    pipeline._cycle = lambda: None  # paused: the records stay queued (cleared below, never reported)
+    clock = time.perf_counter_ns
+    best = {"A": float("inf"), "B": float("inf"), "C": float("inf"), "worker": float("inf")}
+    cause_field = SUBMISSION_FIELDS.index("cause")
+
+    def one_round(which: str) -> float:
+        _Controller.start_writing = originals["start_writing"] if which == "A" else wrapped_start
+        _Engine.submit_device_to_host = originals["submit"] if which == "A" else wrapped_submit
+        queue_op = in_site if which == "B" else _Cache.backup
+        queued_causes.log, queued_causes.handed = [], False  # C: no site call logged, none handed over before
+        acks, start_writing = controller.ack_write_queue, controller.start_writing
+        t0 = clock()
+        for _ in range(ops):
+            queue_op(cache)
+            start_writing()
+            acks.pop()
+        t1 = clock()
+        if which == "B":  # what the worker does for them at intake, timed apart
+            deferred = [record[cause_field] for record in pipeline.queue if type(record[cause_field]) is tuple]
+            t2 = clock()
+            for cause in deferred:
+                cause[0](*cause[1:])
+            if deferred:
+                best["worker"] = min(best["worker"], (clock() - t2) / len(deferred) / 1e3)
+        pipeline.queue.clear()  # the paused worker never resolves them
+        return (t1 - t0) / ops / 1e3
+
+    try:
+        gc.disable()
+        for r in range(rounds + 1):
+            for which in ("ABC", "BCA", "CAB")[r % 3]:
+                us = one_round(which)
+                if r:  # the first round warms up
+                    best[which] = min(best[which], us)
+    finally:
+        gc.enable()
+        _Controller.start_writing, _Engine.submit_device_to_host = originals["start_writing"], originals["submit"]
+        pipeline.queue.clear()
+        del pipeline._cycle
+        telemetry.shutdown()
+        providers.shutdown()
+    return {"rounds": rounds, "ops_per_round": ops, "original_us": best["A"], "wrapped_us": best["B"],
+            "without_causes_us": best["C"], "adapter_us": best["B"] - best["A"], "causes_us": best["B"] - best["C"],
+            "worker_resolve_us": best["worker"]}
 
 
 def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
@@ -450,6 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="untimed ops at the start of each turn")
     parser.add_argument("--interval-us", type=float, default=200.0, help="one op every this many us")
     parser.add_argument("--paired-ops", type=int, help="paired measurement: ops per half (0: skip)")
+    parser.add_argument("--cause-rounds", type=int, help="warm transfer-causes measurement: rounds (0: skip)")
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
     args = parser.parse_args(argv)
 
@@ -486,6 +639,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     paired_rows = [run_paired(n, paired_ops, warmup, args.interval_us) for n in args.sizes] if paired_ops else []
     results["paired"] = paired_rows
     results["cause_site"] = run_cause_site(paired_ops, warmup, args.interval_us) if paired_ops else None
+    cause_rounds = args.cause_rounds if args.cause_rounds is not None else (40 if quick else 60)
+    results["cause_warm"] = run_cause_warm(cause_rounds, 2000 if quick else 5000) if cause_rounds else None
 
     print("\n## Caller (scheduler) thread cost per merged op, each op timed alone\n")
     out = []
@@ -518,11 +673,25 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(otel-hicache's worker paused), each wrapped op queued inside a cause site as in SGLang's flows:\n"
               "median(wrapped) - median(originals), wall and the caller thread's CPU;\n"
               "'of which transfer causes': median(wrapped) - median(wrapped, the op queued outside a cause\n"
-              "site and start_*'s lookup of the queued ops' causes left out); host residence is off, as by default.")
+              "site, so start_* hands the worker no lookup); host residence is off, as by default.")
         site = results["cause_site"]
         print(f"  a cause site (UnifiedRadixCache._execute_and_commit_kv_backup, empty action), paired with SGLang's\n"
               f"  original, {site['n']} calls each: original {site['sglang_median_us']:.2f} us, added "
               f"{site['added_wall_us']:+.2f} us wall per call")
+
+    warm = results["cause_warm"]
+    if warm:
+        print("\n## Transfer causes on the scheduler thread, warm (stand-in objects, worker paused)\n")
+        print(table([[f"{warm['original_us']:.3f}", f"{warm['without_causes_us']:.3f}", f"{warm['wrapped_us']:.3f}",
+                      f"{warm['adapter_us']:+.3f}", f"{warm['causes_us']:+.3f}", f"{warm['worker_resolve_us']:.3f}"]],
+                    ["A. originals us", "C. wrappers, no cause site us", "B. wrappers, op queued in a site us",
+                     "B - A (adapter)", "B - C (transfer causes)", "worker: resolving B's causes us"]))
+        print(f"per op: a cache method queues one op, start_writing() merges it (one copy, one ack), the ack is\n"
+              f"popped; the adapter's real wrappers on objects that do nearly nothing else; the fastest of "
+              f"{warm['rounds']} rounds\nof {warm['ops_per_round']} ops per variant, variants taking turns. The "
+              f"worker's share (sorting B's site calls in, finding each\nop's range) is timed apart, after each B "
+              f"round. Paced between SGLang's own ops, each costs several times\nits warm figure (cold caches): "
+              f"the paired measurement above.")
 
     print("\n## Correctness of the instrumented turns, c and d (after force_flush; ground truth = SGLang's acks)\n")
     exact_all = True

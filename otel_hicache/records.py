@@ -245,9 +245,20 @@ def _validate_cause(record: TransferRecord) -> None:
     ``[(cause, tokens_by_pool, num_bytes), ...]`` (its queued ops, by cause), which must
     sum to the op's own tokens per pool and bytes exactly. One cause among the parts makes
     the op that cause; several make it ``mixed``, its tokens and bytes counted per part.
-    Parts that do not sum are warned about once and the whole op is ``other``."""
+    Parts that do not sum are warned about once and the whole op is ``other``. A deferred
+    call (a callable, or ``(function, *args)``, cheaper to build than a ``partial``) is made
+    here, on the worker in submission order, and its answer taken as ``cause`` (the host
+    works the cause out off its hot path); one that raises makes the op ``other`` (warned
+    once)."""
     cause = record.cause
     record.cause_parts = None
+    if callable(cause) or (type(cause) is tuple and cause and callable(cause[0])):
+        try:
+            cause = record.cause = cause() if callable(cause) else cause[0](*cause[1:])
+        except Exception as exc:  # pylint: disable=broad-except  # the op is still reported
+            warn_once(f"cause:call:{type(exc).__name__}", "otel-hicache: could not work out an op's cause (%r); "
+                      "counted as %r", exc, sc.CAUSE_OTHER)
+            cause = None
     if cause is None:
         record.cause = sc.CAUSE_OTHER
         return

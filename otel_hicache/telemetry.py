@@ -184,7 +184,7 @@ class TransferTelemetry:
         host_start_ns: int | None = None,
         host_end_ns: int | None = None,
         ack_watch: tuple[Any, Any] | None = None,
-        cause: str | Sequence[tuple[str, Mapping[str, int], int]] | None = None,
+        cause: str | Sequence[Any] | Callable[[], Any] | None = None,
         host_slots: tuple[Any, Any] | None = None,
         requests: Any = None,
     ) -> list | None:
@@ -203,7 +203,10 @@ class TransferTelemetry:
         ``cause``: why the bytes moved, one of ``semconv.CAUSES[direction]`` (None:
         ``other``); or, for a merged op whose queued ops had different causes, its parts
         ``[(cause, tokens_by_pool, num_bytes), ...]``, which must sum to the op's totals
-        (its tokens and bytes are then counted per part, the op as ``mixed``).
+        (its tokens and bytes are then counted per part, the op as ``mixed``); or a deferred
+        call returning one of these (a callable, or ``(function, *args)``, cheaper to build
+        than a ``partial``), made on the worker in submission order: work the cause out off
+        the hot path.
         ``host_slots=(pool, slots)``: the op's token slots in a host pool made by
         :meth:`host_pool` (an index array, a sequence of them, or a callable returning
         one; read on the worker, so pass what you do not mutate): the pages an offload

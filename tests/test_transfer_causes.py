@@ -43,6 +43,25 @@ def test_parts_of_one_cause_make_that_cause_and_of_several_make_mixed():
                                  ("write_through", ("kv", "swa"), (10, 2), 1000))
 
 
+def test_a_callable_cause_is_called_on_the_worker_and_one_that_raises_makes_other(caplog):
+    calls = []
+    parts = [("write_through", {"kv": 10, "swa": 2}, 1000), ("write_back", {"kv": 20, "swa": 4}, 2000)]
+    deferred = _record(cause=lambda: calls.append(1) or parts)
+    assert (deferred.cause, deferred.cause_parts, calls) == (
+        "mixed", (("write_back", ("kv", "swa"), (20, 4), 2000), ("write_through", ("kv", "swa"), (10, 2), 1000)), [1])
+    assert _record(cause=lambda: "write_back").cause == "write_back"
+    assert _record(cause=(calls.append, 2)).cause == "other" and calls == [1, 2]  # (function, *args): None
+    assert _record(cause=(str.strip, " write_back ")).cause == "write_back"
+    assert _record(cause=lambda: None).cause == "other"
+
+    def broken():
+        raise KeyError("gone")
+
+    with caplog.at_level(logging.WARNING, logger="otel_hicache"):
+        assert [(_record(cause=broken).cause, _record(cause=broken).cause_parts)] == [("other", None)]
+    assert sum("could not work out an op's cause" in r.getMessage() for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("parts", [
     [("write_through", {"kv": 10}, 1000), ("other", {"kv": 20, "swa": 6}, 1999)],  # a byte short
     [("write_through", {"kv": 10}, 1000), ("other", {"kv": 21, "swa": 6}, 2000)],  # a token more

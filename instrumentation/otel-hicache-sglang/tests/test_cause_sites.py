@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import logging
 import threading
 
 from otel_hicache_sglang import causes
-from otel_hicache_sglang.causes import MAX_ID_RANGES, QueuedCauses, Site, backup_cause
+from otel_hicache_sglang.causes import MAX_ID_RANGES, MAX_LOG, QueuedCauses, Site, backup_cause
 from otel_hicache_sglang.transfers import _Capture as Local
 
 
@@ -32,6 +34,12 @@ class Controller:
         self.write_queue, self.load_queue = [], []
         self.write_policy = write_policy
 
+    def _num_tokens_by_pool(self, op):  # SGLang's, for a mixed merged op's parts
+        return {"kv": op.n}
+
+    def _transfer_num_bytes(self, op):
+        return 10 * op.n
+
 
 class Cache:
     def __init__(self, controller):
@@ -43,8 +51,10 @@ def _queued(local=None):
 
 
 def _take(queued, controller, name):
+    """What start_* hands the worker, then what the worker works out: (cause or parts, requests)."""
     other = controller.load_queue if name == "write_queue" else controller.write_queue
-    return queued.take(controller, getattr(controller, name), other)
+    cause, requests = queued.pending(controller, getattr(controller, name), other)
+    return (cause[0](*cause[1:]) if type(cause) is tuple else cause), (requests or None)
 
 
 def _sites(queued):
@@ -71,7 +81,7 @@ def test_ops_are_tagged_with_the_site_that_queued_them_and_start_takes_them():
     backup(cache, 2, write_back=True)
     controller.write_queue.append(Op("by hand", 3))  # no site: other
     assert _take(queued, controller, "write_queue") == (
-        ([("write", 1), ("write", 2), ("by hand", 3)], ["write_through", "write_back", "other"]), None)
+        [("write_through", {"kv": 1}, 10), ("write_back", {"kv": 2}, 20), ("other", {"kv": 3}, 30)], None)
     controller.write_queue.clear()
     backup(cache, 4)
     assert _take(queued, controller, "write_queue") == ("write_through", None)  # one cause: a string
@@ -87,7 +97,7 @@ def test_a_nested_site_keeps_its_own_ops_and_the_outer_site_tags_only_the_rest()
     assert _take(queued, controller, "load_queue") == ("prefix_hit", None)
     controller.load_queue.clear()  # start_loading consumed it
     assert _take(queued, controller, "write_queue") == (
-        ([("write", 9), ("write-in-load", 1)], ["write_back", "prefix_hit"]), None)
+        [("write_back", {"kv": 9}, 90), ("prefix_hit", {"kv": 1}, 10)], None)
     assert queued.by_controller[id(controller)] == ([], [])  # nothing waits: every id range dropped
 
 
@@ -99,9 +109,9 @@ def test_id_ranges_of_ops_waiting_in_the_other_queue_are_kept():
     load_back(cache, 1)  # a load and a write
     for i in range(3):
         backup(cache, 10 + i)
-    assert _take(queued, controller, "write_queue")[0] == (
-        [("write-in-load", 1), ("write", 10), ("write", 11), ("write", 12)],
-        ["prefix_hit", "write_through", "write_through", "write_through"])
+    assert _take(queued, controller, "write_queue")[0] == [
+        ("prefix_hit", {"kv": 1}, 10), ("write_through", {"kv": 10}, 100), ("write_through", {"kv": 11}, 110),
+        ("write_through", {"kv": 12}, 120)]
     controller.write_queue.clear()
     ends, _ = queued.by_controller[id(controller)]
     assert len(ends) == 4  # the load waits: no id range ending after it is dropped
@@ -137,13 +147,14 @@ def test_requests_of_request_causes_are_taken_with_the_cause():
     cache = Cache(Controller())
     controller = cache.cache_controller
     request = {"a request": "context"}
+    queued.linking = True  # request sites wrapped
     local.request, local.thread = request, threading.get_ident()
     load_back(cache, 1)
     backup(cache, 2, write_back=True)  # a write-back belongs to no one request
     local.request = None
     assert _take(queued, controller, "load_queue") == ("prefix_hit", [request])
     assert _take(queued, controller, "write_queue") == (
-        ([("write-in-load", 1), ("write", 2)], ["prefix_hit", "write_back"]), [request])
+        [("prefix_hit", {"kv": 1}, 10), ("write_back", {"kv": 2}, 20)], [request])
 
 
 def test_selective_policy_and_a_broken_site_never_raise(caplog):
@@ -158,19 +169,41 @@ def test_selective_policy_and_a_broken_site_never_raise(caplog):
         lambda cache, x: calls.append(x) or Op("write", x))
     with caplog.at_level(logging.WARNING, logger="otel_hicache"):
         assert broken(cache, 5) == ("write", 5) and broken(cache, 6) == ("write", 6)
+        assert _take(queued, cache.cache_controller, "write_queue") == (None, None)  # logged, not tagged
     assert calls == [5, 6]
     assert sum("cannot tag queued ops" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_id_ranges_of_ops_that_left_without_a_start_are_bounded():
-    """reset() clears SGLang's queues without a start_*: their id ranges must not pile up."""
+def test_the_log_and_the_id_ranges_of_ops_that_left_without_a_start_are_bounded(caplog):
+    """reset() clears SGLang's queues without a start_*: their site calls must not pile up,
+    neither logged (no merged op hands them over) nor sorted (another controller's merged
+    ops do); a merged op of their own controller drops them."""
     queued = _queued()
     backup, _ = _sites(queued)
-    cache = Cache(Controller())
-    for i in range(3 * MAX_ID_RANGES):
-        backup(cache, i)
-        cache.cache_controller.write_queue.clear()  # reset()
-    assert len(queued.by_controller[id(cache.cache_controller)][0]) <= MAX_ID_RANGES
+    cache, busy = Cache(Controller()), Cache(Controller())
+    controller = cache.cache_controller
+    with caplog.at_level(logging.WARNING, logger="otel_hicache"):
+        for i in range(MAX_LOG + 10):
+            backup(cache, i)
+            controller.write_queue.clear()  # reset()
+        assert len(queued.log) == MAX_LOG
+        controller.write_queue.append(Op("by hand", 0))  # the next merged op hands the log over
+        assert _take(queued, controller, "write_queue") == ("other", None) and not queued.log
+        assert queued.by_controller[id(controller)] == ([], [])  # the ops reset() dropped are done with
+        controller.write_queue.clear()
+        for i in range(3 * MAX_ID_RANGES):
+            backup(cache, i)
+            controller.write_queue.clear()
+            backup(busy, i)
+            assert _take(queued, busy.cache_controller, "write_queue") == ("write_through", None)
+            busy.cache_controller.write_queue.clear()
+    assert len(queued.by_controller[id(controller)][0]) <= MAX_ID_RANGES
+    assert queued.by_controller[id(busy.cache_controller)] == ([], [])
+    for message in ("no merged op followed", "id ranges of queued ops kept for one controller"):
+        assert sum(message in r.getMessage() for r in caplog.records) == 1
+    backup(cache, 1)
+    assert _take(queued, controller, "write_queue") == ("write_through", None)
+    assert queued.by_controller[id(controller)] == ([], [])  # the ops reset() dropped are done with
 
 
 def test_without_sglangs_counter_nothing_is_tagged_and_it_is_said_once(caplog, monkeypatch):
@@ -193,3 +226,93 @@ def test_the_cause_and_held_copies_belong_to_the_thread_that_set_them():
     other.start()
     other.join()
     assert seen == [None] and local.current_cause() == "prefix_hit"
+
+
+def test_the_worker_resolves_later_and_keeps_the_ranges_of_ops_queued_since():
+    """start_* hands over copies of the queues; the worker resolves them after more sites ran."""
+    queued = _queued()
+    backup, load_back = _sites(queued)
+    cache = Cache(Controller())
+    controller = cache.cache_controller
+    backup(cache, 1)
+    first, _ = queued.pending(controller, controller.write_queue, controller.load_queue)
+    controller.write_queue.clear()  # start_writing merged it
+    backup(cache, 2, write_back=True)  # queued before the worker got to the first merged op
+    load_back(cache, 3)
+    resolve, *args = first
+    assert resolve(*args) == "write_through" and resolve(*args) == "write_through"  # asked again: the same answer
+    assert _take(queued, controller, "load_queue") == ("prefix_hit", None)
+    controller.load_queue.clear()
+    assert _take(queued, controller, "write_queue") == (
+        [("write_back", {"kv": 2}, 20), ("prefix_hit", {"kv": 3}, 30)], None)
+    assert queued.by_controller[id(controller)] == ([], [])
+    controller.write_queue.clear()
+    controller.write_queue.append(Op("by hand", 4))
+    assert _take(queued, controller, "write_queue") == (None, None)  # other
+    assert _queued().pending(controller, controller.write_queue, controller.load_queue) == (None, None)  # no site
+
+
+def test_causes_stay_exact_while_the_worker_resolves_beside_the_sites():
+    """Sites and start_* on one thread, resolve() on another (the worker), switching often."""
+    import queue
+    import random
+    import sys
+
+    queued = _queued()
+    make = lambda cause, fn: queued.site(Site("m", "C.f", cause, lambda c: c.cache_controller)).make(fn)
+
+    def write(cache, n, truth):
+        op = Op("write", n)
+        op.truth = truth
+        cache.cache_controller.write_queue.append(op)
+
+    def load(cache, n, truth):
+        op = Op("load", n)
+        op.truth = truth
+        cache.cache_controller.load_queue.append(op)
+
+    backup = make("write_through", lambda cache, n: write(cache, n, "write_through"))
+    evict = make("write_back", lambda cache, n: write(cache, n, "write_back"))
+    load_back = make("prefix_hit", lambda cache, n: (load(cache, n, "prefix_hit"), backup(cache, n)))
+    cache = Cache(Controller())
+    controller = cache.cache_controller
+    handed: queue.Queue = queue.Queue()
+    wrong: list[Any] = []
+
+    def worker():
+        while (item := handed.get()) is not None:
+            cause, ops = item
+            got = (cause[0](*cause[1:]) if type(cause) is tuple else cause) or "other"  # None: other
+            truths = [op.truth for op in ops]
+            want = truths[0] if len(set(truths)) == 1 else [(t, {"kv": op.n}, 10 * op.n) for op, t in zip(ops, truths)]
+            if got != want:
+                wrong.append((got, want))
+
+    thread = threading.Thread(target=worker)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread.start()
+    try:
+        rng = random.Random(7)
+        for n in range(1, 20001):
+            step = rng.random()
+            if step < 0.3:
+                backup(cache, n)
+            elif step < 0.4:
+                evict(cache, n)
+            elif step < 0.55:
+                load_back(cache, n)
+            elif step < 0.6:
+                write(cache, n, "other")  # queued by hand: no site
+            name = rng.choice(("write_queue", "load_queue")) if step > 0.7 else None
+            if name and getattr(controller, name):
+                ops = getattr(controller, name)
+                other = controller.load_queue if name == "write_queue" else controller.write_queue
+                cause, _ = queued.pending(controller, ops, other)
+                handed.put((cause, list(ops)))
+                ops.clear()
+    finally:
+        handed.put(None)
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert wrong == []

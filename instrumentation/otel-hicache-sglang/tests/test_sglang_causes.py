@@ -114,3 +114,36 @@ def test_a_merged_op_of_two_causes_is_mixed_and_its_tokens_and_bytes_split_exact
     assert instrumented.metric("hicache.transfer.bytes", **OFFLOAD) == ack.num_bytes == 20 * per_token
     assert _by_cause(instrumented, "hicache.transfer.bytes", OFFLOAD, "mixed") == 0  # never a bytes cause
     assert instrumented.metric("hicache.transfer.duration", **OFFLOAD, **{"hicache.cause": "mixed"}) == 1
+
+
+def test_causes_are_exact_when_the_worker_resolves_them_long_after(instrumented, sglang_cpu):
+    """The worker works the causes out at intake: paused while SGLang queues, merges and
+    acks op after op (with ops queued by hand between them), every cause is still exact."""
+    stacks = [sglang_cpu.build_stack("write_through") for _ in range(3)]  # a controller each, one worker
+    pipeline = instrumented.instrumentor.telemetry._pipeline  # pylint: disable=protected-access
+    pipeline._cycle = lambda: None  # paused: every record waits in the queue, its cause unresolved
+    observer_log = lambda: instrumented.instrumentor._observer.causes.log  # pylint: disable=protected-access
+    expected = []
+    try:
+        for round_, stack in enumerate(stacks):
+            controller = stack.controller
+            did = sglang_cpu.write_through_round_trip(stack, n=12, start=2000 + 100 * round_)
+            expected += [("hicache.offload", "write_through", did["offload_tokens"]),
+                         ("hicache.onboard", "prefix_hit", did["onboard_tokens"])]
+            by_hand = stack.allocator.alloc(8)  # a merged op of no site's ops: nothing logged to hand over
+            assert controller.write(by_hand, node_id=-1 - round_, flush=False) is not None
+            controller.start_writing()
+            controller.ack_write_queue.clear()
+            stack.allocator.free(by_hand)
+            expected.append(("hicache.offload", "other", 8))
+        assert len(pipeline.queue) == len(expected)
+        # each merged op carries the site calls logged before it, and only those
+        from otel_hicache.records import SUBMISSION_FIELDS
+        causes = [record[SUBMISSION_FIELDS.index("cause")] for record in pipeline.queue]
+        logs = [cause[-1] for cause in causes if type(cause) is tuple]
+        assert [len(log) for log in logs] == [1, 1, 0] * 3  # the insert's backup, the load-back, nothing
+        assert len({id(log) for log in logs if log}) == 6 and not any(log is observer_log() for log in logs)
+    finally:
+        del pipeline._cycle
+    spans = sorted(instrumented.finished(), key=lambda s: s.start_time)
+    assert [(s.name, s.attributes["hicache.cause"], s.attributes["hicache.tokens"]) for s in spans] == expected

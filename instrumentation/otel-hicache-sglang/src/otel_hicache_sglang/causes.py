@@ -6,10 +6,11 @@ where the op is *queued*: a wrapper on each SGLang method that asks for copies f
 one reason (a *cause site*, :data:`SITES`) sets the thread's current cause for the
 duration of the call. Every op is a ``CacheOperation`` numbered in creation order
 (``CacheOperation.counter``, its ``id``): the site reads the counter before and after
-the call, and a call that made ops records its range of ids and its cause for its
-controller (nothing is read from the queues; most calls make no op). ``start_*`` (see
-``transfers.py``) finds each op it merges in those ranges (innermost site first): one
-cause for all of them is the merged op's cause; several are reported as parts, each
+the call, and a call that made ops logs its range of ids and its cause (nothing is
+read from the queues; most calls make no op). ``start_*`` (see ``transfers.py``) hands
+the otel-hicache worker that log and copies of the queues with the merged op
+(``submit(cause=)`` as a deferred call); the worker finds each op in those ranges (innermost site first): one cause for
+all of them is the merged op's cause; several are reported as parts, each
 op's tokens and bytes computed with SGLang's own ``_num_tokens_by_pool``/
 ``_transfer_num_bytes`` (which add up over merged ops), so bytes and tokens per cause
 sum exactly to the totals. An op queued outside every site, or copied directly outside
@@ -25,8 +26,9 @@ request's allocation wrote other requests' KV. The request sites are wrapped onl
 process whose SGLang tracing is on (``TransferObserver``); without it nothing is paid
 but one attribute read per tagged call.
 
-Nothing inspects the stack: a site costs one Python frame, two reads of the counter and
-the current cause set and restored per call, and an id range appended when it made ops
+Nothing inspects the stack, and nothing is looked up on the scheduler thread: a site
+costs one Python frame, two reads of the counter and the current cause set and restored
+per call, and a tuple appended when it made ops; ``start_*`` copies the two queues
 (``docs/performance.md``).
 """
 
@@ -129,9 +131,13 @@ REQUEST_CAUSES = frozenset((
 _NO_ATTRIBUTES: dict[str, Any] = {}
 
 MAX_ID_RANGES = 4096
-"""Id ranges kept per controller at most. Each ``start_*`` drops those that no op still
-waiting in the controller's queues needs; ops dropped without one (``reset()``) leave
-theirs until this many pile up, then the oldest half go."""
+"""Id ranges kept per controller at most. Each merged op's resolution drops those that no
+op still waiting in the controller's queues needs (ops dropped by ``reset()`` included);
+beyond this many (ops waiting that long), the oldest half go, warned once."""
+
+MAX_LOG = 16384
+"""Site calls that made ops logged at most between two merged ops (the log is handed over
+with each); later ones are not logged, warned once."""
 
 
 def _cache_operation() -> Any:
@@ -156,17 +162,31 @@ def request_context(req: Any) -> Any:
 
 
 class QueuedCauses:
-    """The causes (and requests) of the ops each controller has queued, as ranges of op ids:
-    ``id(controller) -> (ends, entries)``, ``entries[i] = (first id, cause, request)`` of the
-    ops ``first <= id < ends[i]`` made by one site's call, in the order the calls returned
-    (so ``ends`` never decreases, and a nested site's range comes before its caller's). Filled
-    by the sites, read by ``start_*``. Every access is on the scheduler thread (sites and
-    ``start_*`` run there), so there is no lock."""
+    """The causes (and requests) of the ops each controller has queued, as ranges of op ids.
+
+    Split across two threads so that the scheduler thread only records. A site's call that
+    made ops appends ``(controller_of, instance, first id, end id, cause, request)`` to
+    :attr:`log`. Each merged op's ``start_*`` copies the queues before SGLang merges them
+    (what :meth:`pending` does) and, when it submits the op, hands the worker the log so far
+    with them, a deferred call to :meth:`resolve` (:meth:`hand_over`): the log's entries
+    travel with the op they came before, in submission order, so a worker behind by any
+    number of ops loses none. There :meth:`resolve` sorts them into ``by_controller``:
+    ``id(controller) -> (ends, entries)``, ``entries[i] = (first id, cause, request)`` of
+    the ops ``first <= id < ends[i]`` made by one site's call, in the order the calls
+    returned (so ``ends`` never decreases, and a nested site's range comes before its
+    caller's), finds each merged op in them and drops the ranges no waiting op needs.
+    ``log`` is the scheduler thread's, ``by_controller`` the worker's."""
 
     def __init__(self, local: Any, operations: Any = None) -> None:
         self.local = local  # the adapter's transfers._Capture: .cause and .request, the current sites'
         self.operations = operations  # the class numbering the ops (.counter, op.id); None: SGLang's
+        self.log: list[tuple[Callable[[Any], Any], Any, int, int, str, Any]] = []
+        # A log was handed over: from then on every merged op goes to the worker, which may
+        # hold ranges of ops still queued (a plain flag: the worker never writes it).
+        self.handed = False
+        self.linking = False  # request sites are wrapped: start_* asks for the requests too
         self.by_controller: dict[int, tuple[list[int], list[tuple[int, str, Any]]]] = {}
+        self._last: tuple[list[Any], Any] | None = None  # resolve()'s last ops and answer
 
     def _counter(self) -> Any:
         if self.operations is None:
@@ -183,6 +203,8 @@ class QueuedCauses:
         position, name = site.position, site.name
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            self.linking = True
+
             def request_site(instance: Any, *args: Any, **kwargs: Any) -> Any:
                 try:
                     context = request_context(args[position] if len(args) > position else kwargs.get(name))
@@ -208,8 +230,7 @@ class QueuedCauses:
         fixed = site.cause if isinstance(site.cause, str) else None
         resolve = site.cause
         controller_of = site.controller
-        made = self.made
-        by_controller = self.by_controller
+        queued = self
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             operations = self._counter()
@@ -231,88 +252,123 @@ class QueuedCauses:
                     local.cause = outer
                     end = operations.counter
                     if end != first:  # most calls make no op (a declined load, a node backed up)
-                        try:  # made(), inlined for the common case: a known controller, no request
-                            ranges = by_controller.get(id(controller_of(instance)))
-                            if ranges is None or local.request is not None or len(ranges[0]) >= MAX_ID_RANGES:
-                                made(instance, controller_of, first, end, cause)
-                            else:
-                                ranges[0].append(end)
-                                ranges[1].append((first, cause, None))
-                        except Exception:  # pylint: disable=broad-except  # made() warns
-                            made(instance, controller_of, first, end, cause)
+                        log = queued.log
+                        if len(log) < MAX_LOG:
+                            log.append((controller_of, instance, first, end, cause, local.request))
+                        else:  # no merged op for that long (reset()s only, or no start_* wrapped)
+                            warn_once("cause:log", "otel-hicache: %d cause-site calls made ops and no merged op "
+                                      "followed; the ops of later ones are counted as 'other'", MAX_LOG)
 
             return cause_site
 
         return Method(make)
 
-    def made(self, instance: Any, controller_of: Callable[[Any], Any], first: int, end: int, cause: str) -> None:
-        """A site's call made the ops ``first <= id < end``: their cause (and request) for its controller."""
-        try:
-            key = id(controller_of(instance))
-            ranges = self.by_controller.get(key)
-            if ranges is None:
-                ranges = self.by_controller[key] = ([], [])
-            ends, entries = ranges
-            if len(ends) >= MAX_ID_RANGES:  # ops that left without a start_* (reset()), or a controller never started
-                del ends[:MAX_ID_RANGES // 2], entries[:MAX_ID_RANGES // 2]
-            request = self.local.request
-            if request is not None:
-                request = self.local.current_request() if cause in REQUEST_CAUSES else None
-            ends.append(end)
-            entries.append((first, cause, request))
-        except Exception as exc:  # pylint: disable=broad-except
-            warn_once("cause:tag", "otel-hicache: cannot tag queued ops with their cause (%r); they are "
-                      "counted as 'other'", exc)
-
-    def take(self, controller: Any, queue: Any, other: Any) -> tuple[Any, list[Any] | None]:
-        """In ``start_*``, before the original merges ``queue`` (``other``: the controller's
-        other queue, whose ops wait on): the cause of its ops when they share one, else
-        ``(ops, causes)``; and the trace contexts of the requests they were made for, or
-        None. An op no site made has the current site's cause (``start_*`` called inside it),
-        or None (``other``). Then the ranges no waiting op needs are dropped."""
+    def pending(self, controller: Any, queue: list[Any], other: list[Any]) -> tuple[Any, list[Any] | None]:
+        """What ``start_*`` (``transfers.py``, which inlines it: a frame is a tenth of its
+        cost) passes to ``submit()`` as ``(cause, requests)``: the current site's cause
+        (``start_*`` called inside one) or None while no site has made an op; else the
+        deferred call of :meth:`hand_over`, with copies of ``queue`` (the one SGLang merges)
+        and ``other`` (the controller's other queue, whose ops wait on) as they are before the
+        merge, and ``requests``, the list it fills (request sites)."""
         local = self.local
         current = local.cause  # current_cause(), inlined
         if current is not None and local.thread != get_ident():
             current = None
-        ranges = self.by_controller.get(id(controller))
-        if ranges is None or not ranges[0]:
+        if not (self.log or self.handed):
             return current, None
+        requests: list[Any] | None = [] if self.linking else None
+        return self.hand_over(controller, list(queue), list(other) if other else None, self.operations.counter,
+                              current, requests), requests
+
+    def hand_over(self, controller: Any, ops: list[Any], waiting: list[Any] | None, counter: int,
+                  current: str | None, requests: list[Any] | None) -> tuple[Any, ...]:
+        """As a merged op is submitted: ``submit(cause=)``, the deferred call that resolves it
+        on the worker with the log so far (a tuple, not a ``partial``: 0.2 us less). Only then,
+        so a ``start_*`` that submits nothing (an empty queue, a copy with no ack) hands over
+        nothing. ``counter``: SGLang's op counter before the merge."""
+        logged = self.log
+        if logged:
+            self.log = []
+            self.handed = True
+        else:
+            logged = ()  # never the live list, which later sites append to
+        return (self.resolve, controller, ops, waiting, counter, current, requests, logged)
+
+    def resolve(self, controller: Any, ops: list[Any], waiting: list[Any] | None, counter: int,
+                current: str | None, requests: list[Any] | None, logged: list[Any]) -> Any:
+        """On the worker, in submission order: sort ``logged`` in, then the cause of the merged
+        op of ``ops`` (one cause, or its parts when they differ; an op no site made has
+        ``current``, or ``other``), the trace contexts of the requests they were made for
+        appended to ``requests``; then the ranges no op waiting (``waiting``, the other queue
+        then) or made later (at or after ``counter``) needs are dropped. Called again for the
+        same ``ops`` (a merged op of several copies, each submitted with it): the same answer."""
+        last = self._last
+        if last is not None and last[0] is ops:
+            return last[1]
+        self._sort_in(logged)
+        cause = self._resolve(controller, ops, waiting, counter, current, requests)
+        self._last = (ops, cause)
+        return cause
+
+    def _sort_in(self, logged: list[Any]) -> None:
+        by_controller = self.by_controller
+        for controller_of, instance, first, end, cause, request in logged:
+            try:
+                key = id(controller_of(instance))
+            except Exception as exc:  # pylint: disable=broad-except
+                warn_once("cause:tag", "otel-hicache: cannot tag queued ops with their cause (%r); they are "
+                          "counted as 'other'", exc)
+                continue
+            ranges = by_controller.get(key)
+            if ranges is None:
+                ranges = by_controller[key] = ([], [])
+            ends, entries = ranges
+            if len(ends) >= MAX_ID_RANGES:  # ops waiting that long, or a controller never started
+                warn_once("cause:ranges", "otel-hicache: %d id ranges of queued ops kept for one controller; the "
+                          "oldest half are dropped (their ops are counted as 'other')", MAX_ID_RANGES)
+                del ends[:MAX_ID_RANGES // 2], entries[:MAX_ID_RANGES // 2]
+            ends.append(end)
+            entries.append((first, cause, request if cause in REQUEST_CAUSES else None))
+
+    def _resolve(self, controller: Any, ops: list[Any], waiting: list[Any] | None, counter: int,
+                 current: str | None, requests: list[Any] | None) -> Any:
+        ranges = self.by_controller.get(id(controller))
+        if ranges is None or not ranges[0] or not ops:
+            return current
         ends, entries = ranges
         count = len(ends)
         causes = []
-        requests = None
+        first_cause = None
         mixed = False
-        first = None
-        for op in queue:  # one op, or a few
+        for op in ops:  # one op, or a few
             op_id = op.id
             i = bisect_right(ends, op_id)  # the first range ending after it, then outwards (nested sites)
             while i < count and entries[i][0] > op_id:
                 i += 1
             if i < count:
                 cause, request = entries[i][1], entries[i][2]
-                if request is not None:
-                    if requests is None:
-                        requests = []
+                if request is not None and requests is not None:
                     requests.append(request)
             else:
                 cause = current or sc.CAUSE_OTHER
             causes.append(cause)
-            if first is None:
-                first = cause
-            elif cause != first:
+            if first_cause is None:
+                first_cause = cause
+            elif cause != first_cause:
                 mixed = True
-        if other:
-            drop = bisect_right(ends, min(op.id for op in other))  # ranges ending at or before the oldest waiting op
-            del ends[:drop], entries[:drop]
-        else:
-            del ends[:], entries[:]
-        if first is None:  # an empty queue
-            return current, None
-        return ((list(queue), causes) if mixed else first), requests
+        # Every op made before start_* was merged then, waited in the other queue, or was dropped
+        # (reset()): a range ending at or before the oldest waiting one is done with. Ranges
+        # sorted in later (sites still running then, or later) end after ``counter``.
+        bound = counter
+        if waiting:
+            bound = min(bound, min(op.id for op in waiting))
+        drop = bisect_right(ends, bound)
+        del ends[:drop], entries[:drop]
+        return parts(controller, ops, causes) if mixed else first_cause
 
 
-def parts(controller: Any, queued: tuple[list[Any], list[str]]) -> list[tuple[str, Any, int]]:
+def parts(controller: Any, ops: list[Any], causes: list[str]) -> list[tuple[str, Any, int]]:
     """A mixed merged op's parts: each queued op's cause, tokens per pool and bytes, as
     SGLang computes them for the merged op (both add up over the ops it merges)."""
     return [(cause, controller._num_tokens_by_pool(op), controller._transfer_num_bytes(op))  # pylint: disable=protected-access
-            for op, cause in zip(*queued)]
+            for op, cause in zip(ops, causes)]

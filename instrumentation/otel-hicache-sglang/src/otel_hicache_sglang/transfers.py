@@ -317,26 +317,38 @@ class TransferObserver:
         queued_causes = self.causes
         onboard = direction == ONBOARD
         other_queue = "write_queue" if op_queue == "load_queue" else "load_queue"
+        resolve = queued_causes.resolve
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def start_patched(controller: Any, *args: Any, **kwargs: Any) -> Any:
                 telemetry = observer.telemetry
                 if telemetry is None or not telemetry.enabled:
+                    if queued_causes.log:  # nothing will resolve them
+                        queued_causes.log = []
                     return original(controller, *args, **kwargs)
                 try:
                     queued = getattr(controller, op_queue)
-                    # no call before any site made an op, and none is running (ops driven by hand)
-                    if queued_causes.by_controller or local.cause is not None:
-                        cause, requests = queued_causes.take(controller, queued, getattr(controller, other_queue))
-                    else:
-                        cause = requests = None
+                    # causes.QueuedCauses.pending(), inlined (its hand_over() when the op is submitted):
+                    # the queues as they are before the merge, the cause worked out on the worker
+                    cause = local.cause
+                    if cause is not None and local.thread != get_ident():
+                        cause = None
+                    requests = ops = waiting = None
+                    if queued_causes.log or queued_causes.handed:
+                        if queued_causes.linking:
+                            requests = []
+                        other = getattr(controller, other_queue)
+                        ops, counter = list(queued), queued_causes.operations.counter
+                        waiting = list(other) if other else None
                     info = observer._controller_info(controller)
                     # the queued ops' CPU host indices, read on the worker (host residence)
                     host = info.host_pool
-                    host_slots = (host, partial(_host_indices, list(queued))) if host is not None and queued else None
+                    host_slots = None
+                    if host is not None and queued:
+                        host_slots = (host, partial(_host_indices, ops if ops is not None else list(queued)))
                 except Exception as exc:  # pylint: disable=broad-except
                     warn_once("sglang:cause", "otel-hicache: cannot read the queued ops (%r)", exc)
-                    cause = info = host_slots = requests = None
+                    cause = info = host_slots = requests = ops = None
                 outer = local.captured
                 captured: list[Any] = []
                 local.captured = captured
@@ -350,13 +362,6 @@ class TransferObserver:
                 local.captured = outer
                 if not captured:
                     return result
-                if type(cause) is tuple:  # a merged op of ops with different causes: rare
-                    try:
-                        cause = causes.parts(controller, cause)
-                    except Exception as exc:  # pylint: disable=broad-except
-                        warn_once("sglang:cause_parts", "otel-hicache: cannot size a merged op's parts by cause "
-                                  "(%r); such ops are counted as 'other'", exc)
-                        cause = None
                 try:
                     # The common case inline (one copy, the controller of the last op, its ack
                     # appended last, no draft pools on a load): what _report_merged does, without
@@ -369,6 +374,14 @@ class TransferObserver:
                         if (ack is not None and ack.finish_event is finish
                                 and (copy_args or "transfers" in copy_kwargs) and not (onboard and info.has_drafts)):
                             timing = ack.timing_enabled
+                            if ops is not None:  # QueuedCauses.hand_over(), inlined
+                                logged = queued_causes.log
+                                if logged:
+                                    queued_causes.log = []
+                                    queued_causes.handed = True
+                                else:
+                                    logged = ()  # never the live list
+                                cause = (resolve, controller, ops, waiting, counter, cause, requests, logged)
                             telemetry.submit(
                                 direction, ack.num_tokens_by_pool or {ANCHOR_POOL: ack.num_tokens}, ack.num_bytes,
                                 info.page_size, ack.start_event, finish, timing, info.io_backend, info.attributes,
@@ -377,6 +390,8 @@ class TransferObserver:
                                 ack_watch=(queue, ack), cause=cause, host_slots=host_slots, requests=requests,
                             )
                             return result
+                    if ops is not None:
+                        cause = ((ops, waiting, counter), cause)
                     observer._report_merged(telemetry, direction, controller, ack_queue, captured, cause, host_slots,
                                             requests)
                 except Exception as exc:  # pylint: disable=broad-except
@@ -395,9 +410,16 @@ class TransferObserver:
     # -- reporting ------------------------------------------------------------
     def _report_merged(self, telemetry: TransferTelemetry, direction: str, controller: Any, ack_queue: str,
                        captured: list[Any], cause: Any, host_slots: Any, requests: Any = None) -> None:
+        """``cause``: the current site's (or None), or ``(pending, it)`` with the queues that
+        start_* copied, handed over (``QueuedCauses.hand_over``) with the first copy paired
+        with an ack."""
         # Runs once per merged op on the scheduler thread, between two device ops (cold
         # caches): every lookup counts several times what it costs in a loop.
         info = self._controller_info(controller)
+        pending = None
+        if type(cause) is tuple:
+            pending, cause = cause
+        current = cause
         queue = getattr(controller, ack_queue)
         for engine, args, kwargs, completion, start_ns, end_ns in captured:
             transfers = args[0] if args else kwargs.get("transfers", MISSING)  # arg(), inlined
@@ -409,8 +431,11 @@ class TransferObserver:
                 ack = next((a for a in reversed(queue[-4:]) if a.finish_event is finish), None)
                 if ack is None:
                     self._report_direct(telemetry, direction, engine, transfers, completion, start_ns, end_ns,
-                                        self._local.current_cause())
+                                        current)
                     continue
+            if pending is not None:
+                cause = self.causes.hand_over(controller, *pending, current, requests)
+                pending = None  # the same deferred call for the merged op's other copies
             attributes = info.attributes
             if info.has_drafts and direction == ONBOARD:
                 draft = self._draft_bytes(transfers)
