@@ -68,8 +68,12 @@ def _sites(queued):
         cache.cache_controller.load_queue.append(Op("load", n))
         cache.cache_controller.write_queue.append(Op("write-in-load", n))  # an outer site's own write
 
-    make = lambda cause, fn: queued.site(Site("m", "C.f", cause, lambda c: c.cache_controller)).make(fn)
-    return make(backup_cause, backup), make("prefix_hit", load_back)
+    return _site(queued, backup_cause, backup), _site(queued, "prefix_hit", load_back)
+
+
+def _site(queued, cause, fn):
+    """``fn(cache, ...)`` wrapped as a cause site of ``cause``, its controller the cache's."""
+    return queued.site(Site("m", "C.f", cause, lambda c: c.cache_controller)).make(fn)
 
 
 def test_ops_are_tagged_with_the_site_that_queued_them_and_start_takes_them():
@@ -132,7 +136,7 @@ def test_a_start_inside_a_site_gives_untagged_ops_the_site_cause():
         controller.write_queue.clear()
         controller.write_queue.append(Op("queued after the flush", n))
 
-    site = queued.site(Site("m", "C.f", "write_back", lambda c: c.cache_controller)).make(backup)
+    site = _site(queued, "write_back", backup)
     cache = Cache(Controller())
     site(cache, 1)
     assert seen == [("write_back", None)] and local.cause is None
@@ -259,7 +263,6 @@ def test_causes_stay_exact_while_the_worker_resolves_beside_the_sites():
     import sys
 
     queued = _queued()
-    make = lambda cause, fn: queued.site(Site("m", "C.f", cause, lambda c: c.cache_controller)).make(fn)
 
     def write(cache, n, truth):
         op = Op("write", n)
@@ -271,9 +274,9 @@ def test_causes_stay_exact_while_the_worker_resolves_beside_the_sites():
         op.truth = truth
         cache.cache_controller.load_queue.append(op)
 
-    backup = make("write_through", lambda cache, n: write(cache, n, "write_through"))
-    evict = make("write_back", lambda cache, n: write(cache, n, "write_back"))
-    load_back = make("prefix_hit", lambda cache, n: (load(cache, n, "prefix_hit"), backup(cache, n)))
+    backup = _site(queued, "write_through", lambda cache, n: write(cache, n, "write_through"))
+    evict = _site(queued, "write_back", lambda cache, n: write(cache, n, "write_back"))
+    load_back = _site(queued, "prefix_hit", lambda cache, n: (load(cache, n, "prefix_hit"), backup(cache, n)))
     cache = Cache(Controller())
     controller = cache.cache_controller
     handed: queue.Queue = queue.Queue()
