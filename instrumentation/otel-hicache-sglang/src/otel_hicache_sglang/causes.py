@@ -9,11 +9,11 @@ duration of the call. Every op is a ``CacheOperation`` numbered in creation orde
 the call, and a call that made ops logs its range of ids and its cause (nothing is
 read from the queues; most calls make no op). ``start_*`` (see ``transfers.py``) hands
 the otel-hicache worker that log and copies of the queues with the merged op
-(``submit(cause=)`` as a deferred call); the worker finds each op in those ranges (innermost site first): one cause for
-all of them is the merged op's cause; several are reported as parts, each
-op's tokens and bytes computed with SGLang's own ``_num_tokens_by_pool``/
-``_transfer_num_bytes`` (which add up over merged ops), so bytes and tokens per cause
-sum exactly to the totals. An op queued outside every site, or copied directly outside
+(``submit(cause=)`` as a deferred call); the worker finds each op in those ranges
+(innermost site first): one cause for all of them is the merged op's cause; several are
+reported as parts, each op's tokens and bytes computed with SGLang's own
+``_num_tokens_by_pool``/``_transfer_num_bytes`` (which add up over merged ops), so bytes
+and tokens per cause sum exactly to the totals. An op queued outside every site, or copied directly outside
 one, is ``other``.
 
 Requests (``REQUEST_SITES``): with SGLang's request tracing on (``--enable-trace``),
