@@ -20,10 +20,10 @@ from typing import Any, Sequence
 from . import fork, otel_environment, sdk_internals
 from .bounded_flush import bounded
 from .diagnostics import logger, warn_once
-from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
+from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S, OTEL_HICACHE_SPAN_EXPORT_PROCESS
 from .http_session import certificate_session
 from .process_exit import on_exit
-from .settings import env_float, sdk_disabled
+from .settings import env_bool, env_float, sdk_disabled
 
 
 @dataclass
@@ -159,14 +159,39 @@ def _build(extra_readers: Sequence[Any]) -> Configuration:
 
     if sdk_disabled():
         return Configuration(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     build = otel_environment.build
     resource = Resource.create()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES: the SDK's rules
+    readers, meter_provider = _meter_provider(resource, extra_readers)
+    # Not this meter provider: otel.sdk.span.started/live cost the worker ~35 us per span (measured
+    # with benchmarks/soak.py), and its own counters already count every op; nor the host's global one.
+    own = _accepted(TracerProvider, meter_provider=NoOpMeterProvider())
+    tracer_provider = build("tracer provider", lambda **limits: TracerProvider(
+        resource=resource, shutdown_on_exit=False, span_limits=SpanLimits(**limits) if limits else None, **own),
+        otel_environment.SPAN_LIMITS) or NoOpTracerProvider()
+    if env_bool(OTEL_HICACHE_SPAN_EXPORT_PROCESS) and exporter_names("traces"):
+        processors = [p for p in (_process_span_processor(meter_provider),) if p is not None]
+    else:
+        processors = span_processors(exporters("traces", meter_provider), meter_provider)
+    for processor in processors:
+        tracer_provider.add_span_processor(processor)
+    global _fork_registered
+    if not _fork_registered:  # once, and after the SDK objects registered theirs (otel_hicache.fork)
+        fork.after_fork_in_child(_after_fork_in_child)
+        _fork_registered = True
+    return Configuration(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
+                         span_processors=processors)
+
+
+def _meter_provider(resource: Any, extra_readers: Sequence[Any] = ()) -> tuple[list[Any], Any]:
+    """The readers ``OTEL_METRICS_EXPORTER`` names (and ``extra_readers``) and a meter provider of them."""
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+
+    build = otel_environment.build
     readers: list[Any] = []
     metric_exporters = []
     for made in exporters("metrics"):
@@ -185,26 +210,56 @@ def _build(extra_readers: Sequence[Any]) -> Configuration:
     for exporter in metric_exporters:  # the OTLP metric exporters' self-metrics
         if callable(getattr(exporter, "set_meter_provider", None)):
             exporter.set_meter_provider(meter_provider)
-    # Not this meter provider: otel.sdk.span.started/live cost the worker ~35 us per span (measured
-    # with benchmarks/soak.py), and its own counters already count every op; nor the host's global one.
-    own = _accepted(TracerProvider, meter_provider=NoOpMeterProvider())
-    tracer_provider = build("tracer provider", lambda **limits: TracerProvider(
-        resource=resource, shutdown_on_exit=False, span_limits=SpanLimits(**limits) if limits else None, **own),
-        otel_environment.SPAN_LIMITS) or NoOpTracerProvider()
+    return readers, meter_provider
+
+
+def span_processors(span_exporters: Sequence[Any], meter_provider: Any) -> list[Any]:
+    """A ``BatchSpanProcessor`` per exporter, each reading the ``OTEL_BSP_*`` variables."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
     batch = otel_environment.BATCH_SPAN_PROCESSOR
     own = _accepted(BatchSpanProcessor, meter_provider=meter_provider)
     if otel_environment.raw("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") is None:  # at most the queue size (the SDK raises)
         own["max_export_batch_size"] = batch["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1]()
-    processors = [p for p in (build("batch span processor", lambda **kw: BatchSpanProcessor(e, **own, **kw), batch)
-                              for e in exporters("traces", meter_provider)) if p is not None]
-    for processor in processors:
-        tracer_provider.add_span_processor(processor)
-    global _fork_registered
-    if not _fork_registered:  # once, and after the SDK objects registered theirs (otel_hicache.fork)
-        fork.after_fork_in_child(_after_fork_in_child)
-        _fork_registered = True
-    return Configuration(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
-                         span_processors=processors)
+    return [p for p in (otel_environment.build("batch span processor",
+                                               lambda **kw: BatchSpanProcessor(e, **own, **kw), batch)
+                        for e in span_exporters) if p is not None]
+
+
+def _process_span_processor(meter_provider: Any) -> Any:
+    """OTEL_HICACHE_SPAN_EXPORT_PROCESS=true: one processor writing small batches to a helper process
+    that exports as :func:`span_processors` would here (:mod:`otel_hicache.span_export_process`)."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from . import span_export_process as sep
+
+    batch = otel_environment.BATCH_SPAN_PROCESSOR
+    queue = otel_environment.raw("OTEL_BSP_MAX_QUEUE_SIZE")
+    delay = otel_environment.raw("OTEL_BSP_SCHEDULE_DELAY")
+    own = _accepted(BatchSpanProcessor, meter_provider=meter_provider)
+    own["max_export_batch_size"] = min(sep.BATCH, int(queue) if queue and queue.strip().isdigit() and int(queue)
+                                       else batch["OTEL_BSP_MAX_QUEUE_SIZE"][1])
+    own["schedule_delay_millis"] = sep.SCHEDULE_DELAY_MS
+    if delay is not None and otel_environment.positive(delay):
+        try:
+            own["schedule_delay_millis"] = min(float(delay), sep.SCHEDULE_DELAY_MS)
+        except ValueError:  # the SDK's parse warns about it in the helper
+            pass
+    in_process = lambda: exporters("traces", meter_provider)  # noqa: E731  # if no helper can be had
+    retries = {k: v for k, v in batch.items() if k in ("OTEL_BSP_EXPORT_TIMEOUT", "OTEL_BSP_MAX_QUEUE_SIZE")}
+    return otel_environment.build("span export process", lambda **kw: sep.ProcessSpanProcessor(
+        sep.ProcessSpanExporter(in_process), **own, **kw), retries)
+
+
+def self_metrics_meter_provider() -> Any:
+    """For the span export helper: a meter provider of the ``OTEL_METRICS_EXPORTER`` readers when
+    ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true`` (the exporters' ``otel.sdk.exporter.span.*``,
+    which only the helper has), else None."""
+    if (otel_environment.raw("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED") or "").strip().lower() != "true":
+        return None  # (as the SDK reads it)
+    from opentelemetry.sdk.resources import Resource
+
+    return _meter_provider(Resource.create())[1]
 
 
 def _after_fork_in_child() -> None:

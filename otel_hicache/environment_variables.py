@@ -156,6 +156,18 @@ beside it (``docs/performance.md``, "Host residence").
 Default: ``false``
 """
 
+OTEL_HICACHE_SPAN_EXPORT_PROCESS = "OTEL_HICACHE_SPAN_EXPORT_PROCESS"
+"""
+.. envvar:: OTEL_HICACHE_SPAN_EXPORT_PROCESS
+
+``true``: ``configure()``'s spans are encoded and exported by a helper process (one
+per serving process, started on first export), so OTLP encoding does not hold the
+serving process's GIL; spans reach it in batches of 32, plain values over a pipe
+(``otel_hicache.span_export_process``). It exports what ``OTEL_TRACES_EXPORTER``
+names, as ``configure()`` would. ``false`` (default): spans are exported in-process.
+Default: ``false``
+"""
+
 DEFAULTS = {
     OTEL_HICACHE_ENABLED: True,
     OTEL_HICACHE_STRICT: False,
@@ -170,5 +182,6 @@ DEFAULTS = {
     OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS: 50.0,
     OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE: 0.99,
     OTEL_HICACHE_HOST_RESIDENCE: False,
+    OTEL_HICACHE_SPAN_EXPORT_PROCESS: False,
 }
 """The documented default of every ``OTEL_HICACHE_*`` variable."""

@@ -529,8 +529,10 @@ def _check_threads() -> list[str]:
 def export_threads(tracer_provider: Any, meter_provider: Any) -> dict[str, list[threading.Thread]]:
     """The live threads that export for these providers: ``span_processor`` (each
     ``BatchSpanProcessor``'s worker) and ``metric_reader`` (each
-    ``PeriodicExportingMetricReader``'s); empty lists for what cannot be read."""
-    found: dict[str, list[threading.Thread]] = {"span_processor": [], "metric_reader": []}
+    ``PeriodicExportingMetricReader``'s); empty lists for what cannot be read. Also
+    ``export_process``: the ``ProcessSpanExporter`` of each processor that feeds a helper
+    process (:mod:`otel_hicache.span_export_process`), whose CPU is read from ``/proc``."""
+    found: dict[str, list[Any]] = {"span_processor": [], "metric_reader": [], "export_process": []}
     if not available("threads"):
         return found
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
@@ -544,6 +546,9 @@ def export_threads(tracer_provider: Any, meter_provider: Any) -> dict[str, list[
                 thread = getattr(getattr(processor, "_batch_processor", None), "_worker_thread", None)
                 if isinstance(thread, threading.Thread) and thread.is_alive():
                     found["span_processor"].append(thread)
+                helper = getattr(processor, "helper", None)  # a ProcessSpanProcessor's own attribute
+                if callable(getattr(helper, "helper_cpu_s", None)):
+                    found["export_process"].append(helper)
     parts = meter_parts(meter_provider)
     for reader in list(parts.reader_storages()) if parts is not None else ():
         if isinstance(reader, PeriodicExportingMetricReader):

@@ -5,7 +5,8 @@
 * ``otel_hicache.export.cpu_time{thread}``: the SDK threads that export
   otel-hicache's telemetry, ``span_processor`` (each ``BatchSpanProcessor``'s
   worker: span encoding and export) and ``metric_reader`` (each
-  ``PeriodicExportingMetricReader``'s: collection and export).
+  ``PeriodicExportingMetricReader``'s: collection and export), and ``export_process``
+  (the helper process of ``OTEL_HICACHE_SPAN_EXPORT_PROCESS=true``, from ``/proc``).
 
 Observable counters, read at collection on the reader's thread from each
 thread's CPU clock (``time.pthread_getcpuclockid``): nothing on the hot path,
@@ -89,6 +90,8 @@ class TelemetryCpu:
             seconds = thread_cpu_s(self._worker())
             return [] if seconds is None else [Observation(seconds, self._static)]
 
+        process_attrs = {**self._static, sc.THREAD: sc.THREAD_EXPORT_PROCESS}
+
         def export_cpu(_options: Any) -> list[Any]:
             threads = sdk_internals.export_threads(self._tracer_provider, self._meter_provider)
             observations = []
@@ -97,6 +100,9 @@ class TelemetryCpu:
                     seconds = counter.total(threads[kind])
                     if seconds is not None:
                         observations.append(Observation(seconds, self._attrs[kind]))
+                helpers = [s for s in (h.helper_cpu_s() for h in threads["export_process"]) if s is not None]
+                if helpers:
+                    observations.append(Observation(sum(helpers), process_attrs))
             return observations
 
         for spec, callback in ((sc.WORKER_CPU_TIME, worker_cpu), (sc.EXPORT_CPU_TIME, export_cpu)):

@@ -212,7 +212,8 @@ WORKER_CPU_TIME = (
 EXPORT_CPU_TIME = (
     "otel_hicache.export.cpu_time",
     "s",
-    "CPU time of the SDK threads exporting otel-hicache's telemetry (thread: span_processor, metric_reader).",
+    "CPU time of the SDK threads exporting otel-hicache's telemetry (thread: span_processor, metric_reader), "
+    "and of its span export helper process (thread: export_process).",
 )
 QUEUE_SIZE = (
     "otel_hicache.queue.size",
@@ -230,6 +231,7 @@ SPANS = (
 THREAD: Final = "thread"
 THREAD_SPAN_PROCESSOR: Final = "span_processor"
 THREAD_METRIC_READER: Final = "metric_reader"
+THREAD_EXPORT_PROCESS: Final = "export_process"  # not a thread: the helper process (span_export_process)
 
 TIER_DEVICE: Final = "device"
 TIER_HOST: Final = "host"

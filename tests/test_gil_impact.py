@@ -22,3 +22,19 @@ def test_gil_impact_runs_and_every_span_is_encoded(tmp_path):
     assert results["received_spans"] >= hicache["ops"]  # spans at 100%: each encoded by the sink
     assert set(hicache["cpu_share"]) == {"worker", "span_processor", "metric_reader"}
     assert "sections" in hicache and "added p99.9" in run.stdout
+
+
+def test_gil_impact_runs_the_export_process_variant_and_every_span_arrives(tmp_path):
+    out = tmp_path / "gil.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--rates", "1000", "--rounds", "1", "--turn-s", "0.3",
+                          "--no-outliers", "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())
+    helper = results["variants"]["hicache 1000 export process"]
+    in_process = results["variants"]["hicache 1000"]
+    assert helper["ops"] > 0 and helper["flushed"] and helper["helper_cpu_share"] is not None
+    assert in_process["helper_cpu_share"] is None
+    # spans at 100%: the in-process variant's encoded by the sink, the helper's received over OTLP
+    assert results["received_spans"] >= helper["ops"] + in_process["ops"]
+    assert set(results["goal"]) == {"hicache 1000", "hicache 1000 export process"}
+    assert "the export helper process" in run.stdout

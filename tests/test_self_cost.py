@@ -206,4 +206,4 @@ def test_a_thread_that_ended_stays_counted():
 
 def test_export_threads_of_other_providers_are_none():
     found = sdk_internals.export_threads(object(), object())
-    assert found == {"span_processor": [], "metric_reader": []}
+    assert found == {"span_processor": [], "metric_reader": [], "export_process": []}
