@@ -170,7 +170,9 @@ class CompletionPipeline:
         self._timeline = EventTimeline()  # places device-timed ops the anchor cannot
         self._sinks: Sinks | None = None
         self._wake = _Wake()
-        self._last_counter_flush = 0  # time.monotonic_ns() of the last hand-off of the summed counters
+        # time.monotonic_ns() of the last hand-off of the summed counters: due at the first cycle (even when
+        # the clock, which counts from boot, is younger than the interval)
+        self._last_counter_flush = time.monotonic_ns() - _COUNTER_FLUSH_INTERVAL_NS
         self._stopping = False
         self._drain_all = False
         self._flush_waiters: list[tuple[int, threading.Event]] = []
