@@ -156,3 +156,41 @@ def test_tls_to_the_collector(protocol, sink, certificates, tmp_path):
     print(f"\nTLS ({protocol}): {run.result['ops']} spans and exact counters through the Collector; wrong "
           f"certificate: {wrong.spans('export_failed')} spans counted as export_failed (SDK self-metrics), exit "
           f"{wrong.exit_s:.1f} s after the last op")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_spans_through_the_export_process_and_the_collector(protocol, sink, tmp_path):
+    """OTEL_HICACHE_SPAN_EXPORT_PROCESS=true: every span, encoded by the workload's helper
+    process, reaches the sink through the real Collector, counters stay exact, and the helper
+    ends with the workload (no process left behind)."""
+    collector = Collector(tmp_path, sink.endpoint)
+    collector.start()
+    try:
+        run = run_workload(tmp_path, _env(protocol, collector.endpoint(protocol),
+                                          OTEL_HICACHE_SPAN_EXPORT_PROCESS="true"),
+                           "--rate", "500", "--seconds", "3")
+        truth = run.result["truth"]
+        exact = _wait_for(lambda: final_counters(sink.received.metrics) == truth)
+        assert exact, (final_counters(sink.received.metrics), truth, collector.log())
+        assert _wait_for(lambda: sorted(_op_ids(sink)) == list(range(run.result["ops"]))), (
+            len(_op_ids(sink)), run.result["ops"])
+    finally:
+        collector.stop()
+    helpers = [line for line in _processes() if "otel_hicache.span_export_process" in line]
+    assert not helpers, helpers
+    assert "Traceback" not in run.stderr and "span export helper" not in run.stderr, run.stderr[-3000:]
+    print(f"\nexport process ({protocol}): {run.result['ops']} spans through the helper and the Collector, "
+          f"counters exact, helper gone at exit")
+
+
+def _processes() -> list[str]:
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                found.append(fh.read().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            pass
+    return found
