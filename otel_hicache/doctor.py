@@ -37,6 +37,7 @@ from .environment_variables import (
     OTEL_HICACHE_ANCHOR_INTERVAL_S,
     OTEL_HICACHE_ENABLED,
     OTEL_HICACHE_POLL_INTERVAL_MS,
+    OTEL_HICACHE_SPAN_EXPORT_PROCESS,
 )
 from .settings import env_bool, env_float, env_int, sdk_disabled
 from .version import __version__
@@ -828,8 +829,41 @@ def _exports(p: Any, checks: list[Check], problems: list[tuple[str, str, str]], 
             problems.append((check.signal, what, fix))
         with contextlib.suppress(Exception):
             check.exporter.shutdown()
+    problem = _export_process(p, spans, cap_s) if any(c.signal == "traces" for c in checks) else None
+    if problem is not None:
+        problems.append(("traces", *problem))
     p()
     return trace_id
+
+
+def _export_process(p: Any, spans: Any, cap_s: float) -> tuple[str, str] | None:
+    """With OTEL_HICACHE_SPAN_EXPORT_PROCESS=true: the test span through a span export helper
+    process as configure() would start it; (what, fix) when it does not answer."""
+    if not env_bool(OTEL_HICACHE_SPAN_EXPORT_PROCESS):
+        return None
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from . import span_export_process
+
+    exporter = span_export_process.ProcessSpanExporter(lambda: [])  # no in-process fallback: tell
+    started = time.monotonic()
+    try:
+        written = exporter.export(spans) is SpanExportResult.SUCCESS and exporter.pid is not None
+        answered = written and exporter.force_flush(cap_s * 1000)
+        pid = exporter.pid
+    finally:
+        exporter.shutdown(1000)
+    if answered:
+        p(f"  traces   the span export helper process (OTEL_HICACHE_SPAN_EXPORT_PROCESS=true, pid {pid}) took the "
+          f"test span and flushed its exporters in {time.monotonic() - started:.2f} s")
+        return None
+    command = " ".join(span_export_process.helper_command())
+    what = ("the span export helper process " + ("could not be started" if not written else
+                                                 f"did not answer within {cap_s:g} s")
+            + " (OTEL_HICACHE_SPAN_EXPORT_PROCESS=true; configure() would export spans in-process instead)")
+    p(f"  traces   NOT working: {what}")
+    return what, (f"run `{command} < /dev/null` in this environment to see its error, or unset "
+                  "OTEL_HICACHE_SPAN_EXPORT_PROCESS")
 
 
 def _verdict(p: Any, notes: list[str], problems: list[tuple[str, str, str]], checks: list[Check],

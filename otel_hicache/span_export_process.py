@@ -182,6 +182,11 @@ def rebuild(frames: Sequence[tuple[Any, ...]]) -> list[Any]:
 
 # -- the serving process's side ---------------------------------------------------------------------
 
+def helper_command() -> list[str]:
+    """How the helper is started: this interpreter, this module."""
+    return [sys.executable, "-m", __name__]
+
+
 def _write(stream: BinaryIO, frame: tuple[Any, ...]) -> None:
     payload = marshal.dumps(frame)
     stream.write(_HEADER.pack(len(payload)) + payload)
@@ -204,7 +209,7 @@ class ProcessSpanExporter(SpanExporter):
 
     def __init__(self, in_process: Callable[[], Sequence[Any]], command: Sequence[str] | None = None) -> None:
         self._in_process = in_process
-        self._command = list(command or (sys.executable, "-m", __name__))
+        self._command = list(command or helper_command())
         self._environment = dict(os.environ)  # the OTEL_* variables as configure() read them
         self._lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None

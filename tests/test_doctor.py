@@ -256,3 +256,35 @@ def test_why_not_applied_is_the_patchers_check():
     assert patching.why_not_applied(gone) == "json.Nope.decode not found"
     assert patching.why_not_applied(patching.Group("guard", [("json", "JSONDecoder.decode", None)],
                                                    check=too_old)) == "HiCacheAck has no field num_bytes"
+
+
+def test_the_span_export_helper_is_checked_when_it_is_on():
+    receiver = HttpReceiver()
+    try:
+        done = doctor(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                      OTEL_HICACHE_SPAN_EXPORT_PROCESS="true", **FAST)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        assert "the span export helper process (OTEL_HICACHE_SPAN_EXPORT_PROCESS=true, pid" in done.stdout, out
+        # the test span twice: the doctor's own export, then the helper's
+        assert [span.name for _, span in receiver.received.spans()] == ["otel_hicache.doctor"] * 2
+    finally:
+        receiver.stop()
+
+
+def test_a_span_export_helper_that_fails_is_a_problem_with_a_fix(monkeypatch):
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    from otel_hicache import doctor as doctor_module
+    from otel_hicache import span_export_process
+
+    monkeypatch.setenv("OTEL_HICACHE_SPAN_EXPORT_PROCESS", "true")
+    lines: list[str] = []
+    for command in (["/nonexistent/python"], [sys.executable, "-c", "raise SystemExit(3)"]):
+        monkeypatch.setattr(span_export_process, "helper_command", lambda command=command: command)
+        problem = doctor_module._export_process(lines.append, [ReadableSpan("x")], 2.0)  # noqa: SLF001
+        assert problem is not None, lines
+        what, fix = problem
+        assert "span export helper process" in what and "unset OTEL_HICACHE_SPAN_EXPORT_PROCESS" in fix
+        assert "NOT working" in lines[-1]
+    assert "could not be started" in lines[0]
