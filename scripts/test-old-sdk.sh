@@ -28,7 +28,7 @@ fi
 "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
 "$venv/bin/python" -c 'from otel_hicache import sdk_internals; print("test-old-sdk:", sdk_internals.report().summary())' >&2
 cd "$root"
-# The core tests that exercise the engine. Left out:
+# The core tests that exercise the engine, and the span export helper (public constructors only). Left out:
 # - test_records.py::test_integer_like_counts_and_str_enum_pool_names_are_accepted and
 #   test_host_residence.py::test_torch_cpu_indices_are_read_in_place import torch (not installed here);
 # - test_prometheus_exposition.py: its exact exposition has the otel_scope_* labels that Prometheus
@@ -36,7 +36,7 @@ cd "$root"
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_sdk_internals.py tests/test_telemetry.py tests/test_hot_path.py tests/test_records.py \
   tests/test_busy_time.py tests/test_clock.py tests/test_cache_events.py tests/test_transfer_causes.py \
-  tests/test_host_residence.py tests/test_request_links.py \
+  tests/test_host_residence.py tests/test_request_links.py tests/test_span_export_process.py \
   --deselect tests/test_records.py::test_integer_like_counts_and_str_enum_pool_names_are_accepted \
   --deselect tests/test_host_residence.py::test_torch_cpu_indices_are_read_in_place \
   "$@"
