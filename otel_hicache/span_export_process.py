@@ -49,6 +49,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from . import fork
 from .diagnostics import logger, warn_once
+from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
+from .settings import env_float
 
 BATCH = 32
 """Spans per write to the helper: ~0.27 ms of GIL (8.4 us a span for :func:`flatten` and
@@ -422,7 +424,11 @@ class ProcessSpanExporter(SpanExporter):
                 return False
 
     def shutdown(self, timeout_millis: float = 30_000) -> None:
-        """Let the helper export what it holds and end, within the time (then it is killed)."""
+        """Let the helper export what it holds and end, within the time and at most
+        ``OTEL_HICACHE_SHUTDOWN_TIMEOUT_S`` (the SDK's processor passes what is left of 30 s;
+        a helper must not outlive its process by that long with the collector unreachable),
+        then it is killed."""
+        timeout_millis = min(timeout_millis, env_float(OTEL_HICACHE_SHUTDOWN_TIMEOUT_S) * 1e3)
         with self._lock:
             if self._closed:
                 return

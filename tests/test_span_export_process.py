@@ -27,7 +27,7 @@ from opentelemetry.trace import TraceState
 from harness import Harness
 from otel_hicache import sdk_internals
 from otel_hicache import span_export_process as sep
-from otlp_receiver import GrpcReceiver, HttpReceiver, attributes
+from otlp_receiver import GrpcReceiver, HttpReceiver, StallingServer, attributes
 
 
 def frames(data: bytes) -> list[tuple]:
@@ -158,6 +158,31 @@ def test_spans_reach_the_receiver_through_the_helper(protocol, monkeypatch, fres
         assert not os.path.exists(f"/proc/{helper}")  # it ended with the providers
     finally:
         receiver.stop()
+
+
+def test_shutdown_is_bounded_and_the_helper_ends_with_the_collector_stalled(monkeypatch, fresh_configuration):
+    import otel_hicache
+
+    stalling = StallingServer()  # every export waits for OTEL_EXPORTER_OTLP_TIMEOUT
+    try:
+        conf = configure_for(stalling, monkeypatch, OTEL_HICACHE_SHUTDOWN_TIMEOUT_S="1",
+                             OTEL_EXPORTER_OTLP_TIMEOUT="20")
+        exporter = conf.span_processors[0].helper
+        tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
+        submit(tel, 20)
+        tel.force_flush(1.0)  # the helper has them, its export is stuck in the stalled request
+        helper = exporter.pid
+        assert helper is not None
+        started = time.monotonic()
+        tel.shutdown()
+        otel_hicache.shutdown()  # OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
+        assert time.monotonic() - started < 6.0
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{helper}"):
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{helper}")  # not left waiting for the SDK's 30 s or the request's 20
+    finally:
+        stalling.stop()
 
 
 def test_no_helper_without_span_exporters(monkeypatch, fresh_configuration):
