@@ -10,6 +10,7 @@ import contextlib
 import io
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -183,6 +184,41 @@ def test_shutdown_is_bounded_and_the_helper_ends_with_the_collector_stalled(monk
         assert not os.path.exists(f"/proc/{helper}")  # not left waiting for the SDK's 30 s or the request's 20
     finally:
         stalling.stop()
+
+
+PARENT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import otel_hicache
+from test_span_export_process import submit
+conf = otel_hicache.configure()
+tel = otel_hicache.TransferTelemetry(attributes={{"tp_rank": 0}})
+submit(tel, 5)
+tel.force_flush(10.0)
+print(conf.span_processors[0].helper.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_helper_ends_when_its_process_is_killed(monkeypatch):
+    receiver = HttpReceiver()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="none", OTEL_HICACHE_SPAN_EXPORT_PROCESS="true",
+                   OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint)
+        parent = subprocess.Popen([sys.executable, "-c", PARENT.format(tests=os.path.dirname(__file__))], env=env,
+                                  stdout=subprocess.PIPE, text=True)
+        helper = int(parent.stdout.readline())
+        assert os.path.exists(f"/proc/{helper}")
+        parent.kill()  # SIGKILL: no exit hook runs; the helper's pipe closes with the process
+        parent.wait(10)
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{helper}"):
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{helper}")
+        assert len(receiver.received.spans()) == 5  # flushed before the kill
+    finally:
+        receiver.stop()
 
 
 def test_no_helper_without_span_exporters(monkeypatch, fresh_configuration):
