@@ -11,12 +11,17 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gil_impact.py"
 
 
-def test_gil_impact_runs_and_every_span_is_encoded(tmp_path):
+def gil_impact(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """One tiny run (one round of 0.3 s turns) with ``args``: its output and its JSON results."""
     out = tmp_path / "gil.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--rates", "200", "--rounds", "1", "--turn-s", "0.3",
-                          "--sections", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "1", "--turn-s", "0.3", *args, "--json", str(out)],
+                         capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
-    results = json.loads(out.read_text())
+    return run, json.loads(out.read_text())
+
+
+def test_gil_impact_runs_and_every_span_is_encoded(tmp_path):
+    run, results = gil_impact(tmp_path, "--rates", "200", "--sections")
     assert {"idle", "paced 200", "hicache 200"} <= set(results["variants"])
     hicache = results["variants"]["hicache 200"]
     assert hicache["ops"] > 0 and hicache["flushed"] and hicache["samples"] > 0
@@ -26,11 +31,7 @@ def test_gil_impact_runs_and_every_span_is_encoded(tmp_path):
 
 
 def test_gil_impact_runs_the_export_process_variant_and_every_span_arrives(tmp_path):
-    out = tmp_path / "gil.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--rates", "1000", "--rounds", "1", "--turn-s", "0.3",
-                          "--no-outliers", "--json", str(out)], capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stdout + run.stderr
-    results = json.loads(out.read_text())
+    run, results = gil_impact(tmp_path, "--rates", "1000", "--no-outliers")
     helper = results["variants"]["hicache 1000 export process"]
     in_process = results["variants"]["hicache 1000"]
     assert helper["ops"] > 0 and helper["flushed"] and helper["helper_cpu_share"] is not None

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from opentelemetry import trace
@@ -112,6 +113,25 @@ def configure_for(receiver, monkeypatch, protocol="http/protobuf", readers=(), *
     for key, value in extra.items():
         monkeypatch.setenv(key, value)
     return otel_hicache.configure(force=True, metric_readers=readers)
+
+
+@pytest.fixture
+def through_helper(monkeypatch, fresh_configuration):
+    """configure() with the helper on, to an HTTP receiver; a TransferTelemetry whose 40 spans
+    the helper has already exported."""
+    import otel_hicache
+
+    receiver = HttpReceiver()
+    try:
+        conf = configure_for(receiver, monkeypatch)
+        tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
+        submit(tel, 40)
+        assert tel.force_flush(30.0)
+        yield SimpleNamespace(receiver=receiver, tel=tel, exporter=conf.span_processors[0].helper)
+        tel.shutdown()
+        otel_hicache.shutdown(10.0)
+    finally:
+        receiver.stop()
 
 
 def submit(tel, n, offset=0):
@@ -243,37 +263,25 @@ def test_a_malformed_value_is_warned_about_and_spans_stay_in_process(monkeypatch
         receiver.stop()
 
 
-def test_a_helper_that_dies_is_replaced_and_the_loss_is_counted(monkeypatch, fresh_configuration, warnings_log):
-    import otel_hicache
-
-    receiver = HttpReceiver()
-    try:
-        conf = configure_for(receiver, monkeypatch)
-        exporter = conf.span_processors[0].helper
-        tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
-        submit(tel, 40)
-        assert tel.force_flush(30.0)
-        first = exporter.pid
-        cpu_before = exporter.helper_cpu_s()
-        os.kill(first, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while exporter._proc.poll() is None and time.monotonic() < deadline:  # pylint: disable=protected-access
-            time.sleep(0.01)
-        submit(tel, 40, offset=1000)  # the first batch meets the dead helper's pipe
-        tel.force_flush(30.0)
-        submit(tel, 40, offset=2000)
-        assert tel.force_flush(30.0)
-        assert exporter.pid not in (None, first)
-        assert exporter.helper_cpu_s() >= cpu_before > 0  # the dead helper's CPU stays counted
-        tokens = {attributes(s.attributes)["hicache.tokens"] for _, s in receiver.received.spans()}
-        assert set(range(64, 104)) <= tokens and set(range(2064, 2104)) <= tokens
-        lost = 40 - len(tokens & set(range(1064, 1104)))
-        assert lost == exporter.lost > 0  # what did not arrive is what was counted
-        assert "span export helper process" in warnings_log.text and "were lost" in warnings_log.text
-        tel.shutdown()
-        otel_hicache.shutdown(10.0)
-    finally:
-        receiver.stop()
+def test_a_helper_that_dies_is_replaced_and_the_loss_is_counted(through_helper, warnings_log):
+    exporter, tel = through_helper.exporter, through_helper.tel
+    first = exporter.pid
+    cpu_before = exporter.helper_cpu_s()
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while exporter._proc.poll() is None and time.monotonic() < deadline:  # pylint: disable=protected-access
+        time.sleep(0.01)
+    submit(tel, 40, offset=1000)  # the first batch meets the dead helper's pipe
+    tel.force_flush(30.0)
+    submit(tel, 40, offset=2000)
+    assert tel.force_flush(30.0)
+    assert exporter.pid not in (None, first)
+    assert exporter.helper_cpu_s() >= cpu_before > 0  # the dead helper's CPU stays counted
+    tokens = {attributes(s.attributes)["hicache.tokens"] for _, s in through_helper.receiver.received.spans()}
+    assert set(range(64, 104)) <= tokens and set(range(2064, 2104)) <= tokens
+    lost = 40 - len(tokens & set(range(1064, 1104)))
+    assert lost == exporter.lost > 0  # what did not arrive is what was counted
+    assert "span export helper process" in warnings_log.text and "were lost" in warnings_log.text
 
 
 def test_without_a_helper_spans_are_exported_in_process(warnings_log):
@@ -301,49 +309,38 @@ def test_a_helper_that_cannot_start_falls_back_at_once(warnings_log):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX-only")
-def test_a_forked_child_exports_through_its_own_helper(monkeypatch, fresh_configuration):
+def test_a_forked_child_exports_through_its_own_helper(through_helper):
     import otel_hicache
 
-    receiver = HttpReceiver()
-    try:
-        conf = configure_for(receiver, monkeypatch)
-        exporter = conf.span_processors[0].helper
-        tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
-        submit(tel, 10)
-        assert tel.force_flush(30.0)
-        parent_helper = exporter.pid
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: its own providers and helper
-            code = 1
-            try:
-                os.close(read)
-                child_conf = otel_hicache.configure()
-                child_tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 1})
-                submit(child_tel, 10, offset=500)
-                ok = child_tel.force_flush(30.0)
-                helper = child_conf.span_processors[0].helper.pid
-                os.write(write, f"{int(ok)} {helper}".encode())
-                child_tel.shutdown()
-                otel_hicache.shutdown(10.0)
-                code = 0
-            finally:
-                os._exit(code)  # pylint: disable=protected-access
-        os.close(write)
-        answer = os.read(read, 100).decode().split()
-        os.close(read)
-        _, status = os.waitpid(pid, 0)
-        assert os.WEXITSTATUS(status) == 0 and answer[0] == "1"
-        assert int(answer[1]) not in (parent_helper, pid, os.getpid())
-        submit(tel, 10, offset=1000)  # the parent's helper still takes the parent's spans
-        assert tel.force_flush(30.0) and exporter.pid == parent_helper
-        by_rank = {}
-        for _, span in receiver.received.spans():
-            attrs = attributes(span.attributes)
-            by_rank.setdefault(attrs["tp_rank"], set()).add(attrs["hicache.tokens"])
-        assert by_rank == {0: set(range(64, 74)) | set(range(1064, 1074)), 1: set(range(564, 574))}
-        tel.shutdown()
-        otel_hicache.shutdown(10.0)
-    finally:
-        receiver.stop()
-
+    exporter, tel = through_helper.exporter, through_helper.tel
+    parent_helper = exporter.pid
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own providers and helper
+        code = 1
+        try:
+            os.close(read)
+            child_conf = otel_hicache.configure()
+            child_tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 1})
+            submit(child_tel, 10, offset=500)
+            ok = child_tel.force_flush(30.0)
+            helper = child_conf.span_processors[0].helper.pid
+            os.write(write, f"{int(ok)} {helper}".encode())
+            child_tel.shutdown()
+            otel_hicache.shutdown(10.0)
+            code = 0
+        finally:
+            os._exit(code)  # pylint: disable=protected-access
+    os.close(write)
+    answer = os.read(read, 100).decode().split()
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0 and answer[0] == "1"
+    assert int(answer[1]) not in (parent_helper, pid, os.getpid())
+    submit(tel, 10, offset=1000)  # the parent's helper still takes the parent's spans
+    assert tel.force_flush(30.0) and exporter.pid == parent_helper
+    by_rank = {}
+    for _, span in through_helper.receiver.received.spans():
+        attrs = attributes(span.attributes)
+        by_rank.setdefault(attrs["tp_rank"], set()).add(attrs["hicache.tokens"])
+    assert by_rank == {0: set(range(64, 104)) | set(range(1064, 1074)), 1: set(range(564, 574))}
