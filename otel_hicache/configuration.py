@@ -185,8 +185,9 @@ def _build(extra_readers: Sequence[Any]) -> Configuration:
                          span_processors=processors)
 
 
-def _meter_provider(resource: Any, extra_readers: Sequence[Any] = ()) -> tuple[list[Any], Any]:
-    """The readers ``OTEL_METRICS_EXPORTER`` names (and ``extra_readers``) and a meter provider of them."""
+def _meter_provider(resource: Any, extra_readers: Sequence[Any] = (),
+                    names: Sequence[str] | None = None) -> tuple[list[Any], Any]:
+    """The readers ``OTEL_METRICS_EXPORTER`` names (or ``names``), ``extra_readers``, and a meter provider of them."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
@@ -194,7 +195,7 @@ def _meter_provider(resource: Any, extra_readers: Sequence[Any] = ()) -> tuple[l
     build = otel_environment.build
     readers: list[Any] = []
     metric_exporters = []
-    for made in exporters("metrics"):
+    for made in exporters("metrics", names=names):
         if isinstance(made, MetricReader):
             readers.append(made)  # a pull reader (prometheus) serving its own endpoint
         else:
@@ -252,14 +253,15 @@ def _process_span_processor(meter_provider: Any) -> Any:
 
 
 def self_metrics_meter_provider() -> Any:
-    """For the span export helper: a meter provider of the ``OTEL_METRICS_EXPORTER`` readers when
+    """For the span export helper: a meter provider of the ``OTEL_METRICS_EXPORTER`` push exporters when
     ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true`` (the exporters' ``otel.sdk.exporter.span.*``,
-    which only the helper has), else None."""
+    which only the helper has), else None. Not ``prometheus``: its port is the serving process's."""
     if (otel_environment.raw("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED") or "").strip().lower() != "true":
         return None  # (as the SDK reads it)
     from opentelemetry.sdk.resources import Resource
 
-    return _meter_provider(Resource.create())[1]
+    names = [name for name in exporter_names("metrics") if name != "prometheus"]
+    return _meter_provider(Resource.create(), names=names)[1] if names else None
 
 
 def _after_fork_in_child() -> None:

@@ -241,6 +241,40 @@ def test_the_helper_ends_when_its_process_is_killed(monkeypatch):
         receiver.stop()
 
 
+def test_the_sdk_self_metrics_count_every_span_from_both_processes(monkeypatch, fresh_configuration):
+    """OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true: the serving process's processor counts what it
+    handed over, the helper's OTLP exporter what it exported, both to the same metrics endpoint."""
+    import otel_hicache
+
+    receiver = HttpReceiver()
+    try:
+        configure_for(receiver, monkeypatch, OTEL_METRICS_EXPORTER="otlp", OTEL_METRIC_EXPORT_INTERVAL="600000",
+                      OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED="true")
+        tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
+        submit(tel, 50)
+        assert tel.force_flush(30.0)
+        tel.shutdown()
+        otel_hicache.shutdown(10.0)  # the last collection of both processes
+        exported = receiver.received.last_points("otel.sdk.exporter.span.exported")
+        processed = receiver.received.last_points("otel.sdk.processor.span.processed")
+        assert sum(p.as_int for p in exported) == 50 and not any("error.type" in attributes(p.attributes)
+                                                                  for p in exported)
+        assert sum(p.as_int for p in processed) == 50
+    finally:
+        receiver.stop()
+
+
+def test_the_helper_never_serves_a_prometheus_port(monkeypatch):
+    from otel_hicache import configuration
+
+    monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")  # the serving process's port
+    assert configuration.self_metrics_meter_provider() is None
+    monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "false")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+    assert configuration.self_metrics_meter_provider() is None
+
+
 def test_no_helper_without_span_exporters(monkeypatch, fresh_configuration):
     import otel_hicache
 
