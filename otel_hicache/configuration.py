@@ -235,11 +235,10 @@ def _process_span_processor(meter_provider: Any) -> Any:
     from . import span_export_process as sep
 
     batch = otel_environment.BATCH_SPAN_PROCESSOR
-    queue = otel_environment.raw("OTEL_BSP_MAX_QUEUE_SIZE")
     delay = otel_environment.raw("OTEL_BSP_SCHEDULE_DELAY")
     own = _accepted(BatchSpanProcessor, meter_provider=meter_provider)
-    own["max_export_batch_size"] = min(sep.BATCH, int(queue) if queue and queue.strip().isdigit() and int(queue)
-                                       else batch["OTEL_BSP_MAX_QUEUE_SIZE"][1])
+    # at most the queue size, as the SDK requires: the batch size's own default, capped
+    own["max_export_batch_size"] = min(sep.BATCH, batch["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1]())
     own["schedule_delay_millis"] = sep.SCHEDULE_DELAY_MS
     if delay is not None and otel_environment.positive(delay):
         try:

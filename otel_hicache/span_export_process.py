@@ -171,16 +171,25 @@ class _Rebuilder:
             start_time=start, end_time=end, instrumentation_scope=self.scopes[scope])
 
 
+    def take(self, frame: tuple[Any, ...]) -> list[Any] | None:
+        """The spans of an ``"s"`` frame; a resource or a scope is kept ([]); None: not such a frame."""
+        kind = frame[0]
+        if kind == "s":
+            return [self.span(values) for values in frame[1]]
+        if kind == "r":
+            self.resource(*frame[1:])
+        elif kind == "i":
+            self.scope(*frame[1:])
+        else:
+            return None
+        return []
+
+
 def rebuild(frames: Sequence[tuple[Any, ...]]) -> list[Any]:
     """The spans in ``frames`` (as :class:`ProcessSpanExporter` writes them), rebuilt (tests)."""
     rebuilder, spans = _Rebuilder(), []
     for frame in frames:
-        if frame[0] == "r":
-            rebuilder.resource(*frame[1:])
-        elif frame[0] == "i":
-            rebuilder.scope(*frame[1:])
-        elif frame[0] == "s":
-            spans.extend(rebuilder.span(values) for values in frame[1])
+        spans.extend(rebuilder.take(frame) or ())
     return spans
 
 
@@ -191,9 +200,13 @@ def helper_command() -> list[str]:
     return [sys.executable, "-m", __name__]
 
 
-def _write(stream: BinaryIO, frame: tuple[Any, ...]) -> None:
+def _encode(frame: tuple[Any, ...]) -> bytes:
     payload = marshal.dumps(frame)
-    stream.write(_HEADER.pack(len(payload)) + payload)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def _write(stream: BinaryIO, frame: tuple[Any, ...]) -> None:
+    stream.write(_encode(frame))
 
 
 def _read(stream: BinaryIO) -> tuple[Any, ...] | None:
@@ -292,24 +305,24 @@ class ProcessSpanExporter(SpanExporter):
                   "its last flush may have been lost with it; starting another at the next export",
                   proc.pid, code, spans, self._unconfirmed)
         self._unconfirmed = 0
-        self._close(proc, kill=True)
+        self._close(proc)
         self._proc = None
 
     @staticmethod
-    def _close(proc: subprocess.Popen[bytes], kill: bool) -> None:
+    def _close(proc: subprocess.Popen[bytes]) -> None:
+        """Its pipes closed, it killed if it still runs, and reaped."""
         for stream in (proc.stdin, proc.stdout):
             try:
                 if stream is not None:
                     stream.close()
             except OSError:
                 pass
-        if kill and proc.poll() is None:
+        if proc.poll() is None:
             proc.kill()
-        if kill:
-            try:
-                proc.wait(1.0)
-            except subprocess.TimeoutExpired:
-                pass
+        try:
+            proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass
 
     def _after_fork_in_child(self) -> None:
         """A forked child shares the parent's helper pipe: close this copy (the parent's helper must
@@ -382,7 +395,7 @@ class ProcessSpanExporter(SpanExporter):
                             dict(scope.attributes) if scope.attributes else None))
             flat.append(flatten(span, r_index, known[1]))
         out.append(("s", flat))
-        return b"".join(_HEADER.pack(len(p)) + p for p in map(marshal.dumps, out))
+        return b"".join(map(_encode, out))
 
     def _export_in_process(self, spans: Sequence[Any]) -> Any:
         result = SpanExportResult.SUCCESS
@@ -451,7 +464,7 @@ class ProcessSpanExporter(SpanExporter):
             except subprocess.TimeoutExpired:
                 logger.warning("otel-hicache: the span export helper process (pid %d) did not end in time; "
                                "killing it (spans it still held are lost)", proc.pid)
-            self._close(proc, kill=True)
+            self._close(proc)
 
 
 class ProcessSpanProcessor(BatchSpanProcessor):
@@ -501,19 +514,14 @@ def serve(source: BinaryIO, answers: BinaryIO) -> int:
             break
         kind = frame[0]
         try:
-            if kind == "s":
-                for values in frame[1]:
-                    span = rebuilder.span(values)
-                    for call in on_end:
-                        call(span)
-            elif kind == "r":
-                rebuilder.resource(*frame[1:])
-            elif kind == "i":
-                rebuilder.scope(*frame[1:])
-            elif kind == "f":
+            if kind == "f":
                 ok = provider.force_flush(int(frame[2]))
                 _write(answers, ("f", frame[1], bool(ok)))
                 answers.flush()
+            else:
+                for span in rebuilder.take(frame) or ():
+                    for call in on_end:
+                        call(span)
         except Exception as exc:  # pylint: disable=broad-except  # one bad frame must not end the helper
             warn_once(f"span_export_process:frame:{type(exc).__name__}", "otel-hicache: the span export helper "
                       "could not take a %r frame: %r", kind, exc)
