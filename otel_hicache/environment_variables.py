@@ -168,6 +168,20 @@ names, as ``configure()`` would. ``false`` (default): spans are exported in-proc
 Default: ``false``
 """
 
+OTEL_HICACHE_GIL_SLICE_US = "OTEL_HICACHE_GIL_SLICE_US"
+"""
+.. envvar:: OTEL_HICACHE_GIL_SLICE_US
+
+Longest stretch, in microseconds, for which otel-hicache's completion worker and span
+export helper's writer hold the GIL before they pause (a ~10 us sleep) so that another
+thread waiting for it (SGLang's scheduler waking up) gets it; they also take turns, one
+at a time. ``0`` (default): no pauses. It shortens the scheduler's waits for the GIL
+when the scheduler mostly sleeps or waits on the device, and costs more CPU and more GIL
+hand-offs when it is busy in Python (``docs/performance.md``, "Cooperative GIL slices").
+A cycle that starts with a backlog of queued records runs without pauses.
+Default: ``0``
+"""
+
 DEFAULTS = {
     OTEL_HICACHE_ENABLED: True,
     OTEL_HICACHE_STRICT: False,
@@ -183,5 +197,6 @@ DEFAULTS = {
     OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE: 0.99,
     OTEL_HICACHE_HOST_RESIDENCE: False,
     OTEL_HICACHE_SPAN_EXPORT_PROCESS: False,
+    OTEL_HICACHE_GIL_SLICE_US: 0.0,
 }
 """The documented default of every ``OTEL_HICACHE_*`` variable."""

@@ -236,11 +236,13 @@ class TransferMetrics(TransferInstruments):
             if not bound.bulk:
                 bound.revalidate()
 
-    def flush(self) -> None:
+    def flush(self, pause: Callable[[], None] | None = None) -> None:
         """Re-check the bindings and hand the summed counter increments and the kept
         histogram values to the SDK (every ``_COUNTER_FLUSH_INTERVAL_NS`` of the worker,
-        and on every flush)."""
+        and on every flush). ``pause()`` between two SDK calls: the worker's GIL slice."""
         for bound in self._bound.values():
+            if pause is not None:
+                pause()
             bound.revalidate()
             bound.flush_values()
         pending = self._pending
@@ -249,6 +251,8 @@ class TransferMetrics(TransferInstruments):
         self._pending = {}
         for instrument, attrs, amount in pending.values():
             if amount:
+                if pause is not None:
+                    pause()
                 instrument.add(amount, attrs)
 
     # -- per record ---------------------------------------------------------

@@ -38,6 +38,7 @@ from .clock import EventTimeline, WallClockAnchor
 from .device import anchor_factory_for
 from .diagnostics import logger, warn_once
 from .environment_variables import DEFAULTS
+from .gil_slice import GilSlice
 from .host_residence import HostFree
 from .records import DIRECTIONS, OFFLOAD, S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
 from .settings import env_float, env_int
@@ -64,6 +65,7 @@ class PipelineSettings:
         "ack_timeout_ns",
         "transfer_timeout_ns",
         "anchor_interval_s",
+        "gil_slice_us",
     )
 
     def __init__(
@@ -73,12 +75,14 @@ class PipelineSettings:
         ack_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_ACK_TIMEOUT_S],
         transfer_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S],
         anchor_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_ANCHOR_INTERVAL_S],
+        gil_slice_us: float = DEFAULTS[ev.OTEL_HICACHE_GIL_SLICE_US],
     ) -> None:
         self.max_queue_size = max_queue_size
         self.poll_interval_s = poll_interval_s
         self.ack_timeout_ns = int(ack_timeout_s * 1e9)
         self.transfer_timeout_ns = int(transfer_timeout_s * 1e9)
         self.anchor_interval_s = anchor_interval_s
+        self.gil_slice_us = gil_slice_us
 
     @classmethod
     def from_environment(cls) -> "PipelineSettings":
@@ -89,6 +93,7 @@ class PipelineSettings:
             ack_timeout_s=env_float(ev.OTEL_HICACHE_ACK_TIMEOUT_S),
             transfer_timeout_s=env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S),
             anchor_interval_s=env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01),
+            gil_slice_us=env_float(ev.OTEL_HICACHE_GIL_SLICE_US),
         )
 
 
@@ -100,6 +105,9 @@ _ACTIVE_GRACE_S = 0.1
 # this much behind the histograms (recorded per op).
 _COUNTER_FLUSH_INTERVAL_NS = 50_000_000
 _ACK_SCAN_INTERVAL_NS = 5_000_000
+# A cycle that starts with more queued than this runs without GIL slices: catching up
+# beats pausing for others (a backlog would otherwise end in queue_full drops).
+_UNSLICED_BACKLOG = 256
 _GIL_YIELD_EVERY = 16  # records completed between two voluntary GIL releases
 _BUSY_LATE_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
 _BUSY_FORGET_INTERVAL_NS = 100_000_000
@@ -170,6 +178,7 @@ class CompletionPipeline:
         self._timeline = EventTimeline()  # places device-timed ops the anchor cannot
         self._sinks: Sinks | None = None
         self._wake = _Wake()
+        self._slice = GilSlice(self.settings.gil_slice_us)  # OTEL_HICACHE_GIL_SLICE_US
         # time.monotonic_ns() of the last hand-off of the summed counters: due at the first cycle (even when
         # the clock, which counts from boot, is younger than the interval)
         self._last_counter_flush = time.monotonic_ns() - _COUNTER_FLUSH_INTERVAL_NS
@@ -308,12 +317,15 @@ class CompletionPipeline:
         last_active = 0.0
         while True:
             taken = self._taken
+            self._slice.begin(sliced=len(self.queue) <= _UNSLICED_BACKLOG)
             try:
                 self._cycle()
             except Exception as exc:  # keep the worker alive whatever happens
                 self._intake = ()  # a batch the error interrupted is not in flight any more
                 warn_once("worker", "otel-hicache: completion worker error %r (continuing)", exc)
                 logger.debug("otel-hicache worker error", exc_info=True)
+            finally:
+                self._slice.end()
             if self._stopping:
                 self._cycle_final()
                 return
@@ -353,6 +365,7 @@ class CompletionPipeline:
         # (submit() refuses beyond the cap), so a backlog never stalls reporting
         # and queued + held never exceeds the cap.
         pending = self._pending
+        check = self._slice.check  # a pause once the cycle has held the GIL for its slice (or nothing)
         room = cap - len(pending) - len(self._awaiting)
         while queue and room > 0:
             # Pop and count under the flush lock: flush() reads _taken + len(queue) under it, so
@@ -365,6 +378,7 @@ class CompletionPipeline:
                 self._taken = first + count
                 self._intake = items  # popped, not yet in _pending: still seen as in flight
             for seq, item in enumerate(items, first):
+                check()
                 record = None
                 try:
                     if type(item) is HostFree:  # freed host pages, in order with the ops around them
@@ -399,6 +413,7 @@ class CompletionPipeline:
             still = []
             timeout = self.settings.transfer_timeout_ns
             for index, record in enumerate(self._pending):
+                check()
                 if index and not index % _GIL_YIELD_EVERY:
                     time.sleep(0)  # let the caller's thread take the GIL: no stall grows with the batch
                 try:
@@ -431,7 +446,7 @@ class CompletionPipeline:
         mono = time.monotonic_ns()
         if self._flush_waiters or self._drain_all or mono - self._last_counter_flush >= _COUNTER_FLUSH_INTERVAL_NS:
             self._last_counter_flush = mono
-            metrics.flush()
+            metrics.flush(check)
         else:
             revalidate = getattr(metrics, "revalidate", None)
             if revalidate is not None:
@@ -575,10 +590,12 @@ class CompletionPipeline:
         if record.requests is not None:
             self._link_requests(record)
         state = sinks.spans.begin(record)
+        self._slice.check()  # a record is three units: its span begun, its metrics, its span ended
         written = record.host_written
         if written is not None and record.span_context is not None and record.span_context.trace_flags.sampled:
             written[0].link(written[1], record.span_context.trace_id, record.span_context.span_id)
         sinks.metrics.completed(record, busy_added)
+        self._slice.check()
         sinks.log.completed(record, busy_added)
         if record.expect_ack and record.ack_ns is None and record.ack_watch is not None:
             self._watch_acks(now, [(record, None)])  # taken before we saw it complete?
@@ -634,8 +651,10 @@ class CompletionPipeline:
 
     def _scan_acks(self, sinks: Sinks, now: int) -> None:
         timeout = self.settings.ack_timeout_ns
+        check = self._slice.check
         keep = []
         for record, state in self._awaiting:
+            check()
             if record.ack_ns is not None or self._drain_all or now - record.completed_at_ns > timeout:
                 try:
                     self._finish(record, state, sinks)

@@ -109,7 +109,7 @@ class FakeMetrics:
     def dropped_records(self, reason, count=1):
         self.rec.note("dropped", reason, count)
 
-    def flush(self):
+    def flush(self, pause=None):
         self.rec.flushes_at.append(len(self.rec.calls))
         error = self.rec.fail.pop("flush", None)
         if error is not None:

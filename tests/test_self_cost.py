@@ -64,7 +64,7 @@ class CountingMetrics:
     def dropped_records(self, reason: str, count: int = 1) -> None:
         pass
 
-    def flush(self) -> None:
+    def flush(self, pause: Any = None) -> None:
         self.flushes += 1
 
     def revalidate(self) -> None:
