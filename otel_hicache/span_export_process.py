@@ -20,7 +20,9 @@ bytes are the ones the span would have had in-process (``tests/test_span_export_
 compares them).
 
 ``force_flush`` and ``shutdown`` reach the helper (its answer, or its exit, within the
-time given). A helper that dies is started again at the next export; a batch that can
+time given). The helper lowers its own scheduling priority (:data:`NICE`). With
+``OTEL_HICACHE_GIL_SLICE_US`` set, the exporter takes its turn and pauses as
+:mod:`otel_hicache.gil_slice` says while it flattens and marshals a batch. A helper that dies is started again at the next export; a batch that can
 no longer be written to it is counted as lost (``lost``) and warned about once, with how
 many spans written since it last answered a flush may have gone with it. After :data:`MAX_STARTS` helpers died,
 or when none can be started, the spans are exported in-process, as without the
@@ -29,7 +31,7 @@ variable, warned once.
 The wire is this module's own: a 4-byte length, then ``marshal`` data (the helper runs
 the same interpreter). Frames from the parent: ``("r", index, attributes, schema_url)`` a
 resource, ``("i", index, name, version, schema_url, attributes)`` a scope, ``("s",
-[span, ...])`` spans, ``("f", token, timeout_ms)`` a flush, ``("x", timeout_ms)`` the end.
+[span, ...])`` up to :data:`FRAME_SPANS` spans, ``("f", token, timeout_ms)`` a flush, ``("x", timeout_ms)`` the end.
 From the helper: ``("f", token, ok)``.
 """
 
@@ -49,7 +51,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from . import fork
 from .diagnostics import logger, warn_once
-from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
+from .environment_variables import OTEL_HICACHE_GIL_SLICE_US, OTEL_HICACHE_SHUTDOWN_TIMEOUT_S
+from .gil_slice import GilSlice
 from .settings import env_float
 
 BATCH = 32
@@ -59,6 +62,12 @@ SCHEDULE_DELAY_MS = 200
 """The longest a span waits in the serving process before it is written to the helper
 (``OTEL_BSP_SCHEDULE_DELAY``, if shorter); the helper's own processor then waits as
 ``OTEL_BSP_SCHEDULE_DELAY`` says."""
+FRAME_SPANS = 8
+"""Spans per ``"s"`` frame (a batch is several): one ``marshal`` call is a unit of GIL time
+that ``OTEL_HICACHE_GIL_SLICE_US`` cannot cut, ~50 us for 8 spans here."""
+NICE = 10
+"""The helper lowers its own scheduling priority by this much (``os.nice``): it is background
+work, and on a machine with few cores it competes with the serving process's threads."""
 MAX_STARTS = 3
 """Helpers started in one process before its spans are exported in-process instead."""
 PIPE_BYTES = 1 << 20
@@ -242,6 +251,7 @@ class ProcessSpanExporter(SpanExporter):
         """Spans that could not be written to a helper (it had ended)."""
         self._retired_cpu_s = 0.0  # CPU of helpers that ended: the counter never goes down
         self._last_cpu: tuple[int, float] | None = None
+        self._slice = GilSlice(env_float(OTEL_HICACHE_GIL_SLICE_US))  # exports are one at a time (_lock)
         fork.after_fork_in_child(self._after_fork_in_child)
 
     @property
@@ -361,6 +371,7 @@ class ProcessSpanExporter(SpanExporter):
                 return self._export_in_process(spans)
             proc = self._proc
             assert proc is not None and proc.stdin is not None
+            self._slice.begin()
             try:
                 frames = self._frames(spans)
             except Exception as exc:  # pylint: disable=broad-except  # a span we cannot flatten
@@ -368,6 +379,8 @@ class ProcessSpanExporter(SpanExporter):
                           "written to the span export helper (%r); %d spans not exported", exc, len(spans))
                 self.lost += len(spans)
                 return SpanExportResult.FAILURE
+            finally:
+                self._slice.end()  # the write below waits with the GIL released
             try:
                 proc.stdin.write(frames)
                 proc.stdin.flush()
@@ -381,7 +394,9 @@ class ProcessSpanExporter(SpanExporter):
         out: list[tuple[Any, ...]] = []
         resources, scopes = self._resources, self._scopes
         flat = []
+        check = self._slice.check  # a pause once this export has held the GIL for its slice (or nothing)
         for span in spans:
+            check()
             resource, scope = span.resource, span.instrumentation_scope
             known = resources.get(id(resource))
             if known is None or known[0] is not resource:
@@ -394,8 +409,11 @@ class ProcessSpanExporter(SpanExporter):
                 out.append(("i", known[1], scope.name, scope.version, scope.schema_url,
                             dict(scope.attributes) if scope.attributes else None))
             flat.append(flatten(span, r_index, known[1]))
-        out.append(("s", flat))
-        return b"".join(map(_encode, out))
+        encoded = [_encode(frame) for frame in out]
+        for first in range(0, len(flat), FRAME_SPANS):
+            check()
+            encoded.append(_encode(("s", flat[first:first + FRAME_SPANS])))
+        return b"".join(encoded)
 
     def _export_in_process(self, spans: Sequence[Any]) -> Any:
         result = SpanExportResult.SUCCESS
@@ -536,6 +554,10 @@ def main() -> int:
 
     logging.basicConfig(format="[otel-hicache span export helper, pid %(process)d] %(levelname)s %(name)s: "
                                "%(message)s")
+    try:
+        os.nice(NICE)
+    except (AttributeError, OSError):  # not POSIX, or not allowed: at the serving process's priority
+        pass
     return serve(sys.stdin.buffer, sys.stdout.buffer)
 
 
