@@ -29,7 +29,10 @@ c. ``instrumented``  ``SGLangHiCacheInstrumentor().instrument(tracer_provider=..
                      metrics are really made, on otel-hicache's worker thread;
 d. ``paused``        c with otel-hicache's worker paused while the ops are timed (a diagnostic: the
                      adapter's and ``submit()``'s own cost on the scheduler thread, without the
-                     worker running beside it); it resumes before the flush, so d is checked too.
+                     worker running beside it); it resumes before the flush, so d is checked too;
+e. ``sliced``        c with ``OTEL_HICACHE_GIL_SLICE_US`` set (``--gil-slice-us``, 50 by default; 0
+                     leaves e out): the worker pauses after that much GIL time
+                     (``otel_hicache.gil_slice``), here beside a scheduler thread busy in Python.
 
 Variants take turns in rounds (rotating order) so machine drift spreads evenly over
 them. A second, paired measurement (``--paired-ops``, per size) isolates the adapter's own
@@ -88,10 +91,11 @@ import sglang_cpu  # noqa: E402  (the CPU support for SGLang's HiCache code)
 
 PAGE_SIZE = 4
 LAYERS = 3
-VARIANTS = ("sglang", "disabled", "instrumented", "paused")
+VARIANTS = ("sglang", "disabled", "instrumented", "paused", "sliced")
 LABELS = {"sglang": "a. sglang", "disabled": "b. disabled", "instrumented": "c. instrumented",
-          "paused": "d. worker paused"}
-INSTRUMENTED = ("instrumented", "paused")
+          "paused": "d. worker paused", "sliced": "e. GIL slices"}
+INSTRUMENTED = ("instrumented", "paused", "sliced")
+GIL_SLICE_US = {"value": 50.0}  # --gil-slice-us: e's OTEL_HICACHE_GIL_SLICE_US
 TOKENS_METRIC = "hicache.transfer.tokens"
 BYTES_METRIC = "hicache.transfer.bytes"
 
@@ -172,7 +176,8 @@ def run_turn(variant: str, tokens_per_op: int, n_ops: int, warmup: int, interval
 
     providers = SdkProviders(shutdown_on_exit=False) if variant in INSTRUMENTED else None
     instrumentor = SGLangHiCacheInstrumentor() if variant != "sglang" else None
-    settings = {"OTEL_HICACHE_ENABLED": "false" if variant == "disabled" else "true"}
+    settings = {"OTEL_HICACHE_ENABLED": "false" if variant == "disabled" else "true",
+                "OTEL_HICACHE_GIL_SLICE_US": str(GIL_SLICE_US["value"]) if variant == "sliced" else "0"}
     result: dict[str, Any] = {"ops": warmup + n_ops}
     try:
         with env(**settings):  # read by instrument() and by the telemetry the controller starts
@@ -516,16 +521,18 @@ def run_cause_warm(rounds: int, ops: int) -> dict[str, Any]:
             "worker_resolve_us": best["worker"]}
 
 
-def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
-    """All variants for one op size, interleaved in ``rounds`` rounds of ``ops`` timed ops each."""
+def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us: float,
+            variants: Sequence[str] = VARIANTS) -> dict[str, Any]:
+    """``variants`` for one op size, interleaved in ``rounds`` rounds of ``ops`` timed ops each."""
+    variants = tuple(variants)
     interval_ns = int(interval_us * 1000)
-    samples: dict[str, dict[str, list[int]]] = {v: {"offload": [], "onboard": [], "cpu": []} for v in VARIANTS}
-    per_round: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    turns: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    samples: dict[str, dict[str, list[int]]] = {v: {"offload": [], "onboard": [], "cpu": []} for v in variants}
+    per_round: dict[str, list[float]] = {v: [] for v in variants}
+    turns: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     rss = [rss_mb()]
     t0 = time.perf_counter()
     for r in range(rounds):
-        for v in VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]:
+        for v in variants[r % len(variants):] + variants[: r % len(variants)]:
             off, on = samples[v]["offload"], samples[v]["onboard"]
             n_off, n_on = len(off), len(on)
             turns[v].append(run_turn(v, tokens_per_op, ops, warmup, interval_ns, samples[v]))
@@ -533,7 +540,7 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
         rss.append(rss_mb())
     row: dict[str, Any] = {"tokens_per_op": tokens_per_op, "elapsed_s": time.perf_counter() - t0,
                            "rss_mb": rss, "variants": {}}
-    for v in VARIANTS:
+    for v in variants:
         every = sorted(samples[v]["offload"] + samples[v]["onboard"])
         row["variants"][v] = {
             "n": len(every),
@@ -548,7 +555,7 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
             "steady": all(t["steady"] for t in turns[v]),
         }
     base = row["variants"]["sglang"]
-    for v in VARIANTS:
+    for v in variants:
         res = row["variants"][v]
         res["added_us"] = res["median_us"] - base["median_us"]
         res["ratio"] = res["median_us"] / base["median_us"]
@@ -557,7 +564,7 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
         paired = sorted(res["per_round_added_us"])
         res["paired_added_us"] = {"median": statistics.median(paired), "p25": percentile(paired, 0.25),
                                   "p75": percentile(paired, 0.75)}
-    inst = turns["instrumented"] + turns["paused"]
+    inst = turns["instrumented"] + turns["paused"] + turns.get("sliced", [])
     check = {
         "ops": sum(t["ops"] for t in inst),
         "spans": sum(t["spans"] for t in inst),
@@ -571,6 +578,9 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
         "span_processor_cpu_us_per_op": (sum(t["off_thread_cpu_s"]["span_processor"] for t in turns["instrumented"])
                                          * 1e6 / sum(t["ops"] for t in turns["instrumented"])),
     }
+    if turns.get("sliced"):
+        check["sliced_worker_cpu_us_per_op"] = (sum(t["off_thread_cpu_s"]["worker"] for t in turns["sliced"]) * 1e6
+                                                / sum(t["ops"] for t in turns["sliced"]))
     check["exact"] = (check["flushed"] and check["spans"] == check["ops"]
                       and check["metric_tokens"] == check["tokens"] and check["metric_bytes"] == check["bytes"])
     row["check"] = check
@@ -603,6 +613,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--interval-us", type=float, default=200.0, help="one op every this many us")
     parser.add_argument("--paired-ops", type=int, help="paired measurement: ops per half (0: skip)")
     parser.add_argument("--cause-rounds", type=int, help="warm transfer-causes measurement: rounds (0: skip)")
+    parser.add_argument("--gil-slice-us", type=float, default=GIL_SLICE_US["value"],
+                        help="OTEL_HICACHE_GIL_SLICE_US of variant e (0: leave e out)")
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
     args = parser.parse_args(argv)
 
@@ -633,7 +645,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{rounds} rounds x {ops} timed ops per variant per size (+{warmup} warm-up), variants interleaved "
           f"in rotating order; spans sampled at 100%")
 
-    rows = [run_row(n, rounds, ops, warmup, args.interval_us) for n in args.sizes]
+    GIL_SLICE_US["value"] = args.gil_slice_us
+    variants = [v for v in VARIANTS if v != "sliced" or args.gil_slice_us > 0]
+    rows = [run_row(n, rounds, ops, warmup, args.interval_us, variants) for n in args.sizes]
     results["rows"] = rows
     paired_ops = args.paired_ops if args.paired_ops is not None else (1500 if quick else 6000)
     paired_rows = [run_paired(n, paired_ops, warmup, args.interval_us) for n in args.sizes] if paired_ops else []
@@ -645,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n## Caller (scheduler) thread cost per merged op, each op timed alone\n")
     out = []
     for row in rows:
-        for v in VARIANTS:
+        for v in variants:
             res = row["variants"][v]
             paired = res["paired_added_us"]
             rel = v != "sglang"
@@ -660,7 +674,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           "median(a); paired = added within each round, median [p25 .. p75] over rounds. CPU = the caller thread's\n"
           "CPU time (thread_time_ns) in the same window; wall minus CPU is waiting, mostly for the GIL (SGLang's\n"
           "torch calls release it, otel-hicache's worker takes it). The CPU copy itself runs inside the timed\n"
-          "call. b vs a is the noise floor; d vs a is the adapter's own cost without the worker running beside it.")
+          "call. b vs a is the noise floor; d vs a is the adapter's own cost without the worker running beside it."
+          + (f"\ne vs c: OTEL_HICACHE_GIL_SLICE_US={args.gil_slice_us:g} against none (the default)."
+             if "sliced" in variants else ""))
 
     if paired_rows:
         print("\n## The adapter's own cost, paired op by op (worker paused)\n")
@@ -693,7 +709,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"round. Paced between SGLang's own ops, each costs several times\nits warm figure (cold caches): "
               f"the paired measurement above.")
 
-    print("\n## Correctness of the instrumented turns, c and d (after force_flush; ground truth = SGLang's acks)\n")
+    print("\n## Correctness of the instrumented turns, c, d and e (after force_flush; ground truth = SGLang's acks)\n")
     exact_all = True
     for row in rows:
         c = row["check"]
@@ -704,9 +720,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("  off-thread CPU per op of c (until flushed): " + "; ".join(
         f"{row['tokens_per_op']} tokens/op: otel-hicache worker {row['check']['worker_cpu_us_per_op']:.1f} us, "
         f"span processor {row['check']['span_processor_cpu_us_per_op']:.1f} us" for row in rows))
+    if "sliced" in variants:
+        print("  the worker's CPU per op of e (GIL slices): " + "; ".join(
+            f"{row['tokens_per_op']} tokens/op: {row['check']['sliced_worker_cpu_us_per_op']:.1f} us" for row in rows))
     print(f"exact: {'yes' if exact_all else 'no'}")
 
-    steady = all(row["variants"][v]["steady"] for row in rows for v in VARIANTS)
+    steady = all(row["variants"][v]["steady"] for row in rows for v in variants)
     rss = [x for row in rows for x in row["rss_mb"]]
     print(f"\nSGLang state after every turn: pools back to their free sizes, queues and ack queues empty: "
           f"{'yes' if steady else 'NO'} (no reset needed)")

@@ -30,15 +30,23 @@ def test_gil_impact_runs_and_every_span_is_encoded(tmp_path):
     assert "sections" in hicache and "added p99.9" in run.stdout
 
 
-def test_gil_impact_runs_the_export_process_variant_and_every_span_arrives(tmp_path):
-    run, results = gil_impact(tmp_path, "--rates", "1000", "--no-outliers")
+def test_gil_impact_runs_the_export_process_variants_and_every_span_arrives(tmp_path):
+    run, results = gil_impact(tmp_path, "--rates", "1000", "--no-outliers", "--gil-slice-us", "40",
+                              "--hold-us", "60")
     helper = results["variants"]["hicache 1000 export process"]
+    sliced = results["variants"]["hicache 1000 export process, GIL slices 40 us"]
     in_process = results["variants"]["hicache 1000"]
-    assert helper["ops"] > 0 and helper["flushed"] and helper["helper_cpu_share"] is not None
+    for through_helper in (helper, sliced):
+        assert through_helper["ops"] > 0 and through_helper["flushed"]
+        assert through_helper["helper_cpu_share"] is not None
     assert in_process["helper_cpu_share"] is None
-    # spans at 100%: the in-process variant's encoded by the sink, the helper's received over OTLP
-    assert results["received_spans"] >= helper["ops"] + in_process["ops"]
-    assert set(results["goal"]) == {"hicache 1000", "hicache 1000 export process"}
+    # spans at 100%: the in-process variant's encoded by the sink, the helpers' received over OTLP
+    assert results["received_spans"] >= helper["ops"] + sliced["ops"] + in_process["ops"]
+    assert set(results["goal"]) == {"hicache 1000", "hicache 1000 export process",
+                                    "hicache 1000 export process, GIL slices 40 us"}
+    # the floor: the GIL held 60 us per wake-up by the submitting thread, no otel-hicache
+    assert results["variants"]["hold 60 us"]["ops"] > 0 and set(results["hold_floor"]) == {"hold 60 us"}
+    assert "floor: the GIL held 60 us per wake-up" in run.stdout
     assert "the export helper process" in run.stdout
     if shutil.which("cc") or shutil.which("gcc"):  # the probe's C sleep: the GIL wait apart from the OS's lateness
         assert "the wait for the GIL after the OS woke the probe" in run.stdout
