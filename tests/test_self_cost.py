@@ -110,6 +110,49 @@ def test_a_flush_always_hands_the_counters_over(monkeypatch):
     assert metrics.flushes == 2 and not waiter.is_alive()
 
 
+class SteppedMetrics(CountingMetrics):
+    """A hand-off of ``steps`` SDK calls (``flush_steps``), each noted as it runs."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps, self.started, self.ran = steps, 0, []
+
+    def flush_steps(self) -> Any:
+        self.started += 1
+        for step in range(self.steps):
+            self.ran.append(step)
+            yield
+
+
+def test_a_periodic_hand_off_is_spread_over_cycles_a_few_calls_each(monkeypatch):
+    monkeypatch.setattr(pipeline, "_COUNTER_FLUSH_INTERVAL_NS", 10**12)  # due at the first cycle only
+    metrics = SteppedMetrics(10)
+    p = _manual(metrics)
+    per_cycle = []
+    for _ in range(4):
+        before = len(metrics.ran)
+        p._cycle()
+        per_cycle.append(len(metrics.ran) - before)
+    assert per_cycle == [pipeline._FLUSH_STEPS_PER_CYCLE] * 2 + [2, 0]
+    assert (metrics.started, metrics.flushes) == (1, 0) and p._flushing is None
+    assert metrics.revalidations == 4  # every cycle: the bindings the steps have not reached yet
+
+
+def test_a_flush_or_a_stop_first_finishes_the_hand_off_in_progress(monkeypatch):
+    monkeypatch.setattr(pipeline, "_COUNTER_FLUSH_INTERVAL_NS", 10**12)
+    for finish in ("flush", "stop"):
+        metrics = SteppedMetrics(10)
+        p = _manual(metrics)
+        p._cycle()  # 4 of the 10 steps
+        if finish == "flush":
+            p._drain_all = True  # as stop() and flush() make the next cycle hand everything over
+            p._cycle()
+        else:
+            p._cycle_final()
+        assert metrics.ran == list(range(10)) and metrics.started == 1
+        assert metrics.flushes == 1 and p._flushing is None  # then the whole hand-off, at once
+
+
 def test_counters_reach_the_sdk_within_the_interval_without_a_flush():
     reader = InMemoryMetricReader()
     meter_provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
