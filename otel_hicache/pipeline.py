@@ -12,7 +12,11 @@ worker per process (per :class:`CompletionPipeline`) does everything else:
    time, begin the span, record metrics and the DEBUG lines;
 4. finish the span once acked (or the ack wait timed out, or no ack expected);
 5. hand the summed counter increments to the SDK (at most every
-   ``_COUNTER_FLUSH_INTERVAL_NS``, and on every flush and at stop).
+   ``_COUNTER_FLUSH_INTERVAL_NS``, a few SDK calls a cycle; all at once on every
+   flush and at stop).
+
+With ``OTEL_HICACHE_GIL_SLICE_US`` the worker pauses between units of that work
+once it has held the GIL for the budget (:mod:`otel_hicache.gil_slice`).
 
 After ``fork()`` the child starts with an empty pipeline and a new worker
 (the parent's records stay the parent's), and rebuilds its sinks (see
