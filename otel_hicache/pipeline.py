@@ -113,8 +113,9 @@ _COUNTER_FLUSH_INTERVAL_NS = 50_000_000
 # worker but a collection (the p99.9 of a thread waking beside it, docs/performance.md).
 _FLUSH_STEPS_PER_CYCLE = 4
 _ACK_SCAN_INTERVAL_NS = 5_000_000
-# A cycle that starts with more queued than this runs without GIL slices: catching up
-# beats pausing for others (a backlog would otherwise end in queue_full drops).
+# A cycle that starts with more queued than this runs without GIL slices (catching up beats
+# pausing for others: a backlog would otherwise end in queue_full drops) and hands the metrics
+# over at once (its cycles are long: a hand-off in steps would keep seconds of values).
 _UNSLICED_BACKLOG = 256
 _GIL_YIELD_EVERY = 16  # records completed between two voluntary GIL releases
 _BUSY_LATE_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
@@ -370,6 +371,7 @@ class CompletionPipeline:
         metrics = sinks.metrics
         queue = self.queue
         cap = self.settings.max_queue_size
+        backlog = len(queue) > _UNSLICED_BACKLOG  # a long cycle: no GIL slices, the hand-off at once
         # 1. intake: at most what the cap leaves room for; the rest stays queued
         # (submit() refuses beyond the cap), so a backlog never stalls reporting
         # and queued + held never exceeds the cap.
@@ -453,12 +455,14 @@ class CompletionPipeline:
         # cycle covers them), then every summed increment to the SDK
         self._report_queue_full(metrics)
         mono = time.monotonic_ns()
-        if self._flush_waiters or self._drain_all:
+        due = mono - self._last_counter_flush >= _COUNTER_FLUSH_INTERVAL_NS
+        if self._flush_waiters or self._drain_all or (backlog and (due or self._flushing is not None)):
+            # (in a backlog's long cycles a hand-off in steps would keep the values of seconds)
             self._last_counter_flush = mono
             self._flush_all(metrics, check)
         else:
             whole = False  # a hand-off at once (sinks without flush_steps) re-checks every binding itself
-            if self._flushing is None and mono - self._last_counter_flush >= _COUNTER_FLUSH_INTERVAL_NS:
+            if self._flushing is None and due:
                 self._last_counter_flush = mono
                 steps = getattr(metrics, "flush_steps", None)
                 if steps is None:

@@ -138,14 +138,18 @@ def test_a_periodic_hand_off_is_spread_over_cycles_a_few_calls_each(monkeypatch)
     assert metrics.revalidations == 4  # every cycle: the bindings the steps have not reached yet
 
 
-def test_a_flush_or_a_stop_first_finishes_the_hand_off_in_progress(monkeypatch):
+def test_a_flush_a_stop_or_a_backlog_first_finishes_the_hand_off_in_progress(monkeypatch):
     monkeypatch.setattr(pipeline, "_COUNTER_FLUSH_INTERVAL_NS", 10**12)
-    for finish in ("flush", "stop"):
+    for finish in ("flush", "stop", "backlog"):
         metrics = SteppedMetrics(10)
         p = _manual(metrics)
         p._cycle()  # 4 of the 10 steps
         if finish == "flush":
             p._drain_all = True  # as stop() and flush() make the next cycle hand everything over
+            p._cycle()
+        elif finish == "backlog":  # a long cycle: values would wait for its next ones
+            p.queue.extend([submission("offload", {"kv": 64}, 4096, 64, submit_ns=time.time_ns())
+                            for _ in range(pipeline._UNSLICED_BACKLOG + 1)])
             p._cycle()
         else:
             p._cycle_final()
