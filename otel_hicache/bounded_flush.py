@@ -5,7 +5,8 @@ span processor's final export can take as long again); a server's exit must not
 wait for an unreachable collector. Each flush or shutdown runs on a daemon
 thread that is given up on after the bound, and while one for the same
 providers is still blocked, later ones are not waited for at all: a shutdown
-sequence of several bounded steps costs one timeout, not one per step.
+sequence of several bounded steps costs one timeout, not one per step. A
+shutdown behind a blocked call still runs once that call returns.
 """
 
 from __future__ import annotations
@@ -21,12 +22,6 @@ _stuck: dict[tuple[int, int], threading.Thread] = {}
 def bounded(method: str, tracer_provider: Any, meter_provider: Any, timeout_s: float) -> bool:
     """``force_flush`` or ``shutdown`` (exporting what they hold) both providers, bounded in time."""
     key = (id(tracer_provider), id(meter_provider))
-    stuck = _stuck.pop(key, None)
-    if stuck is not None and stuck.is_alive():
-        _stuck[key] = stuck
-        warn_once("bounded:stuck", "otel-hicache: an earlier telemetry flush is still blocked (collector "
-                  "unreachable?); not waiting for this one")
-        return False
     millis = int(timeout_s * 1000)
     steps = [(tracer_provider, () if method == "shutdown" else (millis,)), (meter_provider, (millis,))]
     result = {"ok": True}
@@ -41,6 +36,21 @@ def bounded(method: str, tracer_provider: Any, meter_provider: Any, timeout_s: f
                 result["ok"] = False
                 warn_once(f"bounded:{type(exc).__name__}", "otel-hicache: flush/shutdown step failed: %r", exc)
 
+    stuck = _stuck.pop(key, None)
+    if stuck is not None and stuck.is_alive():
+        if method == "shutdown":
+            # Still done once the blocked call returns (not waited for here): what the providers
+            # hold, a span export helper process among them, must not outlive the shutdown.
+            def after(blocked: threading.Thread = stuck) -> None:
+                blocked.join()
+                run()
+
+            stuck = threading.Thread(target=after, name="otel-hicache-flush", daemon=True)
+            stuck.start()
+        _stuck[key] = stuck
+        warn_once("bounded:stuck", "otel-hicache: an earlier telemetry flush is still blocked (collector "
+                  "unreachable?); not waiting for this one")
+        return False
     thread = threading.Thread(target=run, name="otel-hicache-flush", daemon=True)
     thread.start()
     thread.join(timeout_s)
