@@ -95,7 +95,6 @@ VARIANTS = ("sglang", "disabled", "instrumented", "paused", "sliced")
 LABELS = {"sglang": "a. sglang", "disabled": "b. disabled", "instrumented": "c. instrumented",
           "paused": "d. worker paused", "sliced": "e. GIL slices"}
 INSTRUMENTED = ("instrumented", "paused", "sliced")
-GIL_SLICE_US = {"value": 50.0}  # --gil-slice-us: e's OTEL_HICACHE_GIL_SLICE_US
 TOKENS_METRIC = "hicache.transfer.tokens"
 BYTES_METRIC = "hicache.transfer.bytes"
 
@@ -170,14 +169,14 @@ def drive(controller: Any, allocator: Any, device_indices: Any, n_ops: int, warm
 
 
 def run_turn(variant: str, tokens_per_op: int, n_ops: int, warmup: int, interval_ns: int,
-             samples: dict[str, list[int]]) -> dict[str, Any]:
+             samples: dict[str, list[int]], slice_us: float = 0.0) -> dict[str, Any]:
     """Set up ``variant``, build a controller, drive it, check and tear down."""
     from otel_hicache_sglang import SGLangHiCacheInstrumentor
 
     providers = SdkProviders(shutdown_on_exit=False) if variant in INSTRUMENTED else None
     instrumentor = SGLangHiCacheInstrumentor() if variant != "sglang" else None
     settings = {"OTEL_HICACHE_ENABLED": "false" if variant == "disabled" else "true",
-                "OTEL_HICACHE_GIL_SLICE_US": str(GIL_SLICE_US["value"]) if variant == "sliced" else "0"}
+                "OTEL_HICACHE_GIL_SLICE_US": str(slice_us) if variant == "sliced" else "0"}
     result: dict[str, Any] = {"ops": warmup + n_ops}
     try:
         with env(**settings):  # read by instrument() and by the telemetry the controller starts
@@ -521,9 +520,15 @@ def run_cause_warm(rounds: int, ops: int) -> dict[str, Any]:
             "worker_resolve_us": best["worker"]}
 
 
+def off_thread_us_per_op(turns: list[dict[str, Any]], thread: str) -> float:
+    """CPU of ``thread`` ("worker" or "span_processor") per op over ``turns``, in microseconds."""
+    return sum(t["off_thread_cpu_s"][thread] for t in turns) * 1e6 / sum(t["ops"] for t in turns)
+
+
 def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us: float,
-            variants: Sequence[str] = VARIANTS) -> dict[str, Any]:
-    """``variants`` for one op size, interleaved in ``rounds`` rounds of ``ops`` timed ops each."""
+            variants: Sequence[str] = VARIANTS, slice_us: float = 0.0) -> dict[str, Any]:
+    """``variants`` for one op size, interleaved in ``rounds`` rounds of ``ops`` timed ops each
+    (``slice_us``: variant e's ``OTEL_HICACHE_GIL_SLICE_US``)."""
     variants = tuple(variants)
     interval_ns = int(interval_us * 1000)
     samples: dict[str, dict[str, list[int]]] = {v: {"offload": [], "onboard": [], "cpu": []} for v in variants}
@@ -535,7 +540,7 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
         for v in variants[r % len(variants):] + variants[: r % len(variants)]:
             off, on = samples[v]["offload"], samples[v]["onboard"]
             n_off, n_on = len(off), len(on)
-            turns[v].append(run_turn(v, tokens_per_op, ops, warmup, interval_ns, samples[v]))
+            turns[v].append(run_turn(v, tokens_per_op, ops, warmup, interval_ns, samples[v], slice_us))
             per_round[v].append(statistics.median(off[n_off:] + on[n_on:]))
         rss.append(rss_mb())
     row: dict[str, Any] = {"tokens_per_op": tokens_per_op, "elapsed_s": time.perf_counter() - t0,
@@ -573,14 +578,11 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
         "bytes": sum(t["bytes"] for t in inst),
         "metric_bytes": sum(t["metric_bytes"] for t in inst),
         "flushed": all(t["flushed"] for t in inst),
-        "worker_cpu_us_per_op": sum(t["off_thread_cpu_s"]["worker"] for t in turns["instrumented"]) * 1e6
-        / sum(t["ops"] for t in turns["instrumented"]),
-        "span_processor_cpu_us_per_op": (sum(t["off_thread_cpu_s"]["span_processor"] for t in turns["instrumented"])
-                                         * 1e6 / sum(t["ops"] for t in turns["instrumented"])),
+        "worker_cpu_us_per_op": off_thread_us_per_op(turns["instrumented"], "worker"),
+        "span_processor_cpu_us_per_op": off_thread_us_per_op(turns["instrumented"], "span_processor"),
     }
     if turns.get("sliced"):
-        check["sliced_worker_cpu_us_per_op"] = (sum(t["off_thread_cpu_s"]["worker"] for t in turns["sliced"]) * 1e6
-                                                / sum(t["ops"] for t in turns["sliced"]))
+        check["sliced_worker_cpu_us_per_op"] = off_thread_us_per_op(turns["sliced"], "worker")
     check["exact"] = (check["flushed"] and check["spans"] == check["ops"]
                       and check["metric_tokens"] == check["tokens"] and check["metric_bytes"] == check["bytes"])
     row["check"] = check
@@ -613,7 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--interval-us", type=float, default=200.0, help="one op every this many us")
     parser.add_argument("--paired-ops", type=int, help="paired measurement: ops per half (0: skip)")
     parser.add_argument("--cause-rounds", type=int, help="warm transfer-causes measurement: rounds (0: skip)")
-    parser.add_argument("--gil-slice-us", type=float, default=GIL_SLICE_US["value"],
+    parser.add_argument("--gil-slice-us", type=float, default=50.0,
                         help="OTEL_HICACHE_GIL_SLICE_US of variant e (0: leave e out)")
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
     args = parser.parse_args(argv)
@@ -645,9 +647,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{rounds} rounds x {ops} timed ops per variant per size (+{warmup} warm-up), variants interleaved "
           f"in rotating order; spans sampled at 100%")
 
-    GIL_SLICE_US["value"] = args.gil_slice_us
     variants = [v for v in VARIANTS if v != "sliced" or args.gil_slice_us > 0]
-    rows = [run_row(n, rounds, ops, warmup, args.interval_us, variants) for n in args.sizes]
+    rows = [run_row(n, rounds, ops, warmup, args.interval_us, variants, args.gil_slice_us) for n in args.sizes]
     results["rows"] = rows
     paired_ops = args.paired_ops if args.paired_ops is not None else (1500 if quick else 6000)
     paired_rows = [run_paired(n, paired_ops, warmup, args.interval_us) for n in args.sizes] if paired_ops else []

@@ -179,7 +179,6 @@ class _Rebuilder:
             kind=self._kinds[kind], status=self._status(self._codes[code], description),
             start_time=start, end_time=end, instrumentation_scope=self.scopes[scope])
 
-
     def take(self, frame: tuple[Any, ...]) -> list[Any] | None:
         """The spans of an ``"s"`` frame; a resource or a scope is kept ([]); None: not such a frame."""
         kind = frame[0]
