@@ -23,7 +23,7 @@ from opentelemetry.sdk.metrics.export import Gauge, InMemoryMetricReader
 from otel_hicache import semconv as sc
 from otel_hicache.logs import TransferLog
 from otel_hicache.metrics import TransferMetrics
-from otel_hicache.pipeline import CompletionPipeline, PipelineSettings, Sinks
+from otel_hicache.pipeline import _ACK_SCAN_INTERVAL_NS, CompletionPipeline, PipelineSettings, Sinks
 from otel_hicache.records import S_ACK_NS, submission
 
 INFLIGHT = sc.TRANSFER_OLDEST_INFLIGHT_AGE[0]
@@ -232,7 +232,11 @@ def test_ack_timeout_ends_it(harness, monkeypatch):
     assert h.flush()
     h.device.advance(seconds=10)
     assert ages(h) == (ZERO, {"offload": 10.0, "onboard": 0.0})
-    h.device.advance(ms=1)  # over the ack timeout: the span is emitted with hicache.acked=false
+    # over the ack timeout, and by a whole ack-scan interval of the worker's clock (the device's
+    # here, which stands still between advances): a scan is due whenever the last one ran (with
+    # 1 ms, a scan in the last 4 ms before it never came, and the test failed most runs on a
+    # loaded machine); the span is emitted with hicache.acked=false
+    h.device.advance(ns=_ACK_SCAN_INTERVAL_NS)
     wait_until(lambda: len(h.spans.get_finished_spans()) == 1)
     assert ages(h) == (ZERO, ZERO)
     assert h.finished()[0].attributes[sc.ACKED] is False
