@@ -52,7 +52,12 @@ telemetry when a ``HiCacheController`` is created, as in a scheduler), warms up,
 its ops, then (c) ``force_flush()``es and checks that it exported one span per op and
 that ``hicache.transfer.tokens`` / ``hicache.transfer.bytes`` sum to what SGLang's own
 acks say was moved, and uninstruments. Each turn of c has its own providers; the CPU
-its worker and span-processor threads spent is reported per op. The objects SGLang
+its worker and span-processor threads spent is reported per timed op, from after the
+warm-up and a flush (the worker's first cycle builds the providers' instruments, once per
+process in a server: reported apart as its start-up). Each round also runs the core
+benchmark's op (``overhead.py``'s c: direct ``submit()`` + ``ack()``) in this process,
+paced as the real path is and flat out, and the report gives the real path's worker CPU
+per op over the core's flat-out figure (the goal: within 1.5x). The objects SGLang
 and torch left after import are frozen (``gc.freeze()``) so collections stay short.
 
 Usage::
@@ -197,23 +202,32 @@ def run_turn(variant: str, tokens_per_op: int, n_ops: int, warmup: int, interval
         device_indices = allocator.alloc(tokens_per_op)
         gc.collect()
         threads0 = off_thread_cpu()
+        # the warm-up, then (instrumented) a flush: the worker's first cycle builds its providers'
+        # instruments and zero series, once per process in a server (here once per turn): its
+        # CPU is reported apart ("startup_cpu_s"), as overhead.py's flat-out figure leaves it out
+        warm_tokens, warm_bytes = drive(controller, allocator, device_indices, 0, warmup, interval_ns, samples)
+        if telemetry is not None:
+            result["warm_flushed"] = telemetry.force_flush(timeout_s=60.0)
+            threads_warm = off_thread_cpu()
+            result["startup_cpu_s"] = {k: threads_warm[k] - threads0[k] for k in threads_warm}
+            threads0 = threads_warm
         pipeline = telemetry._pipeline if variant == "paused" else None  # pylint: disable=protected-access
         if pipeline is not None:
             pipeline._cycle = lambda: None  # the worker wakes and does nothing; records stay queued
         try:
-            moved_tokens, moved_bytes = drive(controller, allocator, device_indices, n_ops, warmup, interval_ns,
-                                              samples)
+            moved_tokens, moved_bytes = drive(controller, allocator, device_indices, n_ops, 0, interval_ns, samples)
         finally:
             if pipeline is not None:
                 del pipeline._cycle  # resume: the flush below processes everything
         allocator.free(device_indices)
-        result["tokens"], result["bytes"] = moved_tokens, moved_bytes
+        result["tokens"], result["bytes"] = warm_tokens + moved_tokens, warm_bytes + moved_bytes
+        result["timed_ops"] = n_ops
         result["steady"] = (
             (allocator.available_size(), controller.mem_pool_host.available_size()) == (device_free0, host_free0)
             and not (controller.write_queue or controller.load_queue
                      or controller.ack_write_queue or controller.ack_load_queue))
         if providers is not None:
-            result["flushed"] = telemetry.force_flush(timeout_s=60.0)
+            result["flushed"] = telemetry.force_flush(timeout_s=60.0) and result["warm_flushed"]
             threads1 = off_thread_cpu()
             result["off_thread_cpu_s"] = {k: threads1[k] - threads0[k] for k in threads1}
             result["spans"] = providers.exporter.count
@@ -521,14 +535,52 @@ def run_cause_warm(rounds: int, ops: int) -> dict[str, Any]:
 
 
 def off_thread_us_per_op(turns: list[dict[str, Any]], thread: str) -> float:
-    """CPU of ``thread`` ("worker" or "span_processor") per op over ``turns``, in microseconds."""
-    return sum(t["off_thread_cpu_s"][thread] for t in turns) * 1e6 / sum(t["ops"] for t in turns)
+    """CPU of ``thread`` ("worker" or "span_processor") per timed op over ``turns`` (the warm-up
+    and the start-up before it left out), in microseconds."""
+    return sum(t["off_thread_cpu_s"][thread] for t in turns) * 1e6 / sum(t["timed_ops"] for t in turns)
+
+
+def run_core(ops: int, warmup: int, interval_ns: int) -> dict[str, Any]:
+    """The core benchmark's op (``overhead.py``'s c: direct ``submit()`` + ``ack()``, completed
+    host events, an SDK provider into a counting exporter) in this process, beside the real path:
+    ``interval_ns`` > 0 paced as the real path is (a sleep between ops), 0 flat out. The worker's
+    CPU per op after a warm-up and a flush, as the real path's is measured."""
+    import overhead  # a sibling script, imported after SGLang's CPU support is installed
+
+    prep = overhead.make_prep()
+    variant = overhead.HiCacheVariant(enabled=True)
+    submit, ack = variant.tel.submit, variant.tel.ack
+    num_bytes, page_size, io_backend = overhead.NUM_BYTES, overhead.PAGE_SIZE, overhead.IO_BACKEND
+
+    def loop(n: int, interval: int) -> None:
+        deadline = time.perf_counter_ns() + interval
+        for i in range(n):
+            direction, pools, start, finish = prep(i)
+            if interval:
+                deadline = wait_until(deadline) + interval
+            ack(submit(direction, tokens_by_pool=pools, num_bytes=num_bytes, page_size=page_size, start_event=start,
+                       finish_event=finish, timing_enabled=True, io_backend=io_backend))
+
+    try:
+        loop(warmup, 0)
+        variant.flush()
+        spans0 = variant.spans() or 0
+        gc.collect()
+        threads0 = off_thread_cpu()
+        loop(ops, interval_ns)
+        variant.flush()
+        threads1 = off_thread_cpu()
+        spans = (variant.spans() or 0) - spans0
+    finally:
+        variant.close()
+    return {"timed_ops": ops, "spans": spans, "off_thread_cpu_s": {k: threads1[k] - threads0[k] for k in threads1}}
 
 
 def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us: float,
-            variants: Sequence[str] = VARIANTS, slice_us: float = 0.0) -> dict[str, Any]:
+            variants: Sequence[str] = VARIANTS, slice_us: float = 0.0, core_flat_ops: int = 0) -> dict[str, Any]:
     """``variants`` for one op size, interleaved in ``rounds`` rounds of ``ops`` timed ops each
-    (``slice_us``: variant e's ``OTEL_HICACHE_GIL_SLICE_US``)."""
+    (``slice_us``: variant e's ``OTEL_HICACHE_GIL_SLICE_US``); with ``core_flat_ops``, each round
+    also runs the core's op paced (``ops``) and flat out (``core_flat_ops``): :func:`run_core`."""
     variants = tuple(variants)
     interval_ns = int(interval_us * 1000)
     samples: dict[str, dict[str, list[int]]] = {v: {"offload": [], "onboard": [], "cpu": []} for v in variants}
@@ -542,6 +594,10 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
             n_off, n_on = len(off), len(on)
             turns[v].append(run_turn(v, tokens_per_op, ops, warmup, interval_ns, samples[v], slice_us))
             per_round[v].append(statistics.median(off[n_off:] + on[n_on:]))
+        if core_flat_ops:
+            for kind in ("core paced", "core flat")[::1 if r & 1 else -1]:
+                turns.setdefault(kind, []).append(
+                    run_core(ops, warmup, interval_ns) if kind == "core paced" else run_core(core_flat_ops, warmup, 0))
         rss.append(rss_mb())
     row: dict[str, Any] = {"tokens_per_op": tokens_per_op, "elapsed_s": time.perf_counter() - t0,
                            "rss_mb": rss, "variants": {}}
@@ -581,8 +637,17 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
         "worker_cpu_us_per_op": off_thread_us_per_op(turns["instrumented"], "worker"),
         "span_processor_cpu_us_per_op": off_thread_us_per_op(turns["instrumented"], "span_processor"),
     }
+    check["startup_worker_ms_per_turn"] = statistics.fmean(
+        t["startup_cpu_s"]["worker"] for t in turns["instrumented"]) * 1e3
     if turns.get("sliced"):
         check["sliced_worker_cpu_us_per_op"] = off_thread_us_per_op(turns["sliced"], "worker")
+    if core_flat_ops:
+        core = turns["core paced"] + turns["core flat"]
+        row["core"] = {kind: {"worker_cpu_us_per_op": off_thread_us_per_op(turns[kind], "worker"),
+                              "span_processor_cpu_us_per_op": off_thread_us_per_op(turns[kind], "span_processor"),
+                              "ops": sum(t["timed_ops"] for t in turns[kind])}
+                       for kind in ("core paced", "core flat")}
+        row["core"]["exact"] = all(t["spans"] == t["timed_ops"] for t in core)
     check["exact"] = (check["flushed"] and check["spans"] == check["ops"]
                       and check["metric_tokens"] == check["tokens"] and check["metric_bytes"] == check["bytes"])
     row["check"] = check
@@ -592,6 +657,58 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
 # --------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------
+
+WORKER_GOAL = 1.5  # the real path's worker CPU per op over the core's, flat out (issue: health at a glance, 3)
+
+
+def control_after_poll(interval_us: float) -> dict[str, Any]:
+    """This machine's part: the thread CPU of a fixed piece of pure Python (``wait_cost.py``'s
+    control, no otel-hicache) back to back, and after a sleep of the worker's poll interval, alone
+    and in bursts of the records one paced cycle takes in."""
+    from wait_cost import after_sleep  # a sibling script
+
+    from otel_hicache import environment_variables as ev
+    from otel_hicache.settings import env_float
+
+    poll_ms = env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS)
+    burst = max(1, round(poll_ms * 1e3 / interval_us))
+    after_sleep(0.0, 1, 2000)  # warm-up
+    return {"poll_ms": poll_ms, "burst": burst, "back_to_back_us": after_sleep(0.0, 1, 2000),
+            "after_poll_us": after_sleep(poll_ms / 1e3, 1, 500),
+            "after_poll_burst_us": after_sleep(poll_ms / 1e3, burst, 500 * burst)}
+
+
+def print_worker_ratio(rows: Sequence[dict[str, Any]], interval_us: float, control: dict[str, Any]) -> None:
+    """The worker's CPU per op on the real path (c) against the core's op in the same run."""
+    print("\n## The otel-hicache worker's CPU per op: the real path against the core's op, same run\n")
+    out = []
+    for row in rows:
+        real = row["check"]["worker_cpu_us_per_op"]
+        paced = row["core"]["core paced"]["worker_cpu_us_per_op"]
+        flat = row["core"]["core flat"]["worker_cpu_us_per_op"]
+        row["worker_ratio"] = {"real_path_us": real, "core_paced_us": paced, "core_flat_us": flat,
+                               "real_over_core_flat": real / flat, "real_over_core_paced": real / paced}
+        out.append([str(row["tokens_per_op"]), f"{real:.1f}", f"{paced:.1f}", f"{flat:.1f}", f"{real / flat:.2f}x",
+                    f"{real / paced:.2f}x"])
+    print(table(out, ["tokens", "real path (c) us/op", "core, paced us/op", "core, flat out us/op",
+                      "real / core flat", "real / core paced"], left=2))
+    print(f"the otel-hicache worker thread's CPU clock, from after each turn's warm-up and flush until its last\n"
+          f"flush. real path: c, SGLang's ops one every {interval_us:.0f} us, acks watched in SGLang's ack queues;\n"
+          f"core: overhead.py's op (direct submit() + ack(), completed host events), paced the same way, and\n"
+          f"flat out (the core benchmark's figure); each round runs both beside the real path's turns.")
+    c = control
+    print(f"this machine, the same pure Python without otel-hicache (wait_cost.py's control): "
+          f"{c['back_to_back_us']:.1f} us of CPU\nback to back, {c['after_poll_us']:.1f} us after a "
+          f"{c['poll_ms']:g} ms sleep (the worker's poll interval: "
+          f"{c['after_poll_us'] / c['back_to_back_us']:.2f}x), {c['after_poll_burst_us']:.1f} us a call in bursts "
+          f"of {c['burst']} after it\n({c['after_poll_burst_us'] / c['back_to_back_us']:.2f}x; "
+          f"{c['burst']}: the records a paced cycle takes in). core paced / core flat out: "
+          + ", ".join(f"{row['worker_ratio']['core_paced_us'] / row['worker_ratio']['core_flat_us']:.2f}x"
+                      for row in rows) + ".")
+    for row in rows:
+        ratio = row["worker_ratio"]["real_over_core_flat"]
+        print(f"goal: the real path's worker CPU per op within {WORKER_GOAL:g}x of the core's flat-out figure, "
+              f"{row['tokens_per_op']} tokens/op: {ratio:.2f}x: {'PASS' if ratio <= WORKER_GOAL else 'FAIL'}")
 
 
 def sglang_machine() -> dict[str, Any]:
@@ -617,6 +734,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cause-rounds", type=int, help="warm transfer-causes measurement: rounds (0: skip)")
     parser.add_argument("--gil-slice-us", type=float, default=50.0,
                         help="OTEL_HICACHE_GIL_SLICE_US of variant e (0: leave e out)")
+    parser.add_argument("--core-flat-ops", type=int,
+                        help="ops of each round's core flat-out turn (0: no core turns, no worker ratio)")
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
     args = parser.parse_args(argv)
 
@@ -648,7 +767,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"in rotating order; spans sampled at 100%")
 
     variants = [v for v in VARIANTS if v != "sliced" or args.gil_slice_us > 0]
-    rows = [run_row(n, rounds, ops, warmup, args.interval_us, variants, args.gil_slice_us) for n in args.sizes]
+    core_flat_ops = args.core_flat_ops if args.core_flat_ops is not None else (2000 if quick else 5000)
+    rows = [run_row(n, rounds, ops, warmup, args.interval_us, variants, args.gil_slice_us, core_flat_ops)
+            for n in args.sizes]
+    if core_flat_ops:
+        results["control"] = control_after_poll(args.interval_us)
     results["rows"] = rows
     paired_ops = args.paired_ops if args.paired_ops is not None else (1500 if quick else 6000)
     paired_rows = [run_paired(n, paired_ops, warmup, args.interval_us) for n in args.sizes] if paired_ops else []
@@ -718,13 +841,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {row['tokens_per_op']:>4} tokens/op: {c['ops']} ops -> {c['spans']} spans; "
               f"{TOKENS_METRIC} {c['metric_tokens']:.0f} vs {c['tokens']} moved; {BYTES_METRIC} "
               f"{c['metric_bytes']:.0f} vs {c['bytes']}; exact: {'yes' if c['exact'] else 'no'}")
-    print("  off-thread CPU per op of c (until flushed): " + "; ".join(
+    print("  off-thread CPU per timed op of c (from after the warm-up and a flush until flushed): " + "; ".join(
         f"{row['tokens_per_op']} tokens/op: otel-hicache worker {row['check']['worker_cpu_us_per_op']:.1f} us, "
         f"span processor {row['check']['span_processor_cpu_us_per_op']:.1f} us" for row in rows))
     if "sliced" in variants:
         print("  the worker's CPU per op of e (GIL slices): " + "; ".join(
             f"{row['tokens_per_op']} tokens/op: {row['check']['sliced_worker_cpu_us_per_op']:.1f} us" for row in rows))
+    print("  the worker's start-up per turn of c (its first cycle builds the providers' instruments and zero "
+          "series;\n  once per process in a server; left out of every per-op figure): " + "; ".join(
+              f"{row['tokens_per_op']} tokens/op: {row['check']['startup_worker_ms_per_turn']:.1f} ms" for row in rows))
+    if all("core" in row for row in rows):
+        exact_all &= all(row["core"]["exact"] for row in rows)
+        print(f"  the core's turns (below): every op one span: {'yes' if all(r['core']['exact'] for r in rows) else 'NO'}")
     print(f"exact: {'yes' if exact_all else 'no'}")
+
+    if all("core" in row for row in rows):
+        print_worker_ratio(rows, args.interval_us, results["control"])
 
     steady = all(row["variants"][v]["steady"] for row in rows for v in variants)
     rss = [x for row in rows for x in row["rss_mb"]]
