@@ -44,7 +44,9 @@ moment of the machine's noise; it reports the median wall and caller-CPU differe
 wrapped half queues each op inside a cause site (``causes.QueuedCauses.site``), as
 SGLang's cache methods queue theirs, so its figure is the adapter's whole cost per op; a
 third variant leaves out transfer causes (the op queued outside a site, no deferred lookup from
-``start_*``). A last, warm measurement (``--cause-rounds``) resolves transfer causes' cost to a
+``start_*``), a fourth also ``submit()`` (a no-op of its signature), a fifth is pass-through
+wrappers (plain functions calling SGLang's originals): the adapter's cost in parts,
+interception, its own logic, ``submit()`` and transfer causes. A last, warm measurement (``--cause-rounds``) resolves transfer causes' cost to a
 tenth of a microsecond: the same wrappers on stand-in objects that do nearly nothing else.
 
 Each turn instruments (b, c), builds a fresh controller (the adapter starts its
@@ -74,6 +76,7 @@ exit status is 0 unless a run fails outright or the counts are not exact.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -261,6 +264,28 @@ def rss_mb() -> float:
 # wrappers without transfer causes (no site, and start_* sees no site call logged, so it hands
 # the worker no deferred lookup): B - C is what the causes cost per op
 PAIRED_PATTERN = "ABCCBABCAACBCABBAC"
+# run_paired's, with two more: P pass-through wrappers (a plain function that calls SGLang's
+# original, as patching.Method installs them: the price of intercepting the calls), N the
+# wrappers of C with submit() a no-op of the same signature. P - A, N - P, C - N and B - C add
+# up to B - A: interception, the adapter's own logic, submit(), transfer causes. Each letter
+# 6 times, in a fixed shuffled order (random.Random(5).shuffle).
+ADAPTER_PATTERN = "PBNCAPPPCCNBANBNABCPABACCABNNP"
+
+
+def _passthrough(original: Any) -> Any:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original(self, *args, **kwargs)
+
+    return functools.wraps(original)(call)
+
+
+def _submit_stub(direction: str, tokens_by_pool: Any = None, num_bytes: int = 0, page_size: int = 1,
+                 start_event: Any = None, finish_event: Any = None, timing_enabled: bool = False,
+                 io_backend: Any = None, attributes: Any = None, *, expect_ack: bool = True,
+                 host_start_ns: Any = None, host_end_ns: Any = None, ack_watch: Any = None, cause: Any = None,
+                 host_slots: Any = None, requests: Any = None) -> None:
+    """``TransferTelemetry.submit``'s signature, doing nothing (variant N)."""
+    return None
 
 
 def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
@@ -291,7 +316,8 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
     telemetry = instrumentor.telemetry
     pipeline = telemetry._pipeline  # pylint: disable=protected-access
     pipeline._cycle = lambda: None  # paused: the records stay queued (dropped below, never reported)
-    samples: dict[str, dict[str, list[int]]] = {k: {"wall": [], "cpu": []} for k in "ABC"}
+    samples: dict[str, dict[str, list[int]]] = {k: {"wall": [], "cpu": []} for k in "ABCNP"}
+    installed = {"A": originals, "P": {n: _passthrough(f) for n, f in originals.items()}}
     clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
     interval_ns = int(interval_us * 1000)
     device_indices = allocator.alloc(tokens_per_op)
@@ -300,10 +326,14 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
     try:
         deadline = clock() + interval_ns
         for i in range(warmup + 2 * ops):
-            which = PAIRED_PATTERN[(i >> 1) % len(PAIRED_PATTERN)]
+            which = ADAPTER_PATTERN[(i >> 1) % len(ADAPTER_PATTERN)]
             for cls, name in names:
-                setattr(cls, name, (originals if which == "A" else wrappers)[name])
-            if which == "C":  # start_* sees no site call logged, and none handed over before
+                setattr(cls, name, installed.get(which, wrappers)[name])
+            if which == "N":
+                telemetry.submit = _submit_stub  # the instance's: what the wrappers call
+            else:
+                vars(telemetry).pop("submit", None)
+            if which in "CN":  # start_* sees no site call logged, and none handed over before
                 queued_causes.log, queued_causes.handed = [], False
             deadline = wait_until(deadline) + interval_ns
             if not i & 1:
@@ -333,6 +363,7 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
     finally:
         for cls, name in names:
             setattr(cls, name, wrappers[name])
+        vars(telemetry).pop("submit", None)
         queued_causes.log = []
         pipeline.queue.clear()
         del pipeline._cycle
@@ -340,10 +371,16 @@ def run_paired(tokens_per_op: int, ops: int, warmup: int, interval_us: float) ->
         instrumentor.uninstrument()
         providers.shutdown()
     med = {k: {m: statistics.median(v[m]) / 1e3 for m in v} for k, v in samples.items()}
+    parts = {part: {m: med[hi][m] - med[lo][m] for m in ("wall", "cpu")}
+             for part, (hi, lo) in PAIRED_PARTS.items()}
     return {"tokens_per_op": tokens_per_op, "n": len(samples["B"]["wall"]),
             "sglang_median_us": med["A"]["wall"], "added_wall_us": med["B"]["wall"] - med["A"]["wall"],
             "added_cpu_us": med["B"]["cpu"] - med["A"]["cpu"],
-            "cause_wall_us": med["B"]["wall"] - med["C"]["wall"], "cause_cpu_us": med["B"]["cpu"] - med["C"]["cpu"]}
+            "cause_wall_us": parts["causes"]["wall"], "cause_cpu_us": parts["causes"]["cpu"], "parts_us": parts}
+
+
+# the adapter's cost per merged op in parts: (variant, the variant it is measured against)
+PAIRED_PARTS = {"interception": ("P", "A"), "adapter logic": ("N", "P"), "submit()": ("C", "N"), "causes": ("B", "C")}
 
 
 def run_cause_site(ops: int, warmup: int, interval_us: float) -> dict[str, Any]:
@@ -773,7 +810,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if core_flat_ops:
         results["control"] = control_after_poll(args.interval_us)
     results["rows"] = rows
-    paired_ops = args.paired_ops if args.paired_ops is not None else (1500 if quick else 6000)
+    paired_ops = args.paired_ops if args.paired_ops is not None else (2500 if quick else 10000)
     paired_rows = [run_paired(n, paired_ops, warmup, args.interval_us) for n in args.sizes] if paired_ops else []
     results["paired"] = paired_rows
     results["cause_site"] = run_cause_site(paired_ops, warmup, args.interval_us) if paired_ops else None
@@ -805,15 +842,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if paired_rows:
         print("\n## The adapter's own cost, paired op by op (worker paused)\n")
         print(table([[str(p["tokens_per_op"]), str(p["n"]), f"{p['sglang_median_us']:.2f}",
-                      f"{p['added_wall_us']:+.2f}", f"{p['added_cpu_us']:+.2f}", f"{p['cause_wall_us']:+.2f}",
-                      f"{p['cause_cpu_us']:+.2f}"] for p in paired_rows],
-                    ["tokens", "ops per variant", "sglang median us", "added wall us", "added caller CPU us",
-                     "of which transfer causes, wall", "causes, CPU"]))
+                      f"{p['added_wall_us']:+.2f}", f"{p['added_cpu_us']:+.2f}"]
+                     + [f"{p['parts_us'][part]['wall']:+.2f} / {p['parts_us'][part]['cpu']:+.2f}"
+                        for part in PAIRED_PARTS] for p in paired_rows],
+                    ["tokens", "ops per variant", "sglang median us", "added wall us", "added caller CPU us"]
+                    + [f"{part}, wall / CPU" for part in PAIRED_PARTS]))
         print("SGLang's originals and the adapter's wrappers switched op by op on one instrumented controller\n"
               "(otel-hicache's worker paused), each wrapped op queued inside a cause site as in SGLang's flows:\n"
-              "median(wrapped) - median(originals), wall and the caller thread's CPU;\n"
-              "'of which transfer causes': median(wrapped) - median(wrapped, the op queued outside a cause\n"
-              "site, so start_* hands the worker no lookup); host residence is off, as by default.")
+              "median(wrapped) - median(originals), wall and the caller thread's CPU. In parts, each the\n"
+              "difference of two medians of variants taking the same turns: interception = pass-through\n"
+              "wrappers (a plain function calling SGLang's original) - originals; adapter logic = the wrappers\n"
+              "with submit() a no-op - pass-through; submit() = the wrappers - the same with submit() a no-op;\n"
+              "causes = the op queued in a cause site - outside one (start_* then hands the worker no lookup).\n"
+              "Host residence is off, as by default.")
         site = results["cause_site"]
         print(f"  a cause site (UnifiedRadixCache._execute_and_commit_kv_backup, empty action), paired with SGLang's\n"
               f"  original, {site['n']} calls each: original {site['sglang_median_us']:.2f} us, added "
