@@ -53,6 +53,34 @@ def test_instrument_wraps_and_uninstrument_restores_the_originals_exactly(sglang
     assert "start_writing" not in vars(HybridCacheController)
 
 
+def test_uninstrument_lets_the_telemetry_and_its_providers_go(sglang_cpu):
+    """Nothing the adapter registered (wrapt's post-import hooks for modules SGLang has not
+    imported, at-fork callbacks) keeps an uninstrumented adapter's telemetry alive."""
+    import gc
+    import weakref
+
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from otel_hicache_sglang import SGLangHiCacheInstrumentor
+
+    instrumentor = SGLangHiCacheInstrumentor()
+    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
+    instrumentor.instrument(tracer_provider=TracerProvider(shutdown_on_exit=False), meter_provider=meter_provider)
+    try:
+        sglang_cpu.decode_retraction(sglang_cpu.build_stack("write_through"))
+        telemetry = instrumentor.telemetry
+        assert telemetry is not None and telemetry.force_flush(10.0)
+        gone = [weakref.ref(telemetry), weakref.ref(meter_provider)]
+    finally:
+        instrumentor.uninstrument()
+    meter_provider.shutdown()
+    del telemetry, meter_provider
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
+
+
 def test_uninstrumented(instrumented, sglang_cpu):
     """After uninstrument() SGLang's transfers produce nothing."""
     sglang_cpu.decode_retraction(sglang_cpu.build_stack("write_through"))

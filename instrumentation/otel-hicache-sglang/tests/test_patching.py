@@ -8,10 +8,12 @@ test sees another test's modules or hooks.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import sys
 import uuid
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -318,6 +320,31 @@ def test_stale_hook_after_uninstrument_does_not_wrap_and_instrument_again_does(n
     p.instrument()
     assert p.applied() == ["g"]
     assert mod.Cls().m(2) == 4 and rec.log == ["wrapper"]
+
+
+def test_a_hook_for_a_module_never_imported_does_not_keep_an_uninstrumented_patcher_alive(new_module):
+    # wrapt keeps a post-import hook until its module is imported; SGLang never imports some
+    # of the adapter's modules (a feature not in use)
+    held = Recorder()
+    p = Patcher("testframework", [Group("g", [(new_module(), "Cls.m", held)])])
+    p.instrument()
+    p.uninstrument()
+    gone, wrapper = weakref.ref(p), weakref.ref(held)
+    del p, held
+    gc.collect()
+    assert gone() is None and wrapper() is None
+
+
+def test_a_patcher_held_by_its_owner_still_wraps_a_module_imported_later(new_module):
+    name = new_module()
+    p = Patcher("testframework", [Group("g", [(name, "Cls.m", Recorder())])])
+    p.instrument()
+    gc.collect()  # the hook holds the patcher weakly: its owner (here, this test) keeps it
+    try:
+        mod = importlib.import_module(name)
+        assert p.applied() == ["g"] and hasattr(mod.Cls.__dict__["m"], "__wrapped__")
+    finally:
+        p.uninstrument()
 
 
 def test_instrument_twice_is_idempotent(new_module, patcher):

@@ -30,6 +30,7 @@ import functools
 import sys
 import threading
 import types
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 from opentelemetry.instrumentation.utils import unwrap
@@ -144,6 +145,15 @@ def why_not_applied(group: Group) -> str | None:
     return None
 
 
+def _post_import(patcher: "weakref.ref[Patcher]", generation: int, module: Any) -> None:
+    """The hook wrapt keeps for a module until it is imported (a hook cannot be removed): it
+    holds the patcher weakly, so one uninstrumented and dropped goes, with what its wrappers
+    hold (the telemetry, its providers)."""
+    alive = patcher()
+    if alive is not None:
+        alive._imported(generation, module)  # pylint: disable=protected-access
+
+
 class Patcher:
     """Groups wrapped when their modules are imported, restored by :meth:`uninstrument`."""
 
@@ -164,7 +174,7 @@ class Patcher:
                 return
             self._active = True
             self._generation += 1
-            hook = functools.partial(self._imported, self._generation)
+            hook = functools.partial(_post_import, weakref.ref(self), self._generation)
         for module in self._modules:
             register_post_import_hook(hook, module)
 
