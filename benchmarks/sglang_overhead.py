@@ -64,8 +64,8 @@ and torch left after import are frozen (``gc.freeze()``) so collections stay sho
 
 Usage::
 
-    python benchmarks/sglang_overhead.py            # full run, under a minute on 2 cores
-    python benchmarks/sglang_overhead.py --quick    # CI size, ~15 s (about 6 s of it importing SGLang)
+    python benchmarks/sglang_overhead.py            # full run, ~2.5 min on 2 cores
+    python benchmarks/sglang_overhead.py --quick    # CI size, ~35 s (about 6 s of it importing SGLang)
     python benchmarks/sglang_overhead.py --json results.json
 
 Absolute times depend on the machine (and here include SGLang's own CPU copy);
