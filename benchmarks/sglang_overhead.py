@@ -760,7 +760,7 @@ def sglang_machine() -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small N, for CI (~15 s)")
+    parser.add_argument("--quick", action="store_true", help="small N, for CI (~35 s)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2 * PAGE_SIZE, 256],
                         help=f"tokens per op, one table row group each (multiples of the page size {PAGE_SIZE})")
     parser.add_argument("--rounds", type=int, help="rounds; each variant takes one turn per round")
