@@ -429,6 +429,13 @@ def variants_for(rates: Sequence[int], outliers: bool, process: bool = False,
     return out
 
 
+def goal_met(added_us: float, gil_wait_added_us: float | None) -> bool:
+    """The goal on the p99.9 added: both the lateness's and (when the probe stamps it) the GIL
+    wait's. The lateness minus its floor carries this VM's wake-up jitter (a run can read -300 us
+    while the GIL wait alone reads +300 us); the GIL wait is the part the telemetry causes."""
+    return added_us <= GOAL_P999_ADDED_US and (gil_wait_added_us is None or gil_wait_added_us <= GOAL_P999_ADDED_US)
+
+
 def has_variable(name: str) -> bool:
     """Whether the otel-hicache under test reads the ``OTEL_HICACHE_*`` variable ``name`` (an older
     tree, loaded side by side, may not: its variants are left out)."""
@@ -593,11 +600,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         added = goal["added_us"]["p999_us"]
         gil = goal.get("gil_wait_added_us", {}).get("p999")
+        passed = goal_met(added, gil)
         results.setdefault("goal", {})[name] = {"p999_added_us_at_1000": added, "goal_us": GOAL_P999_ADDED_US,
-                                                "pass": added <= GOAL_P999_ADDED_US, "gil_wait_p999_added_us": gil}
+                                                "pass": passed, "gil_wait_p999_added_us": gil}
         print(f"goal: p99.9 added at 1000 ops/s, spans 100%, {how}: {added:+.1f} us "
-              f"(goal <= {GOAL_P999_ADDED_US:.0f} us): {'PASS' if added <= GOAL_P999_ADDED_US else 'FAIL'}"
-              + ("" if gil is None else f"; of it, GIL wait p99.9 added {gil:+.1f} us"))
+              f"(goal <= {GOAL_P999_ADDED_US:.0f} us)"
+              + ("" if gil is None else f"; of it, GIL wait p99.9 added {gil:+.1f} us")
+              + f": {'PASS' if passed else 'FAIL'}")
     for v in variants:  # the floor of the goal on this machine: holds far shorter than the worker's
         if "hold_us" in v:
             res = merged[v["name"]]

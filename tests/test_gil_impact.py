@@ -54,3 +54,18 @@ def test_gil_impact_runs_the_export_process_variants_and_every_span_arrives(tmp_
             wait = variant["gil_wait_us"]
             assert 0 <= wait["p50"] <= wait["p99"] <= wait["p999"]
             assert wait["p999"] <= variant["p999_us"] + 1.0  # a part of each wake-up's lateness, one clock
+
+
+def test_the_goal_needs_the_gil_wait_within_it_too(monkeypatch):
+    """A lateness below its floor (this VM's wake-up jitter) is no PASS while the GIL wait is over."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its sibling bench_common
+    spec = importlib.util.spec_from_file_location("gil_impact_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    goal = module.GOAL_P999_ADDED_US
+    assert module.goal_met(-314.3, None)  # no GIL stamp (no C compiler): the lateness alone
+    assert not module.goal_met(-314.3, goal + 192.5)
+    assert module.goal_met(goal, goal) and module.goal_met(goal - 1, -3.0)
+    assert not module.goal_met(goal + 1, goal - 50)
