@@ -26,6 +26,9 @@ from .diagnostics import warn_once
 _lock = threading.Lock()
 _callbacks: list[Callable[[], Callable[[], Any] | None]] = []  # weak handles: call one for the callback
 _registered = False
+# Dead handles are dropped when the list reaches this length (then twice the live ones): a
+# process that makes telemetry again and again keeps a list as long as what is alive.
+_prune_at = 64
 
 
 def after_fork_in_child(callback: Callable[[], Any]) -> None:
@@ -40,9 +43,12 @@ def after_fork_in_child(callback: Callable[[], Any]) -> None:
     else:
         def handle(fn: Callable[[], Any] = callback) -> Callable[[], Any]:
             return fn
-    global _registered
+    global _registered, _prune_at
     with _lock:
         _callbacks.append(handle)
+        if len(_callbacks) >= _prune_at:
+            _callbacks[:] = [h for h in _callbacks if h() is not None]
+            _prune_at = max(64, 2 * len(_callbacks))
         if not _registered and hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=_run_in_child)
             _registered = True

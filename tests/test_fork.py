@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import textwrap
 
 import pytest
+
+from otel_hicache import fork
 
 SCRIPT = textwrap.dedent(
     """
@@ -89,3 +92,22 @@ def test_forked_child_exports_only_its_own_ops(tmp_path):
     assert len(parent_spans) == 3
     child_ids = {s["context"]["trace_id"] for s in spans}
     assert not child_ids & {s["context"]["trace_id"] for s in parent_spans}
+
+
+# -- the registry: weak handles, dead ones dropped in the parent too ---------------------------------
+
+class _Part:
+    def after_fork(self) -> None:
+        pass
+
+
+def test_dead_handles_are_dropped_and_live_ones_kept():
+    kept = [_Part() for _ in range(10)]
+    for part in kept:
+        fork.after_fork_in_child(part.after_fork)
+    for _ in range(2000):  # short-lived parts: each gone before the next registers
+        fork.after_fork_in_child(_Part().after_fork)
+    gc.collect()
+    alive = [handle() for handle in fork._callbacks if handle() is not None]
+    assert all(any(a == part.after_fork for a in alive) for part in kept)
+    assert len(fork._callbacks) < 2 * len(alive) + 64 + 1  # bounded by the live ones, not by 2,010
