@@ -685,6 +685,11 @@ def run_row(tokens_per_op: int, rounds: int, ops: int, warmup: int, interval_us:
                               "ops": sum(t["timed_ops"] for t in turns[kind])}
                        for kind in ("core paced", "core flat")}
         row["core"]["exact"] = all(t["spans"] == t["timed_ops"] for t in core)
+        real = check["worker_cpu_us_per_op"]
+        paced = row["core"]["core paced"]["worker_cpu_us_per_op"]
+        flat = row["core"]["core flat"]["worker_cpu_us_per_op"]
+        row["worker_ratio"] = {"real_path_us": real, "core_paced_us": paced, "core_flat_us": flat,
+                               "real_over_core_flat": real / flat, "real_over_core_paced": real / paced}
     check["exact"] = (check["flushed"] and check["spans"] == check["ops"]
                       and check["metric_tokens"] == check["tokens"] and check["metric_bytes"] == check["bytes"])
     row["check"] = check
@@ -720,13 +725,9 @@ def print_worker_ratio(rows: Sequence[dict[str, Any]], interval_us: float, contr
     print("\n## The otel-hicache worker's CPU per op: the real path against the core's op, same run\n")
     out = []
     for row in rows:
-        real = row["check"]["worker_cpu_us_per_op"]
-        paced = row["core"]["core paced"]["worker_cpu_us_per_op"]
-        flat = row["core"]["core flat"]["worker_cpu_us_per_op"]
-        row["worker_ratio"] = {"real_path_us": real, "core_paced_us": paced, "core_flat_us": flat,
-                               "real_over_core_flat": real / flat, "real_over_core_paced": real / paced}
-        out.append([str(row["tokens_per_op"]), f"{real:.1f}", f"{paced:.1f}", f"{flat:.1f}", f"{real / flat:.2f}x",
-                    f"{real / paced:.2f}x"])
+        r = row["worker_ratio"]
+        out.append([str(row["tokens_per_op"]), f"{r['real_path_us']:.1f}", f"{r['core_paced_us']:.1f}",
+                    f"{r['core_flat_us']:.1f}", f"{r['real_over_core_flat']:.2f}x", f"{r['real_over_core_paced']:.2f}x"])
     print(table(out, ["tokens", "real path (c) us/op", "core, paced us/op", "core, flat out us/op",
                       "real / core flat", "real / core paced"], left=2))
     print(f"the otel-hicache worker thread's CPU clock, from after each turn's warm-up and flush until its last\n"
