@@ -200,6 +200,39 @@ def thread_cpu_by_role() -> dict[str, float]:
     return cpu
 
 
+def cpu_pressure_us() -> int | None:
+    """Microseconds in which some runnable task of the machine waited for a CPU (``/proc/pressure/cpu``,
+    ``some total``); None where the kernel has no PSI."""
+    try:
+        with open("/proc/pressure/cpu", encoding="ascii") as psi:
+            return int(psi.readline().rpartition("total=")[2])
+    except (OSError, ValueError):
+        return None
+
+
+def preemptions(native_id: int | None = None) -> int | None:
+    """Times the OS took a CPU away from a thread of this process while it could run
+    (``nonvoluntary_ctxt_switches``; the calling thread by default). A thread preempted while it holds
+    the GIL keeps it until it runs again: every thread waiting for the GIL waits that long too."""
+    path = "/proc/thread-self/status" if native_id is None else f"/proc/self/task/{native_id}/status"
+    try:
+        with open(path, encoding="ascii") as status:
+            for line in status:
+                if line.startswith("nonvoluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def worker_preemptions() -> int | None:
+    """:func:`preemptions` of the completion worker (None: no worker, or not readable)."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("otel-hicache-completion"):
+            return preemptions(thread.native_id)
+    return None
+
+
 def process_cpu_s(pid: int | None) -> float:
     """CPU seconds of another process (the export helper), 0 when it cannot be read."""
     from otel_hicache.span_export_process import process_cpu_s as read
@@ -317,7 +350,17 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
     probe_ns = int(probe_us * 1000)
     late_ns = int(late_us * 1000)
 
+    probe_preempted: list[int | None] = [None]
+
     def probe() -> None:
+        first = preemptions()
+        try:
+            probe_loop()
+        finally:
+            last = preemptions()
+            probe_preempted[0] = None if first is None or last is None else last - first
+
+    def probe_loop() -> None:
         clock, sleep, out = time.perf_counter_ns, time.sleep, lateness.append
         seconds_ = probe_ns / 1e9
         if stamp is not None:  # the same clock as the C side's, and the wake-up stamped before the GIL
@@ -364,6 +407,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
 
     helper_pid = helper.pid if variant["hicache"] and helper is not None else None
     helper0 = process_cpu_s(helper_pid)
+    pressure0, worker0 = cpu_pressure_us(), worker_preemptions()
     cpu0, process0, t0 = thread_cpu_by_role(), time.process_time(), time.perf_counter()
     threads = [threading.Thread(target=probe, name="probe"), threading.Thread(target=submitter, name="submitter")]
     for thread in threads:
@@ -377,6 +421,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
     if telemetry is not None:
         flushed = telemetry.force_flush(30.0)
     cpu1, process1 = thread_cpu_by_role(), time.process_time()
+    pressure1, worker1 = cpu_pressure_us(), worker_preemptions()
     helper_share = (process_cpu_s(helper_pid) - helper0) / elapsed if helper_pid is not None else None
     if telemetry is not None:
         telemetry.shutdown()
@@ -392,6 +437,11 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
         "cpu_share": {role: (cpu1[role] - cpu0[role]) / elapsed for role in cpu1},
         "process_cpu_share": (process1 - process0) / elapsed,
         "helper_cpu_share": helper_share,
+        # the machine's part: how much runnable work waited for a CPU, how often the probe and the
+        # worker lost theirs (per second of the turn)
+        "cpu_pressure_share": None if pressure0 is None or pressure1 is None else (pressure1 - pressure0) / 1e6 / elapsed,
+        "probe_preempted_per_s": None if probe_preempted[0] is None else probe_preempted[0] / elapsed,
+        "worker_preempted_per_s": None if worker0 is None or worker1 is None else (worker1 - worker0) / elapsed,
         "lateness": lateness,
         "gil_wait": gil_wait,
     }
@@ -459,12 +509,23 @@ def merge(turns: list[dict[str, Any]]) -> dict[str, Any]:
         "helper_cpu_share": (sum(t["helper_cpu_share"] * t["elapsed_s"] for t in turns) / elapsed
                              if turns[0]["helper_cpu_share"] is not None else None),
         "flushed": all(t["flushed"] for t in turns), "ops": sum(t["ops"] for t in turns),
+        **{key: (sum(t[key] * t["elapsed_s"] for t in turns) / elapsed
+                 if all(t[key] is not None for t in turns) else None)
+           for key in ("cpu_pressure_share", "probe_preempted_per_s", "worker_preempted_per_s")},
         "gil_wait_us": {q: percentile(gil, f) / 1e3 for q, f in (("p50", 0.5), ("p99", 0.99), ("p999", 0.999))}
         if gil else None,
     }
     if "sections" in turns[0]:
         merged["sections"] = [t["sections"] for t in turns]
     return merged
+
+
+def pct(share: float | None) -> str:
+    return "" if share is None else f"{100 * share:.1f}"
+
+
+def rate_of(per_s: float | None) -> str:
+    return "" if per_s is None else f"{per_s:.0f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -581,6 +642,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             share, helper = merged[v["name"]]["cpu_share"], merged[v["name"]]["helper_cpu_share"]
             print(f"  {v['name']}: " + ", ".join(f"{k} {100 * x:.1f}%" for k, x in share.items())
                   + ("" if helper is None else f"; the export helper process {100 * helper:.1f}% (another process)"))
+    if any(merged[v["name"]]["cpu_pressure_share"] is not None for v in variants):
+        print("\n## The machine's part: runnable work waiting for a CPU, and threads losing theirs\n")
+        print(table([[v["name"], pct(merged[v["name"]]["cpu_pressure_share"]),
+                      rate_of(merged[v["name"]]["probe_preempted_per_s"]),
+                      rate_of(merged[v["name"]]["worker_preempted_per_s"]) if v["hicache"] else ""]
+                     for v in variants],
+                    ["variant", "CPU pressure %", "probe preempted /s", "worker preempted /s"], left=1))
+        print("CPU pressure = the share of the turn in which some runnable task of the machine waited for a CPU\n"
+              "(/proc/pressure/cpu); preempted = the OS took the CPU from a thread that could run. A thread\n"
+              "preempted while it holds the GIL keeps it until it runs again, and the probe waits that long.")
     if args.sections:
         print("\n## Late wake-ups (> %.0f us) and the sections they overlapped (first round)\n" % args.late_us)
         for v in variants:

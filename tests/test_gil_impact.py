@@ -48,6 +48,12 @@ def test_gil_impact_runs_the_export_process_variants_and_every_span_arrives(tmp_
     assert results["variants"]["hold 60 us"]["ops"] > 0 and set(results["hold_floor"]) == {"hold 60 us"}
     assert "floor: the GIL held 60 us per wake-up" in run.stdout
     assert "the export helper process" in run.stdout
+    if Path("/proc/pressure/cpu").exists():  # the machine's part, per variant
+        assert "## The machine's part" in run.stdout
+        for name, variant in results["variants"].items():
+            assert 0 <= variant["cpu_pressure_share"] <= 1.01  # "some": a share of the wall time
+            assert variant["probe_preempted_per_s"] >= 0
+            assert (variant["worker_preempted_per_s"] is not None) == name.startswith("hicache")
     if shutil.which("cc") or shutil.which("gcc"):  # the probe's C sleep: the GIL wait apart from the OS's lateness
         assert "the wait for the GIL after the OS woke the probe" in run.stdout
         for variant in results["variants"].values():
@@ -56,16 +62,42 @@ def test_gil_impact_runs_the_export_process_variants_and_every_span_arrives(tmp_
             assert wait["p999"] <= variant["p999_us"] + 1.0  # a part of each wake-up's lateness, one clock
 
 
-def test_the_goal_needs_the_gil_wait_within_it_too(monkeypatch):
-    """A lateness below its floor (this VM's wake-up jitter) is no PASS while the GIL wait is over."""
+def load(monkeypatch):
     import importlib.util
 
     monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its sibling bench_common
     spec = importlib.util.spec_from_file_location("gil_impact_under_test", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_the_goal_needs_the_gil_wait_within_it_too(monkeypatch):
+    """A lateness below its floor (this VM's wake-up jitter) is no PASS while the GIL wait is over."""
+    module = load(monkeypatch)
     goal = module.GOAL_P999_ADDED_US
     assert module.goal_met(-314.3, None)  # no GIL stamp (no C compiler): the lateness alone
     assert not module.goal_met(-314.3, goal + 192.5)
     assert module.goal_met(goal, goal) and module.goal_met(goal - 1, -3.0)
     assert not module.goal_met(goal + 1, goal - 50)
+
+
+def test_preemptions_are_read_per_thread(monkeypatch):
+    """The probe's own count, a named thread's, and none for a worker that does not run."""
+    import threading
+
+    module = load(monkeypatch)
+    if not Path("/proc/thread-self/status").exists():
+        assert module.preemptions() is None  # not Linux: no count, no crash
+        return
+    assert module.preemptions() >= 0
+    assert module.worker_preemptions() is None  # no completion worker in this thread's sight
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait, name="otel-hicache-completion")
+    worker.start()
+    try:
+        assert module.worker_preemptions() == module.preemptions(worker.native_id) >= 0
+    finally:
+        release.set()
+        worker.join()
+    assert module.preemptions(2**31 - 1) is None  # no such thread
