@@ -42,13 +42,18 @@ Variants, in rotating order within each round, so machine drift spreads over the
 "added" is the variant's lateness percentile minus the ``paced R`` one of the same run (for
 ``idle``/``paced``: minus ``idle``). With ``--sections`` the run also records when the worker's
 cycles, span exports and metric collections ran and attributes each late probe wake-up
-(over ``--late-us``) to the sections it overlapped.
+(over ``--late-us``) to the sections it overlapped. With ``--attribute-waits`` the probe reads
+the scheduler statistics of otel-hicache's threads (``/proc/self/task/TID/schedstat``: time on a
+CPU, time runnable but waiting for one) around each sleep, and sorts each GIL wait longer than
+``--late-us`` by what those threads did meanwhile: ran (the wait is their work) or waited for a
+CPU (the wait is the machine's: a thread preempted holding the GIL keeps it).
 
 Usage::
 
     python benchmarks/gil_impact.py               # ~1.5 minutes on 2 cores
     python benchmarks/gil_impact.py --quick       # ~25 s
     python benchmarks/gil_impact.py --sections    # also: which thread the late wake-ups waited for
+    python benchmarks/gil_impact.py --attribute-waits  # also: long GIL waits, our work or the machine's
     python benchmarks/gil_impact.py --json out.json
 
 Nothing asserts a time: only differences within one run mean anything (the machine's other
@@ -225,6 +230,39 @@ def preemptions(native_id: int | None = None) -> int | None:
     return None
 
 
+def schedstat(native_id: int) -> Callable[[], tuple[int, int]] | None:
+    """A reader of a thread's (ns on a CPU, ns runnable and waiting for one), or None."""
+    try:
+        fd = os.open(f"/proc/self/task/{native_id}/schedstat", os.O_RDONLY)
+    except OSError:
+        return None
+    pread = os.pread
+
+    def read() -> tuple[int, int]:
+        try:
+            on_cpu, waiting = pread(fd, 128, 0).split()[:2]
+            return int(on_cpu), int(waiting)
+        except (OSError, ValueError):  # the thread ended
+            return 0, 0
+
+    read.close = lambda: os.close(fd)  # type: ignore[attr-defined]
+    return read
+
+
+def classify_wait(wait_ns: int, deltas: dict[str, tuple[int, int]]) -> str:
+    """What a long GIL wait coincided with: ``"<role> waited for a CPU"`` when a thread of ours spent
+    at least half the wait runnable without a CPU (the machine's part), else ``"<role> ran"`` when one
+    was on a CPU for at least half of it (our work), else ``"neither"``."""
+    half = wait_ns / 2
+    for role, (_on_cpu, waiting) in deltas.items():
+        if waiting >= half:
+            return f"{role} waited for a CPU"
+    for role, (on_cpu, _waiting) in deltas.items():
+        if on_cpu >= half:
+            return f"{role} ran"
+    return "neither"
+
+
 def worker_preemptions() -> int | None:
     """:func:`preemptions` of the completion worker (None: no worker, or not readable)."""
     for thread in threading.enumerate():
@@ -290,7 +328,8 @@ class Sections:
 
 def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_port: int | None,
              sections: bool, late_us: float, sinks: tuple[Any, Any] | None = None,
-             metric_interval_ms: int = 1000, stamp: Callable[[int], int] | None = None) -> dict[str, Any]:
+             metric_interval_ms: int = 1000, stamp: Callable[[int], int] | None = None,
+             attribute_waits: bool = False) -> dict[str, Any]:
     import otel_hicache
     from otel_hicache import configuration
     from otel_hicache.testing import WallClockDevice
@@ -351,6 +390,14 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
     late_ns = int(late_us * 1000)
 
     probe_preempted: list[int | None] = [None]
+    readers: dict[str, Callable[[], tuple[int, int]]] = {}
+    if attribute_waits and stamp is not None and variant["hicache"]:
+        for thread in threading.enumerate():
+            role = next((r for n, r in THREADS.items() if thread.name.startswith(n)), None)
+            reader = schedstat(thread.native_id) if role is not None and role not in readers else None
+            if reader is not None:
+                readers[role] = reader
+    waits: dict[str, int] = {}
 
     def probe() -> None:
         first = preemptions()
@@ -363,6 +410,21 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
     def probe_loop() -> None:
         clock, sleep, out = time.perf_counter_ns, time.sleep, lateness.append
         seconds_ = probe_ns / 1e9
+        if stamp is not None and readers:  # --attribute-waits: the threads' schedstat around each sleep
+            clock, gil_out, roles = time.monotonic_ns, gil_wait.append, list(readers.items())
+            while not stop.is_set():
+                before = [read() for _role, read in roles]
+                t0 = clock()
+                woke = stamp(probe_ns)
+                t1 = clock()
+                out(t1 - t0 - probe_ns)
+                gil_out(t1 - woke)
+                if t1 - woke > late_ns:
+                    deltas = {role: (on_cpu - b[0], waiting - b[1])
+                              for (role, read), b in zip(roles, before) for on_cpu, waiting in (read(),)}
+                    kind = classify_wait(t1 - woke, deltas)
+                    waits[kind] = waits.get(kind, 0) + 1
+            return
         if stamp is not None:  # the same clock as the C side's, and the wake-up stamped before the GIL
             clock, gil_out = time.monotonic_ns, gil_wait.append
             while not stop.is_set():
@@ -447,6 +509,10 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
     }
     if recorder is not None:
         result["sections"] = recorder.attribute(late)
+    if readers:
+        result["long_gil_waits"] = waits
+        for read in readers.values():
+            read.close()  # type: ignore[attr-defined]
     return result
 
 
@@ -517,6 +583,12 @@ def merge(turns: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if "sections" in turns[0]:
         merged["sections"] = [t["sections"] for t in turns]
+    if "long_gil_waits" in turns[0]:
+        kinds: dict[str, int] = {}
+        for t in turns:
+            for kind, n in t["long_gil_waits"].items():
+                kinds[kind] = kinds.get(kind, 0) + n
+        merged["long_gil_waits"] = kinds
     return merged
 
 
@@ -546,7 +618,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="'hold N us' variants at 1,000/s: the GIL held N us per wake-up, no otel-hicache "
                              "(none: skip)")
     parser.add_argument("--sections", action="store_true", help="attribute late wake-ups to the threads' sections")
-    parser.add_argument("--late-us", type=float, default=200.0, help="--sections: a wake-up later than this is late")
+    parser.add_argument("--attribute-waits", action="store_true",
+                        help="sort the GIL waits over --late-us by what otel-hicache's threads did meanwhile "
+                             "(ran, or waited for a CPU; /proc schedstat)")
+    parser.add_argument("--late-us", type=float, default=200.0,
+                        help="--sections, --attribute-waits: a wake-up (a GIL wait) longer than this is late")
     parser.add_argument("--sink", choices=("memory", "otlp"), default="memory",
                         help="memory: encode to OTLP bytes in-process and drop; otlp: OTLP/HTTP to a child process")
     parser.add_argument("--metric-interval-ms", type=int, default=60000,
@@ -600,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 turns[variant["name"]].append(run_turn(variant, turn_s, args.probe_us,
                                                        receiver.port if receiver else None,
                                                        args.sections, args.late_us, sinks,
-                                                       args.metric_interval_ms, stamp))
+                                                       args.metric_interval_ms, stamp, args.attribute_waits))
     finally:
         received = (receiver.close() if receiver is not None else 0) + (sinks[0].spans if sinks else 0)
     merged = {name: merge(t) for name, t in turns.items()}
@@ -652,6 +728,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("CPU pressure = the share of the turn in which some runnable task of the machine waited for a CPU\n"
               "(/proc/pressure/cpu); preempted = the OS took the CPU from a thread that could run. A thread\n"
               "preempted while it holds the GIL keeps it until it runs again, and the probe waits that long.")
+    if any("long_gil_waits" in merged[v["name"]] for v in variants):
+        print(f"\n## GIL waits over {args.late_us:.0f} us, by what otel-hicache's threads did meanwhile\n")
+        print("(at least half the wait: a thread of ours runnable without a CPU, else one on a CPU)")
+        for v in variants:
+            kinds = merged[v["name"]].get("long_gil_waits")
+            if kinds is not None:
+                total = sum(kinds.values())
+                print(f"  {v['name']}: {total} waits" + ("" if not total else ": " + ", ".join(
+                    f"{kind} {n} ({100 * n / total:.0f}%)" for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1]))))
     if args.sections:
         print("\n## Late wake-ups (> %.0f us) and the sections they overlapped (first round)\n" % args.late_us)
         for v in variants:

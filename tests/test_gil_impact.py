@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gil_impact.py"
@@ -21,13 +22,20 @@ def gil_impact(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess,
 
 
 def test_gil_impact_runs_and_every_span_is_encoded(tmp_path):
-    run, results = gil_impact(tmp_path, "--rates", "200", "--sections")
+    run, results = gil_impact(tmp_path, "--rates", "200", "--sections", "--attribute-waits", "--late-us", "50")
     assert {"idle", "paced 200", "hicache 200"} <= set(results["variants"])
     hicache = results["variants"]["hicache 200"]
     assert hicache["ops"] > 0 and hicache["flushed"] and hicache["samples"] > 0
     assert results["received_spans"] >= hicache["ops"]  # spans at 100%: each encoded by the sink
     assert set(hicache["cpu_share"]) == {"worker", "span_processor", "metric_reader"}
     assert "sections" in hicache and "added p99.9" in run.stdout
+    if (shutil.which("cc") or shutil.which("gcc")) and Path("/proc/self/task").exists():
+        waits = hicache["long_gil_waits"]  # each GIL wait over 50 us, sorted by what our threads did
+        roles = ("worker", "span_processor", "metric_reader")
+        kinds = {f"{r} ran" for r in roles} | {f"{r} waited for a CPU" for r in roles} | {"neither"}
+        assert set(waits) <= kinds and all(n > 0 for n in waits.values())
+        assert "long_gil_waits" not in results["variants"]["idle"]  # no threads of ours to read
+        assert "GIL waits over 50 us, by what otel-hicache's threads did meanwhile" in run.stdout
 
 
 def test_gil_impact_runs_the_export_process_variants_and_every_span_arrives(tmp_path):
@@ -101,3 +109,35 @@ def test_preemptions_are_read_per_thread(monkeypatch):
         release.set()
         worker.join()
     assert module.preemptions(2**31 - 1) is None  # no such thread
+
+
+def test_a_long_gil_wait_is_the_machines_when_our_thread_waited_for_a_cpu(monkeypatch):
+    module = load(monkeypatch)
+    wait = 1_000_000
+    assert module.classify_wait(wait, {"worker": (900_000, 0)}) == "worker ran"
+    assert module.classify_wait(wait, {"worker": (100_000, 600_000)}) == "worker waited for a CPU"
+    # a CPU wait of any thread of ours comes first: the GIL holder may be the one preempted
+    assert module.classify_wait(wait, {"worker": (800_000, 0), "span_processor": (0, 500_000)}) == (
+        "span_processor waited for a CPU")
+    assert module.classify_wait(wait, {"worker": (400_000, 400_000)}) == "neither"
+    assert module.classify_wait(wait, {}) == "neither"
+
+
+def test_schedstat_reads_a_threads_cpu_and_run_queue_time(monkeypatch):
+    import threading
+
+    module = load(monkeypatch)
+    if not Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").exists():
+        assert module.schedstat(threading.get_native_id()) is None  # no schedstat: no reader, no crash
+        return
+    read = module.schedstat(threading.get_native_id())
+    try:
+        on_cpu0, waiting0 = read()
+        end = time.thread_time_ns() + 20_000_000
+        while time.thread_time_ns() < end:  # 20 ms on a CPU
+            pass
+        on_cpu1, waiting1 = read()
+        assert on_cpu1 - on_cpu0 >= 15_000_000 and waiting1 >= waiting0 >= 0
+    finally:
+        read.close()
+    assert module.schedstat(2**31 - 1) is None
