@@ -44,9 +44,10 @@ Variants, in rotating order within each round, so machine drift spreads over the
 cycles, span exports and metric collections ran and attributes each late probe wake-up
 (over ``--late-us``) to the sections it overlapped. With ``--attribute-waits`` the probe reads
 the scheduler statistics of otel-hicache's threads (``/proc/self/task/TID/schedstat``: time on a
-CPU, time runnable but waiting for one) around each sleep, and sorts each GIL wait longer than
-``--late-us`` by what those threads did meanwhile: ran (the wait is their work) or waited for a
-CPU (the wait is the machine's: a thread preempted holding the GIL keeps it).
+CPU, time runnable but waiting for one), the submitting thread's and its own around each sleep,
+and sorts each GIL wait longer than ``--late-us`` by what those threads did meanwhile: ran (the
+wait is their work) or waited for a CPU (the wait is the machine's: a thread preempted holding
+the GIL keeps it; the probe, preempted once woken, waits as long).
 
 Usage::
 
@@ -215,6 +216,17 @@ def cpu_pressure_us() -> int | None:
         return None
 
 
+def steal_s() -> float | None:
+    """Seconds the hypervisor ran something else on this machine's CPUs (``/proc/stat``'s ``steal``,
+    all CPUs together); None where not readable. A thread whose CPU is stolen shows neither as running
+    nor as waiting for a CPU in its own statistics."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            return int(stat.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def preemptions(native_id: int | None = None) -> int | None:
     """Times the OS took a CPU away from a thread of this process while it could run
     (``nonvoluntary_ctxt_switches``; the calling thread by default). A thread preempted while it holds
@@ -230,36 +242,49 @@ def preemptions(native_id: int | None = None) -> int | None:
     return None
 
 
-def schedstat(native_id: int) -> Callable[[], tuple[int, int]] | None:
-    """A reader of a thread's (ns on a CPU, ns runnable and waiting for one), or None."""
+def schedstat(native_id: int, ident: int) -> Callable[[], tuple[int, int]] | None:
+    """A reader of a thread's (ns on a CPU, ns runnable and waiting for one), or None. The CPU time
+    from the thread's CPU clock (``schedstat``'s own is brought up to date for a running thread only
+    at the next tick, 1-4 ms: a thread running through a wait read as not running); the wait from
+    ``/proc/self/task/TID/schedstat`` (added when the thread gets a CPU)."""
     try:
         fd = os.open(f"/proc/self/task/{native_id}/schedstat", os.O_RDONLY)
-    except OSError:
+        clock = time.pthread_getcpuclockid(ident)
+    except (OSError, AttributeError):
         return None
-    pread = os.pread
+    pread, cpu_ns = os.pread, time.clock_gettime_ns
 
     def read() -> tuple[int, int]:
         try:
-            on_cpu, waiting = pread(fd, 128, 0).split()[:2]
-            return int(on_cpu), int(waiting)
-        except (OSError, ValueError):  # the thread ended
+            return cpu_ns(clock), int(pread(fd, 128, 0).split()[1])
+        except (OSError, ValueError, IndexError):  # the thread ended
             return 0, 0
 
     read.close = lambda: os.close(fd)  # type: ignore[attr-defined]
     return read
 
 
-def classify_wait(wait_ns: int, deltas: dict[str, tuple[int, int]]) -> str:
-    """What a long GIL wait coincided with: ``"<role> waited for a CPU"`` when a thread of ours spent
-    at least half the wait runnable without a CPU (the machine's part), else ``"<role> ran"`` when one
-    was on a CPU for at least half of it (our work), else ``"neither"``."""
+def classify_wait(wait_ns: int, deltas: dict[str, tuple[int, int]], outside_ns: int = 0) -> str:
+    """What a long GIL wait coincided with, the threads in ``deltas``' order (otel-hicache's, then the
+    submitting thread, then the probe): ``"<role> waited for a CPU"`` when one spent at least half the
+    wait runnable without a CPU (the machine's part: a holder preempted, or the probe itself after the
+    OS woke it), else ``"<role> ran"`` when one other than the probe was on a CPU for at least half of
+    it (that thread's work), else the same for the threads' sums (``"several waited for a CPU"``,
+    ``"several ran"``), else ``"neither"``. The deltas cover a window ``outside_ns`` longer than
+    the wait (the probe's sleep, the reads): that much of each is taken off, so what is counted
+    surely fell within the wait."""
     half = wait_ns / 2
     for role, (_on_cpu, waiting) in deltas.items():
-        if waiting >= half:
+        if waiting - outside_ns >= half:
             return f"{role} waited for a CPU"
     for role, (on_cpu, _waiting) in deltas.items():
-        if on_cpu >= half:
+        if on_cpu - outside_ns >= half and role != "probe":
             return f"{role} ran"
+    # several threads in turn (a convoy at the GIL, or a holder preempted by another of them)
+    if sum(max(0, waiting - outside_ns) for _on_cpu, waiting in deltas.values()) >= half:
+        return "several waited for a CPU"
+    if sum(max(0, on_cpu - outside_ns) for role, (on_cpu, _w) in deltas.items() if role != "probe") >= half:
+        return "several ran"
     return "neither"
 
 
@@ -394,13 +419,19 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
     if attribute_waits and stamp is not None and variant["hicache"]:
         for thread in threading.enumerate():
             role = next((r for n, r in THREADS.items() if thread.name.startswith(n)), None)
-            reader = schedstat(thread.native_id) if role is not None and role not in readers else None
+            reader = schedstat(thread.native_id, thread.ident) if role is not None and role not in readers else None
             if reader is not None:
                 readers[role] = reader
     waits: dict[str, int] = {}
+    submitter_read = threading.Event()  # --attribute-waits: the submitting thread's reader is in
 
     def probe() -> None:
         first = preemptions()
+        if readers:  # then the submitting thread's and the probe's own, after ours (classify_wait's order)
+            submitter_read.wait(1.0)
+            own = schedstat(threading.get_native_id(), threading.get_ident())
+            if own is not None:
+                readers["probe"] = own
         try:
             probe_loop()
         finally:
@@ -413,6 +444,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
         if stamp is not None and readers:  # --attribute-waits: the threads' schedstat around each sleep
             clock, gil_out, roles = time.monotonic_ns, gil_wait.append, list(readers.items())
             while not stop.is_set():
+                r0 = clock()
                 before = [read() for _role, read in roles]
                 t0 = clock()
                 woke = stamp(probe_ns)
@@ -422,7 +454,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
                 if t1 - woke > late_ns:
                     deltas = {role: (on_cpu - b[0], waiting - b[1])
                               for (role, read), b in zip(roles, before) for on_cpu, waiting in (read(),)}
-                    kind = classify_wait(t1 - woke, deltas)
+                    kind = classify_wait(t1 - woke, deltas, clock() - r0 - (t1 - woke))
                     waits[kind] = waits.get(kind, 0) + 1
             return
         if stamp is not None:  # the same clock as the C side's, and the wake-up stamped before the GIL
@@ -447,6 +479,11 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
                 late.append((t0 + probe_ns, t1))
 
     def submitter() -> None:
+        if readers:
+            own = schedstat(threading.get_native_id(), threading.get_ident())
+            if own is not None:
+                readers["submitter"] = own
+            submitter_read.set()
         if not rate:
             return
         interval = int(1e9 / rate)
@@ -469,7 +506,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
 
     helper_pid = helper.pid if variant["hicache"] and helper is not None else None
     helper0 = process_cpu_s(helper_pid)
-    pressure0, worker0 = cpu_pressure_us(), worker_preemptions()
+    pressure0, worker0, steal0 = cpu_pressure_us(), worker_preemptions(), steal_s()
     cpu0, process0, t0 = thread_cpu_by_role(), time.process_time(), time.perf_counter()
     threads = [threading.Thread(target=probe, name="probe"), threading.Thread(target=submitter, name="submitter")]
     for thread in threads:
@@ -483,7 +520,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
     if telemetry is not None:
         flushed = telemetry.force_flush(30.0)
     cpu1, process1 = thread_cpu_by_role(), time.process_time()
-    pressure1, worker1 = cpu_pressure_us(), worker_preemptions()
+    pressure1, worker1, steal1 = cpu_pressure_us(), worker_preemptions(), steal_s()
     helper_share = (process_cpu_s(helper_pid) - helper0) / elapsed if helper_pid is not None else None
     if telemetry is not None:
         telemetry.shutdown()
@@ -503,6 +540,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
         # worker lost theirs (per second of the turn)
         "cpu_pressure_share": None if pressure0 is None or pressure1 is None else (pressure1 - pressure0) / 1e6 / elapsed,
         "probe_preempted_per_s": None if probe_preempted[0] is None else probe_preempted[0] / elapsed,
+        "steal_share": None if steal0 is None or steal1 is None else (steal1 - steal0) / elapsed / (os.cpu_count() or 1),
         "worker_preempted_per_s": None if worker0 is None or worker1 is None else (worker1 - worker0) / elapsed,
         "lateness": lateness,
         "gil_wait": gil_wait,
@@ -577,7 +615,7 @@ def merge(turns: list[dict[str, Any]]) -> dict[str, Any]:
         "flushed": all(t["flushed"] for t in turns), "ops": sum(t["ops"] for t in turns),
         **{key: (sum(t[key] * t["elapsed_s"] for t in turns) / elapsed
                  if all(t[key] is not None for t in turns) else None)
-           for key in ("cpu_pressure_share", "probe_preempted_per_s", "worker_preempted_per_s")},
+           for key in ("cpu_pressure_share", "probe_preempted_per_s", "worker_preempted_per_s", "steal_share")},
         "gil_wait_us": {q: percentile(gil, f) / 1e3 for q, f in (("p50", 0.5), ("p99", 0.99), ("p999", 0.999))}
         if gil else None,
     }
@@ -722,15 +760,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n## The machine's part: runnable work waiting for a CPU, and threads losing theirs\n")
         print(table([[v["name"], pct(merged[v["name"]]["cpu_pressure_share"]),
                       rate_of(merged[v["name"]]["probe_preempted_per_s"]),
-                      rate_of(merged[v["name"]]["worker_preempted_per_s"]) if v["hicache"] else ""]
+                      rate_of(merged[v["name"]]["worker_preempted_per_s"]) if v["hicache"] else "",
+                      pct(merged[v["name"]]["steal_share"])]
                      for v in variants],
-                    ["variant", "CPU pressure %", "probe preempted /s", "worker preempted /s"], left=1))
+                    ["variant", "CPU pressure %", "probe preempted /s", "worker preempted /s", "steal %"], left=1))
         print("CPU pressure = the share of the turn in which some runnable task of the machine waited for a CPU\n"
               "(/proc/pressure/cpu); preempted = the OS took the CPU from a thread that could run. A thread\n"
-              "preempted while it holds the GIL keeps it until it runs again, and the probe waits that long.")
+              "preempted while it holds the GIL keeps it until it runs again, and the probe waits that long.\n"
+              "steal = the share of the CPUs' time the hypervisor gave to others (/proc/stat): a thread whose\n"
+              "CPU is stolen while it holds the GIL keeps it too, and shows neither running nor waiting.")
     if any("long_gil_waits" in merged[v["name"]] for v in variants):
         print(f"\n## GIL waits over {args.late_us:.0f} us, by what otel-hicache's threads did meanwhile\n")
-        print("(at least half the wait: a thread of ours runnable without a CPU, else one on a CPU)")
+        print("(at least half the wait: a thread runnable without a CPU, else one on a CPU; the submitting\n"
+              "thread stands in for the scheduler and calls submit(); the probe can only wait)")
         for v in variants:
             kinds = merged[v["name"]].get("long_gil_waits")
             if kinds is not None:

@@ -31,8 +31,9 @@ def test_gil_impact_runs_and_every_span_is_encoded(tmp_path):
     assert "sections" in hicache and "added p99.9" in run.stdout
     if (shutil.which("cc") or shutil.which("gcc")) and Path("/proc/self/task").exists():
         waits = hicache["long_gil_waits"]  # each GIL wait over 50 us, sorted by what our threads did
-        roles = ("worker", "span_processor", "metric_reader")
-        kinds = {f"{r} ran" for r in roles} | {f"{r} waited for a CPU" for r in roles} | {"neither"}
+        roles = ("worker", "span_processor", "metric_reader", "submitter")
+        kinds = {f"{r} ran" for r in (*roles, "several")} | {"neither"}
+        kinds |= {f"{r} waited for a CPU" for r in (*roles, "probe", "several")}
         assert set(waits) <= kinds and all(n > 0 for n in waits.values())
         assert "long_gil_waits" not in results["variants"]["idle"]  # no threads of ours to read
         assert "GIL waits over 50 us, by what otel-hicache's threads did meanwhile" in run.stdout
@@ -61,6 +62,7 @@ def test_gil_impact_runs_the_export_process_variants_and_every_span_arrives(tmp_
         for name, variant in results["variants"].items():
             assert 0 <= variant["cpu_pressure_share"] <= 1.01  # "some": a share of the wall time
             assert variant["probe_preempted_per_s"] >= 0
+            assert variant["steal_share"] is None or 0 <= variant["steal_share"] <= 1.01
             assert (variant["worker_preempted_per_s"] is not None) == name.startswith("hicache")
     if shutil.which("cc") or shutil.which("gcc"):  # the probe's C sleep: the GIL wait apart from the OS's lateness
         assert "the wait for the GIL after the OS woke the probe" in run.stdout
@@ -120,7 +122,22 @@ def test_a_long_gil_wait_is_the_machines_when_our_thread_waited_for_a_cpu(monkey
     assert module.classify_wait(wait, {"worker": (800_000, 0), "span_processor": (0, 500_000)}) == (
         "span_processor waited for a CPU")
     assert module.classify_wait(wait, {"worker": (400_000, 400_000)}) == "neither"
+    assert module.classify_wait(wait, {"worker": (0, 300_000), "submitter": (0, 300_000)}) == (
+        "several waited for a CPU")
+    assert module.classify_wait(wait, {"worker": (300_000, 100_000), "submitter": (300_000, 100_000)}) == (
+        "several ran")
+    assert module.classify_wait(wait, {"worker": (200_000, 100_000), "probe": (600_000, 0)}) == "neither"
+    # the probe only waits: preempted once woken, it is the machine's; on a CPU, it is nobody's work
+    assert module.classify_wait(wait, {"worker": (0, 0), "submitter": (0, 0), "probe": (0, 700_000)}) == (
+        "probe waited for a CPU")
+    assert module.classify_wait(wait, {"worker": (0, 0), "probe": (900_000, 0)}) == "neither"
+    assert module.classify_wait(wait, {"worker": (0, 0), "submitter": (800_000, 0)}) == "submitter ran"
     assert module.classify_wait(wait, {}) == "neither"
+    # what may have fallen outside the wait (the probe's sleep, the reads) does not count
+    assert module.classify_wait(wait, {"worker": (700_000, 0)}, outside_ns=300_000) == "neither"
+    assert module.classify_wait(wait, {"worker": (700_000, 0), "span_processor": (400_000, 0)},
+                                outside_ns=300_000) == "several ran"
+    assert module.classify_wait(wait, {"worker": (0, 800_000)}, outside_ns=300_000) == "worker waited for a CPU"
 
 
 def test_schedstat_reads_a_threads_cpu_and_run_queue_time(monkeypatch):
@@ -128,9 +145,9 @@ def test_schedstat_reads_a_threads_cpu_and_run_queue_time(monkeypatch):
 
     module = load(monkeypatch)
     if not Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").exists():
-        assert module.schedstat(threading.get_native_id()) is None  # no schedstat: no reader, no crash
+        assert module.schedstat(threading.get_native_id(), threading.get_ident()) is None  # no reader, no crash
         return
-    read = module.schedstat(threading.get_native_id())
+    read = module.schedstat(threading.get_native_id(), threading.get_ident())
     try:
         on_cpu0, waiting0 = read()
         end = time.thread_time_ns() + 20_000_000
@@ -140,4 +157,4 @@ def test_schedstat_reads_a_threads_cpu_and_run_queue_time(monkeypatch):
         assert on_cpu1 - on_cpu0 >= 15_000_000 and waiting1 >= waiting0 >= 0
     finally:
         read.close()
-    assert module.schedstat(2**31 - 1) is None
+    assert module.schedstat(2**31 - 1, threading.get_ident()) is None
