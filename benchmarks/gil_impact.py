@@ -43,8 +43,9 @@ Variants, in rotating order within each round, so machine drift spreads over the
 ``idle``/``paced``: minus ``idle``). With ``--sections`` the run also records when the worker's
 cycles, span exports and metric collections ran and attributes each late probe wake-up
 (over ``--late-us``) to the sections it overlapped. With ``--attribute-waits`` the probe reads
-the scheduler statistics of otel-hicache's threads (``/proc/self/task/TID/schedstat``: time on a
-CPU, time runnable but waiting for one), the submitting thread's and its own around each sleep,
+the statistics of otel-hicache's threads (time on a CPU, from each thread's CPU clock; time
+runnable but waiting for one, from ``/proc/self/task/TID/schedstat``), the submitting thread's and
+its own around each sleep,
 and sorts each GIL wait longer than ``--late-us`` by what those threads did meanwhile: ran (the
 wait is their work) or waited for a CPU (the wait is the machine's: a thread preempted holding
 the GIL keeps it; the probe, preempted once woken, waits as long).
@@ -192,11 +193,16 @@ class Receiver:
 # One turn
 # --------------------------------------------------------------------------------------
 
+def role_of(thread: threading.Thread) -> str | None:
+    """The role (:data:`THREADS`) of one of otel-hicache's or the SDK's threads, else None."""
+    return THREADS.get(thread.name.split(" ")[0]) or next(
+        (r for n, r in THREADS.items() if thread.name.startswith(n)), None)
+
+
 def thread_cpu_by_role() -> dict[str, float]:
     cpu = {role: 0.0 for role in THREADS.values()}
     for thread in threading.enumerate():
-        role = THREADS.get(thread.name.split(" ")[0]) or next(
-            (r for n, r in THREADS.items() if thread.name.startswith(n)), None)
+        role = role_of(thread)
         if role is None:
             continue
         try:
@@ -291,7 +297,7 @@ def classify_wait(wait_ns: int, deltas: dict[str, tuple[int, int]], outside_ns: 
 def worker_preemptions() -> int | None:
     """:func:`preemptions` of the completion worker (None: no worker, or not readable)."""
     for thread in threading.enumerate():
-        if thread.name.startswith("otel-hicache-completion"):
+        if role_of(thread) == "worker":
             return preemptions(thread.native_id)
     return None
 
@@ -418,7 +424,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
     readers: dict[str, Callable[[], tuple[int, int]]] = {}
     if attribute_waits and stamp is not None and variant["hicache"]:
         for thread in threading.enumerate():
-            role = next((r for n, r in THREADS.items() if thread.name.startswith(n)), None)
+            role = role_of(thread)
             reader = schedstat(thread.native_id, thread.ident) if role is not None and role not in readers else None
             if reader is not None:
                 readers[role] = reader
@@ -657,8 +663,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(none: skip)")
     parser.add_argument("--sections", action="store_true", help="attribute late wake-ups to the threads' sections")
     parser.add_argument("--attribute-waits", action="store_true",
-                        help="sort the GIL waits over --late-us by what otel-hicache's threads did meanwhile "
-                             "(ran, or waited for a CPU; /proc schedstat)")
+                        help="sort the GIL waits over --late-us by what the process's threads did meanwhile "
+                             "(ran, or waited for a CPU; thread CPU clocks, /proc schedstat)")
     parser.add_argument("--late-us", type=float, default=200.0,
                         help="--sections, --attribute-waits: a wake-up (a GIL wait) longer than this is late")
     parser.add_argument("--sink", choices=("memory", "otlp"), default="memory",
