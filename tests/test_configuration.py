@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -211,7 +212,11 @@ def test_exit_is_bounded_when_the_collector_is_unreachable(tmp_path):
     # one bounded wait of 0.5 s (later steps do not wait on a stuck exporter) plus
     # interpreter start-up; the exporters alone would retry for their 10 s timeout.
     assert elapsed < 8, (elapsed, done.stderr)
-    assert "did not finish within 0.5 s" in done.stderr
+    # the bounded step waits what is left of the 0.5 s after stopping the pipeline (less on a busy
+    # machine: the literal "0.5 s" failed a CI run), never more
+    waited = re.search(r"did not finish within (\d+\.\d) s", done.stderr)
+    assert waited is not None, done.stderr
+    assert 0 < float(waited.group(1)) <= 0.5, done.stderr
 
 
 def test_standard_otlp_variables_reach_the_exporters(monkeypatch):
