@@ -447,25 +447,12 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
     def probe_loop() -> None:
         clock, sleep, out = time.perf_counter_ns, time.sleep, lateness.append
         seconds_ = probe_ns / 1e9
-        if stamp is not None and readers:  # --attribute-waits: the threads' schedstat around each sleep
-            clock, gil_out, roles = time.monotonic_ns, gil_wait.append, list(readers.items())
-            while not stop.is_set():
-                r0 = clock()
-                before = [read() for _role, read in roles]
-                t0 = clock()
-                woke = stamp(probe_ns)
-                t1 = clock()
-                out(t1 - t0 - probe_ns)
-                gil_out(t1 - woke)
-                if t1 - woke > late_ns:
-                    deltas = {role: (on_cpu - b[0], waiting - b[1])
-                              for (role, read), b in zip(roles, before) for on_cpu, waiting in (read(),)}
-                    kind = classify_wait(t1 - woke, deltas, clock() - r0 - (t1 - woke))
-                    waits[kind] = waits.get(kind, 0) + 1
-            return
         if stamp is not None:  # the same clock as the C side's, and the wake-up stamped before the GIL
             clock, gil_out = time.monotonic_ns, gil_wait.append
+            roles = list(readers.items())  # --attribute-waits: the threads' statistics around each sleep
             while not stop.is_set():
+                r0 = clock()
+                before = [read() for _role, read in roles] if roles else None
                 t0 = clock()
                 woke = stamp(probe_ns)
                 t1 = clock()
@@ -474,6 +461,11 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
                 gil_out(t1 - woke)
                 if delay > late_ns:
                     late.append((t0 + probe_ns, t1))
+                if before is not None and t1 - woke > late_ns:
+                    deltas = {role: (on_cpu - b[0], waiting - b[1])
+                              for (role, read), b in zip(roles, before) for on_cpu, waiting in (read(),)}
+                    kind = classify_wait(t1 - woke, deltas, clock() - r0 - (t1 - woke))
+                    waits[kind] = waits.get(kind, 0) + 1
             return
         while not stop.is_set():
             t0 = clock()
