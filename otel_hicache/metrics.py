@@ -25,7 +25,7 @@ from . import semconv as sc
 from .diagnostics import warn_once
 from .metrics_fast_path import BoundHistogram, resolver_for
 from .host_residence import OFFLOAD_CAUSES, Reuse, Waste
-from .records import DIRECT, DIRECTIONS, MERGED_OP, ORIGINS, TIERS, TransferRecord
+from .records import DIRECT, DIRECTIONS, INT64_MAX, MERGED_OP, ORIGINS, TIERS, TransferRecord
 from .version import __version__
 
 
@@ -106,6 +106,7 @@ class TransferMetrics(TransferInstruments):
         self._default_io_backend = str(self._static.get(sc.IO_BACKEND, "unknown"))
         # pending counter increments: (instrument, attrs id) -> [attrs, amount]
         self._pending: dict[tuple[int, int], list[Any]] = {}
+        self._totals: dict[tuple[int, int], int] = {}  # integer counters' sums handed over, per series
         self._zero_series()
         # stuck and late transfers: ages the pipeline computes at collection time
         # (bind_oldest_ages); both directions report 0 until bound and while none
@@ -250,10 +251,24 @@ class TransferMetrics(TransferInstruments):
         if not pending:
             return
         self._pending = {}
-        for instrument, attrs, amount in pending.values():
+        totals = self._totals
+        for key, (instrument, attrs, amount) in pending.items():
             if amount:
+                if type(amount) is int:  # a cumulative count past int64 would fail every export from then on
+                    total = totals.get(key, 0) + amount
+                    if not -INT64_MAX <= total <= INT64_MAX:
+                        name = getattr(instrument, "name", "a counter")
+                        warn_once(f"overflow:{name}", "otel-hicache: %s would pass 2**63-1, the largest count OTLP "
+                                  "can encode; its increments are left out from now on", name)
+                        continue
+                    totals[key] = total
                 instrument.add(amount, attrs)
                 yield
+
+    def dropped_now(self, reason: str, count: int) -> None:
+        """Records dropped, handed to the SDK at once: for when the worker, which hands over
+        the summed increments, is itself stuck (any thread; the SDK's add is thread-safe)."""
+        self.dropped.add(count, self._reason_attrs(reason))
 
     def flush(self, pause: Callable[[], None] | None = None) -> None:
         """Re-check the bindings and hand the summed counter increments and the kept

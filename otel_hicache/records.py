@@ -8,6 +8,7 @@ completion worker (:mod:`otel_hicache.pipeline`).
 from __future__ import annotations
 
 import operator
+import reprlib
 from typing import Any, Mapping
 
 from . import semconv as sc
@@ -161,6 +162,18 @@ def reset_worker_fields(record: TransferRecord) -> None:
     record.request_links_dropped = 0
 
 
+INT64_MAX = 2**63 - 1
+"""The largest count or time any OTLP exporter can encode (int64 values, nanosecond times):
+a larger one would make every export of its batch, or of a cumulative counter, fail."""
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, short whatever it is (a 5,000-digit int, a 10 MB string)."""
+    if isinstance(value, int) and not -2**64 < value < 2**64:
+        return f"an integer of {value.bit_length()} bits"
+    return reprlib.repr(value)
+
+
 def _integer(value: Any, what: str) -> int:
     """``value`` as an int (ints, NumPy and torch integer scalars), or a TypeError naming ``what``."""
     if type(value) is int:  # the common case, first
@@ -170,15 +183,49 @@ def _integer(value: Any, what: str) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {_shown(value)}") from None
 
 
 def _count(value: Any, what: str) -> int:
-    """A non-negative integer count, or a ValueError/TypeError naming ``what``."""
+    """A count from 0 to ``INT64_MAX``, or a ValueError/TypeError naming ``what``."""
     number = _integer(value, what)
-    if number < 0:
-        raise ValueError(f"{what} must be >= 0, got {number}")
+    if not 0 <= number <= INT64_MAX:
+        raise ValueError(f"{what} must be >= 0 and < 2**63, got {_shown(number)}")
     return number
+
+
+def _timestamp(value: Any, what: str) -> int:
+    """A host time in ns since the epoch (as ``time.time_ns()``), 0 to ``INT64_MAX``; floats are
+    refused rather than rounded (they lose the nanoseconds), like any other non-integer."""
+    if type(value) is int and 0 <= value <= INT64_MAX:  # the common case, first
+        return value
+    number = _integer(value, what)
+    if not 0 <= number <= INT64_MAX:
+        raise ValueError(f"{what} must be a time in ns from 0 to 2**63-1, got {_shown(number)}")
+    return number
+
+
+_NAMES_SEEN: set[str] = set()  # names checked once: a few pool names, seen on every op
+_NAMES_SEEN_MAX = 1024
+_NAME_SEEN_LENGTH = 256  # longer names are checked every time rather than kept
+
+
+def _name(name: Any, what: str) -> str:
+    """A non-empty string that encodes as UTF-8 (a lone surrogate would make every export of
+    its batch and series fail), a str enum member as its plain value."""
+    if type(name) is str and name in _NAMES_SEEN:
+        return name
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{what} must be non-empty strings, got {_shown(name)}")
+    name = str.__str__(name)
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{what} must be valid Unicode (no lone surrogates), got {_shown(name)}") from None
+    if len(_NAMES_SEEN) < _NAMES_SEEN_MAX and len(name) <= _NAME_SEEN_LENGTH:
+        _NAMES_SEEN.add(name)
+    return name
 
 
 def validate(record: TransferRecord) -> None:
@@ -191,10 +238,10 @@ def validate(record: TransferRecord) -> None:
     """
     reset_worker_fields(record)
     if record.direction not in TIERS:
-        raise ValueError(f"direction must be 'offload' or 'onboard', got {record.direction!r}")
+        raise ValueError(f"direction must be 'offload' or 'onboard', got {_shown(record.direction)}")
     page_size = record.page_size = _integer(record.page_size, "page_size")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if not 1 <= page_size <= INT64_MAX:
+        raise ValueError(f"page_size must be >= 1 and < 2**63, got {_shown(page_size)}")
     record.num_bytes = _count(record.num_bytes, "num_bytes")
     pools = record.tokens_by_pool
     if pools is None:
@@ -204,18 +251,20 @@ def validate(record: TransferRecord) -> None:
     names = []
     counts = []
     for name, count in pools.items():
-        if type(name) is not str:
-            if not isinstance(name, str):
-                raise TypeError(f"tokens_by_pool keys must be non-empty strings, got {name!r}")
-            name = str.__str__(name)  # a str enum member: its plain value
-        if not name:
-            raise TypeError(f"tokens_by_pool keys must be non-empty strings, got {name!r}")
+        name = _name(name, "tokens_by_pool keys")
         names.append(name)
-        counts.append(_count(count, f"tokens_by_pool[{name!r}]"))
+        counts.append(_count(count, f"tokens_by_pool[{_shown(name)}]"))
     record.pool_names = tuple(names)
     record.pool_tokens = tuple(counts)
     record.tokens = counts[0] if counts else 0
     record.blocks = -(-record.tokens // page_size)
+    if record.host_start_ns is not None:  # submit() takes it as the submit time too
+        record.host_start_ns = _timestamp(record.host_start_ns, "host_start_ns")
+    record.submit_ns = _timestamp(record.submit_ns, "submit_ns")
+    if record.host_end_ns is not None:
+        record.host_end_ns = _timestamp(record.host_end_ns, "host_end_ns")
+    if record.io_backend is not None:
+        record.io_backend = _name(str(record.io_backend), "io_backend")
     record.origin = MERGED_OP if record.expect_ack else DIRECT
     _validate_cause(record)
     slots = record.host_slots
@@ -271,7 +320,7 @@ def _validate_cause(record: TransferRecord) -> None:
             part_cause = _known_cause(part_cause, record.direction)
             entry = parts.setdefault(part_cause, [{}, 0])
             for name, count in (pools or {}).items():
-                name = str.__str__(name) if isinstance(name, str) else name
+                name = _name(name, "cause part pool names")
                 entry[0][name] = entry[0].get(name, 0) + _count(count, f"cause part tokens[{name!r}]")
             entry[1] += _count(num_bytes, "cause part num_bytes")
         totals: dict[str, int] = {}

@@ -35,6 +35,7 @@ sampler's, ``reason=base``.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any, Callable, Mapping
 
 from opentelemetry import trace
@@ -44,7 +45,8 @@ from opentelemetry.trace.propagation import set_span_in_context
 from . import sdk_internals
 from . import semconv as sc
 from .host_residence import OFFLOAD_LINK_ATTRIBUTES
-from .records import ONBOARD, TIERS, TransferRecord
+from .diagnostics import warn_once
+from .records import INT64_MAX, ONBOARD, TIERS, TransferRecord
 from .request_links import REQUEST_LINK_ATTRIBUTES, trace_id_hex
 from .span_sampling import OutlierPolicy, keeping_tracer
 from .version import __version__
@@ -66,8 +68,11 @@ def span_attributes(record: TransferRecord, static: Mapping[str, Any]) -> dict[s
     extra = record.attributes
     if extra:
         for key, value in extra.items():
-            if isinstance(key, str) and key and _valid_value(value):
+            if isinstance(key, str) and key and _encodable(key) and _valid_value(value):
                 attrs[key] = value
+            else:
+                warn_once(f"attribute:{type(value).__name__}", "otel-hicache: a span attribute OTLP cannot encode "
+                          "was left out (%s, a %s)", reprlib.repr(key), type(value).__name__)
     attrs[sc.DIRECTION] = record.direction
     attrs[sc.SRC_TIER] = src
     attrs[sc.DST_TIER] = dst
@@ -121,12 +126,26 @@ def span_links(record: TransferRecord) -> tuple[Any, ...]:
 _ABSENT = object()
 
 
+def _encodable(value: Any) -> bool:
+    """A scalar OTLP can encode: an int64, a float, a bool, or a string without lone surrogates
+    (anything else would make every span of its export batch fail)."""
+    if type(value) is str or isinstance(value, str):
+        if value.isascii():
+            return True
+        try:
+            value.encode("utf-8")
+            return True
+        except UnicodeEncodeError:
+            return False
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -INT64_MAX - 1 <= value <= INT64_MAX
+    return isinstance(value, (bool, float))
+
+
 def _valid_value(value: Any) -> bool:
-    if isinstance(value, (str, bool, int, float)):
-        return True
     if isinstance(value, (tuple, list)):
-        return all(isinstance(v, (str, bool, int, float)) for v in value)
-    return False
+        return all(_encodable(v) for v in value)
+    return _encodable(value)
 
 
 def _ack_attributes(record: TransferRecord, attrs: dict[str, Any]) -> None:

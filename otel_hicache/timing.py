@@ -28,11 +28,16 @@ of their own (None): their stamps are the placement.
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any
 
 from .clock import PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, EventTimeline, WallClockAnchor
 from .diagnostics import warn_once
-from .records import DEVICE_EVENT, HOST_CLOCK, TransferRecord
+from .records import DEVICE_EVENT, HOST_CLOCK, INT64_MAX, TransferRecord
+
+MAX_DEVICE_DURATION_MS = 86_400_000.0
+"""A device duration above a day is taken for a broken event, not a copy (the host clock is
+used): past about a hundred days it would put the span's end beyond what OTLP can encode."""
 
 
 def is_complete(record: TransferRecord) -> bool:
@@ -64,21 +69,37 @@ def resolve(
             duration_ns = int(round(duration_ms * 1e6))
             record.timing_source = DEVICE_EVENT
             record.duration_ns = duration_ns
-            start_wall = anchor.wall_time_ns(start_event) if anchor is not None else None
-            if start_wall is None:
-                # No anchor: it ended by the time we saw it end (or the caller's end stamp).
-                bound = record.host_end_ns if record.host_end_ns is not None else now_ns
-                if timeline is not None:
-                    start_wall, record.placement = timeline.place(start_event, duration_ns, bound)
-                else:
-                    start_wall, record.placement = bound - duration_ns, PLACEMENT_HOST_COMPLETION
-            else:
-                record.placement = PLACEMENT_ANCHOR
+            bound = record.host_end_ns if record.host_end_ns is not None else now_ns
+            start_wall, record.placement = _place(record, anchor, timeline, duration_ns, bound)
+            if record.placement == PLACEMENT_ANCHOR:
                 record.queue_wait_ns = max(0, start_wall - record.submit_ns)
             record.start_ns = start_wall
             record.end_ns = start_wall + duration_ns
             return
     resolve_host_clock(record, now_ns)
+
+
+def _place(record: TransferRecord, anchor: WallClockAnchor | None, timeline: EventTimeline | None,
+           duration_ns: int, bound_ns: int) -> tuple[int, str]:
+    """Where a device-timed op starts on the wall clock, and how that was found. A placement
+    from events that return nonsense (NaN, or times no exporter can encode) gives way to the
+    host completion (warned once): one bad event must not cost the op its span."""
+    try:
+        start = anchor.wall_time_ns(record.start_event) if anchor is not None else None
+        if start is not None:
+            placement = PLACEMENT_ANCHOR
+        elif timeline is not None:  # no anchor: relative to the ops before it
+            start, placement = timeline.place(record.start_event, duration_ns, bound_ns)
+        else:  # it ended by the time we saw it end (or the caller's end stamp)
+            start, placement = bound_ns - duration_ns, PLACEMENT_HOST_COMPLETION
+        if type(start) is int and 0 <= start <= INT64_MAX - duration_ns:
+            return start, placement
+        problem: object = start
+    except (ArithmeticError, ValueError, TypeError) as exc:  # e.g. int(round(nan)) of an event's offset
+        problem = exc
+    warn_once("placement", "otel-hicache: a device-timed op could not be placed on the wall clock from its "
+              "events (%s); such ops end where the worker saw them end", reprlib.repr(problem))
+    return max(0, bound_ns - duration_ns), PLACEMENT_HOST_COMPLETION
 
 
 def resolve_host_clock(record: TransferRecord, now_ns: int) -> None:
@@ -112,10 +133,10 @@ def _device_duration_ms(start_event: Any, finish_event: Any) -> float | None:
             exc,
         )
         return None
-    if not math.isfinite(value) or value < 0:
+    if not math.isfinite(value) or value < 0 or value > MAX_DEVICE_DURATION_MS:
         warn_once(
             "elapsed_time:negative",
-            "otel-hicache: elapsed_time() returned %r ms (finish before start?); "
+            "otel-hicache: elapsed_time() returned %r ms (finish before start, or more than a day?); "
             "reporting such transfers with hicache.timing_source=host_clock",
             value,
         )
