@@ -28,6 +28,8 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -70,6 +72,7 @@ class PipelineSettings:
         "transfer_timeout_ns",
         "anchor_interval_s",
         "gil_slice_us",
+        "stall_warning_s",
     )
 
     def __init__(
@@ -80,6 +83,7 @@ class PipelineSettings:
         transfer_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S],
         anchor_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_ANCHOR_INTERVAL_S],
         gil_slice_us: float = DEFAULTS[ev.OTEL_HICACHE_GIL_SLICE_US],
+        stall_warning_s: float = 10.0,
     ) -> None:
         self.max_queue_size = max_queue_size
         self.poll_interval_s = poll_interval_s
@@ -87,6 +91,9 @@ class PipelineSettings:
         self.transfer_timeout_ns = int(transfer_timeout_s * 1e9)
         self.anchor_interval_s = anchor_interval_s
         self.gil_slice_us = gil_slice_us
+        # a worker cycle unfinished this long is stuck (an event's query() that never returns):
+        # far longer than any cycle of a worker that keeps up, even one catching up a backlog
+        self.stall_warning_s = stall_warning_s
 
     @classmethod
     def from_environment(cls) -> "PipelineSettings":
@@ -131,6 +138,23 @@ def _ns(value: Any) -> int | float | None:
         return operator.index(value)
     except TypeError:
         return value if isinstance(value, float) and math.isfinite(value) else None
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _where(thread: threading.Thread) -> str:
+    """Where a thread of ours is blocked: the first call it made out of otel-hicache (the
+    host's event or callback), as ``function (file:line)``, and the innermost function."""
+    frame = sys._current_frames().get(thread.ident)  # pylint: disable=protected-access  # no public way
+    if frame is None:
+        return "an unknown place"
+    innermost, callee = frame, frame
+    while frame is not None and not frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        callee, frame = frame, frame.f_back
+    code = callee.f_code
+    where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{callee.f_lineno})"
+    return where if callee is innermost else f"{where}, in {innermost.f_code.co_name}"
 
 
 class _Wake:
@@ -202,6 +226,10 @@ class CompletionPipeline:
         self.refused = itertools.count()
         self._refused_reported = 0
         self._refused_reads = 0
+        self._refused_lock = threading.Lock()  # the worker and, while it is stuck, stalled() report them
+        self._cycle_started: float | None = None  # time.monotonic() of the cycle running now, else None
+        self._stall_reported = False
+        self._abandoned = False  # stop() gave up on a stuck worker and counted what it held
 
     def _start_worker(self) -> None:
         self._worker = threading.Thread(target=self._run, name="otel-hicache-completion", daemon=True)
@@ -242,6 +270,7 @@ class CompletionPipeline:
         """Seconds since the submit time of the oldest op per direction still in
         flight (queued, being taken in, or not seen complete); 0 when none.
         On the clock that stamps ``submit_ns``."""
+        self.stalled()  # every collection checks on the worker: nothing else runs while it is stuck
         oldest: dict[str, Any] = dict.fromkeys(DIRECTIONS)
         # Bounded wait: the SDK calls this holding its collection lock, which the worker
         # needs while it builds its sinks under this one (a forked child on shared
@@ -291,6 +320,30 @@ class CompletionPipeline:
         now = self._clock()
         return {d: 0.0 if t is None else max(0.0, (now - t) / 1e9) for d, t in oldest.items()}
 
+    # -- a stuck worker (the metric collection thread, flush, stop) ------------
+    def stalled(self) -> float:
+        """Seconds the worker's current cycle has run when that is past ``stall_warning_s``
+        (an event's ``query()`` or a host's deferred call that does not return), else 0.
+        Warns once per stall, naming where the worker is blocked, and counts the submits
+        refused meanwhile (the worker, which would count them, cannot)."""
+        started = self._cycle_started
+        if started is None or not self._worker.is_alive():
+            return 0.0
+        stalled_for = time.monotonic() - started
+        if stalled_for < self.settings.stall_warning_s:
+            return 0.0
+        if not self._stall_reported:
+            self._stall_reported = True
+            logger.warning(
+                "otel-hicache: the completion worker has not finished a cycle for %.0f s; it is blocked in %s. "
+                "No transfer is reported until it returns; submits refused meanwhile are counted in "
+                "otel_hicache.records.dropped{reason=queue_full}, and hicache.transfer.oldest_inflight_age "
+                "shows the age of what waits", stalled_for, _where(self._worker))
+        sinks = self._sinks
+        if sinks is not None:
+            self._report_queue_full(sinks.metrics, at_once=True)
+        return stalled_for
+
     # -- control (any thread) -----------------------------------------------
     def flush(self, timeout_s: float) -> bool:
         """Wait until every record submitted before this call was taken in and is
@@ -303,7 +356,10 @@ class CompletionPipeline:
             # everything submitted before this call: taken in so far, plus queued now
             self._flush_waiters.append((self._taken + len(self.queue), done))
         self._wake.set()
-        return done.wait(timeout_s)
+        if done.wait(timeout_s):
+            return True
+        self.stalled()  # a flush that times out says why, when the worker is stuck
+        return False
 
     def stop(self, timeout_s: float) -> bool:
         """Flush, emit records still waiting for an ack, stop the worker; all
@@ -319,7 +375,20 @@ class CompletionPipeline:
         stopped = not self._worker.is_alive()
         if stopped and self.queue:
             self._drop_queued_at_shutdown()  # appended by a submit() that raced the final cycle
+        elif not stopped and self.stalled():
+            self._abandon()
         return flushed and stopped
+
+    def _abandon(self) -> None:
+        """At stop, with the worker stuck: what it holds and what is queued is lost, counted
+        now (the worker, should its call ever return, reports nothing more)."""
+        self._abandoned = True
+        sinks = self._sinks
+        lost = len(self.queue) + self.held
+        if sinks is not None and lost:
+            sinks.metrics.dropped_now(sc.DROP_SHUTDOWN, lost)
+        logger.warning("otel-hicache: %d transfers held by the stuck completion worker were not reported; "
+                       "counted in otel_hicache.records.dropped{reason=shutdown}", lost)
 
     # -- worker ------------------------------------------------------------
     def _run(self) -> None:
@@ -328,6 +397,7 @@ class CompletionPipeline:
         while True:
             taken = self._taken
             self._slice.begin(sliced=len(self.queue) <= _UNSLICED_BACKLOG)
+            self._cycle_started = time.monotonic()
             try:
                 self._cycle()
             except Exception as exc:  # keep the worker alive whatever happens
@@ -335,7 +405,13 @@ class CompletionPipeline:
                 warn_once("worker", "otel-hicache: completion worker error %r (continuing)", exc)
                 logger.debug("otel-hicache worker error", exc_info=True)
             finally:
+                self._cycle_started = None
                 self._slice.end()
+            if self._abandoned:
+                return
+            if self._stall_reported:
+                self._stall_reported = False
+                logger.warning("otel-hicache: the completion worker finished its stalled cycle; reporting again")
             if self._stopping:
                 self._cycle_final()
                 return
@@ -399,7 +475,9 @@ class CompletionPipeline:
                     record = TransferRecord(item)
                     record.seq = seq
                     try:
-                        validate(record)
+                        validate(record)  # may call the host's deferred cause
+                        if self._abandoned:
+                            return
                     except Exception as exc:  # whatever the caller passed, count it and go on
                         self.held -= 1
                         metrics.dropped_records(sc.DROP_INVALID_INPUT)
@@ -433,6 +511,8 @@ class CompletionPipeline:
                     except Exception as exc:
                         self._fail(record, sc.FAIL_EVENT_ERROR, now, exc)
                         continue
+                    if self._abandoned:  # it returned after stop() counted it lost
+                        return
                     if done:
                         self._complete(record, sinks)
                     elif now - record.submit_ns > timeout:
@@ -558,15 +638,19 @@ class CompletionPipeline:
             warn_once("shutdown:queued", "otel-hicache: %d transfers submitted during shutdown were not reported",
                       count)
 
-    def _report_queue_full(self, metrics: Any) -> None:
+    def _report_queue_full(self, metrics: Any, at_once: bool = False) -> None:
         # next() is the count's only reader: it returns the calls so far, submit()'s
         # refusals and the reads here (each read is one call of its own)
-        refused = next(self.refused) - self._refused_reads
-        self._refused_reads += 1
-        drops = refused - self._refused_reported
-        self._refused_reported = refused
+        with self._refused_lock:
+            refused = next(self.refused) - self._refused_reads
+            self._refused_reads += 1
+            drops = refused - self._refused_reported
+            self._refused_reported = refused
         if drops:
-            metrics.dropped_records(sc.DROP_QUEUE_FULL, drops)
+            if at_once:
+                metrics.dropped_now(sc.DROP_QUEUE_FULL, drops)
+            else:
+                metrics.dropped_records(sc.DROP_QUEUE_FULL, drops)
             warn_once(
                 "queue_full",
                 "otel-hicache: transfer record queue full (OTEL_HICACHE_MAX_QUEUE_SIZE=%d); dropping "
