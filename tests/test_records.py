@@ -63,7 +63,7 @@ def test_integer_like_counts_and_str_enum_pool_names_are_accepted():
 
 
 def test_negative_page_size_names_the_bound():
-    with pytest.raises(ValueError, match="page_size must be >= 1 and < 2\*\*63, got -64"):
+    with pytest.raises(ValueError, match=r"page_size must be >= 1 and < 2\*\*63, got -64"):
         validate(make(page_size=-64))
 
 
