@@ -124,8 +124,8 @@ def otlp_session() -> Any:
             with self._gate:
                 now, repeat, self._repeat_before = time.monotonic(), self._repeat_before, 0.0
                 if now < self._not_before:
-                    return f"{self._busy}; not retried within the {self._not_before - now:.1f} s it asked for"
-                return f"{self._busy}; not repeated at once" if now < repeat else None
+                    return f"{self._busy} (not sent again within the {self._not_before - now:.1f} s it asked for)"
+                return f"{self._busy} (not sent again at once)" if now < repeat else None
 
         def send(self, request: Any, **kwargs: Any) -> Any:
             held = self._held_back()
