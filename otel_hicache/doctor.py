@@ -1,11 +1,12 @@
 """``otel-hicache doctor``: what to check when nothing shows up, in one command.
 
 It prints the configuration resolved from the ``OTEL_*`` and ``OTEL_HICACHE_*``
-variables (header values masked), with every otel-hicache warning the resolution
-emits; exports one test span and one test metric point through exporters built
-by :mod:`otel_hicache.configuration`'s own code path, to the configured
-endpoint, and says whether each was accepted; reports SGLang (version, the
-adapter's version guard, which patch groups would apply) and NVML.
+variables (header values and URL userinfo masked in everything it prints), with
+every otel-hicache warning the resolution emits; exports one test span and one
+test metric point through exporters built by :mod:`otel_hicache.configuration`'s
+own code path, to the configured endpoint, and says whether each was accepted
+(an answer outside 2xx never is); reports SGLang (version, the adapter's version
+guard, which patch groups would apply) and NVML.
 
 Exit status: 0 when every configured exporter accepted its test data, or when
 nothing is configured to be exported (``OTEL_SDK_DISABLED=true``, or ``none``
@@ -32,8 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, TextIO
 
 from . import configuration, otel_environment
-from .http_session import REFUSAL, RETRYABLE
-from .redaction import userinfo_parts, without_userinfo
 from .environment_variables import (
     DEFAULTS,
     OTEL_HICACHE_ANCHOR_INTERVAL_S,
@@ -41,6 +40,8 @@ from .environment_variables import (
     OTEL_HICACHE_POLL_INTERVAL_MS,
     OTEL_HICACHE_SPAN_EXPORT_PROCESS,
 )
+from .http_session import REFUSAL, RETRYABLE, WANTS_TLS
+from .redaction import userinfo_parts, without_userinfo
 from .settings import env_bool, env_float, env_int, sdk_disabled
 from .version import __version__
 
@@ -504,7 +505,7 @@ def _diagnose(check: Check, cap_s: float, also: list[str] = ()) -> tuple[str, st
     grpc_status = status.group(1).upper() if status else None
     answered = refusal or (f"HTTP {http_status}" if http_status else grpc_status)
     if http_status is not None and 300 <= http_status < 400:
-        if refusal and "wants TLS" in refusal:
+        if refusal and WANTS_TLS in refusal:
             fix = (f"use https:// in {ep_var} (and set {otlp.certificate_fix_variable} if the Collector's "
                    f"certificate is self-signed)")
         else:
@@ -665,6 +666,9 @@ class _Redacted:
 
     def flush(self) -> None:
         self.out.flush()
+
+    def __getattr__(self, name: str) -> Any:  # encoding, isatty, ...: what code writing to stderr may ask
+        return getattr(self.out, name)
 
 
 def doctor(timeout_s: float = CAP_S, check_sglang: bool = True, out: TextIO | None = None) -> int:

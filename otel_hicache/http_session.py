@@ -42,6 +42,10 @@ RETRY_GAP_S = 0.5
 repeats a failed request at once when it was a connection error (a stale pooled
 connection), which to a collector that answered only adds load; its backoff, from 0.8 s,
 is longer."""
+MAX_RETRY_AFTER_S = 3600.0
+"""A longer ``Retry-After`` is taken as this: a misbehaving collector cannot hold exports back longer."""
+WANTS_TLS = "the collector wants TLS; set an https endpoint"
+"""What a redirect from ``http://`` to ``https://`` means (:func:`describe`)."""
 REFUSAL = re.compile(r"HTTP (?P<status>\d{3})(?: [\w'-]+)*(?: \(to [^()]*\))?")
 """How a refusal is named (:func:`describe`), in the exception and the warning: what the doctor reads."""
 
@@ -76,7 +80,7 @@ def describe(status: int, reason: str | None, location: str | None, url: str) ->
     if 300 <= status < 400:
         target = without_userinfo(location.strip())[:200] if location else None
         if target and target.lower().startswith("https://") and url.lower().startswith("http://"):
-            advice = "the collector wants TLS; set an https endpoint"
+            advice = WANTS_TLS
         elif target:
             advice = "redirects are not followed; set the endpoint to where it points"
         else:
@@ -96,7 +100,7 @@ def _retry_after_s(value: str | None) -> float:
             seconds = parsedate_to_datetime(value.strip()).timestamp() - time.time()
         except (TypeError, ValueError, OverflowError):
             return 0.0
-    return min(max(seconds, 0.0), 3600.0) if seconds == seconds else 0.0  # NaN: none
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S) if seconds == seconds else 0.0  # NaN: none
 
 
 def otlp_session() -> Any:

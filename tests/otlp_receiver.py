@@ -123,7 +123,7 @@ class GrpcReceiver:
 class HttpReceiver:
     """``tls=(cert_file, key_file)`` serves TLS on ``https://localhost:<port>``; ``status`` answers
     every export with that HTTP status instead (counted in ``received.refused``), with ``headers``
-    (a ``Location`` for a redirect, a ``Retry-After``)."""
+    (a ``Location`` for a redirect, ``{path}`` in it the request's path; a ``Retry-After``)."""
 
     def __init__(self, tls: tuple[str, str] | None = None, status: int | None = None,
                  headers: dict[str, str] | None = None) -> None:
@@ -154,7 +154,7 @@ class HttpReceiver:
                     received.refuse(signal, request)
                     self.send_response(status)
                     for name, value in (headers or {}).items():
-                        self.send_header(name, value)
+                        self.send_header(name, value.replace("{path}", self.path))
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
