@@ -21,7 +21,7 @@ from . import fork, otel_environment, sdk_internals
 from .bounded_flush import bounded
 from .diagnostics import logger, warn_once
 from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S, OTEL_HICACHE_SPAN_EXPORT_PROCESS
-from .http_session import certificate_session
+from .http_session import otlp_session
 from .process_exit import on_exit
 from .settings import env_bool, env_float, sdk_disabled
 
@@ -140,7 +140,7 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
         if otlp is not None and not otel_environment.certificate_usable(signal, otlp):
             continue
         cls = otel_environment.build(f"{name} {signal} exporter class", found.load, {})
-        fixed = {"session": certificate_session()} if otlp == "http/protobuf" else {}
+        fixed = {"session": otlp_session()} if otlp == "http/protobuf" else {}
         if meter_provider is not None:
             fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
         retries = otel_environment.otlp_exporter(signal, otlp) if otlp else {}

@@ -1,11 +1,12 @@
 """``otel-hicache doctor``: what to check when nothing shows up, in one command.
 
 It prints the configuration resolved from the ``OTEL_*`` and ``OTEL_HICACHE_*``
-variables (header values masked), with every otel-hicache warning the resolution
-emits; exports one test span and one test metric point through exporters built
-by :mod:`otel_hicache.configuration`'s own code path, to the configured
-endpoint, and says whether each was accepted; reports SGLang (version, the
-adapter's version guard, which patch groups would apply) and NVML.
+variables (header values and URL userinfo masked in everything it prints), with
+every otel-hicache warning the resolution emits; exports one test span and one
+test metric point through exporters built by :mod:`otel_hicache.configuration`'s
+own code path, to the configured endpoint, and says whether each was accepted
+(an answer outside 2xx never is); reports SGLang (version, the adapter's version
+guard, which patch groups would apply) and NVML.
 
 Exit status: 0 when every configured exporter accepted its test data, or when
 nothing is configured to be exported (``OTEL_SDK_DISABLED=true``, or ``none``
@@ -39,6 +40,8 @@ from .environment_variables import (
     OTEL_HICACHE_POLL_INTERVAL_MS,
     OTEL_HICACHE_SPAN_EXPORT_PROCESS,
 )
+from .http_session import REFUSAL, RETRYABLE, WANTS_TLS
+from .redaction import userinfo_parts, without_userinfo
 from .settings import env_bool, env_float, env_int, sdk_disabled
 from .version import __version__
 
@@ -494,10 +497,21 @@ def _diagnose(check: Check, cap_s: float, also: list[str] = ()) -> tuple[str, st
     if has(_UNREACHABLE):
         return (f"nothing accepts connections at {ep}",
                 f"check {ep_var} (host and port: {_PORT[protocol]} for {protocol}) and that the Collector is up")
-    code = re.search(r"batch code: (\d{3})", text)
+    refusal = next((found.group(0) for m in [*check.messages, *also] for found in [REFUSAL.search(m)] if found),
+                   None)  # otel_hicache.http_session names every answer outside 2xx
+    code = REFUSAL.search(refusal) if refusal else re.search(r"batch code: (\d{3})", text)
     status = re.search(r"error code: statuscode\.([a-z_]+)", text)
     http_status = int(code.group(1)) if code else None
     grpc_status = status.group(1).upper() if status else None
+    answered = refusal or (f"HTTP {http_status}" if http_status else grpc_status)
+    if http_status is not None and 300 <= http_status < 400:
+        if refusal and WANTS_TLS in refusal:
+            fix = (f"use https:// in {ep_var} (and set {otlp.certificate_fix_variable} if the Collector's "
+                   f"certificate is self-signed)")
+        else:
+            fix = (f"set {ep_var} to the URL the redirect points to: no redirect is followed, an export is "
+                   f"delivered only where it is sent")
+        return f"REFUSED: {answered}", fix
     if http_status in (401, 403) or grpc_status in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
         return (f"the Collector at {ep} refused the credentials ({http_status or grpc_status})",
                 f"check the authentication header in {otlp.headers_variable} (values are masked above)")
@@ -514,8 +528,10 @@ def _diagnose(check: Check, cap_s: float, also: list[str] = ()) -> tuple[str, st
         return (f"{ep} rejected the request (HTTP {http_status}): {said}",
                 f"check that {ep_var} is a Collector's OTLP/HTTP receiver; else set {otlp.protocol_variable}={other}")
     if http_status is not None or grpc_status not in (None, "UNAVAILABLE", "DEADLINE_EXCEEDED"):
-        return (f"the Collector at {ep} answered with an error ({http_status or grpc_status}): {said}",
-                "check the Collector's own logs (overloaded, or no pipeline for this signal?)")
+        busy = http_status in RETRYABLE or grpc_status == "RESOURCE_EXHAUSTED"
+        return (f"REFUSED: {answered}" + ("" if refusal else f": {said}"),
+                "check the Collector's own logs (" + ("overloaded? the exporters retry this answer within their "
+                                                      "timeout)" if busy else "no pipeline for this signal?)"))
     if has(_TLS_ANY):
         return (f"TLS to {ep} failed: {said}", f"check {otlp.certificate_fix_variable} and the scheme in {ep_var}")
     if not check.done or has(_TIMEOUT) or not text:
@@ -622,8 +638,9 @@ def _nvml(out: TextIO) -> None:
 # -- the report --------------------------------------------------------------------------------
 
 class _Redacted:
-    """``out`` with every header value of the ``OTEL_EXPORTER_OTLP_*HEADERS`` variables masked, also
-    where an SDK warning quotes a malformed header."""
+    """``out`` with every header value of the ``OTEL_EXPORTER_OTLP_*HEADERS`` variables and the userinfo
+    of every URL masked (``http://***@host``), also where an SDK message or an exception quotes them, a
+    malformed header (``key:value``) or an endpoint's user and password on their own."""
 
     def __init__(self, out: TextIO) -> None:
         from urllib.parse import unquote
@@ -634,12 +651,15 @@ class _Redacted:
                      "OTEL_EXPORTER_OTLP_METRICS_HEADERS"):
             for part in (otel_environment.raw(name) or "").split(","):
                 key, equals, value = part.partition("=")
-                for secret in (value if equals else key, unquote(value if equals else key)):
-                    if len(secret.strip()) >= 3:
-                        secrets.add(secret.strip())
-        self.secrets = sorted(secrets, key=len, reverse=True)
+                values = [value] if equals else [key, key.partition(":")[2]]
+                secrets.update(text for v in values for text in (v.strip(), unquote(v).strip()))
+        for name, value in os.environ.items():
+            if name.startswith("OTEL_"):
+                secrets.update(userinfo_parts(value))
+        self.secrets = sorted((s for s in secrets if len(s) >= 3), key=len, reverse=True)
 
     def write(self, text: str) -> int:
+        text = without_userinfo(text)
         for secret in self.secrets:
             text = text.replace(secret, "***")
         return self.out.write(text)
@@ -647,12 +667,15 @@ class _Redacted:
     def flush(self) -> None:
         self.out.flush()
 
+    def __getattr__(self, name: str) -> Any:  # encoding, isatty, ...: what code writing to stderr may ask
+        return getattr(self.out, name)
+
 
 def doctor(timeout_s: float = CAP_S, check_sglang: bool = True, out: TextIO | None = None) -> int:
     """Print the report to ``out`` (stdout); the exit status (see the module's docstring)."""
     redacted: Any = _Redacted(out or sys.stdout)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # grpc's own C-core lines would repeat the errors
-    with _capturing() as logs:
+    with _capturing() as logs, contextlib.redirect_stderr(_Redacted(sys.stderr)):
         return _doctor(logs, timeout_s, check_sglang, redacted)
 
 

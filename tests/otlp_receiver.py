@@ -22,6 +22,21 @@ class Received:
         self.traces: list[Any] = []
         self.metrics: list[Any] = []
         self.headers: list[dict[str, str]] = []  # request headers (HTTP) or metadata (gRPC), lower-case keys
+        self.refused: list[tuple[str, int]] = []  # (signal, items in the request) answered with an error status
+
+    def refuse(self, signal: str, request: Any) -> None:
+        """Count a request answered with an error: its spans, or its metric data points."""
+        if signal == "traces":
+            items = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        else:
+            items = sum(len(getattr(m, m.WhichOneof("data")).data_points) for rm in request.resource_metrics
+                        for sm in rm.scope_metrics for m in sm.metrics if m.WhichOneof("data"))
+        with self.lock:
+            self.refused.append((signal, items))
+
+    def refused_items(self, signal: str) -> int:
+        with self.lock:
+            return sum(items for kind, items in self.refused if kind == signal)
 
     def spans(self) -> list[tuple[Any, Any]]:
         """(resource, span) pairs."""
@@ -54,10 +69,14 @@ def attributes(items: Any) -> dict[str, Any]:
 
 
 class _Traces(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, received: Received) -> None:
+    def __init__(self, received: Received, status: Any = None) -> None:
         self.received = received
+        self.status = status
 
     def Export(self, request, context):  # noqa: N802 (gRPC method name)
+        if self.status is not None:
+            self.received.refuse("traces", request)
+            context.abort(self.status, "refused by the test receiver")
         with self.received.lock:
             self.received.traces.append(request)
             self.received.headers.append({k.lower(): v for k, v in context.invocation_metadata()})
@@ -65,10 +84,14 @@ class _Traces(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 class _Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
-    def __init__(self, received: Received) -> None:
+    def __init__(self, received: Received, status: Any = None) -> None:
         self.received = received
+        self.status = status
 
     def Export(self, request, context):  # noqa: N802
+        if self.status is not None:
+            self.received.refuse("metrics", request)
+            context.abort(self.status, "refused by the test receiver")
         with self.received.lock:
             self.received.metrics.append(request)
             self.received.headers.append({k.lower(): v for k, v in context.invocation_metadata()})
@@ -76,13 +99,14 @@ class _Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
 
 
 class GrpcReceiver:
-    """``tls=(cert_file, key_file)`` serves TLS on ``https://localhost:<port>``."""
+    """``tls=(cert_file, key_file)`` serves TLS on ``https://localhost:<port>``; ``status`` (a
+    ``grpc.StatusCode``) answers every export with that error instead (counted in ``received.refused``)."""
 
-    def __init__(self, tls: tuple[str, str] | None = None) -> None:
+    def __init__(self, tls: tuple[str, str] | None = None, status: Any = None) -> None:
         self.received = Received()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(self.received), self.server)
-        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_Metrics(self.received), self.server)
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Traces(self.received, status), self.server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_Metrics(self.received, status), self.server)
         if tls is None:
             self.port = self.server.add_insecure_port("127.0.0.1:0")
             self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -97,15 +121,18 @@ class GrpcReceiver:
 
 
 class HttpReceiver:
-    """``tls=(cert_file, key_file)`` serves TLS on ``https://localhost:<port>``."""
+    """``tls=(cert_file, key_file)`` serves TLS on ``https://localhost:<port>``; ``status`` answers
+    every export with that HTTP status instead (counted in ``received.refused``), with ``headers``
+    (a ``Location`` for a redirect, ``{path}`` in it the request's path; a ``Retry-After``)."""
 
-    def __init__(self, tls: tuple[str, str] | None = None) -> None:
+    def __init__(self, tls: tuple[str, str] | None = None, status: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         received = self.received = Received()
         routes = {
             "/v1/traces": (trace_service_pb2.ExportTraceServiceRequest,
-                           trace_service_pb2.ExportTraceServiceResponse(), received.traces),
+                           trace_service_pb2.ExportTraceServiceResponse(), received.traces, "traces"),
             "/v1/metrics": (metrics_service_pb2.ExportMetricsServiceRequest,
-                            metrics_service_pb2.ExportMetricsServiceResponse(), received.metrics),
+                            metrics_service_pb2.ExportMetricsServiceResponse(), received.metrics, "metrics"),
         }
 
         class Handler(BaseHTTPRequestHandler):
@@ -120,9 +147,17 @@ class HttpReceiver:
                     self.send_response(404)
                     self.end_headers()
                     return
-                request_cls, response, store = route
+                request_cls, response, store, signal = route
                 request = request_cls()
                 request.ParseFromString(body)
+                if status is not None:
+                    received.refuse(signal, request)
+                    self.send_response(status)
+                    for name, value in (headers or {}).items():
+                        self.send_header(name, value.replace("{path}", self.path))
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 with received.lock:
                     store.append(request)
                     received.headers.append({k.lower(): v for k, v in self.headers.items()})

@@ -288,3 +288,52 @@ def test_a_span_export_helper_that_fails_is_a_problem_with_a_fix(monkeypatch):
         assert "span export helper process" in what and "unset OTEL_HICACHE_SPAN_EXPORT_PROCESS" in fix
         assert "NOT working" in lines[-1]
     assert "could not be started" in lines[0]
+
+
+# -- a collector that answers outside 2xx, and secrets ------------------------------------------
+
+@pytest.mark.parametrize("status, headers, refused, fix", [
+    (308, {"Location": "https://127.0.0.1:4318/otlp"},
+     "REFUSED: HTTP 308 Permanent Redirect (to https://127.0.0.1:4318/otlp: the collector wants TLS; "
+     "set an https endpoint)", "FIX: use https:// in OTEL_EXPORTER_OTLP_ENDPOINT"),
+    (429, {}, "REFUSED: HTTP 429 Too Many Requests", "FIX: check the Collector's own logs"),
+    (500, {}, "REFUSED: HTTP 500 Internal Server Error", "FIX: check the Collector's own logs"),
+])
+def test_a_collector_answering_outside_2xx_is_refused_with_the_status(status, headers, refused, fix):
+    receiver = HttpReceiver(status=status, headers=headers)
+    try:
+        done = doctor(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                      **FAST)
+    finally:
+        receiver.stop()
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "ACCEPTED" not in out and "OK: every configured exporter" not in out, out
+    assert receiver.received.refused_items("traces") >= 1 and receiver.received.refused_items("metrics") >= 1
+    for signal in ("traces", "metrics"):
+        assert f"{signal:<8} NOT accepted by {receiver.endpoint}/v1/{signal} (http/protobuf): {refused}" in done.stdout
+    assert f"PROBLEM (traces, metrics): {refused}" in result(done) and fix in result(done), result(done)
+
+
+SECRETS = ("alice", "pa55w0rd", "t0psecret", "Bearer-s3cr3t", "s3cr3t")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+@pytest.mark.parametrize("reachable", [True, False])
+def test_no_credential_or_header_value_appears_anywhere(protocol, reachable):
+    receiver = (GrpcReceiver() if protocol == "grpc" else HttpReceiver()) if reachable else None
+    endpoint = receiver.endpoint if receiver else f"http://127.0.0.1:{closed_port()}"
+    with_userinfo = endpoint.replace("http://", "http://alice:pa55w0rd@")
+    try:
+        done = doctor(OTEL_EXPORTER_OTLP_ENDPOINT=with_userinfo, OTEL_EXPORTER_OTLP_PROTOCOL=protocol,
+                      OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=with_userinfo + ("" if protocol == "grpc" else "/v1/traces"),
+                      # one header well formed, one with a colon for the equals sign (a warning quotes it)
+                      OTEL_EXPORTER_OTLP_HEADERS="authorization=Bearer%20t0psecret,x-tenant:Bearer-s3cr3t", **FAST)
+    finally:
+        if receiver is not None:
+            receiver.stop()
+    out = done.stdout + done.stderr
+    assert "endpoint      http://***@127.0.0.1:" in done.stdout, out  # scheme, host and port kept
+    assert "authorization=***" in done.stdout, out  # the key kept
+    for secret in SECRETS:
+        assert secret not in out, (secret, out)

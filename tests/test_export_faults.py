@@ -181,3 +181,64 @@ def test_a_wrong_certificate_fails_visibly(protocol, certificates, tmp_path):
     _assert_accounted(counts)
     assert run.warnings(EXPORT_FAILED_LOG) >= 1, run.stderr[-3000:]
     assert "CERTIFICATE_VERIFY_FAILED" in run.stderr or "certificate verify failed" in run.stderr, run.stderr[-3000:]
+
+
+# -- a collector that answers, but not with 2xx: never a delivery -------------------------------
+
+REDIRECT_TO = "https://127.0.0.1:4318/v1/traces"
+REFUSALS = {
+    "http 308 redirect to https": ("http/protobuf", 308, {"Location": REDIRECT_TO},
+                                   f"HTTP 308 Permanent Redirect (to {REDIRECT_TO}: the collector wants TLS; "
+                                   f"set an https endpoint)"),
+    "http 429": ("http/protobuf", 429, {}, "HTTP 429 Too Many Requests"),
+    "http 500": ("http/protobuf", 500, {}, "HTTP 500 Internal Server Error"),
+    "grpc UNAVAILABLE": ("grpc", "UNAVAILABLE", None, "StatusCode.UNAVAILABLE"),
+    "grpc RESOURCE_EXHAUSTED": ("grpc", "RESOURCE_EXHAUSTED", None, "StatusCode.RESOURCE_EXHAUSTED"),
+    "grpc INTERNAL": ("grpc", "INTERNAL", None, "StatusCode.INTERNAL"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_collector_refusing_with_a_status_is_never_counted_as_a_delivery(case, tmp_path):
+    import grpc
+
+    protocol, status, headers, named = REFUSALS[case]
+    if protocol == "grpc":
+        receiver = GrpcReceiver(status=getattr(grpc.StatusCode, status))
+    else:
+        receiver = HttpReceiver(status=status, headers=headers)
+    try:
+        # 0.5 s: one attempt per batch (the exporters' first retry waits 0.8 s or more)
+        run = run_workload(tmp_path, _env(protocol, receiver.endpoint, OTEL_EXPORTER_OTLP_TIMEOUT="0.5"),
+                           "--rate", "200", "--seconds", "1.5")
+    finally:
+        receiver.stop()
+    counts = _span_accounting(run)
+    refused = receiver.received.refused_items("traces")
+    print(f"{case}: {counts}; the receiver refused {refused} spans, "
+          f"{receiver.received.refused_items('metrics')} points; metric points {run.result['final']['delivery']}")
+    assert not receiver.received.spans() and not receiver.received.metrics
+    assert counts["exported"] == 0, counts
+    assert counts["export_failed"] == counts["emitted"] == refused, (counts, refused)
+    assert run.metric_points("exported") == 0 and run.metric_points("failed") >= 1, run.result["final"]["delivery"]
+    assert receiver.received.refused_items("metrics") >= run.metric_points("failed")
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    if protocol == "http/protobuf":  # otel-hicache's own warning: once per signal, with the status
+        for path in ("/v1/traces", "/v1/metrics"):
+            assert run.warnings(f"{receiver.endpoint}{path} was refused: {named}") == 1, run.stderr[-3000:]
+    else:  # the SDK's gRPC exporter names the status (at most once per 20 s)
+        assert run.warnings(f"error code: {named}") >= 1, run.stderr[-3000:]
+
+
+def test_a_refusing_collector_is_named_by_the_span_export_helper_too(tmp_path):
+    receiver = HttpReceiver(status=308, headers={"Location": REDIRECT_TO})
+    try:
+        run = run_workload(tmp_path, _env("http/protobuf", receiver.endpoint, OTEL_EXPORTER_OTLP_TIMEOUT="0.5",
+                                          OTEL_HICACHE_SPAN_EXPORT_PROCESS="true"),
+                           "--rate", "200", "--seconds", "1")
+    finally:
+        receiver.stop()
+    # the helper's exporters are configure()'s: every span reached the collector, refused, and none was taken
+    assert receiver.received.refused_items("traces") == run.result["ops"] and not receiver.received.spans()
+    assert run.warnings(f"{receiver.endpoint}/v1/traces was refused: {REFUSALS['http 308 redirect to https'][3]}") == 1
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
