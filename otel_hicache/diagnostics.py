@@ -25,6 +25,11 @@ _warned: set[str] = set()
 SHOWN_CHARACTERS = 80
 """The most characters of a value a log line quotes."""
 
+LONGEST_ARGUMENT = 4 * SHOWN_CHARACTERS
+"""A longer string argument of a record is cut (a value the SDK quotes whole)."""
+LONGEST_MESSAGE = 1000
+"""A longer message without arguments is cut (the SDK formats some values into it)."""
+
 WITHHELD = "<withheld>"
 SECRET_CHARACTERS = 4
 """Shorter values are not withheld: replacing a ``1`` would garble every number in a line."""
@@ -67,21 +72,21 @@ class _Withhold(logging.Filter):
         super().__init__()
         self.secrets: frozenset[str] = frozenset()
 
-    def _clean(self, value: Any) -> Any:
+    def _clean(self, value: Any, longest: int) -> Any:
         if not isinstance(value, str):
             return value
         for secret in self.secrets:
             if secret in value:
                 value = value.replace(secret, WITHHELD)
-        return value if len(value) <= 4 * SHOWN_CHARACTERS else shown(value)
+        return value if len(value) <= longest else shown(value)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str):
-            record.msg = self._clean(record.msg)
         if isinstance(record.args, tuple):
-            record.args = tuple(self._clean(arg) for arg in record.args)
+            record.args = tuple(self._clean(arg, LONGEST_ARGUMENT) for arg in record.args)
         elif isinstance(record.args, dict):
-            record.args = {key: self._clean(arg) for key, arg in record.args.items()}
+            record.args = {key: self._clean(arg, LONGEST_ARGUMENT) for key, arg in record.args.items()}
+        if isinstance(record.msg, str):  # a template (with arguments) is code: only secrets go
+            record.msg = self._clean(record.msg, LONGEST_MESSAGE if not record.args else len(record.msg))
         return True
 
 

@@ -131,7 +131,7 @@ BAD = [
     ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "soon", HTTP, {"span.timeout": 10.0}, SDK),
     # the gRPC exporters float() their per-signal timeout whatever timeout= says: no retry works
     ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "nan?", {}, {"span_exporters": 1, "metric_readers": 0}, "left out"),
-    # headers: the SDK drops malformed entries, with a line of its own
+    # headers: malformed entries are dropped, with one warning naming their places (never their text)
     ("OTEL_EXPORTER_OTLP_HEADERS", "a=1,secret-token,b=2", {},
      {"span.headers": {"a": "1", "b": "2"}, "metric.headers": {"a": "1", "b": "2"}}, SDK),
     # compression
