@@ -124,7 +124,7 @@ def sampler() -> Any:
 
 def signal_variable(signal: str, suffix: str) -> tuple[str, str]:
     """(the per-signal form, the general form) of ``OTEL_EXPORTER_OTLP_<suffix>``."""
-    return f"OTEL_EXPORTER_OTLP_{signal.upper()}_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}"  # e.g. the HEADERS
+    return f"OTEL_EXPORTER_OTLP_{signal.upper()}_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}"
 
 
 def _first(signal: str, suffix: str) -> tuple[str, str] | None:
