@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from . import fork, otel_environment, sdk_internals
 from .bounded_flush import bounded
-from .diagnostics import logger, warn_once
+from .diagnostics import logger, shown, warn_once, withhold
 from .environment_variables import OTEL_HICACHE_SHUTDOWN_TIMEOUT_S, OTEL_HICACHE_SPAN_EXPORT_PROCESS
 from .http_session import otlp_session
 from .process_exit import on_exit
@@ -106,8 +106,8 @@ def protocol(signal: str) -> str:
         if value in OTLP_EXPORTERS:
             return value
         if value:
-            warn_once(f"protocol:{variable}", "otel-hicache: %s=%r is not supported (grpc, http/protobuf); "
-                      "ignoring it", variable, os.environ[variable])
+            warn_once(f"protocol:{variable}", "otel-hicache: %s=%s is not supported (grpc, http/protobuf); "
+                      "ignoring it", variable, shown(os.environ[variable]))
     return "grpc"
 
 
@@ -134,19 +134,24 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
         otlp = otlp_protocol(signal, name)
         found = _entry_point(group, OTLP_EXPORTERS[otlp] if otlp else name)
         if found is None:
-            warn_once(f"exporter:{variable}:{name}", "otel-hicache: %s=%r: unknown exporter %r (none, or an "
-                      "installed %s entry point); skipping it", variable, os.environ.get(variable), name, group)
+            warn_once(f"exporter:{variable}:{name}", "otel-hicache: %s=%s: unknown exporter %s (none, or an "
+                      "installed %s entry point); skipping it", variable, shown(os.environ.get(variable)),
+                      shown(name), group)
             continue
         if otlp is not None and not otel_environment.certificate_usable(signal, otlp):
             continue
         cls = otel_environment.build(f"{name} {signal} exporter class", found.load, {})
         fixed = {"session": otlp_session()} if otlp == "http/protobuf" else {}
+        if otlp is not None:  # its headers, parsed here (none of their values reaches a log line)
+            fixed.update(otel_environment.otlp_keywords(signal, otlp))
         if meter_provider is not None:
             fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
         retries = otel_environment.otlp_exporter(signal, otlp) if otlp else {}
         exporter = cls and otel_environment.build(f"{name} {signal} exporter", lambda **kw: cls(**fixed, **kw),
                                                   retries)
         if exporter is not None:
+            if "session" in fixed:  # a blank certificate or key variable means unset
+                otel_environment.settle_session(fixed["session"], signal)
             built.append(exporter)
     return built
 
@@ -159,17 +164,18 @@ def _build(extra_readers: Sequence[Any]) -> Configuration:
 
     if sdk_disabled():
         return Configuration(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
+    withhold(())  # no SDK log line quotes a whole value from now on
     build = otel_environment.build
-    resource = Resource.create()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES: the SDK's rules
+    resource = otel_environment.resource()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES: the SDK's rules
     readers, meter_provider = _meter_provider(resource, extra_readers)
     # Not this meter provider: otel.sdk.span.started/live cost the worker ~35 us per span (measured
     # with benchmarks/soak.py), and its own counters already count every op; nor the host's global one.
     own = _accepted(TracerProvider, meter_provider=NoOpMeterProvider())
     tracer_provider = build("tracer provider", lambda **limits: TracerProvider(
-        resource=resource, shutdown_on_exit=False, span_limits=SpanLimits(**limits) if limits else None, **own),
+        resource=resource, shutdown_on_exit=False, span_limits=SpanLimits(**limits) if limits else None,
+        sampler=otel_environment.sampler(), **own),
         otel_environment.SPAN_LIMITS) or NoOpTracerProvider()
     if env_bool(OTEL_HICACHE_SPAN_EXPORT_PROCESS) and exporter_names("traces"):
         processors = [p for p in (_process_span_processor(meter_provider),) if p is not None]
@@ -220,7 +226,7 @@ def span_processors(span_exporters: Sequence[Any], meter_provider: Any) -> list[
 
     batch = otel_environment.BATCH_SPAN_PROCESSOR
     own = _accepted(BatchSpanProcessor, meter_provider=meter_provider)
-    if otel_environment.raw("OTEL_BSP_MAX_EXPORT_BATCH_SIZE") is None:  # at most the queue size (the SDK raises)
+    if "OTEL_BSP_MAX_EXPORT_BATCH_SIZE" not in os.environ:  # at most the queue size (the SDK raises); blank: build()
         own["max_export_batch_size"] = batch["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1]()
     return [p for p in (otel_environment.build("batch span processor",
                                                lambda **kw: BatchSpanProcessor(e, **own, **kw), batch)
@@ -257,10 +263,8 @@ def self_metrics_meter_provider() -> Any:
     which only the helper has), else None. Not ``prometheus``: its port is the serving process's."""
     if (otel_environment.raw("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED") or "").strip().lower() != "true":
         return None  # (as the SDK reads it)
-    from opentelemetry.sdk.resources import Resource
-
     names = [name for name in exporter_names("metrics") if name != "prometheus"]
-    return _meter_provider(Resource.create(), names=names)[1] if names else None
+    return _meter_provider(otel_environment.resource(), names=names)[1] if names else None
 
 
 def _after_fork_in_child() -> None:

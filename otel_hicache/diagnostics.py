@@ -1,20 +1,38 @@
-"""One-time warnings and strict mode.
+"""One-time warnings, strict mode, and what a log line may show of a setting.
 
 Instrumentation must never raise into the host application: misuse and
 failures are reported once per distinct problem through the ``otel_hicache``
 logger, and counted in self-metrics. ``OTEL_HICACHE_STRICT=true`` turns API misuse
 into exceptions for tests.
+
+A value quoted in a log line is shown by :func:`shown` (a short prefix: a
+setting can be megabytes long). Secrets a setting holds (header values, the
+userinfo of an endpoint URL) are withheld from every record of the
+``otel_hicache`` logger and of the OpenTelemetry SDK's loggers by :func:`withhold`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Any, Iterable
 
 logger = logging.getLogger("otel_hicache")
 
 _lock = threading.Lock()
 _warned: set[str] = set()
+
+SHOWN_CHARACTERS = 80
+"""The most characters of a value a log line quotes."""
+
+LONGEST_ARGUMENT = 4 * SHOWN_CHARACTERS
+"""A longer string argument of a record is cut (a value the SDK quotes whole)."""
+LONGEST_MESSAGE = 1000
+"""A longer message without arguments is cut (the SDK formats some values into it)."""
+
+WITHHELD = "<withheld>"
+SECRET_CHARACTERS = 4
+"""Shorter values are not withheld: replacing a ``1`` would garble every number in a line."""
 
 
 def warn_once(key: str, message: str, *args: object) -> bool:
@@ -34,3 +52,56 @@ def reset_warnings() -> None:
     """Forget which warnings were emitted (tests, and the child after fork)."""
     with _lock:
         _warned.clear()
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` (a string) or ``str(value)`` (an error) as a log line quotes it: at most
+    :data:`SHOWN_CHARACTERS` characters of it, and how long it was when cut."""
+    if not isinstance(value, str):  # an error: its message, unquoted
+        text = str(value)
+        return text if len(text) <= SHOWN_CHARACTERS else f"{text[:SHOWN_CHARACTERS]}... ({len(text)} characters)"
+    if len(value) <= SHOWN_CHARACTERS:
+        return repr(value)
+    return f"{value[:SHOWN_CHARACTERS]!r}... ({len(value)} characters)"
+
+
+class _Withhold(logging.Filter):
+    """Replaces the secrets it knows, and cuts long strings, in a record's message and arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secrets: frozenset[str] = frozenset()
+
+    def _clean(self, value: Any, longest: int) -> Any:
+        if not isinstance(value, str):
+            return value
+        for secret in self.secrets:
+            if secret in value:
+                value = value.replace(secret, WITHHELD)
+        return value if len(value) <= longest else shown(value)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self._clean(arg, LONGEST_ARGUMENT) for arg in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {key: self._clean(arg, LONGEST_ARGUMENT) for key, arg in record.args.items()}
+        if isinstance(record.msg, str):  # a template (with arguments) is code: only secrets go
+            record.msg = self._clean(record.msg, LONGEST_MESSAGE if not record.args else len(record.msg))
+        return True
+
+
+_withhold = _Withhold()
+
+
+def withhold(secrets: Iterable[str], prefixes: tuple[str, ...] = ("opentelemetry", "otel_hicache")) -> None:
+    """From now on, records of the loggers named ``prefixes...`` (those that exist: the SDK's
+    are made when its modules are imported) show none of ``secrets`` and no long string whole.
+    The SDK logs a malformed header entry, the endpoint it failed to reach and most values it
+    could not parse in full, once per exporter."""
+    with _lock:
+        _withhold.secrets = _withhold.secrets | {s for s in secrets if len(s) >= SECRET_CHARACTERS}
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.split(".", 1)[0] in prefixes]
+    for each in [*loggers, logger]:
+        if _withhold not in each.filters:
+            each.addFilter(_withhold)

@@ -1,19 +1,26 @@
-"""The standard ``OTEL_*`` variables: read by the SDK itself, with one promise added.
+"""The standard ``OTEL_*`` variables: read by the SDK itself, with a few promises added.
 
 Each SDK object reads its own variables (``configure()`` passes no arguments for them)
 and handles most malformed values itself. Where a constructor rejects one, which would
 raise into the host, :func:`build` retries with that variable's default passed
-explicitly and warns once naming it. Checked ahead, as the SDK would go on without a
-word: a time <= 0 or infinite, and an unreadable CA certificate. ``os.environ`` is never
-modified. The tables are those ``docs/configuration.md`` ("Malformed values") lists.
+explicitly and warns once naming it. An empty or blank value means unset (the
+specification's rule; the SDK takes some of them as values): its default is passed
+explicitly, without a warning. Checked ahead, as the SDK would go on without a word: a
+time <= 0 or infinite, and a certificate or key file that cannot be read (or is not a
+regular file: a FIFO would block, a device never end). The OTLP headers are parsed here
+(:func:`headers`) and passed explicitly, so that no header value reaches a log line.
+``os.environ`` is never modified. The tables are those ``docs/configuration.md``
+("Malformed values") lists.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping
+import stat
+from typing import Any, Callable, Mapping, NamedTuple
+from urllib.parse import unquote
 
-from .diagnostics import warn_once
+from .diagnostics import WITHHELD, shown, warn_once, withhold
 
 Retry = tuple[str, Any, str]
 """(the constructor's keyword, its default (or a function giving it), how the warning shows it)."""
@@ -30,9 +37,22 @@ def raw(name: str) -> str | None:
     return value if value is not None and value.strip() else None
 
 
+def blank(name: str) -> bool:
+    """Whether ``name`` is set to an empty or blank value (which means unset)."""
+    value = os.environ.get(name)
+    return value is not None and not value.strip()
+
+
+def count(text: str | None) -> int | None:
+    """The integer >= 0 ``text`` spells in ASCII digits (``int()`` takes other scripts' digits,
+    and raises past ``sys.get_int_max_str_digits()``), else None."""
+    text = (text or "").strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+
+
 def _count_or(name: str, default: int | None) -> Callable[[], int | None]:
     """The integer >= 0 in ``name``, else ``default``: a per-kind limit defaults to the general one."""
-    return lambda: int(text) if (text := (raw(name) or "").strip()).isdigit() else default
+    return lambda: value if (value := count(raw(name))) is not None else default
 
 
 def _exemplar_filter() -> Any:
@@ -75,20 +95,277 @@ METER_PROVIDER: dict[str, Retry] = {
 }
 
 
+def resource() -> Any:
+    """``Resource.create()`` (``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SERVICE_NAME``: the SDK's rules),
+    a blank ``OTEL_SERVICE_NAME`` unset (the SDK makes the blanks the service's name)."""
+    import sys
+
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    if not blank("OTEL_SERVICE_NAME"):
+        return Resource.create()
+    named = [unquote(value.strip()) for key, _, value in (item.partition("=") for item in
+             (raw("OTEL_RESOURCE_ATTRIBUTES") or "").split(",")) if key.strip() == SERVICE_NAME]
+    name = named[-1] if named else "unknown_service" + (f":{os.path.basename(sys.executable)}" if sys.executable
+                                                        else "")
+    return Resource.create({SERVICE_NAME: name})
+
+
+def sampler() -> Any:
+    """None (the SDK reads ``OTEL_TRACES_SAMPLER``), or its default when the variable is blank."""
+    if not blank("OTEL_TRACES_SAMPLER"):
+        return None
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+    return ParentBased(ALWAYS_ON)  # parentbased_always_on, the specified default
+
+
+# -- the OTLP exporters ---------------------------------------------------------------------------
+
+def signal_variable(signal: str, suffix: str) -> tuple[str, str]:
+    """(the per-signal form, the general form) of ``OTEL_EXPORTER_OTLP_<suffix>``."""
+    return f"OTEL_EXPORTER_OTLP_{signal.upper()}_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}"
+
+
+def _first(signal: str, suffix: str) -> tuple[str, str] | None:
+    """(name, value) of the signal's variable if set and not blank, else of the general one."""
+    return next(((n, v) for n in signal_variable(signal, suffix) if (v := raw(n)) is not None), None)
+
+
+def endpoint(signal: str, protocol: str) -> str:
+    """The endpoint the signal's OTLP exporter uses, as the exporters resolve it with blanks unset."""
+    specific, general = signal_variable(signal, "ENDPOINT")
+    if protocol == "grpc":
+        return (raw(specific) or raw(general) or "http://localhost:4317").strip()
+    if raw(specific) is not None:
+        return raw(specific).strip()  # type: ignore[union-attr]
+    return f"{(raw(general) or 'http://localhost:4318').strip().removesuffix('/')}/v1/{signal}"
+
+
+def _userinfo(url: str) -> str:
+    """The ``user:password`` of ``url`` ('' when none)."""
+    host = url.partition("://")[2] if "://" in url else url
+    return host.partition("/")[0].rpartition("@")[0]
+
+
+def redacted(url: str) -> str:
+    """``url`` without the userinfo (``user:password@``) it may hold, for a log line."""
+    userinfo = _userinfo(url)
+    return url.replace(f"{userinfo}@", f"{WITHHELD}@", 1) if userinfo else url
+
+
+def _positive_float(text: str | None) -> float | None:
+    try:
+        value = float(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and 0 < value < float("inf") else None
+
+
+def _timeout(signal: str) -> Callable[[], float]:
+    """The signal's timeout as it would be read were the blank or rejected variables unset."""
+    def value() -> float:
+        for name in signal_variable(signal, "TIMEOUT"):
+            if (seconds := _positive_float(raw(name))) is not None:
+                return seconds
+        return 10.0
+    return value
+
+
+def _compression(signal: str, protocol: str) -> Callable[[], Any]:
+    def value() -> Any:
+        if protocol == "grpc":
+            from grpc import Compression
+
+            known = {"gzip": Compression.Gzip, "none": Compression.NoCompression}
+        else:
+            from opentelemetry.exporter.otlp.proto.http import Compression  # type: ignore[assignment]
+
+            known = {"gzip": Compression.Gzip, "deflate": Compression.Deflate, "none": Compression.NoCompression}
+        for name in signal_variable(signal, "COMPRESSION"):
+            if (chosen := known.get((raw(name) or "").strip().lower())) is not None:
+                return chosen
+        return Compression.NoCompression
+    return value
+
+
+def insecure(signal: str) -> bool:
+    """gRPC: whether the signal's exporter connects without TLS (``*_INSECURE``, else the endpoint's scheme)."""
+    url = endpoint(signal, "grpc")
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme == "https":
+        return False
+    found = _first(signal, "INSECURE")
+    return found[1].strip().lower() == "true" if found is not None else scheme == "http"
+
+
 def otlp_exporter(signal: str, protocol: str) -> dict[str, Retry]:
     """What the OTLP exporter of ``signal`` (``traces``, ``metrics``) over ``protocol`` is retried with."""
-    import importlib
-
     grpc = protocol == "grpc"
-    none = importlib.import_module("grpc" if grpc else "opentelemetry.exporter.otlp.proto.http").Compression
-    endpoint = "http://localhost:4317" if grpc else f"http://localhost:4318/v1/{signal}"
+    default = "http://localhost:4317" if grpc else f"http://localhost:4318/v1/{signal}"
     retries: dict[str, Retry] = {}
-    for suffix, retry in (("ENDPOINT", ("endpoint", endpoint, endpoint)),
-                          ("TIMEOUT", ("timeout", 10.0, "10")),
-                          ("COMPRESSION", ("compression", none.NoCompression, "none"))):
-        retries[f"OTEL_EXPORTER_OTLP_{signal.upper()}_{suffix}"] = retries[f"OTEL_EXPORTER_OTLP_{suffix}"] = retry
+    suffixes: list[tuple[str, Retry]] = [
+        ("ENDPOINT", ("endpoint", lambda: endpoint(signal, protocol), default)),
+        ("TIMEOUT", ("timeout", _timeout(signal), "10")),
+        ("COMPRESSION", ("compression", _compression(signal, protocol), "none"))]
+    if grpc:
+        suffixes.append(("INSECURE", ("insecure", lambda: insecure(signal), "by the endpoint's scheme")))
+    for suffix, (keyword, value, shown_as) in suffixes:
+        specific, general = signal_variable(signal, suffix)
+        retries[specific] = (keyword, value, f"{general}, else {shown_as}")  # as if it were unset
+        retries[general] = (keyword, value, shown_as)
     return retries
 
+
+class Headers(dict):  # type: ignore[type-arg]
+    """Header pairs an exporter takes as given even when there are none: an empty mapping
+    would send it back to the variable, whose malformed entries it logs in full."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def headers(signal: str) -> tuple[Headers | None, list[str]]:
+    """The signal's ``*_HEADERS`` pairs by the specification's rules (``key=value``, comma
+    separated, values URL-encoded; None when neither variable is set), and the secrets they
+    hold. Malformed entries are left out with one warning that names their keys or places,
+    never their text."""
+    found = _first(signal, "HEADERS")
+    if found is None:
+        return (Headers() if any(blank(n) for n in signal_variable(signal, "HEADERS")) else None), []
+    name, text = found
+    pairs, bad, secrets = Headers(), [], []
+    for place, entry in enumerate(text.split(","), 1):
+        if not entry.strip():
+            continue
+        key, sep, value = entry.partition("=")
+        key, value = unquote(key).strip(), unquote(value).strip()
+        secrets += [entry.strip(), value]
+        if not sep or not key or not _TOKEN.issuperset(key):
+            bad.append(f"entry {place} (not key=value)")
+        elif not all(" " <= c <= "~" or c == "\t" for c in value):
+            bad.append(f"{shown(key.lower())} (a value that is not printable ASCII)")
+        else:
+            pairs[key.lower()] = value
+    if bad:
+        warn_once(f"headers:{name}", "otel-hicache: %s: %s left out (header values are never logged)", name,
+                  ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else ""))
+    return pairs, secrets
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+FILES = {"CERTIFICATE": "CA certificate", "CLIENT_KEY": "client key", "CLIENT_CERTIFICATE": "client certificate"}
+"""The file variables' suffixes: ``OTEL_EXPORTER_OTLP_{,TRACES_,METRICS_}<suffix>``."""
+
+
+def file_variables(signal: str) -> list[str]:
+    """The signal's file variables, each per-signal form before its general one."""
+    return [f"OTEL_EXPORTER_OTLP_{signal.upper()}_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE",
+            f"OTEL_EXPORTER_OTLP_{signal.upper()}_CLIENT_KEY", "OTEL_EXPORTER_OTLP_CLIENT_KEY",
+            f"OTEL_EXPORTER_OTLP_{signal.upper()}_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"]
+
+
+class TlsFiles(NamedTuple):
+    """The signal's CA certificate, client key and client certificate paths (None: unset or blank)."""
+
+    certificate: str | None
+    client_key: str | None
+    client_certificate: str | None
+
+
+def tls_files(signal: str) -> tuple[TlsFiles, bool]:
+    """The signal's files as the exporters would resolve them were blank variables unset, and
+    whether any of the variables is blank (the exporters would take it as a path)."""
+    paths = [found[1].strip() if (found := _first(signal, suffix)) else None for suffix in FILES]
+    blanks = any(blank(n) for n in file_variables(signal))
+    return TlsFiles(*paths), blanks
+
+
+def unreadable(path: str, directory_ok: bool = False) -> str | None:
+    """Why ``path`` cannot be used as a certificate or key file, or None. Never blocks: a FIFO
+    (whose open() waits for a writer) or a device (/dev/zero never ends) is refused unread."""
+    try:
+        kind = os.stat(path).st_mode
+        if stat.S_ISDIR(kind) and directory_ok:
+            return None
+        if not stat.S_ISREG(kind):
+            return "is not a regular file"
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            os.read(descriptor, 1)
+        finally:
+            os.close(descriptor)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        return f"cannot be read ({type(exc).__name__})"
+    return None
+
+
+def certificate_usable(signal: str, protocol: str) -> bool:
+    """False, warned about once, when a certificate or key file of the signal cannot be read
+    and the connection would use TLS: there is no safe default (the gRPC exporters would fall
+    back to the system's CA certificates, the HTTP ones fail every export, and either would
+    block forever on a FIFO)."""
+    for suffix, what in FILES.items():
+        found = _first(signal, suffix)
+        if found is None:
+            continue
+        name, path = found
+        problem = unreadable(path.strip(), directory_ok=protocol != "grpc" and suffix == "CERTIFICATE")
+        if problem is None:  # (requests takes a directory of CA certificates)
+            continue
+        if not _tls(signal, protocol):
+            return True  # plain text: the files are unused
+        warn_once(f"certificate:{name}", "otel-hicache: %s=%s %s; there is no safe default for a %s, so what would "
+                  "be exported with it over TLS is not exported", name, shown(path), problem, what)
+        return False
+    return True
+
+
+def _tls(signal: str, protocol: str) -> bool:
+    url = endpoint(signal, protocol)
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    return scheme == "https" or (protocol == "grpc" and scheme != "http" and not insecure(signal))
+
+
+def otlp_keywords(signal: str, protocol: str) -> dict[str, Any]:
+    """Keywords passed explicitly to the signal's OTLP exporter: its headers, parsed here, and
+    gRPC credentials from the files when a file variable is blank (the exporter would take it
+    as a path; over HTTP, :func:`settle_session`). The secrets they and the endpoints hold are
+    withheld from log lines from now on, before the exporter can log them."""
+    pairs, secrets = headers(signal)
+    withhold([*secrets, *(_userinfo(os.environ.get(n, "")) for n in signal_variable(signal, "ENDPOINT"))])
+    keywords: dict[str, Any] = {} if pairs is None else {"headers": pairs}
+    files, blanks = tls_files(signal)
+    if blanks and protocol == "grpc" and not insecure(signal):
+        import grpc
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as file:  # a regular file: checked by certificate_usable()
+                return file.read()
+
+        keywords["credentials"] = grpc.ssl_channel_credentials(read(files.certificate), read(files.client_key),
+                                                               read(files.client_certificate))
+    return keywords
+
+
+def settle_session(session: Any, signal: str) -> None:
+    """OTLP/HTTP: the session the exporter was built with verifies and identifies with the
+    signal's files as resolved with blank variables unset (the SDK put a blank one on it)."""
+    files, blanks = tls_files(signal)
+    if not blanks:
+        return
+    session.verify = files.certificate or True
+    cert, key = files.client_certificate, files.client_key
+    session.cert = (cert, key) if cert and key else cert
+
+
+# -- building -------------------------------------------------------------------------------------
 
 def _value(default: Any) -> Any:
     return default() if callable(default) else default
@@ -102,17 +379,26 @@ def positive(text: str) -> bool:
         return True
 
 
+def _quoted(name: str) -> str:
+    value = os.environ.get(name, "")
+    return shown(redacted(value) if name.endswith("_ENDPOINT") else value)
+
+
 def build(what: str, make: Callable[..., Any], retries: Mapping[str, Retry]) -> Any:
-    """``make()``, a time of ``retries`` <= 0 or infinite replaced by its default (the SDK would
+    """``make()``, a blank variable of ``retries`` replaced by its default (blank means unset;
+    the SDK takes some of them as values) and a time <= 0 or infinite too (the SDK would
     take it: every export fails, or none happens); while it raises, the variable whose default
-    cures the error is replaced too. One WARNING per variable replaced; None (warned) if none helps."""
+    cures the error is replaced too. One WARNING per variable replaced but a blank one; None
+    (warned) if none helps."""
     given = [name for name in retries if raw(name) is not None]
+    blanks = [name for name in retries if blank(name)]
     chosen = {n: "is not > 0" for n in given if n.endswith(("TIMEOUT", "INTERVAL", "DELAY"))
               and not positive(os.environ[n])}
 
     def attempt(names: Any) -> tuple[Any, Exception | None]:
+        defaults = {retries[n][0]: retries[n][1] for n in [*blanks, *names]}  # (a keyword's forms share one)
         try:
-            return make(**{retries[n][0]: _value(retries[n][1]) for n in names}), None
+            return make(**{keyword: _value(default) for keyword, default in defaults.items()}), None
         except Exception as exc:  # pylint: disable=broad-except  # never into the host
             return None, exc
 
@@ -121,42 +407,17 @@ def build(what: str, make: Callable[..., Any], retries: Mapping[str, Retry]) -> 
         for n in (n for n in given if n not in chosen):
             built, after = attempt([*chosen, n])
             if after is None or str(after) != str(error):  # n was what the constructor rejected
-                chosen[n] = f"is rejected by the SDK ({type(error).__name__}: {error})"
+                chosen[n] = f"is rejected by the SDK ({type(error).__name__}: {shown(error)})"
                 error = after
                 break
         else:
-            read = "".join(f"; check {name}={os.environ[name]!r}" for name in given)
+            read = "".join(f"; check {name}={_quoted(name)}" for name in [*given, *blanks])
             warn_once(f"otel_environment:{what}", "otel-hicache: cannot create the %s (%s: %s)%s; it is left out",
-                      what, type(error).__name__, error, read)
+                      what, type(error).__name__, shown(error), read)
             return None
     for n, problem in chosen.items():
         if os.environ[n].strip().lower() not in MEANT.get(n.replace("_OTLP_TRACES_", "_OTLP_")
                                                           .replace("_OTLP_METRICS_", "_OTLP_"), ()):
-            warn_once(f"otel_environment:{n}", "otel-hicache: %s=%r %s; using %s instead", n, os.environ[n],
-                      problem, retries[n][2])
+            warn_once(f"otel_environment:{n}", "otel-hicache: %s=%s %s; using %s instead", n, _quoted(n), problem,
+                      retries[n][2])
     return built
-
-
-def certificate_usable(signal: str, protocol: str) -> bool:
-    """False, warned about once, when the signal's CA certificate cannot be read and the
-    connection would use TLS: there is no safe default (the gRPC exporters would fall back
-    to the system's CA certificates, the HTTP ones fail every export)."""
-    name = next((n for n in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
-                 if raw(n) is not None), None)
-    if name is None or (protocol != "grpc" and os.path.isdir(os.environ[name])):  # requests takes a directory
-        return True
-    try:
-        with open(os.environ[name], "rb") as file:
-            file.read(1)
-        return True
-    except OSError as exc:
-        problem = f"{name}={os.environ[name]!r} cannot be read ({type(exc).__name__})"
-    endpoint = (raw(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT") or raw("OTEL_EXPORTER_OTLP_ENDPOINT")
-                or "http://localhost").strip()
-    scheme = endpoint.partition("://")[0].lower() if "://" in endpoint else ""
-    insecure = raw(f"OTEL_EXPORTER_OTLP_{signal.upper()}_INSECURE") or raw("OTEL_EXPORTER_OTLP_INSECURE") or ""
-    if scheme != "https" and (protocol != "grpc" or scheme == "http" or insecure.strip().lower() == "true"):
-        return True  # plain text: the certificate is unused
-    warn_once(f"certificate:{problem}", "otel-hicache: %s; there is no safe default for a CA certificate, so what "
-              "would be exported with it over TLS is not exported", problem)
-    return False

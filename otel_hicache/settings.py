@@ -1,7 +1,8 @@
 """Typed reading of the ``OTEL_HICACHE_*`` variables, and of ``OTEL_SDK_DISABLED``.
 
 Every reader falls back to the documented default (:data:`DEFAULTS`) and warns
-once, naming the variable, when a value is malformed; none of them raises.
+once, naming the variable and a short prefix of the value, when a value is
+malformed; none of them raises. An empty or blank value means unset.
 Booleans are the OTel specification's: ``true`` or ``false``, any case (as the
 SDK reads ``OTEL_SDK_DISABLED``); ``1``, ``yes`` or ``on`` are malformed.
 """
@@ -12,7 +13,7 @@ import math
 import os
 from typing import Any, Callable
 
-from .diagnostics import warn_once
+from .diagnostics import shown as quoted, warn_once
 from .environment_variables import DEFAULTS
 
 
@@ -24,7 +25,8 @@ def _read(name: str, default: Any, parse: Callable[[str], Any], expected: str) -
         return parse(raw.strip())
     except ValueError:
         shown = str(default).lower() if isinstance(default, bool) else default
-        warn_once(f"env:{name}", "otel-hicache: %s=%r is not %s; using the default %s", name, raw, expected, shown)
+        warn_once(f"env:{name}", "otel-hicache: %s=%s is not %s; using the default %s", name, quoted(raw), expected,
+                  shown)
         return default
 
 

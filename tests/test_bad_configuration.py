@@ -131,14 +131,14 @@ BAD = [
     ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "soon", HTTP, {"span.timeout": 10.0}, SDK),
     # the gRPC exporters float() their per-signal timeout whatever timeout= says: no retry works
     ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "nan?", {}, {"span_exporters": 1, "metric_readers": 0}, "left out"),
-    # headers: the SDK drops malformed entries, with a line of its own
+    # headers: malformed entries are dropped, with one warning naming their places (never their text)
     ("OTEL_EXPORTER_OTLP_HEADERS", "a=1,secret-token,b=2", {},
      {"span.headers": {"a": "1", "b": "2"}, "metric.headers": {"a": "1", "b": "2"}}, SDK),
     # compression
     ("OTEL_EXPORTER_OTLP_COMPRESSION", "brotli", {}, {"span.compression": "none", "metric.compression": "none"},
      "using none instead"),
-    ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "zstd", {"OTEL_EXPORTER_OTLP_COMPRESSION": "gzip"},
-     {"span.compression": "none", "metric.compression": "gzip"}, "using none instead"),
+    ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "zstd", {"OTEL_EXPORTER_OTLP_COMPRESSION": "gzip"},  # as if unset
+     {"span.compression": "gzip", "metric.compression": "gzip"}, "using OTEL_EXPORTER_OTLP_COMPRESSION, else none"),
     ("OTEL_EXPORTER_OTLP_COMPRESSION", "br", HTTP, {"span.compression": "none", "metric.compression": "none"}, SDK),
     # CA certificate: no safe default over TLS (not exported); unused over plain text
     ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem", {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://h:4317"},
@@ -170,7 +170,6 @@ BAD = [
      {"sampler": "TraceIdRatioBased{1.0}"}, SDK),
     # resource
     ("OTEL_RESOURCE_ATTRIBUTES", "k=v,,x", {}, {"resource": {"k": "v", "service.name": EXECUTABLE_SERVICE}}, SDK),
-    ("OTEL_SERVICE_NAME", "   ", {}, {"resource": {"service.name": "   "}}, SDK),  # blanks become the name
     # exporters and protocol
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon", {}, {"span.module": "grpc", "metric.module": "grpc"},
      "ignoring it"),
@@ -275,6 +274,9 @@ VALID = [
     ({"OTEL_RESOURCE_ATTRIBUTES": "a=b,c=d%2Ce", "OTEL_SERVICE_NAME": "svc"},
      {"resource": {"a": "b", "c": "d,e", "service.name": "svc"}}),
     ({"OTEL_SERVICE_NAME": ""}, {"resource": {"service.name": EXECUTABLE_SERVICE}}),  # empty means unset
+    ({"OTEL_SERVICE_NAME": "   "}, {"resource": {"service.name": EXECUTABLE_SERVICE}}),  # (the SDK takes it)
+    ({"OTEL_SERVICE_NAME": " ", "OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes"},
+     {"resource": {"service.name": "from-attributes"}}),
     ({"OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE": "Delta"}, {"temporality": ["CUMULATIVE", "DELTA"]}),
     ({"OTEL_METRICS_EXEMPLAR_FILTER": "ALWAYS_OFF"}, {"exemplar_filter": "AlwaysOffExemplarFilter"}),
     ({"OTEL_SDK_DISABLED": "FALSE"}, {"disabled": False}),
