@@ -2,7 +2,8 @@
 # The two-tier topology of deploy/fleet.md with the real binaries (e2e/test_fleet.py): two
 # agents (deploy/otel-collector/agent.yaml), two gateways (gateway.yaml) with tail sampling,
 # Jaeger and Prometheus (deploy/prometheus/fleet.yml) on 127.0.0.0/8, two workload "nodes",
-# one gateway killed (SIGKILL) and restarted mid-run. About 90 s. Extra arguments go to pytest.
+# one gateway killed (SIGKILL) and restarted mid-run; TLS and a bearer token between agents and
+# gateways, and clients without them refused. About 90 s. Extra arguments go to pytest.
 #
 # Binaries: deploy/local/stack.sh path NAME (run `deploy/local/stack.sh install` first), else
 # HICACHE_OTELCOL_BIN, HICACHE_JAEGER_BIN, HICACHE_PROMETHEUS_BIN. Prometheus runs in a private

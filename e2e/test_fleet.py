@@ -11,7 +11,14 @@ addresses with the default ports, so fleet.yml's targets gateway-1:8889 and gate
 resolve through a private hosts file, as deploy/local/stack.sh does),
 deploy/otel-collector/agent.yaml twice (HICACHE_GATEWAYS names the two gateways) and
 deploy/prometheus/fleet.yml. The tail sampler's decision_wait is shortened to 5 s
-(HICACHE_TAIL_DECISION_WAIT) to keep the test short.
+(HICACHE_TAIL_DECISION_WAIT) to keep the test short. Agents and gateways talk over TLS with a
+bearer token, as shipped (deploy/fleet.md, Security): a throw-away CA, a certificate for both
+gateway addresses and a token file, given by the HICACHE_FLEET_* variables.
+
+Before the workloads, each gateway is probed: a TLS client with the token gets through; one
+without it, with a wrong token, with the token but no scheme, or in plaintext is refused,
+over gRPC and HTTP (the refused data, an error span and a counter point of a service of its
+own, is in neither Jaeger nor Prometheus at the end).
 
 Each node is this file run as a script (``--node``): a paced workload through otel-hicache,
 configured only by OTEL_* variables, one trace per op (an ``example.scheduler_step`` span and
@@ -43,6 +50,7 @@ import math
 import os
 import random
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -216,6 +224,108 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------------------------
 
 import pytest  # noqa: E402  (the node workload above needs no pytest)
+
+INTRUDER = "hicache-fleet-intruder"  # the service name of the data sent without the right token
+
+
+def _intruder_requests() -> tuple[Any, Any]:
+    """An OTLP traces request (one ERROR span: the tail sampler would keep it) and a metrics
+    request (one counter point) from INTRUDER, to send without the right token."""
+    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+    from opentelemetry.proto.common.v1 import common_pb2
+    from opentelemetry.proto.metrics.v1 import metrics_pb2
+    from opentelemetry.proto.resource.v1 import resource_pb2
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
+    resource = resource_pb2.Resource(attributes=[
+        common_pb2.KeyValue(key="service.name", value=common_pb2.AnyValue(string_value=INTRUDER))])
+    now = time.time_ns()
+    span = trace_pb2.Span(trace_id=os.urandom(16), span_id=os.urandom(8), name="intruder",
+                          start_time_unix_nano=now - 1000, end_time_unix_nano=now,
+                          status=trace_pb2.Status(code=trace_pb2.Status.STATUS_CODE_ERROR))
+    traces = trace_service_pb2.ExportTraceServiceRequest(resource_spans=[
+        trace_pb2.ResourceSpans(resource=resource, scope_spans=[trace_pb2.ScopeSpans(spans=[span])])])
+    point = metrics_pb2.NumberDataPoint(as_int=1, start_time_unix_nano=now - 1000, time_unix_nano=now)
+    metric = metrics_pb2.Metric(name="intruder.points", sum=metrics_pb2.Sum(
+        data_points=[point], is_monotonic=True,
+        aggregation_temporality=metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE))
+    metrics = metrics_service_pb2.ExportMetricsServiceRequest(resource_metrics=[
+        metrics_pb2.ResourceMetrics(resource=resource, scope_metrics=[metrics_pb2.ScopeMetrics(metrics=[metric])])])
+    return traces, metrics
+
+
+def _grpc_export(endpoint: str, request: Any, authorization: str | None, ca: str | None) -> str:
+    """One OTLP/gRPC Export to a gateway: over TLS trusting `ca` (plaintext when None), with this
+    authorization header (none when None). The status code's name, OK included."""
+    import grpc
+    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    channel = (grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(Path(ca).read_bytes())) if ca
+               else grpc.insecure_channel(endpoint))
+    stub = (trace_service_pb2_grpc.TraceServiceStub(channel)
+            if isinstance(request, trace_service_pb2.ExportTraceServiceRequest)
+            else metrics_service_pb2_grpc.MetricsServiceStub(channel))
+    try:
+        stub.Export(request, metadata=[("authorization", authorization)] if authorization is not None else None,
+                    timeout=5)
+        return "OK"
+    except grpc.RpcError as error:
+        return error.code().name  # pylint: disable=no-member
+    finally:
+        channel.close()
+
+
+def _http_export(url: str, body: bytes, authorization: str | None, ca: str | None) -> str:
+    """One OTLP/HTTP POST to a gateway: the HTTP status as a string, or the connection error."""
+    import ssl
+    import urllib.error
+
+    headers = {"Content-Type": "application/x-protobuf"}
+    if authorization is not None:
+        headers["Authorization"] = authorization
+    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5,  # noqa: S310 (loopback only)
+                                    context=ssl.create_default_context(cafile=ca) if ca else None) as response:
+            return str(response.status)
+    except urllib.error.HTTPError as error:
+        return str(error.code)
+    except OSError as error:
+        return f"connection error ({type(error).__name__})"
+
+
+def _probe_gateway(host: str, ports: dict[str, int], ca: str, token: str) -> tuple[dict[str, str], list[str]]:
+    """What a gateway answers each kind of client, and what differs from what it must answer:
+    only a TLS client with the fleet's token gets through, over gRPC and HTTP."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    traces, metrics = _intruder_requests()
+    empty = trace_service_pb2.ExportTraceServiceRequest()  # passes auth, adds nothing to any count
+    grpc_at, http_at = f"{host}:{ports['grpc']}", f"{host}:{ports['http']}"
+    right, wrong_token = f"Bearer {token}", f"Bearer {token[::-1]}"
+    cases = {  # name: (answer, what it must be)
+        "gRPC, TLS, the token (empty request)": (_grpc_export(grpc_at, empty, right, ca), "OK"),
+        "gRPC, TLS, no token": (_grpc_export(grpc_at, traces, None, ca), "UNAUTHENTICATED"),
+        "gRPC, TLS, a wrong token": (_grpc_export(grpc_at, traces, wrong_token, ca), "UNAUTHENTICATED"),
+        "gRPC, TLS, the token without its scheme": (_grpc_export(grpc_at, traces, token, ca), "UNAUTHENTICATED"),
+        "gRPC metrics, TLS, no token": (_grpc_export(grpc_at, metrics, None, ca), "UNAUTHENTICATED"),
+        "gRPC metrics, TLS, a wrong token": (_grpc_export(grpc_at, metrics, wrong_token, ca), "UNAUTHENTICATED"),
+        "gRPC, plaintext, the token": (_grpc_export(grpc_at, traces, right, None), "UNAVAILABLE"),
+        "HTTP, TLS, the token (empty request)": (_http_export(f"https://{http_at}/v1/traces",
+                                                              empty.SerializeToString(), right, ca), "200"),
+        "HTTP, TLS, no token": (_http_export(f"https://{http_at}/v1/traces", traces.SerializeToString(), None, ca),
+                                "401"),
+        "HTTP, TLS, a wrong token": (_http_export(f"https://{http_at}/v1/metrics", metrics.SerializeToString(),
+                                                  wrong_token, ca), "401"),
+        # Go's TLS server answers a plaintext HTTP request with 400 and closes
+        "HTTP, plaintext, the token": (_http_export(f"http://{http_at}/v1/traces", traces.SerializeToString(),
+                                                    right, None), "400"),
+    }
+    answers = {name: got for name, (got, _) in cases.items()}
+    wrong = [f"{name}: {got}, want {want}" for name, (got, want) in cases.items() if got != want]
+    return answers, wrong
 
 
 def _binary(name: str, variable: str) -> str:
@@ -425,6 +535,17 @@ def test_fleet_gateway_killed(tmp_path):
         fleet_yml.write_text(text, encoding="utf-8")
         print(f"fleet: the default gateway ports are taken on every loopback address; "
               f"Prometheus runs from a copy of fleet.yml with free ports ({fleet_yml})")
+    # -- TLS and the token between agents and gateways (deploy/fleet.md, Security) ------------
+    sys.path.insert(0, str(ROOT / "tests"))
+    from otlp_receiver import make_certificates  # pylint: disable=import-outside-toplevel
+
+    (tmp_path / "tls").mkdir()
+    tls = make_certificates(tmp_path / "tls", hosts=("localhost", "127.0.0.1", *hosts))
+    token = secrets.token_urlsafe(32)
+    token_file = tmp_path / "tls" / "fleet-token"
+    token_file.write_text(f"{token} the fleet test's token\n", encoding="ascii")
+    token_file.chmod(0o600)
+
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(f"127.0.0.1 localhost\n::1 localhost\n{hosts[0]} gateway-1\n{hosts[1]} gateway-2\n",
                           encoding="utf-8")
@@ -446,7 +567,9 @@ def test_fleet_gateway_killed(tmp_path):
                "OTELCOL_OTLP_HTTP_PORT": str(ports["http"]), "OTELCOL_METRICS_PORT": str(ports["self"]),
                "OTELCOL_PROMETHEUS_PORT": str(ports["prom"]), "OTELCOL_HEALTH_PORT": str(ports["health"]),
                "JAEGER_HOST": "127.0.0.1", "JAEGER_OTLP_GRPC_PORT": str(jaeger_ports["otlp"]),
-               "HICACHE_TAIL_DECISION_WAIT": f"{DECISION_WAIT_S}s"}
+               "HICACHE_TAIL_DECISION_WAIT": f"{DECISION_WAIT_S}s",
+               "HICACHE_FLEET_TLS_CERT": tls["cert"], "HICACHE_FLEET_TLS_KEY": tls["key"],
+               "HICACHE_FLEET_TOKEN_FILE": str(token_file)}
         gw = Proc(f"gateway-{i}", [otelcol, f"--config={ROOT / 'deploy' / 'otel-collector' / 'gateway.yaml'}"],
                   env, tmp_path, f"http://{host}:{ports['health']}/")
         gw.self_url = f"http://{host}:{ports['self']}/metrics"  # type: ignore[attr-defined]
@@ -460,7 +583,8 @@ def test_fleet_gateway_killed(tmp_path):
         ports = {k: _free_port() for k in ("grpc", "http", "self", "health")}
         env = {**base_env, "OTELCOL_LISTEN_HOST": "127.0.0.1", "OTELCOL_OTLP_GRPC_PORT": str(ports["grpc"]),
                "OTELCOL_OTLP_HTTP_PORT": str(ports["http"]), "OTELCOL_METRICS_PORT": str(ports["self"]),
-               "OTELCOL_HEALTH_PORT": str(ports["health"]), "HICACHE_GATEWAYS": gateway_list}
+               "OTELCOL_HEALTH_PORT": str(ports["health"]), "HICACHE_GATEWAYS": gateway_list,
+               "HICACHE_FLEET_CA_FILE": tls["ca"], "HICACHE_FLEET_TOKEN_FILE": str(token_file)}
         agent = Proc(f"agent-{node}", [otelcol, f"--config={ROOT / 'deploy' / 'otel-collector' / 'agent.yaml'}"],
                      env, tmp_path, f"http://127.0.0.1:{ports['health']}/")
         agent.self_url = f"http://127.0.0.1:{ports['self']}/metrics"  # type: ignore[attr-defined]
@@ -490,6 +614,12 @@ def test_fleet_gateway_killed(tmp_path):
         print(f"\nfleet: stack up in {time.monotonic() - t_begin:.1f} s: Jaeger, gateways at "
               f"{gateway_list} (gateway-1, gateway-2 for Prometheus), agents at "
               f"{', '.join(a.otlp for a in agents.values())}")  # type: ignore[attr-defined]
+
+        # -- only a TLS client with the token gets through to a gateway ------------------------
+        for host, ports in zip(hosts, gw_ports):
+            answers, wrong = _probe_gateway(host, ports, tls["ca"], token)
+            print(f"fleet: gateway {host}: " + "; ".join(f"{name} -> {got}" for name, got in answers.items()))
+            assert not wrong, f"gateway {host} answered:\n" + "\n".join(wrong)
 
         # -- the two nodes ---------------------------------------------------------------
         outs = {}
@@ -602,6 +732,11 @@ def test_fleet_gateway_killed(tmp_path):
                     target[1] += kept
         lost_must = (must["e"][2] - must["e"][3]) + (must["s"][2] - must["s"][3])
 
+        # what the gateways refused is nowhere: its error span would have been kept, its point
+        # scraped (a range, as the victim's series went stale at the kill)
+        services = json.loads(_http(f"{jaeger_url}/api/services")).get("data") or []
+        intruder_series = prom.query(f'count_over_time({{service_name="{INTRUDER}"}}[15m])')
+
         # -- (3) the Collectors' own metrics ----------------------------------------------------
         raw = {f"agent-{n}": _http(a.self_url) for n, a in agents.items()}  # type: ignore[attr-defined]
         raw.update({g.name: _http(g.self_url) for g in gateways})  # type: ignore[attr-defined]
@@ -676,10 +811,14 @@ def test_fleet_gateway_killed(tmp_path):
               f"Jaeger {g_sent:.0f} (failed {g_send_failed:.0f}), Jaeger accepted {j_accepted:.0f}")
         print("fleet: Collector CPU and RSS at the end (the victim since its restart): " + ", ".join(
             f"{name} {c:.1f} s / {r:.0f} MiB" for name, (c, r) in cpu.items()))
+        print(f"fleet: refused clients' data: Jaeger services {services}, Prometheus series of {INTRUDER}: "
+              f"{len(intruder_series)}")
         print(f"fleet: test took {time.monotonic() - t_begin:.0f} s")
 
         # -- assertions ------------------------------------------------------------------
         problems = []
+        if INTRUDER in services or intruder_series or SERVICE not in services:
+            problems.append(f"refused data arrived: Jaeger services {services}, Prometheus {intruder_series}")
         if got != want:
             problems.append(f"counters {got} != ground truth {want}")
         if missing_outside:

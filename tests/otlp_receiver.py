@@ -245,11 +245,12 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-def make_certificates(directory: Any) -> dict[str, str]:
-    """A throw-away CA, a server certificate it signed for localhost/127.0.0.1, and an
-    unrelated CA (the wrong certificate), made with the ``openssl`` command.
+def make_certificates(directory: Any, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> dict[str, str]:
+    """A throw-away CA, a server certificate it signed for ``hosts`` (names and IP addresses),
+    and an unrelated CA (the wrong certificate), made with the ``openssl`` command.
 
     Returns paths: ``ca``, ``cert``, ``key``, ``wrong_ca``."""
+    import ipaddress
     import shutil
     import subprocess
     from pathlib import Path
@@ -265,7 +266,13 @@ def make_certificates(directory: Any) -> dict[str, str]:
     for name in ("ca", "wrong_ca"):
         run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN=otel-hicache test {name}",
             "-keyout", f"{name}.key", "-out", f"{name}.pem")
-    (d / "san.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n", encoding="ascii")
+    def san(host: str) -> str:
+        try:
+            return f"IP:{ipaddress.ip_address(host)}"
+        except ValueError:
+            return f"DNS:{host}"
+
+    (d / "san.cnf").write_text(f"subjectAltName={','.join(san(h) for h in hosts)}\n", encoding="ascii")
     run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "server.key",
         "-out", "server.csr")
     run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",

@@ -37,7 +37,13 @@
 #
 # Environment: HICACHE_STACK_CACHE (built binaries; default ~/.cache/otel-hicache/stack),
 # HICACHE_STACK_STATE (pids, logs, Prometheus data; default ~/.local/state/otel-hicache/stack),
-# HICACHE_STACK_WAIT_S (health wait, default 60).
+# HICACHE_STACK_WAIT_S (health wait in seconds, default 60). Every number read from the
+# environment (HICACHE_STACK_WAIT_S, JAEGER_OTLP_GRPC_PORT, JAEGER_HEALTH_PORT,
+# JAEGER_METRICS_PORT) must be plain decimal digits, or the script exits naming it.
+#
+# Pid files: `up` records each service's pid, start time and binary; `down` and `status`
+# trust only a process matching all three. Any other pid file (one from an older stack.sh
+# included) is reported stale, and the process it names is left alone.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -46,20 +52,34 @@ root="$(cd "$here/../.." && pwd)"
 . "$root/deploy/versions.env"
 cache="${HICACHE_STACK_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/otel-hicache/stack}"
 state="${HICACHE_STACK_STATE:-${XDG_STATE_HOME:-$HOME/.local/state}/otel-hicache/stack}"
-wait_s="${HICACHE_STACK_WAIT_S:-60}"
+
+say() { echo "stack: $*"; }
+die() { echo "stack: $*" >&2; exit 1; }
+
+# Every number read from the environment is checked here, before any arithmetic: bash
+# evaluates a variable's value inside $(( )) and [[ -gt ]] as an expression, and an array
+# subscript in it runs command substitutions ('SERVICES[$(cmd)]'). An empty value is unset.
+number() {  # number NAME DEFAULT MAX: the plain decimal of NAME (at most 6 digits), or exit
+  local name="$1" value="${!1:-$2}"
+  if ! [[ "$value" =~ ^[0-9]{1,6}$ ]]; then
+    die "$name is not a plain number of at most 6 digits (got ${#value} characters, starting $(printf %q "${value:0:12}"))"
+  fi
+  value=$((10#$value))
+  if [ "$value" -lt 1 ] || [ "$value" -gt "$3" ]; then die "$name must be 1 to $3 (got $value)"; fi
+  echo "$value"
+}
+wait_s="$(number HICACHE_STACK_WAIT_S 60 86400)"
 
 # Listeners that move on one host (compose keeps each in its own container).
 export JAEGER_LISTEN_HOST=127.0.0.1 OTELCOL_LISTEN_HOST=127.0.0.1
-export JAEGER_OTLP_GRPC_PORT="${JAEGER_OTLP_GRPC_PORT:-14317}"
-export JAEGER_HEALTH_PORT="${JAEGER_HEALTH_PORT:-14133}"
-export JAEGER_METRICS_PORT="${JAEGER_METRICS_PORT:-14888}"
+JAEGER_OTLP_GRPC_PORT="$(number JAEGER_OTLP_GRPC_PORT 14317 65535)"
+JAEGER_HEALTH_PORT="$(number JAEGER_HEALTH_PORT 14133 65535)"
+JAEGER_METRICS_PORT="$(number JAEGER_METRICS_PORT 14888 65535)"
+export JAEGER_OTLP_GRPC_PORT JAEGER_HEALTH_PORT JAEGER_METRICS_PORT
 PROMETHEUS_PORT=9090
 COLLECTOR_PORTS="4317 4318 8888 8889 13133"
 JAEGER_PORTS="16686 16685 $JAEGER_OTLP_GRPC_PORT $JAEGER_HEALTH_PORT $JAEGER_METRICS_PORT"
 SERVICES=(jaeger otel-collector prometheus)
-
-say() { echo "stack: $*"; }
-die() { echo "stack: $*" >&2; exit 1; }
 since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
 
 # -- binaries ----------------------------------------------------------------------------
@@ -159,16 +179,39 @@ cmd_path() {
 tcp_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 http_ok() { curl -sf -o /dev/null --max-time 2 "$1"; }
 
-pid_alive() {  # pid_alive NAME: the recorded process still runs the binary it was started with
-  local pidf="$state/$1.pid" pid bin
-  [ -r "$pidf" ] || return 1
-  read -r pid bin < "$pidf"
-  [ -d "/proc/$pid" ] && [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = "$(readlink -f "$bin")" ]
+# A pid file holds "PID START EXE": the pid, its start time (field 22 of /proc/PID/stat, clock
+# ticks since boot: a pid reused by another process has another one) and the binary `up`
+# started. `down` and `status` trust only a process matching all three; any other pid file is
+# stale, and the process it names is left alone.
+start_time() {  # start_time PID: field 22 of /proc/PID/stat; empty when gone or a zombie
+  local stat fields
+  stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 0
+  # after the command name, which may hold spaces and parentheses: field 3 on
+  read -r -a fields <<<"${stat##*) }"
+  [ "${fields[0]:-Z}" != Z ] && echo "${fields[19]:-}"
+  return 0
 }
 
-pid_started() {  # during start-up the recorded pid may still be unshare/sh about to exec the binary
-  local pid _bin
-  read -r pid _bin < "$state/$1.pid" && [ -d "/proc/$pid" ] && [ "$(cat "/proc/$pid/stat" 2>/dev/null | awk '{print $3}')" != Z ]
+# ours NAME [started]: the pid file names the process `up` started for NAME, still running its
+# binary (with `started`: pid and start time only, for a process of this `up` that may still be
+# setsid/unshare/sh about to exec it). Sets PID; STALE says why not, empty when there is no file.
+ours() {
+  local pidf="$state/$1.pid" start exe now
+  PID="" STALE=""
+  [ -e "$pidf" ] || return 1
+  read -r PID start exe < "$pidf" 2>/dev/null || true
+  if [ -z "$exe" ] && [[ "$start" == /* ]]; then
+    STALE="written by an older stack.sh (pid and path only, no start time)"; return 1
+  fi
+  if ! [[ "$PID" =~ ^[0-9]{1,10}$ && "$start" =~ ^[0-9]{1,20}$ ]] || [ "$PID" -le 1 ] || [ -z "$exe" ]; then
+    STALE="not in the form 'PID START-TIME EXECUTABLE'"; return 1
+  fi
+  now="$(start_time "$PID")"
+  if [ -z "$now" ]; then STALE="pid $PID has exited"; return 1; fi
+  if [ "$now" != "$start" ]; then STALE="pid $PID is another process now (start time $now, not $start)"; return 1; fi
+  [ "${2:-}" = started ] && return 0
+  now="$(readlink "/proc/$PID/exe" 2>/dev/null || true)"
+  if [ "$now" != "$exe" ]; then STALE="pid $PID runs ${now:-an unreadable executable}, not $exe"; return 1; fi
 }
 
 health_url() {
@@ -199,14 +242,15 @@ start() {  # start NAME BINARY ARGS...: detached, output to $state/NAME.log, pid
   local name="$1" bin="$2"; shift 2
   # setsid: the stack outlives the shell that ran `up`; exec chains keep $! the process itself
   setsid "$@" >"$state/$name.log" 2>&1 < /dev/null &
-  echo "$! $bin" > "$state/$name.pid"
+  local pid=$!
+  echo "$pid $(start_time "$pid") $(readlink -f "$bin")" > "$state/$name.pid"
 }
 
 cmd_up() {
   mkdir -p "$state"
   local name port otelcol jaeger prometheus t=$EPOCHREALTIME
   for name in "${SERVICES[@]}"; do
-    pid_alive "$name" && die "$name is already running (deploy/local/stack.sh status; down to stop it)"
+    ours "$name" && die "$name is already running (deploy/local/stack.sh status; down to stop it)"
   done
   for port in $COLLECTOR_PORTS $JAEGER_PORTS $PROMETHEUS_PORT; do
     tcp_open "$port" && die "port $port on 127.0.0.1 is in use by something else; the stack needs the compose ports"
@@ -235,7 +279,7 @@ cmd_up() {
   while :; do
     pending=()
     for name in "${SERVICES[@]}"; do
-      pid_started "$name" || { tail -n 20 "$state/$name.log" >&2; cmd_down >/dev/null; die "$name exited during start-up (log: $state/$name.log)"; }
+      ours "$name" started || { tail -n 20 "$state/$name.log" >&2; stop_all started >/dev/null; die "$name exited during start-up (log: $state/$name.log)"; }
       http_ok "$(health_url "$name")" || pending+=("$name")
     done
     # healthy, and Prometheus scrapes the Collector by its compose name
@@ -245,7 +289,7 @@ cmd_up() {
     fi
     [ "${#pending[@]}" -eq 0 ] && pending=("prometheus scrape of otel-collector:8889")
     if [ "$(date +%s)" -ge "$deadline" ]; then
-      cmd_down >/dev/null; die "not healthy after ${wait_s} s: ${pending[*]} (logs in $state)"
+      stop_all started >/dev/null; die "not healthy after ${wait_s} s: ${pending[*]} (logs in $state)"
     fi
     sleep 0.2
   done
@@ -257,13 +301,15 @@ cmd_up() {
 }
 
 cmd_status() {
-  local name pid bin health running=0
+  local name bin health running=0
   for name in "${SERVICES[@]}"; do
-    if pid_alive "$name"; then
-      read -r pid bin < "$state/$name.pid"
+    if ours "$name"; then
+      read -r _ _ bin < "$state/$name.pid"
       running=$((running + 1))
       health=unhealthy; http_ok "$(health_url "$name")" && health=healthy
-      printf 'stack: %-15s running  pid %-8s %-9s %s (log %s)\n' "$name" "$pid" "$health" "$bin" "$state/$name.log"
+      printf 'stack: %-15s running  pid %-8s %-9s %s (log %s)\n' "$name" "$PID" "$health" "$bin" "$state/$name.log"
+    elif [ -n "$STALE" ]; then
+      printf 'stack: %-15s stopped  (stale pid file %s: %s; that process is left alone)\n' "$name" "$state/$name.pid" "$STALE"
     else
       printf 'stack: %-15s stopped\n' "$name"
     fi
@@ -271,21 +317,25 @@ cmd_status() {
   [ "$running" -eq "${#SERVICES[@]}" ]
 }
 
-cmd_down() {
-  local purge=0 name pid bin i stopped=()
-  [ "${1:-}" = -v ] && purge=1
+stop_all() {  # stop_all [started]: stop what the pid files name where it is ours (see ours)
+  local name i stopped=()
   for name in prometheus otel-collector jaeger; do
-    if pid_alive "$name"; then
-      read -r pid bin < "$state/$name.pid"
-      kill -TERM "$pid" 2>/dev/null || true
-      for i in $(seq 1 100); do pid_alive "$name" || break; sleep 0.1; done
-      if pid_alive "$name"; then kill -KILL "$pid" 2>/dev/null || true; sleep 0.2; fi
-      stopped+=("$name($pid)")
+    if ours "$name" "${1:-}"; then
+      kill -TERM "$PID" 2>/dev/null || true
+      for i in $(seq 1 100); do ours "$name" "${1:-}" || break; sleep 0.1; done
+      if ours "$name" "${1:-}"; then kill -KILL "$PID" 2>/dev/null || true; sleep 0.2; fi
+      stopped+=("$name($PID)")
+    elif [ -n "$STALE" ]; then
+      say "$name: stale pid file ($STALE): left that process alone"
     fi
     rm -f "$state/$name.pid"
   done
-  [ "$purge" -eq 1 ] && rm -rf "$state/prometheus-data"
-  say "stopped ${stopped[*]:-nothing}$([ "$purge" -eq 1 ] && echo "; Prometheus data deleted")"
+  say "stopped ${stopped[*]:-nothing}"
+}
+
+cmd_down() {
+  stop_all
+  if [ "${1:-}" = -v ]; then rm -rf "$state/prometheus-data"; say "Prometheus data deleted"; fi
 }
 
 cmd_build() {
