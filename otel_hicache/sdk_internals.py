@@ -588,3 +588,20 @@ def stop_reader_in_fork_child(reader: Any) -> None:
     event = getattr(reader, "_shutdown_event", None)
     if isinstance(event, threading.Event):
         event.set()
+
+
+def reinit_export_locks_in_fork_child(meter_provider: Any) -> int:
+    """In a forked child, the export lock of each of ``meter_provider``'s periodic readers that
+    a parent thread held at fork (an export in flight) replaced by a free one: the SDK's
+    ``_at_fork_reinit`` restarts the reader's thread but keeps that lock, which no thread of the
+    child will ever release, so every collection (its thread's, a flush's, its exit's) blocked on
+    it. Called from an at-fork callback, where no thread of the child can be exporting yet.
+    Returns how many were replaced."""
+    lock_type = type(threading.Lock())
+    replaced = 0
+    for reader in getattr(meter_provider, "_metric_readers", None) or ():
+        lock = getattr(reader, "_export_lock", None)
+        if isinstance(lock, lock_type) and lock.locked():
+            reader._export_lock = threading.Lock()  # pylint: disable=protected-access
+            replaced += 1
+    return replaced

@@ -156,6 +156,12 @@ class TransferTelemetry:
         SDK's resource detectors can no longer start their thread pool (and a child that ends right
         after its submits lost them all). Until then the parent's providers are not this child's:
         a flush or shutdown before any submit touches none (their locks may have been held at fork)."""
+        if self._meter_provider is not None:  # the caller's, copied: its own metric readers
+            if sdk_internals.reinit_export_locks_in_fork_child(self._meter_provider):
+                warn_once("fork:export_lock", "otel-hicache: the meter provider passed to TransferTelemetry was "
+                          "exporting when this process forked; its reader's export lock was freed in the child "
+                          "(the SDK keeps it held there forever). Build providers in the child after fork, or "
+                          "use otel_hicache.configure() (docs/sglang.md, fork)")
         if self._pipeline is not None:
             self._cap = _BUILD_FIRST
             self._providers = (None, None)

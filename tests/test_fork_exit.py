@@ -38,20 +38,24 @@ SCRIPT = textwrap.dedent(
         float(sys.argv[5])
     CALLER_PROVIDERS = os.environ.get("CALLER_PROVIDERS") == "1"
 
-    def caller_providers():
+    CHILD_PROVIDERS = os.environ.get("CHILD_PROVIDERS") == "1"
+
+    def caller_providers(attributes=None):
         # what an application builds itself: the SDK's providers with OTLP exporters, exporting often
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from otel_hicache import configuration
 
-        tracer_provider = TracerProvider()
+        resource = Resource.create(attributes)
+        tracer_provider = TracerProvider(resource=resource)
         for exporter in configuration.exporters("traces"):
             tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
         readers = [PeriodicExportingMetricReader(e, export_interval_millis=10)
                    for e in configuration.exporters("metrics")]
-        return tracer_provider, MeterProvider(metric_readers=readers)
+        return tracer_provider, MeterProvider(metric_readers=readers, resource=resource)
 
     if CALLER_PROVIDERS:
         tracer_provider, meter_provider = caller_providers()
@@ -70,7 +74,11 @@ SCRIPT = textwrap.dedent(
         os.write(write_fd, b"x")  # its last submit: the parent times the exit from here
 
     def in_child(write_fd):
+        global tel
         faulthandler.dump_traceback_later(HANG_S, exit=True)  # a hang: its stacks, and exit code 1
+        if CHILD_PROVIDERS:  # what the docs say to do with providers of one's own: build them after fork
+            tracer_provider, meter_provider = caller_providers({"child": "own"})
+            tel = otel_hicache.TransferTelemetry(tracer_provider=tracer_provider, meter_provider=meter_provider)
         child_ops(write_fd)
         if ENDING == "flush":
             tel.force_flush(10)
@@ -124,7 +132,8 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path: Any, receiver: Any, protocol: str, ending: str, children: int, busy: int = 0,
-         caller_providers: bool = False, hang_s: float = 2 * EXIT_BOUND_S) -> dict[int, dict]:
+         caller_providers: bool = False, child_providers: bool = False,
+         hang_s: float = 2 * EXIT_BOUND_S) -> dict[int, dict]:
     script = tmp_path / "app.py"
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -134,6 +143,8 @@ def _run(tmp_path: Any, receiver: Any, protocol: str, ending: str, children: int
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     if caller_providers:
         env["CALLER_PROVIDERS"] = "1"
+    if child_providers:
+        env["CHILD_PROVIDERS"] = "1"
     done = subprocess.run([sys.executable, str(script), ending, str(children), str(busy), str(OPS), str(hang_s)],
                           env=env, capture_output=True, text=True, timeout=120 + children * hang_s)
     assert done.returncode == 0, done.stdout + done.stderr[-8000:]
@@ -145,18 +156,23 @@ def _run(tmp_path: Any, receiver: Any, protocol: str, ending: str, children: int
     return exits
 
 
-def _by_pid(received: Any) -> tuple[Counter, dict[int, tuple[int, int]]]:
+def _by_pid(received: Any, **resource_attributes: str) -> tuple[Counter, dict[int, tuple[int, int]]]:
     """Child spans (7 bytes) per ``process.pid``; per pid, the op count and the bytes of the
-    last metric export it sent (cumulative)."""
+    last metric export it sent (cumulative); only resources with ``resource_attributes``."""
+    def wanted(resource: Any) -> bool:
+        return resource_attributes.items() <= attributes(resource.attributes).items()
+
     spans: Counter = Counter()
     for resource, span in received.spans():
-        if attributes(span.attributes)["hicache.bytes"] == BYTES:
+        if attributes(span.attributes)["hicache.bytes"] == BYTES and wanted(resource):
             spans[attributes(resource.attributes).get("process.pid")] += 1
     last: dict[int, tuple[int, int]] = {}
     with received.lock:
         requests = list(received.metrics)
     for request in requests:
         for rm in request.resource_metrics:
+            if not wanted(rm.resource):
+                continue
             pid = attributes(rm.resource.attributes).get("process.pid")
             values = {}
             for sm in rm.scope_metrics:
@@ -204,3 +220,31 @@ def test_children_forked_beside_busy_threads_deliver_every_op(tmp_path, receiver
     assert {pid: last.get(pid) for pid in exits} == dict.fromkeys(exits, (OPS, OPS * BYTES)), last
     assert all(e["exit_s"] < EXIT_BOUND_S for e in exits.values()), exits
 
+
+def test_children_of_caller_providers_never_hang(tmp_path):
+    """Providers the caller built before the fork, exporting every 10 ms while four threads
+    submit: the readers' export lock, the SDK's collection and our worker's SDK calls are busy
+    at the instant of many forks. 40 children, each with a hang timeout: none may hang."""
+    receiver = HttpReceiver()
+    try:
+        exits = _run(tmp_path, receiver, "http/protobuf", "exit", children=40, busy=4, caller_providers=True,
+                     hang_s=EXIT_BOUND_S)
+    finally:
+        receiver.stop()
+    assert all(e["exit_s"] < EXIT_BOUND_S for e in exits.values()), exits
+
+
+def test_children_that_build_their_own_providers_deliver_every_op(tmp_path):
+    """What the docs say to do with providers of one's own and fork: each child builds its providers
+    (and a TransferTelemetry on them) after the fork. Beside the parent's busy threads and its own
+    providers exporting every 10 ms, each child's 100 ops arrive exactly, under its own resource."""
+    receiver = HttpReceiver()
+    try:
+        exits = _run(tmp_path, receiver, "http/protobuf", "exit", children=10, busy=4, caller_providers=True,
+                     child_providers=True, hang_s=EXIT_BOUND_S)
+        spans, last = _by_pid(receiver.received, child="own")
+    finally:
+        receiver.stop()
+    assert {pid: spans.get(pid) for pid in exits} == dict.fromkeys(exits, OPS), spans
+    assert {pid: last.get(pid) for pid in exits} == dict.fromkeys(exits, (OPS, OPS * BYTES)), last
+    assert all(e["exit_s"] < EXIT_BOUND_S for e in exits.values()), exits
