@@ -152,16 +152,16 @@ class TransferTelemetry:
 
     def _after_fork_in_child(self) -> None:
         """Builds nothing (at-fork callbacks take no foreign locks): the child's first submit() builds
-        its providers and sinks, on the caller's thread, so none is built in an exit hook, where the
+        its new providers and sinks, on the caller's thread, so none is built in an exit hook, where the
         SDK's resource detectors can no longer start their thread pool (and a child that ends right
         after its submits lost them all). Until then the parent's providers are not this child's:
         a flush or shutdown before any submit touches none (their locks may have been held at fork)."""
         if self._meter_provider is not None:  # the caller's, copied: its own metric readers
-            if sdk_internals.reinit_export_locks_in_fork_child(self._meter_provider):
-                warn_once("fork:export_lock", "otel-hicache: the meter provider passed to TransferTelemetry was "
-                          "exporting when this process forked; its reader's export lock was freed in the child "
-                          "(the SDK keeps it held there forever). Build providers in the child after fork, or "
-                          "use otel_hicache.configure() (docs/sglang.md, fork)")
+            if sdk_internals.reinit_metric_locks_in_fork_child(self._meter_provider):
+                warn_once("fork:metric_locks", "otel-hicache: the meter provider passed to TransferTelemetry was "
+                          "exporting or collecting when this process forked; its locks held then were freed in "
+                          "the child (the SDK keeps them held there forever). Build providers in the child after "
+                          "fork, or use otel_hicache.configure() (docs/configuration.md, fork)")
         if self._pipeline is not None:
             self._cap = _BUILD_FIRST
             self._providers = (None, None)
@@ -172,7 +172,10 @@ class TransferTelemetry:
         if self._cap != _BUILD_FIRST:
             return False
         try:
-            pipeline.build_sinks()
+            # New providers only: on the caller's own (the parent's copies) a lock we missed could
+            # hang this thread; the worker builds on those, off the caller's thread
+            if self._tracer_provider is None and self._meter_provider is None:
+                pipeline.build_sinks()
         except Exception as exc:  # the worker builds them when it takes the record in
             warn_once(f"fork:build:{type(exc).__name__}",
                       "otel-hicache: a forked child could not build its telemetry at its first submit (%r)", exc)
