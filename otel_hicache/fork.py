@@ -10,8 +10,9 @@ calls: a pipeline or a count that was garbage-collected costs nothing in later f
 The one registration is made with the first callback, not at import, so it comes after
 the SDK objects ``configure()`` builds have registered theirs (callbacks run in
 registration order). Callbacks must not take foreign locks: a worker restarted here
-builds its providers only once there is something to report, after fork() returned
-(``tests/test_fork.py`` hung when it built them at once).
+builds nothing, and a child's providers are built by its first submit, after fork()
+returned (``tests/test_fork.py`` hung when the worker built them at once), never in an
+exit hook (``tests/test_fork_exit.py``).
 """
 
 from __future__ import annotations

@@ -423,6 +423,15 @@ class CompletionPipeline:
                 last_active = now  # busy (also when this cycle finished all it took in)
             self._wake.wait(poll if now - last_active < _ACTIVE_GRACE_S else _IDLE_WAIT_S)
 
+    def build_sinks(self) -> None:
+        """Build the sinks now, on the calling thread, if they are not built yet."""
+        self._sinks_now()
+
+    def _unused_in_child(self) -> bool:
+        """A forked child that has queued nothing: nothing to report, no sinks to build (its first
+        submit builds them, telemetry.py; never an exit hook, where building fails)."""
+        return self._forked and self._sinks is None and not self.queue
+
     def _sinks_now(self) -> Sinks:
         sinks = self._sinks
         if sinks is None:
@@ -437,11 +446,13 @@ class CompletionPipeline:
         return sinks
 
     def _cycle(self) -> None:
-        if self._forked and self._sinks is None and not (self.queue or self._flush_waiters or self._stopping):
+        if self._unused_in_child():
             # A forked child's worker starts inside the at-fork callbacks, before other
             # libraries' ones re-create the locks their threads held at fork (the SDK's,
-            # its resource detectors' thread pool): build its providers only once the
-            # child calls us (a submit, a flush), which is after fork() returned.
+            # its resource detectors' thread pool): its providers are built only once the
+            # child submits, which is after fork() returned. A flush has nothing to wait for.
+            if self._flush_waiters:
+                self._release_flush_waiters()
             return
         sinks = self._sinks_now()
         metrics = sinks.metrics
@@ -606,6 +617,9 @@ class CompletionPipeline:
 
     def _cycle_final(self) -> None:
         """On stop: what is still in flight is dropped and counted."""
+        if self._unused_in_child():
+            self._release_flush_waiters()
+            return
         sinks = self._sinks_now()
         if self._pending:
             sinks.metrics.dropped_records(sc.DROP_SHUTDOWN, len(self._pending))

@@ -588,3 +588,45 @@ def stop_reader_in_fork_child(reader: Any) -> None:
     event = getattr(reader, "_shutdown_event", None)
     if isinstance(event, threading.Event):
         event.set()
+
+
+
+def _free_if_held(owner: Any, name: str) -> int:
+    """``owner.<name>`` replaced by a free lock of its kind when it cannot be taken: in a forked
+    child's at-fork callback only a parent thread, which does not exist here, can hold it."""
+    lock = getattr(owner, name, None)
+    for kind in (threading.Lock, threading.RLock):
+        if isinstance(lock, type(kind())):
+            if lock.acquire(blocking=False):
+                lock.release()
+                return 0
+            setattr(owner, name, kind())
+            return 1
+    return 0
+
+
+def reinit_metric_locks_in_fork_child(meter_provider: Any) -> int:
+    """In a forked child, the locks of ``meter_provider`` that a parent thread held at fork
+    replaced by free ones: each periodic reader's export lock (an export in flight), and the
+    collection's, aggregations' and exemplar reservoirs' locks (a collection, or a measurement,
+    in progress). The
+    SDK's ``_at_fork_reinit`` resets only the provider's own two locks and restarts the reader's
+    thread, so every later collection or measurement (its thread's, a flush's, its exit's, a
+    counter's ``add``) waited on them forever. Called from an at-fork callback, where no thread
+    of the child can hold one yet. Returns how many were replaced."""
+    replaced = 0
+    for reader in getattr(meter_provider, "_metric_readers", None) or ():
+        replaced += _free_if_held(reader, "_export_lock")
+    consumer = getattr(meter_provider, "_measurement_consumer", None)
+    if consumer is None:
+        return replaced
+    replaced += _free_if_held(consumer, "_lock")
+    for storage in dict(getattr(consumer, "_reader_storages", None) or {}).values():
+        replaced += _free_if_held(storage, "_lock")
+        matches = getattr(storage, "_instrument_view_instrument_matches", None) or {}
+        for match in (m for ms in dict(matches).values() for m in ms):
+            replaced += _free_if_held(match, "_lock")
+            for aggregation in dict(getattr(match, "_attributes_aggregation", None) or {}).values():
+                replaced += _free_if_held(aggregation, "_lock")
+                replaced += _free_if_held(getattr(aggregation, "_reservoir", None), "_lock")  # its exemplars
+    return replaced

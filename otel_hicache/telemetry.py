@@ -19,7 +19,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace as otel_trace
 
-from . import configuration, sdk_internals
+from . import configuration, fork, sdk_internals
 from .bounded_flush import bounded
 from .cache_events import CacheEvents
 from .link_capacity import LinkCapacity
@@ -36,6 +36,11 @@ from .self_metrics import TelemetryCpu
 from .settings import env_bool, env_float, sdk_disabled
 from .span_sampling import SpanSamplingSettings
 from .spans import _valid_value, make_span_builder
+
+# The capacity a forked child's TransferTelemetry holds until its first submit() or host_freed():
+# below any queue length, so the capacity check every submit makes anyway sends that one call
+# to _first_in_child (no check of its own on the hot path).
+_BUILD_FIRST = -1
 
 
 def _context_getter() -> Callable[[], Any]:
@@ -116,13 +121,14 @@ class TransferTelemetry:
         if not (env_bool(ev.OTEL_HICACHE_ENABLED) and not sdk_disabled()):
             return
         settings = PipelineSettings.from_environment()
-        self._cap = settings.max_queue_size
+        self._cap = self._max_queue_size = settings.max_queue_size
         # the host link's nominal capacity: the current device is taken here, on the
         # caller's thread (it is per thread); NVML is read once, by the worker
         self._link_capacity = LinkCapacity(self._static)
         self._pipeline = CompletionPipeline(settings, self._build_sinks, self._clock, anchor_event_factory)
         self.enabled = True
         on_exit(_shutdown_at_exit, weakref.ref(self), priority=20)  # also in multiprocessing children
+        fork.after_fork_in_child(self._after_fork_in_child)  # after the pipeline's (registration order)
 
     # -- providers and sinks ------------------------------------------------------
     def _resolve_providers(self) -> tuple[Any, Any]:
@@ -144,11 +150,43 @@ class TransferTelemetry:
         self._providers = (tracer_provider, meter_provider)
         return self._providers
 
+    def _after_fork_in_child(self) -> None:
+        """Builds nothing (at-fork callbacks take no foreign locks): the child's first submit() builds
+        its new providers and sinks, on the caller's thread, so none is built in an exit hook, where the
+        SDK's resource detectors can no longer start their thread pool (and a child that ends right
+        after its submits lost them all). Until then the parent's providers are not this child's:
+        a flush or shutdown before any submit touches none (their locks may have been held at fork)."""
+        if self._meter_provider is not None:  # the caller's, copied: its own metric readers
+            if sdk_internals.reinit_metric_locks_in_fork_child(self._meter_provider):
+                warn_once("fork:metric_locks", "otel-hicache: the meter provider passed to TransferTelemetry was "
+                          "exporting or collecting when this process forked; its locks held then were freed in "
+                          "the child (the SDK keeps them held there forever). Build providers in the child after "
+                          "fork, or use otel_hicache.configure() (docs/configuration.md, fork)")
+        if self._pipeline is not None:
+            self._cap = _BUILD_FIRST
+            self._providers = (None, None)
+
+    def _first_in_child(self, pipeline: CompletionPipeline) -> bool:
+        """A forked child's first submit() (the capacity is _BUILD_FIRST until then): its sinks built
+        now. False when it is not that call, or the queue is full after all."""
+        if self._cap != _BUILD_FIRST:
+            return False
+        try:
+            # New providers only: on the caller's own (the parent's copies) a lock we missed could
+            # hang this thread; the worker builds on those, off the caller's thread
+            if self._tracer_provider is None and self._meter_provider is None:
+                pipeline.build_sinks()
+        except Exception as exc:  # the worker builds them when it takes the record in
+            warn_once(f"fork:build:{type(exc).__name__}",
+                      "otel-hicache: a forked child could not build its telemetry at its first submit (%r)", exc)
+        self._cap = self._max_queue_size
+        return len(pipeline.queue) + pipeline.held < self._cap
+
     def _build_sinks(self) -> Sinks:
         """Called by the worker: at start-up, and again in a forked child."""
         if self._providers_pid != os.getpid():
-            self._providers_pid = os.getpid()
             self._resolve_providers()
+            self._providers_pid = os.getpid()  # (once resolved: a failed attempt is retried)
         tracer_provider, meter_provider = self._providers
         self.cache_events.bind(meter_provider)
         self._link_capacity.bind(meter_provider)
@@ -221,7 +259,7 @@ class TransferTelemetry:
         try:
             if self._strict:
                 self._check(direction, tokens_by_pool, num_bytes, page_size)
-            if len(pipeline.queue) + pipeline.held >= self._cap:
+            if len(pipeline.queue) + pipeline.held >= self._cap and not self._first_in_child(pipeline):
                 next(pipeline.refused)
                 return None
             # records.SUBMISSION_FIELDS, spelled out: a list literal is the cheapest
@@ -274,6 +312,8 @@ class TransferTelemetry:
         if pipeline is None or pool is None:
             return
         try:
+            if self._cap == _BUILD_FIRST:
+                self._first_in_child(pipeline)
             pipeline.queue.append(HostFree(pool, slots))
         except Exception:  # never raise into the host application
             return
