@@ -150,6 +150,8 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
         exporter = cls and otel_environment.build(f"{name} {signal} exporter", lambda **kw: cls(**fixed, **kw),
                                                   retries)
         if exporter is not None:
+            if otlp == "grpc":  # a child forked during one of its calls could never use gRPC
+                exporter.export = fork.quiet_at_fork(exporter.export)
             if "session" in fixed:  # a blank certificate or key variable means unset
                 otel_environment.settle_session(fixed["session"], signal)
             built.append(exporter)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -70,3 +71,67 @@ def _run_in_child() -> None:
             warn_once(f"fork:{type(exc).__name__}", "otel-hicache: after fork, %r failed: %r", callback, exc)
     _callbacks[:] = alive
 
+
+
+# -- exports in progress at a fork --------------------------------------------------------
+#
+# gRPC skips its own fork handlers while another thread is inside a call ("Other threads are
+# currently calling into gRPC, skipping fork() handlers"), and a child forked then cannot use
+# gRPC at all: every export of its own times out and its data is lost. A fork therefore waits,
+# a bounded time, for the exports otel-hicache started to end, and holds new ones back until
+# fork() returned.
+
+FORK_WAIT_S = 2.0
+"""The longest a fork waits for exports in progress (one to a slow collector can take its
+timeout): past it the fork goes ahead, and a gRPC child may be unable to export."""
+
+_exports = threading.Condition()
+_exporting = 0
+_forking = False
+_gate_registered = False
+
+
+def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:
+    """``export`` so that a ``fork()`` never happens while it runs (see above)."""
+    global _gate_registered
+    with _lock:
+        if not _gate_registered and hasattr(os, "register_at_fork"):
+            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                                after_in_child=_after_fork_in_child_exports)
+            _gate_registered = True
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        global _exporting
+        with _exports:
+            while _forking:  # for the few moments around a fork() (at most FORK_WAIT_S and the fork)
+                _exports.wait()
+            _exporting += 1
+        try:
+            return export(*args, **kwargs)
+        finally:
+            with _exports:
+                _exporting -= 1
+                _exports.notify_all()
+
+    return gated
+
+
+def _before_fork() -> None:
+    global _forking
+    deadline = time.monotonic() + FORK_WAIT_S
+    with _exports:
+        _forking = True
+        while _exporting and (left := deadline - time.monotonic()) > 0:
+            _exports.wait(left)
+
+
+def _after_fork_in_parent() -> None:
+    global _forking
+    with _exports:
+        _forking = False
+        _exports.notify_all()
+
+
+def _after_fork_in_child_exports() -> None:
+    global _exports, _exporting, _forking
+    _exports, _exporting, _forking = threading.Condition(), 0, False  # the parent's exports are not ours

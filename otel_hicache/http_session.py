@@ -32,6 +32,7 @@ from email.utils import parsedate_to_datetime
 from http import HTTPStatus
 from typing import Any
 
+from . import fork
 from .diagnostics import warn_once
 from .redaction import without_userinfo
 
@@ -116,6 +117,15 @@ def otlp_session() -> Any:
             self._not_before = 0.0  # time.monotonic(): no request before this (Retry-After)
             self._repeat_before = 0.0  # the next request only, if this soon: the exporter's repeat at once
             self._busy = ""  # the refusal that set them
+            fork.after_fork_in_child(self._after_fork_in_child)
+
+        def _after_fork_in_child(self) -> None:
+            # Another thread of the parent may have been inside a request at the fork, holding
+            # a connection pool's lock, which would then stay held in the child forever: new
+            # pools (and gate), without touching the old ones.
+            self._gate = threading.Lock()
+            for prefix in list(self.adapters):
+                self.mount(prefix, requests.adapters.HTTPAdapter())
 
         def merge_environment_settings(self, url: Any, proxies: Any, stream: Any, verify: Any, cert: Any) -> Any:
             settings = super().merge_environment_settings(url, proxies, stream, verify, cert)

@@ -146,7 +146,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 def _where(thread: threading.Thread) -> str:
     """Where a thread of ours is blocked: the first call it made out of otel-hicache (the
     host's event or callback), as ``function (file:line)``, and the innermost function."""
-    frame = sys._current_frames().get(thread.ident)  # pylint: disable=protected-access  # no public way
+    frame = sys._current_frames().get(thread.ident)  # CPython's only way to see another thread's frame
     if frame is None:
         return "an unknown place"
     innermost, callee = frame, frame
