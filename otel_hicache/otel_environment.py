@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 from urllib.parse import unquote
 
 from .diagnostics import WITHHELD, shown, warn_once, withhold
+from .redaction import userinfo
 
 Retry = tuple[str, Any, str]
 """(the constructor's keyword, its default (or a function giving it), how the warning shows it)."""
@@ -142,16 +143,10 @@ def endpoint(signal: str, protocol: str) -> str:
     return f"{(raw(general) or 'http://localhost:4318').strip().removesuffix('/')}/v1/{signal}"
 
 
-def _userinfo(url: str) -> str:
-    """The ``user:password`` of ``url`` ('' when none)."""
-    host = url.partition("://")[2] if "://" in url else url
-    return host.partition("/")[0].rpartition("@")[0]
-
-
 def redacted(url: str) -> str:
     """``url`` without the userinfo (``user:password@``) it may hold, for a log line."""
-    userinfo = _userinfo(url)
-    return url.replace(f"{userinfo}@", f"{WITHHELD}@", 1) if userinfo else url
+    secret = userinfo(url)
+    return url.replace(f"{secret}@", f"{WITHHELD}@", 1) if secret else url
 
 
 def _positive_float(text: str | None) -> float | None:
@@ -189,10 +184,13 @@ def _compression(signal: str, protocol: str) -> Callable[[], Any]:
     return value
 
 
+def _scheme(url: str) -> str:
+    return url.partition("://")[0].lower() if "://" in url else ""
+
+
 def insecure(signal: str) -> bool:
     """gRPC: whether the signal's exporter connects without TLS (``*_INSECURE``, else the endpoint's scheme)."""
-    url = endpoint(signal, "grpc")
-    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    scheme = _scheme(endpoint(signal, "grpc"))
     if scheme == "https":
         return False
     found = _first(signal, "INSECURE")
@@ -264,9 +262,7 @@ FILES = {"CERTIFICATE": "CA certificate", "CLIENT_KEY": "client key", "CLIENT_CE
 
 def file_variables(signal: str) -> list[str]:
     """The signal's file variables, each per-signal form before its general one."""
-    return [f"OTEL_EXPORTER_OTLP_{signal.upper()}_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE",
-            f"OTEL_EXPORTER_OTLP_{signal.upper()}_CLIENT_KEY", "OTEL_EXPORTER_OTLP_CLIENT_KEY",
-            f"OTEL_EXPORTER_OTLP_{signal.upper()}_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"]
+    return [name for suffix in FILES for name in signal_variable(signal, suffix)]
 
 
 class TlsFiles(NamedTuple):
@@ -326,8 +322,7 @@ def certificate_usable(signal: str, protocol: str) -> bool:
 
 
 def _tls(signal: str, protocol: str) -> bool:
-    url = endpoint(signal, protocol)
-    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    scheme = _scheme(endpoint(signal, protocol))
     return scheme == "https" or (protocol == "grpc" and scheme != "http" and not insecure(signal))
 
 
@@ -337,7 +332,7 @@ def otlp_keywords(signal: str, protocol: str) -> dict[str, Any]:
     as a path; over HTTP, :func:`settle_session`). The secrets they and the endpoints hold are
     withheld from log lines from now on, before the exporter can log them."""
     pairs, secrets = headers(signal)
-    withhold([*secrets, *(_userinfo(os.environ.get(n, "")) for n in signal_variable(signal, "ENDPOINT"))])
+    withhold([*secrets, *(userinfo(os.environ.get(n, "")) for n in signal_variable(signal, "ENDPOINT"))])
     keywords: dict[str, Any] = {} if pairs is None else {"headers": pairs}
     files, blanks = tls_files(signal)
     if blanks and protocol == "grpc" and not insecure(signal):

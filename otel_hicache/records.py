@@ -210,19 +210,27 @@ _NAMES_SEEN_MAX = 1024
 _NAME_SEEN_LENGTH = 256  # longer names are checked every time rather than kept
 
 
+def encodes(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: one with a lone surrogate would make every export of
+    its batch (and, as a label, of its series) fail."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _name(name: Any, what: str) -> str:
-    """A non-empty string that encodes as UTF-8 (a lone surrogate would make every export of
-    its batch and series fail), a str enum member as its plain value."""
+    """A non-empty string that encodes as UTF-8, a str enum member as its plain value."""
     if type(name) is str and name in _NAMES_SEEN:
         return name
     if not isinstance(name, str) or not name:
         raise TypeError(f"{what} must be non-empty strings, got {_shown(name)}")
     name = str.__str__(name)
-    if not name.isascii():
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{what} must be valid Unicode (no lone surrogates), got {_shown(name)}") from None
+    if not encodes(name):
+        raise ValueError(f"{what} must be valid Unicode (no lone surrogates), got {_shown(name)}")
     if len(_NAMES_SEEN) < _NAMES_SEEN_MAX and len(name) <= _NAME_SEEN_LENGTH:
         _NAMES_SEEN.add(name)
     return name

@@ -20,6 +20,12 @@ def without_userinfo(text: str) -> str:
     return _USERINFO.sub(r"\g<scheme>***@", text)
 
 
+def userinfo(url: str) -> str:
+    """The ``user:password`` of one URL, with or without a scheme ('' when none)."""
+    host = url.partition("://")[2] if "://" in url else url
+    return host.partition("/")[0].rpartition("@")[0]
+
+
 def userinfo_parts(text: str) -> Iterator[str]:
     """The userinfo of each URL in ``text``, whole and as its user and password, also percent-decoded."""
     for match in _USERINFO.finditer(text):

@@ -590,7 +590,6 @@ def stop_reader_in_fork_child(reader: Any) -> None:
         event.set()
 
 
-
 def _free_if_held(owner: Any, name: str) -> int:
     """``owner.<name>`` replaced by a free lock of its kind when it cannot be taken: in a forked
     child's at-fork callback only a parent thread, which does not exist here, can hold it."""

@@ -46,7 +46,7 @@ from . import sdk_internals
 from . import semconv as sc
 from .host_residence import OFFLOAD_LINK_ATTRIBUTES
 from .diagnostics import warn_once
-from .records import INT64_MAX, ONBOARD, TIERS, TransferRecord
+from .records import INT64_MAX, ONBOARD, TIERS, TransferRecord, encodes
 from .request_links import REQUEST_LINK_ATTRIBUTES, trace_id_hex
 from .span_sampling import OutlierPolicy, keeping_tracer
 from .version import __version__
@@ -129,14 +129,8 @@ _ABSENT = object()
 def _encodable(value: Any) -> bool:
     """A scalar OTLP can encode: an int64, a float, a bool, or a string without lone surrogates
     (anything else would make every span of its export batch fail)."""
-    if type(value) is str or isinstance(value, str):
-        if value.isascii():
-            return True
-        try:
-            value.encode("utf-8")
-            return True
-        except UnicodeEncodeError:
-            return False
+    if isinstance(value, str):
+        return encodes(value)
     if isinstance(value, int) and not isinstance(value, bool):
         return -INT64_MAX - 1 <= value <= INT64_MAX
     return isinstance(value, (bool, float))

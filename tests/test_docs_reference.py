@@ -433,7 +433,8 @@ def _expand(pattern: str) -> list[str]:
 
 def standard_variables() -> set[str]:
     """Every OTEL_* variable configure() reads or retries: the literals of configuration.py,
-    otel_environment.py and settings.py, their per-signal templates, and the retry tables."""
+    otel_environment.py and settings.py, their per-signal templates, the retry tables and
+    the certificate and key variables."""
     from otel_hicache import otel_environment, settings
 
     found = set()
@@ -448,6 +449,7 @@ def standard_variables() -> set[str]:
         found |= set(table)
     for signal in ("traces", "metrics"):
         found |= set(otel_environment.otlp_exporter(signal, "grpc"))
+        found |= set(otel_environment.file_variables(signal))
     return found
 
 
