@@ -106,6 +106,10 @@ def _retry_after_s(value: str | None) -> float:
 
 def otlp_session() -> Any:
     """A ``requests.Session`` for one OTLP/HTTP exporter (see the module docstring)."""
+    # requests imports netrc at its first request: were that on a thread of the parent at a
+    # fork, the child would keep the module's import lock held, and hang in its own first export
+    import netrc  # noqa: F401  # pylint: disable=unused-import
+
     import requests
 
     refused, busy = errors()
