@@ -14,8 +14,9 @@ counters and histograms derived from the same records, exported over OTLP.
 """
 
 from .configuration import Configuration, configure, configured, shutdown
-from .records import DEVICE_EVENT, HOST_CLOCK, OFFLOAD, ONBOARD, TransferRecord
-from .telemetry import TransferTelemetry
+from .capture.records import TransferRecord
+from .capture.telemetry import TransferTelemetry
+from .record import DEVICE_EVENT, HOST_CLOCK, OFFLOAD, ONBOARD
 from .version import __version__
 
 __all__ = [

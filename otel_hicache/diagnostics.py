@@ -48,6 +48,18 @@ def warn_once(key: str, message: str, *args: object) -> bool:
     return True
 
 
+def warned() -> list[str]:
+    """The keys warned about so far in this process (the hello: a telemetry process, which reads the same
+    variables, does not say again what this process already said)."""
+    with _lock:
+        return sorted(_warned)
+
+
+def mark_warned(keys: list[str]) -> None:
+    with _lock:
+        _warned.update(keys)
+
+
 def reset_warnings() -> None:
     """Forget which warnings were emitted (tests, and the child after fork)."""
     with _lock:

@@ -32,16 +32,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, TextIO
 
-from . import configuration, otel_environment
+from . import configuration
+from . import environment_variables as ev
+from .sinks import otel_environment, providers
 from .environment_variables import (
     DEFAULTS,
     OTEL_HICACHE_ANCHOR_INTERVAL_S,
     OTEL_HICACHE_ENABLED,
     OTEL_HICACHE_POLL_INTERVAL_MS,
-    OTEL_HICACHE_SPAN_EXPORT_PROCESS,
 )
-from .http_session import REFUSAL, RETRYABLE, WANTS_TLS
-from .redaction import userinfo_parts, without_userinfo
+from .sinks.http_session import REFUSAL, RETRYABLE, WANTS_TLS
+from .sinks.redaction import userinfo_parts, without_userinfo
 from .settings import env_bool, env_float, env_int, sdk_disabled
 from .version import __version__
 
@@ -167,11 +168,11 @@ def _source(name: str | None) -> str:
 
 def _protocol_of(signal: str, name: str) -> str | None:
     """The OTLP protocol of exporter ``name`` (configure()'s reading), None when it is not OTLP."""
-    return configuration.otlp_protocol(signal, name)
+    return providers.otlp_protocol(signal, name)
 
 
 def _names(signal: str) -> tuple[str, list[str]]:
-    variable = configuration.EXPORTER_GROUPS[signal][0]
+    variable = providers.EXPORTER_GROUPS[signal][0]
     names = [n.strip().lower() for n in os.environ.get(variable, "otlp").split(",") if n.strip()] or ["otlp"]
     return variable, list(dict.fromkeys(names))
 
@@ -468,7 +469,7 @@ def _diagnose(check: Check, cap_s: float, also: list[str] = ()) -> tuple[str, st
     if otlp is None:
         return (f"the {check.name} exporter did not accept the test data" + (f": {said}" if said else ""),
                 f"check the {check.name} exporter's own settings, or leave it out of "
-                f"{configuration.EXPORTER_GROUPS[check.signal][0]}")
+                f"{providers.EXPORTER_GROUPS[check.signal][0]}")
     ep, ep_var, protocol = otlp.endpoint, otlp.fix_endpoint_variable, otlp.protocol
     other = "http/protobuf" if protocol == "grpc" else "grpc"
     has = lambda words: any(w in text for w in words)
@@ -549,7 +550,7 @@ def _diagnose(check: Check, cap_s: float, also: list[str] = ()) -> tuple[str, st
 
 
 def _not_built(signal: str, name: str, otlp: Otlp | None, warnings: list[str]) -> tuple[str, str]:
-    variable = configuration.EXPORTER_GROUPS[signal][0]
+    variable = providers.EXPORTER_GROUPS[signal][0]
     text = " ".join(warnings)
     if otlp is not None and not otel_environment.certificate_usable(signal, otlp.protocol):
         return (f"the {name} {signal} exporter is not built: its CA certificate {otlp.certificate!r} cannot be "
@@ -565,7 +566,8 @@ def _not_built(signal: str, name: str, otlp: Otlp | None, warnings: list[str]) -
 # -- SGLang and NVML ---------------------------------------------------------------------------
 
 def _sglang(out: TextIO, check_groups: bool) -> None:
-    from importlib.metadata import PackageNotFoundError, entry_points, version
+    """SGLang's section: the adapter's own report (``otel_hicache_sglang.doctor``), when it is installed."""
+    from importlib.metadata import PackageNotFoundError, version
 
     print("SGLang", file=out)
     try:
@@ -574,45 +576,12 @@ def _sglang(out: TextIO, check_groups: bool) -> None:
         print("  sglang          not installed", file=out)
         return
     try:
-        import otel_hicache_sglang as adapter
+        from otel_hicache_sglang.doctor import report
     except Exception as exc:  # pylint: disable=broad-except
         print(f"  sglang          {installed}", file=out)
         print(f"  adapter         not installed (otel-hicache-sglang: {type(exc).__name__}: {exc})", file=out)
         return
-    try:
-        from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
-
-        wanted = adapter.SGLangHiCacheInstrumentor().instrumentation_dependencies()
-        conflict = get_dependency_conflicts(wanted)
-        guard = "supported" if conflict is None else f"NOT supported: {conflict}"
-        print(f"  sglang          {installed} ({guard}; the adapter instruments {', '.join(wanted)})", file=out)
-    except Exception as exc:  # pylint: disable=broad-except
-        print(f"  sglang          {installed} (version guard not checked: {type(exc).__name__}: {exc})", file=out)
-    plugin = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "otel_hicache"]
-    print(f"  adapter         otel-hicache-sglang {adapter.__version__}; SGLang plugin entry point "
-          f"{'registered' if plugin else 'NOT registered (reinstall otel-hicache-sglang)'}", file=out)
-    allowed = [p.strip() for p in os.environ.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
-    if allowed and "otel_hicache" not in allowed:
-        print(f"  WARNING         SGLANG_PLUGINS={os.environ['SGLANG_PLUGINS']!r} does not list otel_hicache: SGLang "
-              f"will not load the adapter (add otel_hicache, or use opentelemetry-instrument)", file=out)
-    if not check_groups:
-        print("  patch groups    not checked (--skip-sglang)", file=out)
-        return
-    print("  patch groups    (importing SGLang's modules: seconds; --skip-sglang skips it)", file=out)
-    out.flush()
-    try:
-        groups = adapter.patch_groups()
-    except Exception as exc:  # pylint: disable=broad-except
-        print(f"                  not checked ({type(exc).__name__}: {exc})", file=out)
-        return
-    reasons = {why for _, why in groups}
-    if len(groups) > 1 and len(reasons) == 1 and None not in reasons:  # one cause: said once
-        print(f"                  none would apply: {reasons.pop()}", file=out)
-        print(f"                  ({', '.join(group for group, _ in groups)})", file=out)
-        return
-    for group, why in groups:
-        print(f"                  {group}: " + ("would apply" if why is None else f"would NOT apply ({why})"),
-              file=out)
+    report(out, installed, check_groups)
 
 
 def _nvml(out: TextIO) -> None:
@@ -761,7 +730,14 @@ def _configuration(p: Any, disabled: bool, notes: list[str]) -> list[Planned]:
         else:
             p(f"    export interval {_millis('OTEL_METRIC_EXPORT_INTERVAL', '60000')}; "
               f"export timeout {_millis('OTEL_METRIC_EXPORT_TIMEOUT', '30000')}")
+    import opentelemetry.sdk.version as sdk_version
+
     p("  otel-hicache")
+    channel = configuration.uses_telemetry_process()
+    why = (f"{ev.OTEL_HICACHE_TELEMETRY_PROCESS}" if otel_environment.raw(ev.OTEL_HICACHE_TELEMETRY_PROCESS)
+           else "an exporter sends over OTLP" if channel else "no exporter sends over the network")
+    p(f"    sinks           {'a telemetry process of their own' if channel else 'embedded in the serving process'}"
+      f" ({why}); OpenTelemetry SDK {sdk_version.__version__}")
     width = max(map(len, DEFAULTS))
     for name in DEFAULTS:
         p(f"    {name:<{width}}  {_hicache_value(name)}")
@@ -780,7 +756,7 @@ def _build(planned: list[Planned], logs: _Captured) -> tuple[list[Check], list[t
         if skipped is not None:
             continue
         mark = logs.mark()
-        built = configuration.exporters(signal, names=[name])
+        built = providers.exporters(signal, names=[name])
         if not built:
             problems.append((signal, *_not_built(signal, name, otlp, [_message(r) for r in logs.since(mark)])))
         checks += [Check(signal, name, exporter, otlp) for exporter in built]
@@ -852,41 +828,40 @@ def _exports(p: Any, checks: list[Check], problems: list[tuple[str, str, str]], 
             problems.append((check.signal, what, fix))
         with contextlib.suppress(Exception):
             check.exporter.shutdown()
-    problem = _export_process(p, spans, cap_s) if any(c.signal == "traces" for c in checks) else None
+    problem = _telemetry_process(p, cap_s)
     if problem is not None:
         problems.append(("traces", *problem))
     p()
     return trace_id
 
 
-def _export_process(p: Any, spans: Any, cap_s: float) -> tuple[str, str] | None:
-    """With OTEL_HICACHE_SPAN_EXPORT_PROCESS=true: the test span through a span export helper
-    process as configure() would start it; (what, fix) when it does not answer."""
-    if not env_bool(OTEL_HICACHE_SPAN_EXPORT_PROCESS):
+def _telemetry_process(p: Any, cap_s: float) -> tuple[str, str] | None:
+    """When configure() would run the sinks in a telemetry process: start one as the capture
+    would and have it flush its exporters; (what, fix) when it does not answer."""
+    if not configuration.uses_telemetry_process():
         return None
-    from opentelemetry.sdk.trace.export import SpanExportResult
+    from .capture.channel import ProcessChannel, telemetry_process_command
 
-    from . import span_export_process
-
-    exporter = span_export_process.ProcessSpanExporter(lambda: [])  # no in-process fallback: tell
     started = time.monotonic()
+    channel = ProcessChannel(configuration.hello({}, None), 1, lambda: None)
     try:
-        written = exporter.export(spans) is SpanExportResult.SUCCESS and exporter.pid is not None
-        answered = written and exporter.force_flush(cap_s * 1000)
-        pid = exporter.pid
+        answered = channel.flush(cap_s)
+        pid = channel.process.pid if channel.process is not None else None
+    except Exception:  # pylint: disable=broad-except  # (the fallback above returns nothing to write to)
+        answered, pid = False, None
     finally:
-        exporter.shutdown(1000)
+        with contextlib.suppress(Exception):
+            channel.stop(1.0)
     if answered:
-        p(f"  traces   the span export helper process (OTEL_HICACHE_SPAN_EXPORT_PROCESS=true, pid {pid}) took the "
-          f"test span and flushed its exporters in {time.monotonic() - started:.2f} s")
+        p(f"  sinks    the telemetry process (pid {pid}) started and flushed its exporters in "
+          f"{time.monotonic() - started:.2f} s")
         return None
-    command = " ".join(span_export_process.helper_command())
-    what = ("the span export helper process " + ("could not be started" if not written else
-                                                 f"did not answer within {cap_s:g} s")
-            + " (OTEL_HICACHE_SPAN_EXPORT_PROCESS=true; configure() would export spans in-process instead)")
-    p(f"  traces   NOT working: {what}")
-    return what, (f"run `{command} < /dev/null` in this environment to see its error, or unset "
-                  "OTEL_HICACHE_SPAN_EXPORT_PROCESS")
+    what = ("the telemetry process " + ("could not be started" if pid is None else
+                                        f"did not answer within {cap_s:g} s")
+            + " (the serving process would fall back to exporting itself)")
+    p(f"  sinks    NOT working: {what}")
+    return what, (f"run `{' '.join(telemetry_process_command())} < /dev/null` in this environment to see its "
+                  f"error, or set {ev.OTEL_HICACHE_TELEMETRY_PROCESS}=false")
 
 
 def _verdict(p: Any, notes: list[str], problems: list[tuple[str, str, str]], checks: list[Check],

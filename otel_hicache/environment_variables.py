@@ -45,12 +45,13 @@ OTEL_HICACHE_POLL_INTERVAL_MS = "OTEL_HICACHE_POLL_INTERVAL_MS"
 """
 .. envvar:: OTEL_HICACHE_POLL_INTERVAL_MS
 
-How often the completion worker polls ``finish_event.query()`` while records
-are pending (after 100 ms without work it backs off to 10 ms; ``submit()`` never
-wakes it). Device-timed durations do not depend on it; host-clock durations of
-records with a finish event but no timing (and no ``host_end_ns``) are rounded
-up to it.
-Default: ``1``
+How often the poller polls ``finish_event.query()`` while records are pending
+(after 100 ms without work it backs off to 50 ms; ``submit()`` never wakes it).
+Device-timed durations do not depend on it; host-clock durations of records with a
+finish event but no timing (and no ``host_end_ns``) are rounded up to it. Each wake-up
+costs the serving process a fixed amount of CPU (``benchmarks/wait_cost.py``), which
+this interval spreads over the ops completed meanwhile.
+Default: ``10``
 """
 
 OTEL_HICACHE_ACK_TIMEOUT_S = "OTEL_HICACHE_ACK_TIMEOUT_S"
@@ -77,7 +78,7 @@ OTEL_HICACHE_ANCHOR_INTERVAL_S = "OTEL_HICACHE_ANCHOR_INTERVAL_S"
 """
 .. envvar:: OTEL_HICACHE_ANCHOR_INTERVAL_S
 
-How often the worker re-records and synchronizes its wall-clock anchor event
+How often the poller re-records and synchronizes its wall-clock anchor event
 (on its own side stream, never on the scheduler's thread).
 Default: ``1``
 """
@@ -91,25 +92,12 @@ the exporters' final export, even when the collector is unreachable.
 Default: ``5``
 """
 
-OTEL_HICACHE_SPAN_FAST_PATH = "OTEL_HICACHE_SPAN_FAST_PATH"
-"""
-.. envvar:: OTEL_HICACHE_SPAN_FAST_PATH
-
-``true`` (default): with an SDK ``TracerProvider``, finished spans are built as
-``ReadableSpan`` objects and handed to the provider's span processors directly
-(same sampler, id generator, resource and processors; about 8x cheaper than the
-``Tracer`` API; span processors' ``on_start`` is not called), and with an SDK ``MeterProvider`` histogram points go straight
-to the SDK's own aggregations (no per-record attribute re-validation; see
-``otel_hicache.metrics_fast_path``). ``false`` uses the public API for both.
-Default: ``true``
-"""
-
 OTEL_HICACHE_SPAN_SAMPLING = "OTEL_HICACHE_SPAN_SAMPLING"
 """
 .. envvar:: OTEL_HICACHE_SPAN_SAMPLING
 
 ``all`` (default): every transfer span goes to the tracer provider's sampler
-(``OTEL_TRACES_SAMPLER``), as any span does. ``outliers``: the completion worker
+(``OTEL_TRACES_SAMPLER``), as any span does. ``outliers``: the sinks
 keeps, whatever the sampler says, every error span, every span slower than
 :envvar:`OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS` or than the running quantile
 :envvar:`OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE` of its direction, and every
@@ -138,7 +126,7 @@ OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE = "OTEL_HICACHE_SPAN_KEEP_SLOWER_THA
 With ``OTEL_HICACHE_SPAN_SAMPLING=outliers``: spans of ops slower than this
 running quantile of the recent durations of their direction are always kept
 (``reason=slow``). A number ``>= 0`` and ``< 1``; ``0`` turns the relative
-threshold off. Estimated on the worker from the last 16k to 32k ops per direction
+threshold off. Estimated on the poller from the last 16k to 32k ops per direction
 (a fixed histogram of 8 buckets per octave), applied once 10 / (1 - quantile) ops
 were seen.
 Default: ``0.99``
@@ -148,55 +136,40 @@ OTEL_HICACHE_HOST_RESIDENCE = "OTEL_HICACHE_HOST_RESIDENCE"
 """
 .. envvar:: OTEL_HICACHE_HOST_RESIDENCE
 
-``true``: ``TransferTelemetry.host_pool()`` makes host residence bookkeeping
-(``hicache.host.*``, load-back span links; needs NumPy), which the SGLang adapter uses
-for the anchor KV host pool. ``false`` (default): it returns None and no host pages are
-tracked. Off by default while its completion-worker cost slows the scheduler thread
-beside it (``docs/performance.md``, "Host residence").
-Default: ``false``
+``true`` (default): ``TransferTelemetry.host_pool()`` makes host residence bookkeeping
+(``hicache.host.*``, load-back span links; the sinks need NumPy), which the SGLang
+adapter uses for the anchor KV host pool; the serving process only sends each op's
+slots. ``false``: it returns None and no host pages are tracked.
+Default: ``true``
 """
 
-OTEL_HICACHE_SPAN_EXPORT_PROCESS = "OTEL_HICACHE_SPAN_EXPORT_PROCESS"
+OTEL_HICACHE_TELEMETRY_PROCESS = "OTEL_HICACHE_TELEMETRY_PROCESS"
 """
-.. envvar:: OTEL_HICACHE_SPAN_EXPORT_PROCESS
+.. envvar:: OTEL_HICACHE_TELEMETRY_PROCESS
 
-``true``: ``configure()``'s spans are encoded and exported by a helper process (one
-per serving process, started on first export), so OTLP encoding does not hold the
-serving process's GIL; spans reach it in batches of 32, plain values over a pipe
-(``otel_hicache.span_export_process``). It exports what ``OTEL_TRACES_EXPORTER``
-names, as ``configure()`` would. ``false`` (default): spans are exported in-process.
-Default: ``false``
-"""
-
-OTEL_HICACHE_GIL_SLICE_US = "OTEL_HICACHE_GIL_SLICE_US"
-"""
-.. envvar:: OTEL_HICACHE_GIL_SLICE_US
-
-Longest stretch, in microseconds, for which otel-hicache's completion worker and span
-export helper's writer hold the GIL before they pause (a ~10 us sleep) so that another
-thread waiting for it (SGLang's scheduler waking up) gets it; they also take turns, one
-at a time. ``0`` (default): no pauses. It shortens the scheduler's waits for the GIL
-when the scheduler mostly sleeps or waits on the device, and costs more CPU and more GIL
-hand-offs when it is busy in Python (``docs/performance.md``, "Cooperative GIL slices").
-A cycle that starts with a backlog of queued records runs without pauses.
-Default: ``0``
+Where ``configure()``'s sinks (spans, metrics, host residence, export) run. ``true``: in
+a telemetry process of their own, one per serving process, started on first use with
+this interpreter and environment; the serving process only captures and writes plain
+records to it. ``false``: embedded, on the poller thread of the serving process.
+Unset (default): the telemetry process when an exporter sends over the network (OTLP),
+else embedded (``console``, ``prometheus`` or ``none``: a pull endpoint belongs to the
+serving process). Providers passed to ``TransferTelemetry`` always run embedded.
+Default: unset
 """
 
 DEFAULTS = {
     OTEL_HICACHE_ENABLED: True,
     OTEL_HICACHE_STRICT: False,
     OTEL_HICACHE_MAX_QUEUE_SIZE: 16384,
-    OTEL_HICACHE_POLL_INTERVAL_MS: 1.0,
+    OTEL_HICACHE_POLL_INTERVAL_MS: 10.0,
     OTEL_HICACHE_ACK_TIMEOUT_S: 30.0,
     OTEL_HICACHE_TRANSFER_TIMEOUT_S: 60.0,
     OTEL_HICACHE_ANCHOR_INTERVAL_S: 1.0,
     OTEL_HICACHE_SHUTDOWN_TIMEOUT_S: 5.0,
-    OTEL_HICACHE_SPAN_FAST_PATH: True,
     OTEL_HICACHE_SPAN_SAMPLING: "all",
     OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS: 50.0,
     OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE: 0.99,
-    OTEL_HICACHE_HOST_RESIDENCE: False,
-    OTEL_HICACHE_SPAN_EXPORT_PROCESS: False,
-    OTEL_HICACHE_GIL_SLICE_US: 0.0,
+    OTEL_HICACHE_HOST_RESIDENCE: True,
+    OTEL_HICACHE_TELEMETRY_PROCESS: None,
 }
 """The documented default of every ``OTEL_HICACHE_*`` variable."""

@@ -7,7 +7,7 @@ ids, node ids or hashes are ever attributes.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 SCOPE_NAME: Final = "otel_hicache"
 
@@ -207,18 +207,18 @@ RECORDS_FAILED = (
 WORKER_CPU_TIME = (
     "otel_hicache.worker.cpu_time",
     "s",
-    "CPU time of otel-hicache's completion worker thread (intake, timing, spans and metrics of every op).",
+    "CPU time of otel-hicache's poller thread in the serving process (intake, completion, timing; embedded, "
+    "also the sinks: spans and metrics of every op).",
 )
 EXPORT_CPU_TIME = (
     "otel_hicache.export.cpu_time",
     "s",
-    "CPU time of the SDK threads exporting otel-hicache's telemetry (thread: span_processor, metric_reader), "
-    "and of its span export helper process (thread: export_process).",
+    "CPU time of otel-hicache's telemetry process: its sinks and exports (thread: telemetry_process).",
 )
 QUEUE_SIZE = (
     "otel_hicache.queue.size",
     "{record}",
-    "Records held by the completion pipeline (queued, in flight or awaiting their ack).",
+    "Records held by the capture (queued, in flight or awaiting their ack).",
 )
 SPANS = (
     "otel_hicache.spans",
@@ -227,11 +227,9 @@ SPANS = (
     "decision and reason: error, slow, parent, base (the tracer provider's sampler).",
 )
 
-# on otel_hicache.export.cpu_time (metric-only): which SDK thread
+# on otel_hicache.export.cpu_time (metric-only): what ran the export
 THREAD: Final = "thread"
-THREAD_SPAN_PROCESSOR: Final = "span_processor"
-THREAD_METRIC_READER: Final = "metric_reader"
-THREAD_EXPORT_PROCESS: Final = "export_process"  # not a thread: the helper process (span_export_process)
+THREAD_TELEMETRY_PROCESS: Final = "telemetry_process"  # not a thread: the whole telemetry process
 
 TIER_DEVICE: Final = "device"
 TIER_HOST: Final = "host"
@@ -247,9 +245,10 @@ DROP_QUEUE_FULL: Final = "queue_full"
 DROP_INVALID_INPUT: Final = "invalid_input"
 DROP_SHUTDOWN: Final = "shutdown"
 DROP_INTERNAL_ERROR: Final = "internal_error"
+DROP_TELEMETRY_PROCESS_LOST: Final = "telemetry_process_lost"  # written to a telemetry process that died
 FAIL_EVENT_ERROR: Final = "event_error"
 FAIL_TRANSFER_TIMEOUT: Final = "transfer_timeout"
-DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR)
+DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR, DROP_TELEMETRY_PROCESS_LOST)
 FAIL_REASONS = (FAIL_EVENT_ERROR, FAIL_TRANSFER_TIMEOUT)
 
 # otel_hicache.spans: decision and reason (see otel_hicache.span_sampling)
@@ -262,7 +261,7 @@ SPAN_REASON_REQUEST: Final = "request"
 SPAN_REASON_BASE: Final = "base"
 SPAN_REASONS = (SPAN_REASON_ERROR, SPAN_REASON_SLOW, SPAN_REASON_PARENT, SPAN_REASON_REQUEST, SPAN_REASON_BASE)
 SPAN_DECISION_SERIES = tuple((SPAN_KEPT, reason) for reason in SPAN_REASONS) + ((SPAN_SKIPPED, SPAN_REASON_BASE),)
-"""(decision, reason) pairs with zero series from start-up: what the worker decides."""
+"""(decision, reason) pairs with zero series from start-up: what the sinks decide."""
 
 DURATION_BUCKETS_S = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
@@ -282,3 +281,17 @@ BANDWIDTH_BUCKETS = (
     3e10, 4e10, 5e10, 7.5e10, 1e11, 2e11, 4e11, 1e12,
 )
 """Bytes per second, 100 MB/s to 1 TB/s (PCIe Gen4/5 and C2C links)."""
+
+
+CACHE_EVENT_KINDS = {"prefix": PREFIX_TOKENS, "dropped": DROPPED_TOKENS, "evicted": EVICTED_TOKENS}
+"""The cache events counted by kind (``TransferTelemetry.cache_events``)."""
+
+
+def cache_event_zero_series() -> dict[str, list[tuple[tuple[str, Any], ...]]]:
+    """The attribute sets of each cache event kind that exist as zeros from start-up: every
+    prefix tier, every eviction tier, and the known drop reasons for the ``kv`` pool."""
+    return {
+        "prefix": [((TIER, tier),) for tier in PREFIX_TIERS],
+        "dropped": [((REASON, reason), (POOL, "kv")) for reason in DROPPED_TOKEN_REASONS],
+        "evicted": [((TIER, tier),) for tier in EVICTION_TIERS],
+    }

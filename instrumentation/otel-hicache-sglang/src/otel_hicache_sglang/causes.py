@@ -20,7 +20,7 @@ Requests (``REQUEST_SITES``): with SGLang's request tracing on (``--enable-trace
 a wrapper on each SGLang method that handles one request sets the thread's current
 request (its trace context, ``req.time_stats.trace_ctx.root_span_context``) for the
 call, and the ops its cause sites queue, or the copies they make, are tagged with it
-too: the span links to the requests (``otel_hicache.request_links``). Only for the
+too: the span links to the requests (``otel_hicache.capture.request_links``). Only for the
 causes that belong to one request (:data:`REQUEST_CAUSES`): a write-back during a
 request's allocation wrote other requests' KV. The request sites are wrapped only in a
 process whose SGLang tracing is on (``TransferObserver``); without it nothing is paid

@@ -170,7 +170,7 @@ class TransferObserver:
         self._controllers: "weakref.WeakKeyDictionary[Any, _ControllerInfo]" = weakref.WeakKeyDictionary()
         self._engines: "weakref.WeakKeyDictionary[Any, _ControllerInfo]" = weakref.WeakKeyDictionary()
         self._last_controller: tuple[Any, _ControllerInfo] | None = None  # (weakref, its info)
-        # id(SGLang host pool) -> (weakref to it, its otel_hicache.host_residence.HostPool)
+        # id(SGLang host pool) -> (weakref to it, its otel_hicache.sinks.host_residence.HostPool)
         self.host_pools: dict[int, tuple[Any, Any]] = {}
         # called once, at the first controller of a process whose SGLang request tracing is on
         self.on_request_tracing: Callable[[], None] | None = None

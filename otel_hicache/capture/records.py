@@ -1,8 +1,8 @@
 """Transfer records: what ``submit()`` captures on the hot path.
 
-A record is a plain slotted object. The caller's thread only fills the
-``submit``-time fields; validation, timing and everything else happens on the
-completion worker (:mod:`otel_hicache.pipeline`).
+``submit()`` queues a plain list (its handle); the poller
+(:mod:`otel_hicache.capture.poller`) makes it a slotted record, validates it here and
+times it (:mod:`.timing`) before it leaves as a ``record.OP`` message.
 """
 
 from __future__ import annotations
@@ -11,29 +11,11 @@ import operator
 import reprlib
 from typing import Any, Mapping
 
-from . import semconv as sc
-from .diagnostics import warn_once
+from .. import semconv as sc
+from ..diagnostics import warn_once
 
-OFFLOAD = "offload"
-"""Write-back: device (L1) to host (L2)."""
-ONBOARD = "onboard"
-"""Load-back: host (L2) to device (L1)."""
-
-DIRECTIONS = (OFFLOAD, ONBOARD)
-
-TIERS = {OFFLOAD: ("L1", "L2"), ONBOARD: ("L2", "L1")}
-"""Source and destination tier of each direction."""
-
-MERGED_OP = "merged_op"
-"""An op whose consumer takes an ack (``expect_ack=True``)."""
-DIRECT = "direct"
-"""A copy nobody acknowledges (``expect_ack=False``)."""
-ORIGINS = (MERGED_OP, DIRECT)
-
-DEVICE_EVENT = "device_event"
-"""Duration from ``start_event.elapsed_time(finish_event)``."""
-HOST_CLOCK = "host_clock"
-"""Duration from the host clock (no timing events, or they failed)."""
+from ..record import (DEVICE_EVENT, DIRECT, DIRECTIONS, HOST_CLOCK, INT64_MAX, MERGED_OP, OFFLOAD,  # noqa: F401
+                      ONBOARD, ORIGINS, TIERS, encodes)
 
 
 SUBMISSION_FIELDS = (
@@ -56,7 +38,7 @@ SUBMISSION_FIELDS = (
     "cause",
     "host_slots",
     "requests",
-    # stamped later, on the list itself, by ack() or the worker (ack_watch)
+    # stamped later, on the list itself, by ack() or the poller (ack_watch)
     "ack_ns",
 )
 """The layout of what ``submit()`` queues: a plain list (cheapest to build on the
@@ -89,7 +71,7 @@ from the handle (``ack()`` may stamp it after the record is built)."""
 def _init_from_handle() -> Any:
     """``TransferRecord.__init__``: keeps the handle and copies ``_COPIED_FIELDS`` to
     their slots in one unpacking assignment, generated from ``SUBMISSION_FIELDS`` (as
-    fast as spelling it out; a setattr loop costs the worker ~1 us more per record)."""
+    fast as spelling it out; a setattr loop costs the poller ~1 us more per record)."""
     targets = [f"self.{name}" for name in SUBMISSION_FIELDS]
     targets[S_ACK_NS] = "_"
     namespace: dict[str, Any] = {}
@@ -102,21 +84,18 @@ def _init_from_handle() -> Any:
 class TransferRecord:
     """One merged op (or one direct copy), from submit to its emitted span.
 
-    Built by the worker from the submitted list (``handle``, laid out as
+    Built by the poller from the submitted list (``handle``, laid out as
     ``SUBMISSION_FIELDS``), which ``ack()`` stamps with the ack time.
     """
 
     __slots__ = (
         "handle",
         *_COPIED_FIELDS,  # captured on the caller's thread
-        # filled by the worker
+        # filled by the poller
         "origin",
         "cause_parts",  # a mixed merged op's ((cause, pool names, pool tokens, bytes), ...), else None
-        "host_written",  # an offload's (host pool, pages written), for the links of later load-backs
-        "reuse",  # a load-back's host_residence.Reuse, else None
-        "links",  # a load-back's ((trace id, span id), ...) of the offloads it read (at completion), else ()
-        "links_dropped",
-        "request_links",  # the sampled span contexts of the requests it served or wrote (request_links.resolve)
+        "host",  # (pool id, slot bytes) of an op with host_slots, sent at intake
+        "request_links",  # the sampled request span contexts, as record.context_tuple()s
         "request_links_dropped",
         "tokens",
         "blocks",
@@ -129,10 +108,7 @@ class TransferRecord:
         "duration_ns",
         "queue_wait_ns",
         "error",
-        "span_context",
-        "exemplar_context",
         "completed_at_ns",
-        "in_flight",
         "seq",
     )
 
@@ -145,26 +121,15 @@ class TransferRecord:
 
 
 def reset_worker_fields(record: TransferRecord) -> None:
-    """Initialize the worker-side fields that may be read before they are set
-    (the others are always set by validate(), timing.resolve() or the sinks)."""
+    """Initialize the poller-side fields that may be read before they are set
+    (the others are always set by validate() or timing.resolve())."""
     record.queue_wait_ns = None
     record.placement = None
     record.error = None
-    record.span_context = None
-    record.exemplar_context = None
     record.completed_at_ns = None
-    record.in_flight = False  # counted in hicache.transfer.inflight
-    record.host_written = None
-    record.reuse = None
-    record.links = ()
-    record.links_dropped = 0
+    record.host = None
     record.request_links = ()
     record.request_links_dropped = 0
-
-
-INT64_MAX = 2**63 - 1
-"""The largest count or time any OTLP exporter can encode (int64 values, nanosecond times):
-a larger one would make every export of its batch, or of a cumulative counter, fail."""
 
 
 def _shown(value: Any) -> str:
@@ -188,6 +153,8 @@ def _integer(value: Any, what: str) -> int:
 
 def _count(value: Any, what: str) -> int:
     """A count from 0 to ``INT64_MAX``, or a ValueError/TypeError naming ``what``."""
+    if type(value) is int and 0 <= value <= INT64_MAX:  # the common case, first
+        return value
     number = _integer(value, what)
     if not 0 <= number <= INT64_MAX:
         raise ValueError(f"{what} must be >= 0 and < 2**63, got {_shown(number)}")
@@ -208,18 +175,6 @@ def _timestamp(value: Any, what: str) -> int:
 _NAMES_SEEN: set[str] = set()  # names checked once: a few pool names, seen on every op
 _NAMES_SEEN_MAX = 1024
 _NAME_SEEN_LENGTH = 256  # longer names are checked every time rather than kept
-
-
-def encodes(text: str) -> bool:
-    """Whether ``text`` encodes as UTF-8: one with a lone surrogate would make every export of
-    its batch (and, as a label, of its series) fail."""
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _name(name: Any, what: str) -> str:
@@ -261,7 +216,10 @@ def validate(record: TransferRecord) -> None:
     for name, count in pools.items():
         name = _name(name, "tokens_by_pool keys")
         names.append(name)
-        counts.append(_count(count, f"tokens_by_pool[{_shown(name)}]"))
+        if type(count) is int and 0 <= count <= INT64_MAX:  # the common case, first: no message built
+            counts.append(count)
+        else:
+            counts.append(_count(count, f"tokens_by_pool[{_shown(name)}]"))
     record.pool_names = tuple(names)
     record.pool_tokens = tuple(counts)
     record.tokens = counts[0] if counts else 0
@@ -276,7 +234,7 @@ def validate(record: TransferRecord) -> None:
     record.origin = MERGED_OP if record.expect_ack else DIRECT
     _validate_cause(record)
     slots = record.host_slots
-    if slots is not None and not (type(slots) is tuple and len(slots) == 2 and hasattr(slots[0], "written")):
+    if slots is not None and not (type(slots) is tuple and len(slots) == 2 and hasattr(slots[0], "pool_id")):
         record.host_slots = None  # the op is still reported; its host pages are not tracked
         warn_once("host_slots", "otel-hicache: host_slots must be (TransferTelemetry.host_pool(...), slots), got "
                   "%r; ignored", type(slots).__name__)
@@ -304,7 +262,7 @@ def _validate_cause(record: TransferRecord) -> None:
     the op that cause; several make it ``mixed``, its tokens and bytes counted per part.
     Parts that do not sum are warned about once and the whole op is ``other``. A deferred
     call (a callable, or ``(function, *args)``, cheaper to build than a ``partial``) is made
-    here, on the worker in submission order, and its answer taken as ``cause`` (the host
+    here, on the poller in submission order, and its answer taken as ``cause`` (the host
     works the cause out off its hot path); one that raises makes the op ``other`` (warned
     once)."""
     cause = record.cause

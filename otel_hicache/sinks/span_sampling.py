@@ -1,6 +1,6 @@
 """Source-side outlier sampling: which transfer spans are kept whatever the sampler says.
 
-With ``OTEL_HICACHE_SPAN_SAMPLING=outliers`` the completion worker, which knows an
+With ``OTEL_HICACHE_SPAN_SAMPLING=outliers`` the sinks, which know an
 op's duration and error state before its span exists, decides in this order:
 
 1. ``error``: the op failed (an error span) -> kept;
@@ -12,12 +12,10 @@ op's duration and error state before its span exists, decides in this order:
 4. ``request``: the op is linked to a sampled request (``submit(requests=...)``,
    :mod:`.request_links`) -> kept, so a traced request's transfers can be found;
 5. ``base``: the tracer provider's sampler (``OTEL_TRACES_SAMPLER``/``_ARG``)
-   decides, as for any span. What it does not sample is skipped before the
-   span's attributes are built.
+   decides, as for any span.
 
-The first four are forced: the span builder (:mod:`.spans`) marks the span
-sampled itself (fast path) or starts it on a tracer whose sampler keeps it (API
-path). Kept spans carry ``hicache.sampling.reason``. With the default ``all`` the
+The first four are forced: the span builder (:mod:`.spans`) starts the span on a
+tracer whose sampler keeps it. Kept spans carry ``hicache.sampling.reason``. With the default ``all`` the
 sampler decides every span, as before, and every decision counts as ``base``.
 Either way each decision is counted in ``otel_hicache.spans{decision, reason}``.
 
@@ -36,10 +34,10 @@ import math
 from bisect import bisect_right
 from typing import Any
 
-from . import environment_variables as ev
-from . import semconv as sc
-from .records import DIRECTIONS, TransferRecord
-from .settings import env_choice, env_float, env_fraction
+from .. import environment_variables as ev
+from .. import semconv as sc
+from ..record import DIRECTIONS
+from ..settings import env_choice, env_float, env_fraction
 
 MODE_ALL = "all"
 MODE_OUTLIERS = "outliers"
@@ -103,16 +101,13 @@ class RecentQuantile:
 class OutlierPolicy:
     """Which op's span is kept whatever the sampler says (:meth:`keep_reason`)."""
 
-    __slots__ = ("slower_than_ns", "quantiles", "sampler_attributes")
+    __slots__ = ("slower_than_ns", "quantiles")
 
     def __init__(self, slower_than_ns: int, quantile: float, static: Any = None) -> None:
         self.slower_than_ns = slower_than_ns  # 0: off
         self.quantiles = {d: RecentQuantile(quantile) for d in DIRECTIONS} if quantile > 0 else None
-        # what the sampler sees of a span it decides on before the span is built: the static
-        # attributes and the direction (built once; the span name says the direction too)
-        self.sampler_attributes = {d: {**(static or {}), sc.DIRECTION: d} for d in DIRECTIONS}
 
-    def keep_reason(self, record: TransferRecord, parent: Any) -> str | None:
+    def keep_reason(self, record: Any, parent: Any) -> str | None:
         """``error``, ``slow``, ``parent``, ``request`` or None (the sampler decides). ``parent``: the
         op's valid parent span context, or None. Every successful op's duration is
         counted in its direction's quantile, kept or not."""
@@ -159,6 +154,10 @@ class SpanSamplingSettings:
             slower_than_ms=env_float(ev.OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS),
             quantile=env_fraction(ev.OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE),
         )
+
+    def values(self) -> tuple[str, float, float]:
+        """As plain values, for the hello (read in the serving process, at construction)."""
+        return (self.mode, self.slower_than_ms, self.quantile)
 
     def policy(self, static: Any = None) -> OutlierPolicy | None:
         """A fresh policy (its own quantiles) for one span builder; None with ``all``."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .diagnostics import warn_once
+from ..diagnostics import warn_once
 
 _stuck: dict[tuple[int, int], threading.Thread] = {}
 

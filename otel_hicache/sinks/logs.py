@@ -1,7 +1,7 @@
 """The two DEBUG log lines per completed op (per-op and cumulative).
 
 Same fields as the SGLang seed's lines, plus the timing source and the trace
-and span ids of the op's span. Emitted from the completion worker, and only
+and span ids of the op's span. Emitted by the sinks, and only
 when ``otel_hicache`` is enabled for DEBUG: no formatting cost otherwise.
 Cumulative bandwidth is total bytes over the *busy* time (union of intervals),
 not over the sum of durations, so it stays right when ops overlap.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 
-from .diagnostics import logger
-from .records import DIRECTIONS, TIERS, TransferRecord
+from ..diagnostics import logger
+from ..record import DIRECTIONS, TIERS
 
 
 class CumulativeTotals:
@@ -30,7 +30,7 @@ class TransferLog:
     def __init__(self) -> None:
         self.totals = {d: CumulativeTotals() for d in DIRECTIONS}
 
-    def completed(self, record: TransferRecord, busy_added_ns: int) -> None:
+    def completed(self, record: Any, busy_added_ns: int) -> None:
         totals = self.totals[record.direction]
         totals.events += 1
         totals.blocks += record.blocks
@@ -45,38 +45,14 @@ class TransferLog:
         trace_id = f"{context.trace_id:032x}" if sampled else ""  # unsampled spans are never exported
         span_id = f"{context.span_id:016x}" if sampled else ""
         extra = {"otelTraceID": trace_id, "otelSpanID": span_id}
-        duration_us = record.duration_ns / 1e3
+        name = record.direction.capitalize()
         bandwidth = record.num_bytes / record.duration_ns if record.duration_ns else 0.0
-        logger.debug(
-            "%s transfer complete ts_us=%d blocks=%d bytes=%d tokens=%d xfer_us=%.1f bandwidth=%.2fGB/s "
-            'src="%s" dst="%s" timing_source=%s trace_id=%s span_id=%s',
-            record.direction.capitalize(),
-            record.end_ns // 1000,
-            record.blocks,
-            record.num_bytes,
-            record.tokens,
-            duration_us,
-            bandwidth,
-            src,
-            dst,
-            record.timing_source,
-            trace_id,
-            span_id,
-            extra=extra,
-        )
+        logger.debug('%s transfer complete ts_us=%d blocks=%d bytes=%d tokens=%d xfer_us=%.1f bandwidth=%.2fGB/s '
+                     'src="%s" dst="%s" timing_source=%s trace_id=%s span_id=%s', name, record.end_ns // 1000,
+                     record.blocks, record.num_bytes, record.tokens, record.duration_ns / 1e3, bandwidth, src, dst,
+                     record.timing_source, trace_id, span_id, extra=extra)
         cumulative_bw = totals.bytes / totals.busy_ns if totals.busy_ns else 0.0
-        logger.debug(
-            '%s transfer cumulative direction="%s" total_events=%d total_blocks=%d total_bytes=%d '
-            "total_tokens=%d total_busy_us=%.1f bandwidth=%.2fGB/s trace_id=%s span_id=%s",
-            record.direction.capitalize(),
-            record.direction,
-            totals.events,
-            totals.blocks,
-            totals.bytes,
-            totals.tokens,
-            totals.busy_ns / 1e3,
-            cumulative_bw,
-            trace_id,
-            span_id,
-            extra=extra,
-        )
+        logger.debug('%s transfer cumulative direction="%s" total_events=%d total_blocks=%d total_bytes=%d '
+                     'total_tokens=%d total_busy_us=%.1f bandwidth=%.2fGB/s trace_id=%s span_id=%s', name,
+                     record.direction, totals.events, totals.blocks, totals.bytes, totals.tokens,
+                     totals.busy_ns / 1e3, cumulative_bw, trace_id, span_id, extra=extra)

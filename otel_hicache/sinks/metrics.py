@@ -1,32 +1,36 @@
-"""OTel metrics derived from completed transfer records.
+"""OTel metrics derived from the ops the capture sends, through the public metrics API.
 
-Recorded on the completion worker from every record, before and independently
-of trace sampling, so counters are exact whatever the sampler drops.
+Recorded from every op, before and independently of trace sampling, so counters are
+exact whatever the sampler drops. Counter increments are summed per attribute set in
+plain dicts and handed to the SDK at every flush of the consumer (each batch of the
+telemetry process, each export), not once per op; histograms are recorded per op, with
+the op's span context so trace-based exemplars link a bucket to its trace. Attribute
+dicts are built once per attribute set and reused.
 
-Cost control: counter increments are summed per attribute set in plain dicts
-and handed to the SDK at most every 50 ms of the worker and on every flush
-(:meth:`TransferMetrics.flush`; the periodic one a few SDK calls a worker cycle,
-:meth:`TransferMetrics.flush_steps`), not once per op. Histograms are recorded per op (the SDK offers no batch
-record), with the span context of the op so trace-based exemplars link a
-bucket to its trace, through :mod:`otel_hicache.metrics_fast_path` (no
-per-record attribute work) where that is exactly equivalent. Attribute dicts
-are built once per attribute set and reused.
+The in-flight count, the queue size and the oldest in-flight and un-acked ages come from
+the capture's ``record.STATE`` messages; the ages are computed when the SDK collects,
+from the times the capture sent.
 
-Every point carries the static attributes (ranks...), so per-rank series never
-sum by accident. Zero-valued series for both directions (and every drop
-reason) exist from start-up.
+Every point carries the static attributes (ranks...), so per-rank series never sum by
+accident. Zero-valued series for both directions (and every drop reason) exist from
+start-up.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping
+import time
+from typing import Any, Callable, Mapping
 
-from . import semconv as sc
-from .diagnostics import warn_once
-from .metrics_fast_path import BoundHistogram, resolver_for
+from .. import semconv as sc
+from ..diagnostics import warn_once
 from .host_residence import OFFLOAD_CAUSES, Reuse, Waste
-from .records import DIRECT, DIRECTIONS, INT64_MAX, MERGED_OP, ORIGINS, TIERS, TransferRecord
-from .version import __version__
+from ..record import DIRECT, DIRECTIONS, INT64_MAX, MERGED_OP, ORIGINS, TIERS
+from ..version import __version__
+
+
+_NO_EXEMPLAR = None
+"""The context of a histogram value no exemplar should carry: none (the current one would be the
+consumer's, which is no op's)."""
 
 
 class TransferInstruments:
@@ -69,24 +73,23 @@ class TransferMetrics(TransferInstruments):
         self,
         meter_provider: Any,
         static: Mapping[str, Any],
-        queue_size: Callable[[], int] | None = None,
-        fast_path: bool = True,
+        clock: Callable[[], int] = time.time_ns,
     ) -> None:
+        from opentelemetry.metrics import Observation
+
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
         super().__init__(meter)
-        self._resolver = resolver_for(meter_provider, fast_path)
-        self._bound: dict[tuple[int, int], BoundHistogram] = {}
         self._static = dict(static)
-        if queue_size is not None:
-            from opentelemetry.metrics import Observation
-
-            static_attrs = self._static
-            meter.create_observable_gauge(
-                sc.QUEUE_SIZE[0],
-                callbacks=[lambda _options: [Observation(queue_size(), static_attrs)]],
-                unit=sc.QUEUE_SIZE[1],
-                description=sc.QUEUE_SIZE[2],
-            )
+        self._clock = clock
+        self._queue_size = 0
+        self._inflight_sent = dict.fromkeys(DIRECTIONS, 0)
+        static_attrs = self._static
+        meter.create_observable_gauge(
+            sc.QUEUE_SIZE[0],
+            callbacks=[lambda _options: [Observation(self._queue_size, static_attrs)]],
+            unit=sc.QUEUE_SIZE[1],
+            description=sc.QUEUE_SIZE[2],
+        )
 
         # attribute dicts, built once per attribute set
         self._by_direction = {d: self._attrs({sc.DIRECTION: d}) for d in DIRECTIONS}
@@ -108,9 +111,9 @@ class TransferMetrics(TransferInstruments):
         self._pending: dict[tuple[int, int], list[Any]] = {}
         self._totals: dict[tuple[int, int], int] = {}  # integer counters' sums handed over, per series
         self._zero_series()
-        # stuck and late transfers: ages the pipeline computes at collection time
-        # (bind_oldest_ages); both directions report 0 until bound and while none
-        self._age_sources: tuple[Callable[[], Mapping[str, float]], ...] | None = None
+        # stuck and late transfers: the oldest submit and completion times the capture sent,
+        # aged when the SDK collects; both directions report 0 while there is none
+        self._oldest: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})
         for index, spec in enumerate((sc.TRANSFER_OLDEST_INFLIGHT_AGE, sc.TRANSFER_OLDEST_UNACKED_AGE)):
             meter.create_observable_gauge(
                 spec[0], callbacks=[self._age_callback(index)], unit=spec[1], description=spec[2]
@@ -138,7 +141,7 @@ class TransferMetrics(TransferInstruments):
                 {sc.DIRECTION: direction, sc.ORIGIN: origin, sc.CAUSE: cause, sc.POOL: pool})
         return attrs
 
-    def _duration_attrs(self, record: TransferRecord) -> dict[str, Any]:
+    def _duration_attrs(self, record: Any) -> dict[str, Any]:
         io_backend = self._default_io_backend if record.io_backend is None else str(record.io_backend)
         key = (record.direction, record.origin, io_backend, record.timing_source, record.cause)
         attrs = self._by_duration.get(key)
@@ -157,7 +160,7 @@ class TransferMetrics(TransferInstruments):
             )
         return attrs
 
-    def _bandwidth_attrs(self, record: TransferRecord) -> dict[str, Any]:
+    def _bandwidth_attrs(self, record: Any) -> dict[str, Any]:
         """Per-op bandwidth says which clock its duration came from, as the duration does."""
         key = (record.direction, record.timing_source)
         attrs = self._by_timing.get(key)
@@ -189,28 +192,24 @@ class TransferMetrics(TransferInstruments):
             self.wasted_bytes.add(0, attrs)
             self.wasted_tokens.add(0, attrs)
 
-    # -- oldest in-flight / un-acked age (the SDK's collection thread) -----------
-    def bind_oldest_ages(
-        self, inflight: Callable[[], Mapping[str, float]], unacked: Callable[[], Mapping[str, float]]
-    ) -> None:
-        """Where the oldest_inflight_age and oldest_unacked_age gauges read their
-        values: each returns seconds per direction (the completion pipeline's)."""
-        self._age_sources = (inflight, unacked)
+    # -- the capture's state (record.STATE), and the gauges that show it ----------------
+    def state(self, inflight: Mapping[str, int], oldest_inflight: Mapping[str, Any],
+              oldest_unacked: Mapping[str, Any], queue_size: int) -> None:
+        for direction, count in inflight.items():
+            change = count - self._inflight_sent.get(direction, 0)
+            if change and direction in self._by_direction:
+                self._inflight_sent[direction] = count
+                self._add(self.inflight, self._by_direction[direction], change)
+        self._oldest = (oldest_inflight, oldest_unacked)
+        self._queue_size = queue_size
 
     def _age_callback(self, index: int) -> Callable[[Any], list[Any]]:
         from opentelemetry.metrics import Observation
 
         def observe(_options: Any) -> list[Any]:
-            sources = self._age_sources
-            if sources is None:
-                return [Observation(0.0, self._by_direction[d]) for d in DIRECTIONS]
-            try:
-                ages = sources[index]()
-            except Exception as exc:  # no point rather than a 0 that reads as healthy
-                warn_once(f"oldest_age:{type(exc).__name__}",
-                          "otel-hicache: cannot compute the oldest transfer ages (%r); not reported", exc)
-                return []
-            return [Observation(ages.get(d, 0.0), self._by_direction[d]) for d in DIRECTIONS]
+            oldest, now = self._oldest[index], self._clock()
+            return [Observation(max(0.0, (now - oldest[d]) / 1e9) if oldest.get(d) is not None else 0.0,
+                                self._by_direction[d]) for d in DIRECTIONS]
 
         return observe
 
@@ -223,30 +222,12 @@ class TransferMetrics(TransferInstruments):
         else:
             entry[2] += amount
 
-    def _histogram(self, instrument: Any, attrs: dict[str, Any]) -> BoundHistogram:
-        key = (id(instrument), id(attrs))
-        bound = self._bound.get(key)
-        if bound is None:
-            bound = self._bound[key] = BoundHistogram(instrument, attrs, self._resolver)
-        return bound
+    def pending(self) -> bool:
+        """Whether increments wait for the next :meth:`flush`."""
+        return bool(self._pending)
 
-    def revalidate(self) -> None:
-        """Re-check the histogram fast path's bindings that aggregate values at once (every
-        worker cycle: an aggregation the SDK replaced or a reader added since must not lose the
-        next values). Bindings whose values all wait for the flush are checked there."""
-        for bound in self._bound.values():
-            if not bound.bulk:
-                bound.revalidate()
-
-    def flush_steps(self) -> Iterator[None]:
-        """The flush below, one hand-off to the SDK per step: the worker runs a periodic one a
-        few steps a cycle, so that no cycle holds the GIL for all of it (0.4-0.6 ms on a 2-vCPU
-        VM, counter adds of ~20 us each, cold). Values kept and increments summed after a
-        step wait for the next flush."""
-        for bound in list(self._bound.values()):  # a record completed between two steps may bind another
-            bound.revalidate()
-            bound.flush_values()
-            yield
+    def flush(self) -> None:
+        """Hand the summed counter increments to the SDK."""
         pending = self._pending
         if not pending:
             return
@@ -263,37 +244,13 @@ class TransferMetrics(TransferInstruments):
                         continue
                     totals[key] = total
                 instrument.add(amount, attrs)
-                yield
-
-    def dropped_now(self, reason: str, count: int) -> None:
-        """Records dropped, handed to the SDK at once: for when the worker, which hands over
-        the summed increments, is itself stuck (any thread; the SDK's add is thread-safe)."""
-        self.dropped.add(count, self._reason_attrs(reason))
-
-    def flush(self, pause: Callable[[], None] | None = None) -> None:
-        """Re-check the bindings and hand the summed counter increments and the kept
-        histogram values to the SDK (every ``_COUNTER_FLUSH_INTERVAL_NS`` of the worker,
-        and on every flush). ``pause()`` after each SDK hand-off: the worker's GIL slice."""
-        for _ in self.flush_steps():
-            if pause is not None:
-                pause()
 
     # -- per record ---------------------------------------------------------
-    def submitted(self, record: TransferRecord) -> None:
-        record.in_flight = True
-        self._add(self.inflight, self._by_direction[record.direction], 1)
-
-    def left_flight(self, record: TransferRecord) -> None:
-        if record.in_flight:
-            record.in_flight = False
-            self._add(self.inflight, self._by_direction[record.direction], -1)
-
-    def completed(self, record: TransferRecord, busy_added_ns: int) -> None:
+    def completed(self, record: Any, busy_added_ns: int) -> None:
         """A transfer finished successfully: counters, duration, bandwidth, queue wait."""
         direction, origin = record.direction, record.origin
         by_direction = self._by_direction[direction]
         context = record.exemplar_context
-        self.left_flight(record)
         self._add(self.blocks, self._by_origin[direction, origin], record.blocks)
         # tokens and bytes by cause: the op's own, or (a mixed merged op) each queued op's
         parts = record.cause_parts or ((record.cause, record.pool_names, record.pool_tokens, record.num_bytes),)
@@ -304,19 +261,17 @@ class TransferMetrics(TransferInstruments):
         if busy_added_ns:
             self._add(self.busy_time, by_direction, busy_added_ns / 1e9)
         duration_s = record.duration_ns / 1e9
-        self._histogram(self.duration, self._duration_attrs(record)).record(duration_s, context)
+        self.duration.record(duration_s, self._duration_attrs(record), context)
         # exemplars (trace links) on the duration and ack-delay histograms, where a
         # slow bucket needs its trace; bandwidth and queue wait stay cheaper
         if record.duration_ns > 0:
-            self._histogram(self.bandwidth, self._bandwidth_attrs(record)).record(record.num_bytes / duration_s, None)
+            self.bandwidth.record(record.num_bytes / duration_s, self._bandwidth_attrs(record), _NO_EXEMPLAR)
         if record.queue_wait_ns is not None:
-            self._histogram(self.queue_wait, by_direction).record(record.queue_wait_ns / 1e9, None)
+            self.queue_wait.record(record.queue_wait_ns / 1e9, by_direction, _NO_EXEMPLAR)
 
-    def acked(self, record: TransferRecord) -> None:
+    def acked(self, record: Any) -> None:
         delay_ns = max(0, record.ack_ns - record.end_ns)
-        self._histogram(self.ack_delay, self._by_direction[record.direction]).record(
-            delay_ns / 1e9, record.exemplar_context
-        )
+        self.ack_delay.record(delay_ns / 1e9, self._by_direction[record.direction], record.exemplar_context)
 
     # -- host residence (at intake, in submission order) -----------------------
     def host_waste(self, waste: Waste, page_size: int) -> None:
@@ -327,27 +282,25 @@ class TransferMetrics(TransferInstruments):
                 self._add(self.wasted_bytes, attrs, num_bytes)
                 self._add(self.wasted_tokens, attrs, pages * page_size)
 
-    def host_reuse(self, record: TransferRecord, reuse: Reuse) -> None:
+    def host_reuse(self, cause: str, reuse: Reuse) -> None:
         """A load-back's pages: their residence (one value per writing offload) and bytes."""
         for index, num_bytes in enumerate(reuse.bytes_by_cause):
             if num_bytes:
                 self._add(self.reloaded_bytes, self._by_offload_cause[OFFLOAD_CAUSES[index]], num_bytes)
-        cause = record.cause
         for residence_ns, offload_cause in zip(reuse.residence_ns, reuse.causes):
             key = (cause, offload_cause)
             attrs = self._by_residence.get(key)
             if attrs is None:
                 attrs = self._by_residence[key] = self._attrs({sc.CAUSE: cause, sc.OFFLOAD_CAUSE: offload_cause})
-            self._histogram(self.residence, attrs).record(residence_ns / 1e9, None)
+            self.residence.record(residence_ns / 1e9, attrs, _NO_EXEMPLAR)
 
-    def failed_record(self, record: TransferRecord, reason: str) -> None:
-        self.left_flight(record)
+    def failed_record(self, record: Any, reason: str) -> None:
         self._add(self.failed, self._reason_attrs(reason), 1)
 
     def span_decision(self, decision: str, reason: str) -> None:
         """One span kept or skipped (otel_hicache.spans; the span builder calls it per op)."""
         attrs = self._by_span_decision.get((decision, reason))
-        if attrs is None:  # a pair not decided by the worker itself (a non-SDK tracer's own sampler)
+        if attrs is None:  # a pair not decided by the sinks itself (a non-SDK tracer's own sampler)
             attrs = self._by_span_decision[decision, reason] = self._attrs({sc.DECISION: decision, sc.REASON: reason})
         self._add(self.span_decisions, attrs, 1)
 

@@ -4,8 +4,9 @@ dropped tokens, evictions.
 These happen on the serving framework's hot path (once per request, per
 eviction), so counting must cost almost nothing there: each of
 :meth:`CacheEvents.prefix_tokens`, :meth:`~CacheEvents.dropped_tokens` and
-:meth:`~CacheEvents.evicted_tokens` is a dict update, no OTel SDK call. The totals reach the SDK through
-observable counters that read them at collection time, on the reader's thread.
+:meth:`~CacheEvents.evicted_tokens` is a dict update, no OTel SDK call. The totals reach the
+sinks with the poller's state when they change, where observable counters report them
+(:mod:`otel_hicache.sinks.cache_events`).
 Cumulative totals are exact whatever the trace sampler does, and the SDK turns
 them into deltas itself when delta temporality is configured.
 
@@ -18,48 +19,32 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from . import fork
-from . import semconv as sc
-from .diagnostics import warn_once
-from .version import __version__
-
-_KINDS = {
-    "prefix": sc.PREFIX_TOKENS,
-    "dropped": sc.DROPPED_TOKENS,
-    "evicted": sc.EVICTED_TOKENS,
-}
-
+from .. import semconv as sc
+from ..diagnostics import warn_once
 
 _DEVICE, _HOST, _STORAGE = (((sc.TIER, tier),) for tier in sc.PREFIX_TIERS)
 
 
-def _zero_keys() -> dict[str, list[tuple[tuple[str, Any], ...]]]:
-    return {
-        "prefix": [_DEVICE, _HOST, _STORAGE],
-        "dropped": [((sc.REASON, reason), (sc.POOL, "kv")) for reason in sc.DROPPED_TOKEN_REASONS],
-        "evicted": [((sc.TIER, tier),) for tier in sc.EVICTION_TIERS],
-    }
-
-
 class CacheEvents:
-    """Cumulative token counts per (kind, attributes), read by observable counters.
+    """Cumulative token counts per (kind, attributes).
 
     :param attributes: static attributes (ranks...) on every point, as for
         :class:`~otel_hicache.TransferTelemetry`.
 
-    Call :meth:`bind` with a ``MeterProvider`` to export (again after a fork,
-    with the child's provider); counts made before binding are kept.
+    The poller sends the totals with its state when they changed; the sinks' observable
+    counters (``sinks.cache_events``) report them.
     """
 
     def __init__(self, attributes: Mapping[str, Any] | None = None) -> None:
         self._static = dict(attributes or {})
         self._reset()
-        self._bound: list[Any] = []
         fork.after_fork_in_child(self._reset)  # the parent's counts are the parent's
 
     def _reset(self) -> None:
         self._totals: dict[str, dict[tuple[tuple[str, Any], ...], int]] = {
-            kind: dict.fromkeys(keys, 0) for kind, keys in _zero_keys().items()
+            kind: dict.fromkeys(keys, 0) for kind, keys in sc.cache_event_zero_series().items()
         }
+        self._sent: Any = None
 
     # -- hot path -------------------------------------------------------------
     def prefix_tokens(self, device: int, host: int, storage: int) -> None:
@@ -95,28 +80,16 @@ class CacheEvents:
     def _bad(kind: str, value: Any) -> None:
         warn_once(f"cache_events:{kind}", "otel-hicache: ignored a %s count that is not an integer: %r", kind, value)
 
-    # -- export -------------------------------------------------------------
+    # -- export ---------------------------------------------------------------
     def total(self, kind: str, **attributes: Any) -> int:
         """Sum of the totals of ``kind`` whose attributes include ``attributes`` (tests, demos)."""
         return sum(value for key, value in list(self._totals[kind].items())
                    if all(dict(key).get(k) == v for k, v in attributes.items()))
 
-    def bind(self, meter_provider: Any) -> None:
-        """Register the observable counters on ``meter_provider``'s meter."""
-        from opentelemetry.metrics import Observation
-
-        meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
-        static = self._static
-
-        def callback_for(kind: str) -> Any:
-            def observe(_options: Any) -> list[Any]:
-                # list() copies in one C call: safe against concurrent inserts
-                return [Observation(value, {**static, **dict(key)})
-                        for key, value in list(self._totals[kind].items())]
-
-            return observe
-
-        self._bound = [
-            meter.create_observable_counter(name, callbacks=[callback_for(kind)], unit=unit, description=description)
-            for kind, (name, unit, description) in _KINDS.items()
-        ]
+    def changed(self) -> dict[str, dict[tuple[tuple[str, Any], ...], int]] | None:
+        """A copy of the totals when they changed since the last call, else None (the poller's state)."""
+        snapshot = {kind: dict(totals) for kind, totals in list(self._totals.items())}
+        if snapshot == self._sent:
+            return None
+        self._sent = snapshot
+        return snapshot

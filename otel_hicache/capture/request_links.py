@@ -2,14 +2,14 @@
 
 A host application that traces its requests (SGLang with ``--enable-trace``) passes
 ``submit(requests=...)``: each request's span context (a ``SpanContext``, a ``Span``,
-or a ``Context`` holding one), or a callable returning them, read on the worker. The
-worker keeps the valid, sampled ones (an unsampled request's trace is never exported,
+or a ``Context`` holding one), or a callable returning them, read on the poller. The
+poller keeps the valid, sampled ones (an unsampled request's trace is never exported,
 so a link to it would lead nowhere), each once, in the order given, at most
 :data:`MAX_REQUEST_LINKS`; how many more there were is the span's
 ``hicache.request.links_dropped``.
 
-Each kept one becomes a span link (``hicache.link_to=request``), the way from a
-transfer to its requests, and a ``hicache.request`` span event carrying the request's
+Each kept one leaves as ids (``record.context_tuple``) and becomes a span link
+(``hicache.link_to=request``), the way from a transfer to its requests, and a ``hicache.request`` span event carrying the request's
 trace id as Jaeger shows it (``hicache.request.trace_id``), the way back: Jaeger's tag
 search matches event attributes, never links. Trace and span ids only: nothing else of
 a request leaves the process (``test_privacy.py``).
@@ -21,13 +21,9 @@ from typing import Any
 
 from opentelemetry import trace
 
-from . import semconv as sc
-from .diagnostics import warn_once
+from ..diagnostics import warn_once
 
 MAX_REQUEST_LINKS = 16
-
-REQUEST_LINK_ATTRIBUTES = {sc.LINK_TO: sc.LINK_TO_REQUEST}
-"""The attributes of every link to a request (shared, never mutated)."""
 
 
 def _span_context(item: Any) -> Any:
@@ -69,11 +65,3 @@ def resolve(requests: Any) -> tuple[tuple[Any, ...], int]:
         else:
             dropped += 1
     return tuple(kept), dropped
-
-
-def trace_id_hex(context: Any) -> str:
-    """A span context's trace id as Jaeger and Zipkin show it, so a search for what the UI
-    shows finds it: 16 lowercase hex digits for a 64-bit id (SGLang's own request tracing
-    makes those), 32 otherwise (``trace.format_trace_id``)."""
-    trace_id = context.trace_id
-    return f"{trace_id:016x}" if trace_id < 1 << 64 else trace.format_trace_id(trace_id)

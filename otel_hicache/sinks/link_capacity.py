@@ -9,8 +9,8 @@ efficiency. ``pci.bus_id`` is written as DCGM writes its ``pci_bus_id`` label
 
 Which GPU: the current CUDA device of the thread that built the telemetry (the
 serving framework's rank has set its device by then), found by its PCI bus id, read
-with :func:`current_device` *without* initializing CUDA. NVML itself is read once,
-by :meth:`LinkCapacity.info`, on the completion worker at start-up (never on the hot
+by the capture with ``capture.device.current_device()`` *without* initializing CUDA. NVML itself is read once,
+by :meth:`LinkCapacity.info`, in the sinks at start-up (never on the hot
 path) and the value kept: the gauge's callback only returns it.
 
 Never fails: without ``pynvml`` (``pip install otel-hicache[nvml]``), without a GPU,
@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Final, Mapping
 
-from . import semconv as sc
-from .diagnostics import logger
-from .records import DIRECTIONS
-from .version import __version__
+from .. import semconv as sc
+from ..diagnostics import logger
+from ..record import DIRECTIONS
+from ..version import __version__
 
 # hicache.link.type values
 PCIE: Final = "pcie"
@@ -57,12 +57,7 @@ PCIE_GENERATIONS: Final[Mapping[int, tuple[Fraction, Fraction]]] = {
     6: (Fraction(64), Fraction(1)),  # PAM4, FLIT mode: no line code (see the module docstring)
 }
 
-# device references current_device() returns: (kind, value)
-BUS_ID: Final = "pci_bus_id"  # value: "00000000:3B:00.0"
-UUID: Final = "uuid"  # value: "GPU-..." or "MIG-..."
-INDEX: Final = "index"  # value: an NVML index
-ONLY: Final = "only"  # the one GPU NVML sees, if it sees exactly one
-NONE: Final = "none"  # value: why no GPU can be named
+from ..record import BUS_ID, INDEX, NONE, ONLY, UUID  # noqa: F401  # (kind, value) of the device
 
 _NVML_SUCCESS = 0
 _BUS_ID = re.compile(r"^\s*(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])\s*$")
@@ -88,53 +83,6 @@ def dcgm_bus_id(text: Any) -> str | None:
         return None
     domain, bus, device, function = match.groups()
     return f"{int(domain or '0', 16):08X}:{int(bus, 16):02X}:{int(device, 16):02X}.{function}"
-
-
-def current_device(torch_module: Any = None, environ: Mapping[str, str] | None = None) -> tuple[str, Any]:
-    """The GPU this process copies with, as NVML can look it up: ``(kind, value)``.
-
-    1. torch's current CUDA device, if CUDA is already initialized in this process
-       (never initialized here: that would break a later fork): its PCI bus id
-       (its UUID with a torch that has no bus id). Call it on the thread that set
-       the device: the current device is per thread.
-    2. Else the first entry of ``CUDA_VISIBLE_DEVICES`` (device 0 of the process):
-       a UUID as it is; an index only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (NVML's
-       order; CUDA's default order is fastest first).
-    3. Else NVML index 0 with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, or the one GPU NVML
-       sees if it sees exactly one (``ONLY``).
-
-    ``NONE`` (with the reason as value) when no GPU can be named. Never raises.
-    """
-    env = os.environ if environ is None else environ
-    torch = torch_module if torch_module is not None else sys.modules.get("torch")
-    try:
-        cuda = getattr(torch, "cuda", None)
-        if cuda is not None and cuda.is_initialized():
-            props = cuda.get_device_properties(cuda.current_device())
-            try:
-                bus = f"{int(props.pci_domain_id):08X}:{int(props.pci_bus_id):02X}:{int(props.pci_device_id):02X}.0"
-                return (BUS_ID, bus)
-            except (AttributeError, TypeError, ValueError):
-                uuid = str(getattr(props, "uuid", "") or "")
-                if uuid:
-                    return (UUID, uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
-    except Exception:  # pylint: disable=broad-except  # a broken torch: fall back to the environment
-        pass
-    by_pci_order = env.get("CUDA_DEVICE_ORDER", "").strip().upper() == "PCI_BUS_ID"
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        first = visible.split(",")[0].strip()
-        if first.startswith(("GPU-", "MIG-")):
-            return (UUID, first)
-        if first.isdigit():
-            if by_pci_order:
-                return (INDEX, int(first))
-            return (NONE, f"CUDA_VISIBLE_DEVICES={visible!r} is in CUDA's order (CUDA_DEVICE_ORDER is not "
-                          "PCI_BUS_ID) and CUDA is not initialized: which GPU is unknown")
-        return (NONE, f"CUDA_VISIBLE_DEVICES={visible!r} names no GPU")
-    if by_pci_order:
-        return (INDEX, 0)
-    return (ONLY, None)
 
 
 @dataclass(frozen=True)
@@ -293,8 +241,7 @@ class LinkCapacity:
     """``hicache.link.nominal_bandwidth`` of one telemetry instance.
 
     :param attributes: static attributes (ranks...) on every point.
-    :param device: a :func:`current_device` reference; by default the current device,
-        taken here, on the constructing thread.
+    :param device: the serving process's ``capture.device.current_device()``.
 
     :meth:`bind` registers the gauge on a ``MeterProvider`` (again after a fork, with the
     child's provider); NVML is read on the first :meth:`info` or :meth:`bind`, once.
@@ -302,12 +249,7 @@ class LinkCapacity:
 
     def __init__(self, attributes: Mapping[str, Any] | None = None, device: tuple[str, Any] | None = None) -> None:
         self._static = dict(attributes or {})
-        if device is None:
-            try:
-                device = current_device()
-            except Exception as exc:  # pylint: disable=broad-except  # never: current_device() catches
-                device = (NONE, repr(exc))
-        self.device = device
+        self.device = tuple(device) if device else (NONE, "the serving process named no device")
         self._read = False
         self._info: LinkInfo | None = None
         self.unavailable = ""  # why there is no value, once read

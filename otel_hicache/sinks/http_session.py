@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import functools
 import re
+import os
 import threading
+import weakref
 import time
 from email.utils import parsedate_to_datetime
 from http import HTTPStatus
 from typing import Any
 
-from . import fork
-from .diagnostics import warn_once
+from ..diagnostics import warn_once
 from .redaction import without_userinfo
 
 RETRYABLE = frozenset({429, 502, 503, 504})
@@ -121,7 +122,9 @@ def otlp_session() -> Any:
             self._not_before = 0.0  # time.monotonic(): no request before this (Retry-After)
             self._repeat_before = 0.0  # the next request only, if this soon: the exporter's repeat at once
             self._busy = ""  # the refusal that set them
-            fork.after_fork_in_child(self._after_fork_in_child)
+            if hasattr(os, "register_at_fork"):  # (a handful of sessions a process: one registration each)
+                own = weakref.WeakMethod(self._after_fork_in_child)
+                os.register_at_fork(after_in_child=lambda: (own() or (lambda: None))())
 
         def _after_fork_in_child(self) -> None:
             # Another thread of the parent may have been inside a request at the fork, holding

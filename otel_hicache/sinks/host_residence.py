@@ -6,7 +6,7 @@ A :class:`HostPool` keeps, per page of one host pool, in preallocated arrays siz
 from the pool: the submit time of the offload that last wrote it (0: not written since
 tracking began), that offload's cause, its bytes per page, the span that offload made
 (for span links), and whether the page was loaded back since. Every update runs on the
-completion worker, in submission order (ops and frees go through the same queue,
+sinks, in submission order (ops and frees go through the same queue,
 :class:`HostFree`): the order in which the host application handed pages out and took
 them back. The scheduler thread only passes a reference to its host indices.
 
@@ -26,8 +26,8 @@ from __future__ import annotations
 from array import array
 from typing import Any, NamedTuple, Sequence
 
-from . import semconv as sc
-from .diagnostics import warn_once
+from .. import semconv as sc
+from ..diagnostics import warn_once
 
 OFFLOAD_CAUSES: tuple[str, ...] = (*sc.CAUSES["offload"], sc.CAUSE_MIXED)
 """What ``hicache.offload_cause`` can be: the cause of the offload that wrote a page."""

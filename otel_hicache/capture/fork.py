@@ -4,15 +4,15 @@ SGLang runs its schedulers in child processes. Threads do not survive ``fork()``
 state copied from the parent (queues, counts, providers) is the parent's, so objects that
 hold any register a callback here. ``os.register_at_fork`` callbacks can never be
 removed, so this module registers exactly one and keeps weak references to what it
-calls: a pipeline or a count that was garbage-collected costs nothing in later forks
+calls: a poller or a count that was garbage-collected costs nothing in later forks
 (the SDK's batch processor does the same with ``WeakMethod``).
 
 The one registration is made with the first callback, not at import, so it comes after
 the SDK objects ``configure()`` builds have registered theirs (callbacks run in
-registration order). Callbacks must not take foreign locks: a worker restarted here
-builds nothing, and a child's providers are built by its first submit, after fork()
-returned (``tests/test_fork.py`` hung when the worker built them at once), never in an
-exit hook (``tests/test_fork_exit.py``).
+registration order). Callbacks must not take foreign locks: a poller restarted here
+opens nothing; a child's channel (its telemetry process, or its embedded sinks) is opened
+by its first submit, after fork() returned, never in an exit hook, where the SDK's resource
+detection can no longer start its threads (``tests/test_fork_exit.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-from .diagnostics import warn_once
+from ..diagnostics import warn_once
 
 _lock = threading.Lock()
 _callbacks: list[Callable[[], Callable[[], Any] | None]] = []  # weak handles: call one for the callback

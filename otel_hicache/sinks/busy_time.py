@@ -7,7 +7,7 @@ not already covered, so ``rate(bytes) / rate(busy_time)`` is the throughput
 while the link was busy. Intervals may arrive in any order; those ending more
 than ``horizon_ns`` before the newest one are forgotten (an interval arriving
 that late is counted in full), and so are those ending before the cutoff the
-completion pipeline passes to :meth:`BusyTimeTracker.forget_before` (no interval
+consumer passes to :meth:`BusyTimeTracker.forget_before` (no interval
 still to come can start before it). Forgetting is lazy: expired intervals are
 deleted in bulk once they are half the list, so each costs O(1) amortized (a
 one-by-one delete from the front of a list of 200k intervals, 120 s at 1,700
@@ -54,6 +54,11 @@ class BusyTimeTracker:
             self._latest_end = end_ns
             self._prune()
         return (end_ns - start_ns) - covered
+
+    @property
+    def latest_end(self) -> int | None:
+        """The end of the newest interval, or None before the first."""
+        return self._latest_end or None
 
     def _prune(self) -> None:
         self.forget_before(self._latest_end - self._horizon_ns)

@@ -2,14 +2,14 @@
 
 Device timing events only measure intervals between each other. To put a
 transfer span on the wall clock (so it lines up with request spans in a trace
-view) the completion worker keeps an *anchor*: a timing event it records on its
+view) the poller keeps an *anchor*: a timing event it records on its
 own side stream and synchronizes, bracketed by two host clock readings. The
 event ran at about the midpoint of the bracket; the bracket's half-width bounds
 the error. Any other completed event ``e`` is then placed at
 ``anchor_wall_ns + anchor.elapsed_time(e)``.
 
 Anchors are re-taken every ``OTEL_HICACHE_ANCHOR_INTERVAL_S`` (off the hot path,
-on the worker thread) so device/host clock drift stays small. A new sample is
+on the poller thread) so device/host clock drift stays small. A new sample is
 kept only when its bracket is not much wider than the best one seen, so an
 anchor taken while the device was busy does not replace a good one.
 
@@ -19,7 +19,7 @@ that cannot be compared with them) :class:`EventTimeline` still places ops
 reference, and a new op starts at ``reference_wall_ns +
 reference.elapsed_time(start_event)`` (negative when it started before the
 reference). Only the timeline's offset to the wall clock is estimated, from
-when the worker saw ops complete; see :class:`EventTimeline`.
+when the poller saw ops complete; see :class:`EventTimeline`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import math
 import time
 from typing import Any, Callable
 
-from .diagnostics import logger, warn_once
+from ..diagnostics import logger, warn_once
 
 
 _FIRST_SAMPLES = 3
@@ -40,7 +40,7 @@ PLACEMENT_RELATIVE = "relative"
 """By ``elapsed_time()`` from an earlier op's event (:class:`EventTimeline`): exact
 relative to the other ops of its timeline; the offset to the wall clock is estimated."""
 PLACEMENT_HOST_COMPLETION = "host_completion"
-"""Ends when the worker saw it end (or at the caller's ``host_end_ns``): its events
+"""Ends when the poller saw it end (or at the caller's ``host_end_ns``): its events
 could not be compared with an earlier op's (it may start a timeline of its own)."""
 PLACEMENTS = (PLACEMENT_ANCHOR, PLACEMENT_RELATIVE, PLACEMENT_HOST_COMPLETION)
 
@@ -99,7 +99,7 @@ class WallClockAnchor:
                 sample = self._sample()
                 if sample[2] - sample[0] < after - before:
                     before, event, after = sample
-        except Exception as exc:  # never let a device problem stop the worker
+        except Exception as exc:  # never let a device problem stop the poller
             self._failed = self.event is None
             warn_once(
                 "anchor",
@@ -179,7 +179,7 @@ class _Timeline:
         end = start + duration_ns
         excess = end - bound_ns
         if excess > 0:
-            # It ends after the worker saw it end (or after the caller's end stamp):
+            # It ends after the poller saw it end (or after the caller's end stamp):
             # the timeline is late by at least that.
             self.owed_ns = 0
             want = -excess
@@ -241,11 +241,11 @@ class EventTimeline:
     """Places device-timed ops on the wall clock without an anchor.
 
     The first op of a timeline is placed from its host completion: it ends at
-    ``bound_ns`` (when the worker saw it end, or the caller's end stamp), and its
+    ``bound_ns`` (when the poller saw it end, or the caller's end stamp), and its
     start event becomes the timeline's reference. Every later op whose start
     event can be compared with the reference (``reference.elapsed_time(start)``
     does not raise) is placed from that device time difference, so overlapping
-    ops overlap exactly as they did on the device, however late the worker saw
+    ops overlap exactly as they did on the device, however late the poller saw
     them complete. The reference moves to a newer op's start event once the
     offsets reach :data:`_REFRESH_MS`.
 
@@ -263,7 +263,7 @@ class EventTimeline:
     device; a back-end that compares only events of one stream) is placed from
     its host completion and starts a timeline of its own. After
     :data:`_GIVE_UP_AFTER` timelines without one successful comparison, every op
-    is placed from its host completion. Not thread-safe: the completion worker's.
+    is placed from its host completion. Not thread-safe: the poller's.
     """
 
     __slots__ = ("_timelines", "_seeded", "_compared", "_disabled")

@@ -1,4 +1,4 @@
-"""Completion and timing of a transfer record, resolved on the worker.
+"""Completion and timing of a transfer record, resolved on the poller.
 
 Rules (the lessons this product exists for):
 
@@ -20,7 +20,7 @@ can place its start event (``anchor``); else relative to earlier ops with
 event-to-event ``elapsed_time()`` (``relative``, see
 :class:`~otel_hicache.clock.EventTimeline`), so overlapping ops overlap as they
 did on the device; else (its events cannot be compared with an earlier op's,
-or it is the first op of its device) ending when the worker saw it end, or at
+or it is the first op of its device) ending when the poller saw it end, or at
 the caller's end stamp (``host_completion``). Host-clock ops have no placement
 of their own (None): their stamps are the placement.
 """
@@ -32,7 +32,7 @@ import reprlib
 from typing import Any
 
 from .clock import PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, EventTimeline, WallClockAnchor
-from .diagnostics import warn_once
+from ..diagnostics import warn_once
 from .records import DEVICE_EVENT, HOST_CLOCK, INT64_MAX, TransferRecord
 
 MAX_DEVICE_DURATION_MS = 86_400_000.0
@@ -98,7 +98,7 @@ def _place(record: TransferRecord, anchor: WallClockAnchor | None, timeline: Eve
     except (ArithmeticError, ValueError, TypeError) as exc:  # e.g. int(round(nan)) of an event's offset
         problem = exc
     warn_once("placement", "otel-hicache: a device-timed op could not be placed on the wall clock from its "
-              "events (%s); such ops end where the worker saw them end", reprlib.repr(problem))
+              "events (%s); such ops end where the poller saw them end", reprlib.repr(problem))
     return max(0, bound_ns - duration_ns), PLACEMENT_HOST_COMPLETION
 
 

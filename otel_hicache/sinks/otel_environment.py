@@ -20,7 +20,7 @@ import stat
 from typing import Any, Callable, Mapping, NamedTuple
 from urllib.parse import unquote
 
-from .diagnostics import WITHHELD, shown, warn_once, withhold
+from ..diagnostics import WITHHELD, shown, warn_once, withhold
 from .redaction import userinfo
 
 Retry = tuple[str, Any, str]

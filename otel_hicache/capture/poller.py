@@ -1,0 +1,802 @@
+"""The poller: the one thread of otel-hicache's capture in the serving process.
+
+``submit()`` only appends a list to a bounded queue. The poller does what only the
+serving process can, and nothing else:
+
+1. intake: validate each record (invalid ones are counted and warned about once, never
+   raised), make the host's deferred cause call, send the host slots an op wrote or read
+   (``record.HOST``, in submission order with the frees);
+2. completion: poll ``finish_event.query()`` (never ``synchronize()``, never
+   ``elapsed_time()`` before both events completed), time the op (:mod:`.timing`), resolve
+   its requests' span contexts, time out stuck transfers;
+3. write each completed op as a ``record.OP`` message, and later the end of its ack wait
+   (``record.ACK``: acked, or timed out), and what the gauges show (``record.STATE``), a
+   batch per cycle, to the channel (:mod:`.channel`), which it sends on every so often.
+
+Spans, metrics, host residence and export are the sinks' (:mod:`otel_hicache.sinks`), in
+the telemetry process or, embedded, on this thread once the batch is written.
+
+After ``fork()`` the child starts with an empty poller and a new thread (the parent's
+records stay the parent's) and its own channel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import os
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, NamedTuple
+
+from opentelemetry import trace
+
+from .. import environment_variables as ev
+from .. import record as rec
+from .. import semconv as sc
+from ..diagnostics import logger, warn_once
+from ..environment_variables import DEFAULTS
+from ..settings import env_float, env_int
+from . import fork, request_links
+from .clock import EventTimeline, WallClockAnchor
+from .device import anchor_factory_for
+from .records import DIRECTIONS, S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
+from .timing import is_complete, resolve, resolve_host_clock
+
+
+class PipelineSettings:
+    """The poller's knobs; the defaults are the documented ones (environment_variables.DEFAULTS)."""
+
+    __slots__ = ("max_queue_size", "poll_interval_s", "ack_timeout_ns", "transfer_timeout_ns",
+                 "anchor_interval_s", "stall_warning_s")
+
+    def __init__(self, max_queue_size: int = DEFAULTS[ev.OTEL_HICACHE_MAX_QUEUE_SIZE],
+                 poll_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_POLL_INTERVAL_MS] / 1e3,
+                 ack_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_ACK_TIMEOUT_S],
+                 transfer_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S],
+                 anchor_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_ANCHOR_INTERVAL_S],
+                 stall_warning_s: float = 10.0) -> None:
+        self.max_queue_size, self.poll_interval_s, self.anchor_interval_s = max_queue_size, poll_interval_s, \
+            anchor_interval_s
+        self.ack_timeout_ns, self.transfer_timeout_ns = int(ack_timeout_s * 1e9), int(transfer_timeout_s * 1e9)
+        # a cycle unfinished this long is stuck (an event's query() that never returns):
+        # far longer than any cycle of a poller that keeps up, even one catching up a backlog
+        self.stall_warning_s = stall_warning_s
+
+    @classmethod
+    def from_environment(cls) -> "PipelineSettings":
+        """From the ``OTEL_HICACHE_*`` variables (malformed ones: warned, the default used)."""
+        return cls(env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE),
+                   env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS, minimum=0.01) / 1e3,
+                   env_float(ev.OTEL_HICACHE_ACK_TIMEOUT_S), env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S),
+                   env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01))
+
+
+_IDLE_WAIT_S = 0.05
+_ACTIVE_GRACE_S = 0.1
+_ACK_SCAN_INTERVAL_NS = 5_000_000
+_STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs are sent at most this often (and at every flush)
+# What was written to the channel is sent on at most this often, or once this many ops wait, or at a
+# flush or stop: each send is a system call that wakes the telemetry process, and costs the poller
+# as much as a handful of ops; spans and counters reach the sinks this much later at most.
+_WRITE_INTERVAL_NS = 50_000_000
+_WRITE_OPS = 256
+# A cycle stops taking on work once it has run this long on the thread's CPU clock; the next starts
+# at once, after the poller let go of the GIL: no stretch of it holds the serving thread up longer
+# than this and one op (or one write). Checked every _BUDGET_EVERY records.
+CYCLE_BUDGET_NS = 150_000
+_BUDGET_EVERY = 4
+_INTAKE_PASS = 8  # records popped from the queue per pass (a budget check between passes)
+_LOCK_WAIT_S = 0.05  # the longest wait of another thread for the intake lock (size, stalled)
+
+
+def _ns(value: Any) -> int | float | None:
+    """A submit time usable for an age (an int, a NumPy or torch integer, a finite float), else None."""
+    if type(value) is int:
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value if isinstance(value, float) and math.isfinite(value) else None
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _where(thread: threading.Thread) -> str:
+    """Where a thread of ours is blocked: the first call it made out of otel-hicache (the
+    host's event or callback), as ``function (file:line)``, and the innermost function."""
+    frame = sys._current_frames().get(thread.ident)  # CPython's only way to see another thread's frame
+    if frame is None:
+        return "an unknown place"
+    innermost, callee = frame, frame
+    while frame is not None and not frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        callee, frame = frame, frame.f_back
+    code = callee.f_code
+    where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{callee.f_lineno})"
+    return where if callee is innermost else f"{where}, in {innermost.f_code.co_name}"
+
+
+class _Wake:
+    """The poller's wake-up: ``wait(timeout)`` is one C call (``threading.Event.wait`` is a
+    Condition in Python, more CPU per poll), ``set()`` from any thread; a wait consumes the
+    wake-up, so a ``set()`` is never lost, and a spurious one costs one empty cycle."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # already set
+            pass
+
+    def wait(self, timeout: float) -> bool:
+        return self._lock.acquire(timeout=timeout)
+
+
+class HostFree(NamedTuple):
+    """Host slots the application freed, queued in order with the ops around them."""
+
+    pool_id: int
+    slots: Any
+
+
+class HostPoolRef:
+    """A host pool's name in the capture: what ``host_slots`` and ``host_freed`` pass; its pages
+    are tracked by the sinks (``sinks.host_residence``)."""
+
+    __slots__ = ("pool_id", "name", "slots", "page_size")
+    _ids = itertools.count(1)
+
+    def __init__(self, name: str, slots: int, page_size: int) -> None:
+        self.pool_id = next(self._ids)
+        self.name = name
+        self.slots = slots
+        self.page_size = page_size
+
+    def message(self) -> tuple[Any, ...]:
+        return (rec.POOL, self.pool_id, self.name, self.slots, self.page_size)
+
+
+class Poller:
+    """Takes ``submit()``'s lists in, watches them complete, writes their messages to ``channel``
+    (``write(batch, ops)``, ``stop(timeout)``: :mod:`.channel`), made by ``open_channel()`` on the
+    poller thread at its first batch (again in a forked child)."""
+
+    def __init__(
+        self,
+        settings: PipelineSettings,
+        open_channel: Callable[[], Any],
+        clock: Callable[[], int] = time.time_ns,
+        anchor_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._open_channel = open_channel
+        self._clock = clock
+        self._anchor_factory = anchor_factory
+        self._forked = False
+        self.pools: list[HostPoolRef] = []  # announced to every channel opened (a forked child's too)
+        self._init_state()
+        self._start_thread()
+        fork.after_fork_in_child(self._after_fork_in_child)
+
+    # -- state -----------------------------------------------------------
+    def _init_state(self) -> None:
+        self.queue: deque[Any] = deque()  # submitted lists (records.SUBMISSION_FIELDS) and HostFrees
+        self.held = 0  # records the poller holds (pending + awaiting ack); never below the truth
+        self._pending: list[TransferRecord] = []
+        self._awaiting: list[TransferRecord] = []
+        self._inflight = dict.fromkeys(DIRECTIONS, 0)
+        self._last_ack_scan = 0
+        self._anchor: WallClockAnchor | None = None
+        self._anchor_resolved = False
+        self._timeline = EventTimeline()  # places device-timed ops the anchor cannot
+        self.channel: Any = None
+        self._open_lock = threading.Lock()
+        self._out: list[tuple[Any, ...]] = []  # this cycle's messages
+        self._ops_out = 0
+        self._drops: dict[str, int] = {}
+        self._state_sent: tuple[Any, ...] | None = None
+        self._last_state = 0
+        self._last_send = 0
+        self._unsent_ops = -1  # ops written to the channel and not sent on yet; -1: nothing at all
+        self.cache_totals: Callable[[], Any] | None = None  # cache_events.CacheEvents.changed
+        self._wake = _Wake()
+        self._stopping = False
+        self._drain_all = False
+        self._more = False  # the last cycle stopped at its budget with work left
+        self._stop_called = False
+        self._flush_waiters: list[tuple[int, threading.Event]] = []
+        self._taken = 0  # records taken in from the queue (their intake sequence numbers)
+        self._lock = threading.Lock()
+        # submit() calls refused on a full queue: next() on a count is atomic, so concurrent
+        # submitters never lose one, and it takes no memory per refusal
+        self.refused = itertools.count()
+        self._refused_reported = 0
+        self._refused_reads = 0
+        self._refused_lock = threading.Lock()
+        self._cycle_started: float | None = None  # time.monotonic() of the cycle running now, else None
+        self._stall_reported = False
+        self._stall_written = 0
+        self._abandoned = False  # stop() gave up on a stuck poller and counted what it held
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="otel-hicache-poller", daemon=True)
+        self._thread.start()
+
+    def _after_fork_in_child(self) -> None:
+        channel = self.channel
+        if channel is not None:
+            channel.forget_in_child()  # the parent's telemetry process stays the parent's
+        self._init_state()
+        self._forked = True  # its channel opens at its first batch, after fork() returned
+        self._start_thread()
+
+    def add_pool(self, pool: HostPoolRef) -> None:
+        self.pools.append(pool)
+        self.queue.append(pool)  # announced in order, before the ops that use it
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def size(self) -> int:
+        """Records queued or held. Read under the intake's lock: the poller counts a batch in
+        ``held`` before it pops it from ``queue``, and an unlocked read between the two counts
+        that batch twice."""
+        locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
+        try:
+            return len(self.queue) + self.held
+        finally:
+            if locked:
+                self._lock.release()
+
+    # -- a stuck poller (flush, stop, a refused submit) -------------------------
+    def stalled(self) -> float:
+        """Seconds the current cycle has run when that is past ``stall_warning_s`` (an event's
+        ``query()`` or a host's deferred call that does not return), else 0. Warns once per
+        stall, naming where the poller is blocked."""
+        started = self._cycle_started
+        if started is None or not self._thread.is_alive():
+            return 0.0
+        stalled_for = time.monotonic() - started
+        if stalled_for < self.settings.stall_warning_s:
+            return 0.0
+        if not self._stall_reported:
+            self._stall_reported = True
+            logger.warning(
+                "otel-hicache: the poller has not finished a cycle for %.0f s; it is blocked in %s. "
+                "No transfer is reported until it returns; submits refused meanwhile are counted in "
+                "otel_hicache.records.dropped{reason=queue_full}", stalled_for, _where(self._thread))
+        self._report_stalled()
+        return stalled_for
+
+    def _report_stalled(self) -> None:
+        """While the poller is stuck, the refusals so far and what waits, written from the thread
+        that noticed (at most every ``_STATE_INTERVAL_NS``): the poller cannot."""
+        mono = time.monotonic_ns()
+        if mono - self._stall_written < _STATE_INTERVAL_NS:
+            return
+        self._stall_written = mono
+        channel = self.channel
+        if channel is None:
+            return
+        refused = self._refused_now()
+        batch = [(rec.DROPPED, sc.DROP_QUEUE_FULL, refused)] if refused else []
+        batch.append(self._state_message(time.thread_time()))
+        try:
+            channel.write(batch, 0)
+            send = getattr(channel, "send", None)
+            if send is not None:
+                send()
+        except Exception as exc:  # never into the caller
+            warn_once(f"stall:{type(exc).__name__}", "otel-hicache: cannot report the stuck poller (%r)", exc)
+
+    # -- control (any thread) -----------------------------------------------
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every record submitted before this call was taken in, is no longer in
+        flight and was written to the channel (or ``timeout_s`` passed). Records waiting for
+        an ack stay held."""
+        if not self._thread.is_alive():
+            return not (self.queue or self._pending)
+        done = threading.Event()
+        with self._lock:
+            self._flush_waiters.append((self._taken + len(self.queue), done))
+        self._wake.set()
+        if done.wait(timeout_s):
+            return True
+        self.stalled()
+        return False
+
+    def stop(self, timeout_s: float) -> bool:
+        """Flush, end the ack waits, stop the thread and the channel; all within ``timeout_s``
+        (plus at most 0.1 s for the final cycle)."""
+        deadline = time.monotonic() + timeout_s
+        if self._stop_called or not self._thread.is_alive():
+            return False
+        self._stop_called = True  # (at exit it is called twice: by atexit and by multiprocessing)
+        flushed = self.flush(timeout_s)
+        self._drain_all = True
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(max(0.1, deadline - time.monotonic()))
+        stopped = not self._thread.is_alive()
+        if not stopped and self.stalled():
+            self._abandon()
+        elif self.queue:  # appended by a submit() that raced the final cycle
+            self._drop_queued()
+            self._write()
+        channel = self.channel
+        closed = channel is None or channel.stop(max(0.1, deadline - time.monotonic()), timeout_s)
+        return flushed and stopped and closed
+
+    def _abandon(self) -> None:
+        """At stop, with the poller stuck: what it holds and what is queued is lost, counted now."""
+        self._abandoned = True
+        lost = len(self.queue) + self.held
+        logger.warning("otel-hicache: %d transfers held by the stuck poller were not reported; "
+                       "counted in otel_hicache.records.dropped{reason=shutdown}", lost)
+        channel = self.channel
+        if channel is not None and lost:
+            channel.write([(rec.DROPPED, sc.DROP_SHUTDOWN, lost)], 0)
+
+    # -- the thread --------------------------------------------------------------
+    def _run(self) -> None:
+        poll = self.settings.poll_interval_s
+        last_active = 0.0
+        if not self._forked:  # the sinks' zero series exist from start-up
+            self._opened()
+        while True:
+            taken = self._taken
+            self._cycle_started = time.monotonic()
+            try:
+                self._cycle()
+            except Exception as exc:  # keep the poller alive whatever happens
+                warn_once("worker", "otel-hicache: poller error %r (continuing)", exc)
+                logger.debug("otel-hicache poller error", exc_info=True)
+            finally:
+                self._cycle_started = None
+            if self._abandoned:
+                return
+            if self._stall_reported:
+                self._stall_reported = False
+                logger.warning("otel-hicache: the poller finished its stalled cycle; reporting again")
+            if self._stopping:
+                self._cycle_final()
+                return
+            if self._more:  # cut short by its budget: the rest now, once the others had the GIL
+                time.sleep(0)
+                continue
+            # No wake-up from the hot path: submit() only appends. The poller polls every poll
+            # interval while there is (or recently was) work, and backs off when idle;
+            # flush()/stop() wake it explicitly.
+            now = time.monotonic()
+            if self._pending or self._awaiting or self.queue or self._taken != taken:
+                last_active = now
+            self._wake.wait(poll if now - last_active < _ACTIVE_GRACE_S else _IDLE_WAIT_S)
+
+    def _cycle(self) -> None:
+        queue = self.queue
+        out = self._out
+        clock = time.thread_time_ns
+        end = clock() + CYCLE_BUDGET_NS if not self._drain_all else 1 << 62
+        self._more = False
+        room = self.settings.max_queue_size - len(self._pending) - len(self._awaiting)
+        # 1. intake: at most what the cap leaves room for; the rest stays queued (submit()
+        # refuses beyond the cap), so queued + held never exceeds the cap
+        while queue and room > 0:
+            if clock() > end:
+                self._more = True
+                break
+            with self._lock:  # flush() reads _taken + len(queue) under it
+                count = min(room, len(queue), _INTAKE_PASS)
+                self.held += count  # before the pops: submit() never sees a record in neither place
+                first = self._taken
+                items = [queue.popleft() for _ in range(count)]
+                self._taken = first + count
+            for seq, item in enumerate(items, first):
+                if type(item) is HostFree:  # freed host pages, in order with the ops around them
+                    self.held -= 1
+                    self._host_freed(item)
+                    continue
+                if type(item) is HostPoolRef:
+                    self.held -= 1
+                    out.append(item.message())
+                    continue
+                if self._take_in(item, seq):
+                    room -= 1  # an invalid record takes no room: the next pass takes another
+                if self._abandoned:
+                    return
+        self.held = len(self._pending) + len(self._awaiting)
+        now = self._clock()
+        # 2./3. completion
+        if self._pending:
+            if self._anchor is not None:
+                self._anchor.maybe_refresh(now)
+            still = []
+            timeout = self.settings.transfer_timeout_ns
+            pending = self._pending
+            for index, record in enumerate(pending):
+                if index % _BUDGET_EVERY == 0 and index and clock() > end:
+                    self._more = True
+                    still.extend(pending[index:])
+                    break
+                try:
+                    try:
+                        done = is_complete(record)
+                    except Exception as exc:
+                        self._fail(record, sc.FAIL_EVENT_ERROR, now, exc)
+                        continue
+                    if self._abandoned:  # it returned after stop() counted it lost
+                        return
+                    if done:
+                        self._complete(record, now)
+                    elif now - record.submit_ns > timeout:
+                        self._fail(record, sc.FAIL_TRANSFER_TIMEOUT, now, None)
+                    else:
+                        still.append(record)
+                except Exception as exc:  # a record is handled once, whatever happens
+                    self._internal_error(record, exc)
+            self._pending = still
+        # 4. acks: watched ones every cycle (cheap), the rest (and timeouts) every 5 ms
+        watched = self._watch_acks(now) if self._awaiting else 0
+        if self._awaiting and (self._drain_all or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS
+                               or self._flush_waiters or watched):
+            self._last_ack_scan = now
+            self._scan_acks(now)
+        self.held = len(self._pending) + len(self._awaiting)
+        self._report_queue_full()
+        # forced once a flush can be released (not in the cycles of a backlog: the state reads the queue)
+        self._state(now, force=self._drain_all or (bool(self._flush_waiters) and not self._more and not queue))
+        urgent = bool(self._flush_waiters) or self._drain_all
+        if self._flush_waiters:
+            self._take_drops()
+            out.append((rec.FLUSH, 0))  # the sinks hand what they summed to the SDK now
+        if out or self._drops:
+            self._write()
+        if self._unsent_ops >= 0 and (urgent or self._unsent_ops >= _WRITE_OPS
+                                      or time.monotonic_ns() - self._last_send >= _WRITE_INTERVAL_NS):
+            if clock() > end and not urgent:
+                self._more = True  # the system call is a stretch of its own
+            else:
+                self._send_on()
+        if self._flush_waiters:
+            self._release_flush_waiters()
+
+    def _write(self) -> None:
+        """This cycle's messages to the channel, opened at the first batch (on this thread, after
+        any fork: the channel's process or providers are this process's own)."""
+        self._take_drops()
+        if not self._out:
+            return
+        channel = self._opened()
+        if channel is None:  # kept for the next attempt; past the cap, the ops are counted lost
+            if self._ops_out > self.settings.max_queue_size:
+                self._out = [m for m in self._out if m[0] != rec.OP and m[0] != rec.HOST]
+                self._drop(sc.DROP_INTERNAL_ERROR, self._ops_out)
+                self._ops_out = 0
+            return
+        out, ops = self._out, self._ops_out
+        self._out, self._ops_out = [], 0
+        channel.write(out, ops)
+        self._unsent_ops = max(0, self._unsent_ops) + ops
+
+    def _send_on(self) -> None:
+        """What was written since the last send, to its destination (a system call: rarely)."""
+        self._last_send = time.monotonic_ns()
+        self._unsent_ops = -1
+        send = getattr(self.channel, "send", None)  # (the embedded channel applies at write)
+        if send is not None:
+            send()
+
+    def _take_drops(self) -> None:
+        drops, self._drops = self._drops, {}
+        self._out.extend((rec.DROPPED, reason, count) for reason, count in drops.items())
+
+    def _opened(self) -> Any:
+        """The channel, opened now if it is not (the poller at start-up or its first batch; in a
+        forked child the first submit, on the caller's thread, so that it is never opened in an exit
+        hook, where the SDK's resource detection can no longer start its threads)."""
+        channel = self.channel
+        if channel is None:
+            with self._open_lock:
+                channel = self.channel
+                if channel is None:
+                    try:
+                        channel = self._open_channel()
+                        if self.pools:
+                            channel.write([pool.message() for pool in self.pools], 0)
+                        self.channel = channel
+                    except Exception as exc:  # the poller goes on; the next batch tries again
+                        warn_once(f"channel:{type(exc).__name__}", "otel-hicache: cannot open the telemetry "
+                                  "channel (%r)", exc)
+        return channel
+
+    open_channel = _opened
+
+    def _state(self, now: int, force: bool) -> None:
+        """A ``record.STATE`` when what the gauges show changed, at most every ``_STATE_INTERVAL_NS``."""
+        mono = time.monotonic_ns()
+        if not force and mono - self._last_state < _STATE_INTERVAL_NS:
+            return
+        if self._forked and self.channel is None:  # a forked child that reported nothing: no sinks to tell
+            return
+        self._last_state = mono
+        message = self._state_message(time.thread_time())
+        if message[1:5] == self._state_sent and message[6] is None and not force:
+            return
+        self._state_sent = message[1:5]
+        self._out.append(message)
+
+    def _state_message(self, cpu_s: float) -> tuple[Any, ...]:
+        """What the gauges show now, from snapshots (``tuple()`` of a list is one step under the GIL):
+        the poller's own thread, or one that found it stuck."""
+        oldest: dict[str, Any] = dict.fromkeys(DIRECTIONS)
+        locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
+        try:
+            queued = tuple(self.queue)
+        except RuntimeError:  # a deque mutated while copied (only a GC finalizer could)
+            queued = ()
+        finally:
+            if locked:
+                self._lock.release()
+        inflight = dict(self._inflight)
+        for item in tuple(self._pending):
+            self._older(oldest, item.direction, item.submit_ns)
+        seen = dict.fromkeys(DIRECTIONS, False)
+        for item in queued:  # in submission order: the first of each direction is its oldest
+            if type(item) is list:
+                try:
+                    direction = item[0]
+                    inflight[direction] += 1
+                except (IndexError, KeyError, TypeError):  # not a submission: the intake drops it as invalid_input
+                    continue
+                if not seen[direction]:
+                    seen[direction] = self._older(oldest, direction, item[S_SUBMIT_NS])
+        unacked: dict[str, Any] = dict.fromkeys(DIRECTIONS)
+        for record in tuple(self._awaiting):
+            first = unacked[record.direction]
+            if record.handle[S_ACK_NS] is None and (first is None or record.completed_at_ns < first):
+                unacked[record.direction] = record.completed_at_ns
+        cache = self.cache_totals() if self.cache_totals is not None else None
+        return (rec.STATE, inflight, oldest, unacked, len(queued) + self.held, cpu_s, cache)
+
+    @staticmethod
+    def _older(oldest: dict[str, Any], direction: str, submit_ns: Any) -> bool:
+        """Keeps ``submit_ns`` as ``direction``'s oldest if it is older; False when it is no usable time."""
+        submit_ns = _ns(submit_ns)
+        if submit_ns is None:
+            return False
+        first = oldest.get(direction, 0)
+        if first is None or submit_ns < first:
+            oldest[direction] = submit_ns
+        return True
+
+    def _release_flush_waiters(self) -> None:
+        """A flush is done once every record submitted before it was taken in and is no longer
+        in flight (later submissions do not hold it up)."""
+        oldest_pending = min((r.seq for r in self._pending), default=self._taken)
+        with self._lock:
+            waiting = []
+            for target, done in self._flush_waiters:
+                if self._taken >= target and oldest_pending >= target:
+                    done.set()
+                else:
+                    waiting.append((target, done))
+            self._flush_waiters = waiting
+
+    def _cycle_final(self) -> None:
+        """On stop: what is still in flight is dropped and counted, the ack waits end."""
+        if self._pending:
+            self._drop(sc.DROP_SHUTDOWN, len(self._pending))
+            for record in self._pending:
+                self._inflight[record.direction] -= 1
+            warn_once("shutdown", "otel-hicache: %d transfers still in flight at shutdown were not reported",
+                      len(self._pending))
+            self._pending = []
+        self._scan_acks(self._clock())
+        self.held = 0
+        self._report_queue_full()
+        if self.queue:
+            self._drop_queued()
+        self._state(self._clock(), force=True)
+        self._write()
+        with self._lock:  # nothing is in flight any more: a flush() waiting elsewhere is done
+            waiters, self._flush_waiters = self._flush_waiters, []
+        for _target, done in waiters:
+            done.set()
+
+    def _drop_queued(self) -> None:
+        """Records submitted but never taken in (the poller has stopped): counted, not lost silently."""
+        count = 0
+        while self.queue:
+            if type(self.queue.popleft()) is list:
+                count += 1
+        if count:
+            self._drop(sc.DROP_SHUTDOWN, count)
+            warn_once("shutdown:queued", "otel-hicache: %d transfers submitted during shutdown were not reported",
+                      count)
+
+    def _drop(self, reason: str, count: int = 1) -> None:
+        self._drops[reason] = self._drops.get(reason, 0) + count
+
+    def _refused_now(self) -> int:
+        """submit() calls refused since the last read (any thread)."""
+        # next() is the count's only reader: it returns the calls so far, submit()'s refusals
+        # and the reads here (each read is one call of its own)
+        with self._refused_lock:
+            refused = next(self.refused) - self._refused_reads
+            self._refused_reads += 1
+            drops = refused - self._refused_reported
+            self._refused_reported = refused
+        return drops
+
+    def _report_queue_full(self) -> None:
+        drops = self._refused_now()
+        if drops:
+            self._drop(sc.DROP_QUEUE_FULL, drops)
+            warn_once("queue_full", "otel-hicache: transfer record queue full (OTEL_HICACHE_MAX_QUEUE_SIZE=%d); "
+                      "dropping records, counted in otel_hicache.records.dropped{reason=queue_full}",
+                      self.settings.max_queue_size)
+
+    # -- one record -----------------------------------------------------------------
+    def _take_in(self, item: list[Any], seq: int) -> bool:
+        """Validate a submitted list and hold it until it completes; False if it was dropped."""
+        record = None
+        try:
+            record = TransferRecord(item)
+            record.seq = seq
+            try:
+                validate(record)  # may call the host's deferred cause
+            except Exception as exc:  # whatever the caller passed, count it and go on
+                self.held -= 1
+                self._drop(sc.DROP_INVALID_INPUT)
+                warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
+                          "otel-hicache: dropped a transfer record: %s", exc)
+                return False
+            if record.host_slots is not None:
+                self._host_pages(record)
+            self._inflight[record.direction] += 1
+            self._pending.append(record)
+            return True
+        except Exception as exc:  # one record lost, counted; never the rest of its batch
+            self.held -= 1
+            self._drop(sc.DROP_INTERNAL_ERROR)
+            warn_once(f"intake:{type(exc).__name__}", "otel-hicache: a record could not be taken in (%r); "
+                      "counted in otel_hicache.records.dropped{reason=internal_error}", exc)
+            logger.debug("otel-hicache intake error", exc_info=True)
+            return False
+
+    def _host_pages(self, record: TransferRecord) -> None:
+        """The pages an offload wrote or a load-back read, as plain bytes, at intake."""
+        pool, slots = record.host_slots
+        try:
+            if callable(slots):
+                slots = slots()
+            self._out.append((rec.HOST, record.seq, pool.pool_id, record.direction, rec.slot_bytes(slots),
+                              record.submit_ns, record.cause, record.num_bytes))
+        except Exception as exc:  # the op is still reported; its pages are not tracked
+            warn_once(f"host_pages:{type(exc).__name__}", "otel-hicache: cannot track an op's host pages (%r)", exc)
+
+    def _host_freed(self, item: HostFree) -> None:
+        try:
+            slots = item.slots() if callable(item.slots) else item.slots
+            self._out.append((rec.FREE, item.pool_id, rec.slot_bytes(slots)))
+        except Exception as exc:
+            warn_once(f"host_freed:{type(exc).__name__}", "otel-hicache: cannot track freed host pages (%r)", exc)
+
+    def _anchor_for(self, record: TransferRecord) -> WallClockAnchor | None:
+        if not self._anchor_resolved:
+            self._anchor_resolved = True
+            factory = self._anchor_factory
+            if factory is None:
+                try:
+                    factory = anchor_factory_for(record.start_event)
+                except Exception:
+                    factory = None
+            if factory is not None:
+                self._anchor = WallClockAnchor(factory, self.settings.anchor_interval_s, self._clock)
+                self._anchor.refresh()
+        return self._anchor
+
+    def _complete(self, record: TransferRecord, now: int) -> None:
+        anchor = self._anchor_for(record) if record.timing_enabled and record.start_event is not None else None
+        resolve(record, now, anchor, self._timeline)
+        if record.expect_ack and record.handle[S_ACK_NS] is None and record.ack_watch is not None:
+            record.completed_at_ns = now
+            self._watch_acks(now, [record])  # taken before we saw it complete?
+        self._send(record)
+        if record.expect_ack and record.handle[S_ACK_NS] is None:
+            record.completed_at_ns = now
+            self._awaiting.append(record)
+
+    def _send(self, record: TransferRecord) -> None:
+        """The op as a ``record.OP`` message (its requests and parent resolved here: they are this
+        process's objects)."""
+        if record.requests is not None:
+            try:
+                contexts, record.request_links_dropped = request_links.resolve(record.requests)
+                record.request_links = tuple(map(rec.context_tuple, contexts))
+            except Exception as exc:  # the span is still made, without them
+                warn_once(f"requests:{type(exc).__name__}", "otel-hicache: cannot link an op's requests (%r)", exc)
+        parent = record.parent_context
+        if parent is not None:
+            parent = rec.context_tuple(trace.get_current_span(parent).get_span_context())
+        attributes = record.attributes
+        self._out.append((
+            rec.OP, record.seq, record.direction, record.origin, record.cause, record.cause_parts, record.tokens,
+            record.blocks, record.pool_names, record.pool_tokens, record.num_bytes, record.page_size,
+            record.io_backend, dict(attributes) if attributes else None, record.timing_source, record.placement,
+            record.start_ns, record.end_ns, record.duration_ns, record.queue_wait_ns, record.error,
+            record.submit_ns, record.handle[S_ACK_NS], record.expect_ack, parent, record.request_links,
+            record.request_links_dropped))
+        self._ops_out += 1
+        self._inflight[record.direction] -= 1
+
+    def _watch_acks(self, now: int, awaiting: list[TransferRecord] | None = None) -> int:
+        """Stamp the ack time of watched records whose item left its container: one snapshot per
+        container per call (``tuple(list)`` is atomic under the GIL), then an identity lookup per
+        record. Returns how many were stamped."""
+        snapshots: dict[int, set[int] | None] = {}
+        stamped = 0
+        for record in self._awaiting if awaiting is None else awaiting:
+            watch = record.ack_watch
+            if watch is None or record.handle[S_ACK_NS] is not None:
+                continue
+            container, item = watch
+            key = id(container)
+            present = snapshots.get(key, False)
+            if present is False:
+                try:
+                    present = {id(x) for x in tuple(container)}
+                except RuntimeError:  # a deque mutated while copied: next cycle
+                    present = None
+                except Exception as exc:
+                    present = None
+                    record.ack_watch = None
+                    warn_once(f"ack_watch:{type(container).__name__}",
+                              "otel-hicache: cannot read the ack_watch container %s (%r); such ops wait for "
+                              "ack() or the ack timeout", type(container).__name__, exc)
+                snapshots[key] = present
+            if present is not None and id(item) not in present:
+                record.handle[S_ACK_NS] = now
+                stamped += 1
+        return stamped
+
+    def _scan_acks(self, now: int) -> None:
+        timeout = self.settings.ack_timeout_ns
+        keep = []
+        for record in self._awaiting:
+            ack_ns = record.handle[S_ACK_NS]
+            if ack_ns is not None or self._drain_all or now - record.completed_at_ns > timeout:
+                self._out.append((rec.ACK, record.seq, ack_ns))
+            else:
+                keep.append(record)
+        self._awaiting = keep
+
+    def _internal_error(self, record: TransferRecord, exc: BaseException) -> None:
+        self._inflight[record.direction] -= 1
+        self._drop(sc.DROP_INTERNAL_ERROR)
+        warn_once(f"internal:{type(exc).__name__}", "otel-hicache: a record could not be reported (%r); counted "
+                  "in otel_hicache.records.dropped{reason=internal_error}", exc)
+        logger.debug("otel-hicache internal error", exc_info=True)
+
+    def _fail(self, record: TransferRecord, reason: str, now: int, exc: BaseException | None) -> None:
+        record.error = reason
+        resolve_host_clock(record, now)  # an event misbehaved or never finished: host clock only
+        record.expect_ack = False
+        self._send(record)
+        if reason == sc.FAIL_EVENT_ERROR:
+            warn_once(f"event_error:{type(exc).__name__}",
+                      "otel-hicache: a transfer's event raised %r; reported as an error span", exc)
+        else:
+            warn_once("transfer_timeout",
+                      "otel-hicache: a transfer did not complete within OTEL_HICACHE_TRANSFER_TIMEOUT_S=%.0f s; "
+                      "reported as an error span and its slot freed", self.settings.transfer_timeout_ns / 1e9)

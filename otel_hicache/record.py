@@ -1,0 +1,156 @@
+"""What the capture hands to the sinks: batches of messages made of plain values.
+
+The capture (:mod:`otel_hicache.capture`, in the serving process) writes batches, lists of
+the tuples below, to a channel; the sinks (:mod:`otel_hicache.sinks`, in the telemetry
+process or on the poller thread) read them in order. Plain values only (ints, floats,
+strings, bytes, tuples, dicts of them): a batch pickles in one call, and nothing in it
+refers back to the serving process's objects.
+
+Each message is a tuple whose first item is its kind:
+
+* ``OP``: one merged op (or direct copy) seen complete, ``OP_FIELDS`` in order;
+* ``ACK``: ``(ACK, seq, ack_ns or None)``, the end of the ack wait of the op ``seq``
+  (None: the wait timed out, or the serving process stopped waiting);
+* ``HOST``: ``(HOST, seq, pool id, direction, slots, submit_ns, cause, num_bytes)``, the
+  host pages an op wrote or read, at intake (submission order, with the frees);
+* ``POOL``: ``(POOL, pool id, name, slots, page_size)``, a host pool made;
+* ``FREE``: ``(FREE, pool id, slots)``, host slots the application freed;
+* ``DROPPED``: ``(DROPPED, reason, count)``, records the capture could not report;
+* ``STATE``: ``(STATE, STATE_FIELDS...)``, what the gauges show, sent when it changes;
+* ``FLUSH``: ``(FLUSH, token)``, the channel's: export what came before, then say so (token 0,
+  the poller's: hand the summed counters to the SDK, no export);
+* ``STOP``: ``(STOP, seconds)``, the channel's last: the serving process stops, export what
+  came before within ``seconds`` and exit.
+
+Between processes a batch is a frame: its pickle's length (``FRAME_HEADER``) and the
+pickle. The telemetry process answers on its standard output, a line per answer:
+``hello`` (its sinks are built), ``taken <ops>`` (OP messages it took in so far) and
+``flushed <token> <0|1>``.
+
+Slots are token slot indices as the bytes of an int64 array (:func:`slot_bytes`). Trace
+and span contexts are ``(trace_id, span_id, trace_flags, is_remote, trace_state)``, the
+state as a tuple of ``(key, value)`` pairs.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Final
+
+OFFLOAD = "offload"
+"""Write-back: device (L1) to host (L2)."""
+ONBOARD = "onboard"
+"""Load-back: host (L2) to device (L1)."""
+DIRECTIONS = (OFFLOAD, ONBOARD)
+TIERS = {OFFLOAD: ("L1", "L2"), ONBOARD: ("L2", "L1")}
+"""Source and destination tier of each direction."""
+
+MERGED_OP = "merged_op"
+"""An op whose consumer takes an ack (``expect_ack=True``)."""
+DIRECT = "direct"
+"""A copy nobody acknowledges (``expect_ack=False``)."""
+ORIGINS = (MERGED_OP, DIRECT)
+
+DEVICE_EVENT = "device_event"
+"""Duration from ``start_event.elapsed_time(finish_event)``."""
+HOST_CLOCK = "host_clock"
+"""Duration from the host clock (no timing events, or they failed)."""
+
+INT64_MAX = 2**63 - 1
+"""The largest count or time any OTLP exporter can encode (int64 values, nanosecond times):
+a larger one would make every export of its batch, or of a cumulative counter, fail."""
+
+# The GPU of the serving process, as capture.device.current_device() names it for the sinks
+# (the host link's capacity, read from NVML): (kind, value)
+BUS_ID: Final = "pci_bus_id"  # value: "00000000:3B:00.0"
+UUID: Final = "uuid"  # value: "GPU-..." or "MIG-..."
+INDEX: Final = "index"  # value: an NVML index
+ONLY: Final = "only"  # the one GPU NVML sees, if it sees exactly one
+NONE: Final = "none"  # value: why no GPU can be named
+
+OP, ACK, HOST, POOL, FREE, DROPPED, STATE, FLUSH, STOP = range(9)
+
+FRAME_HEADER = struct.Struct("<I")
+
+OP_FIELDS = (
+    "seq",  # intake order, per serving process
+    "direction",
+    "origin",
+    "cause",
+    "cause_parts",  # a mixed merged op's ((cause, pool names, pool tokens, bytes), ...), else None
+    "tokens",
+    "blocks",
+    "pool_names",
+    "pool_tokens",
+    "num_bytes",
+    "page_size",
+    "io_backend",
+    "attributes",  # the call's own span attributes (a dict), or None
+    "timing_source",
+    "placement",  # hicache.placement_source of device-timed ops, else None
+    "start_ns",
+    "end_ns",
+    "duration_ns",
+    "queue_wait_ns",
+    "error",  # semconv.FAIL_* of an op that failed, else None
+    "submit_ns",
+    "ack_ns",  # the ack time when the op was acked before it was seen complete, else None
+    "expect_ack",  # an ACK message follows when this is true and ack_ns is None
+    "parent",  # the span context current at submit, or None
+    "request_links",  # the sampled request span contexts it served or wrote
+    "request_links_dropped",
+)
+
+STATE_FIELDS = (
+    "inflight",  # {direction: ops submitted and not yet seen complete}
+    "oldest_inflight_ns",  # {direction: submit time of the oldest of them, or None}
+    "oldest_unacked_ns",  # {direction: completion time of the oldest op waiting for its ack, or None}
+    "queue_size",  # records queued or held by the capture
+    "poller_cpu_s",  # CPU seconds of the poller thread so far
+    "cache_events",  # {kind: {attribute pairs: total}} (capture.cache_events), or None: unchanged
+)
+
+
+def encodes(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8: one with a lone surrogate would make every export of
+    its batch (and, as a label, of its series) fail."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def context_tuple(context: Any) -> tuple[int, int, int, bool, tuple[tuple[str, str], ...]] | None:
+    """A ``SpanContext`` as plain values, or None when it is not valid."""
+    if context is None or not context.is_valid:
+        return None
+    state = context.trace_state
+    return (context.trace_id, context.span_id, int(context.trace_flags), bool(context.is_remote),
+            tuple(state.items()) if state else ())
+
+
+def slot_bytes(slots: Any) -> bytes:
+    """Token slot indices (a NumPy or CPU torch array, a sequence of ints, a range, or a
+    sequence of arrays) as the bytes of an int64 array. Raises TypeError or ValueError for
+    anything else, a device tensor among them (reading one would synchronize)."""
+    from array import array
+
+    if isinstance(slots, range) or (isinstance(slots, (list, tuple)) and (not slots or isinstance(slots[0], int))):
+        if not all(type(slot) is int for slot in slots):  # pylint: disable=unidiomatic-typecheck  # not bool
+            raise TypeError("host slots must be integers")
+        return array("q", slots).tobytes()
+    parts = slots if isinstance(slots, (list, tuple)) else (slots,)
+    out = bytearray()
+    for part in parts:
+        if not getattr(part, "is_cpu", True):
+            raise ValueError("host slots must be in host memory (reading a device tensor would synchronize)")
+        if hasattr(part, "numpy") and not hasattr(part, "__array_interface__"):  # a torch tensor
+            part = part.numpy()
+        kind = getattr(getattr(part, "dtype", None), "kind", None)
+        if kind not in ("i", "u"):
+            raise TypeError(f"host slots must be integers, got {getattr(part, 'dtype', type(part).__name__)}")
+        out += part.reshape(-1).astype("int64", copy=False).tobytes()
+    return bytes(out)

@@ -1,0 +1,241 @@
+"""Where the capture's messages become telemetry: one consumer per serving process.
+
+:meth:`Consumer.apply` takes each batch the poller wrote (:mod:`otel_hicache.record`), in
+order, and drives the sinks: busy time, host residence (pages written, read and freed,
+and the links of a load-back to the offloads that wrote its pages), the span of each op
+(begun with its metrics, so a histogram exemplar carries it, and finished at the end of
+its ack wait), the DEBUG lines, the capture's drop counts and the gauges' state. It runs
+in the telemetry process (:mod:`.process`) or, embedded, on the poller thread
+(:mod:`.embedded`): the same code either way.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from typing import Any, Callable, Mapping
+
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+from opentelemetry.trace.propagation import set_span_in_context
+
+from .. import record as rec
+from .. import semconv as sc
+from ..diagnostics import logger, warn_once
+from .busy_time import BusyTimeTracker
+from .cache_events import CacheEventCounters
+from .host_residence import SMALL_OP_SLOTS, make_host_pool
+from .link_capacity import LinkCapacity
+from .logs import TransferLog
+from .metrics import TransferMetrics
+from .self_metrics import TelemetryCpu
+from .span_sampling import SpanSamplingSettings
+from .spans import SpanBuilder
+
+HAND_OVER_INTERVAL_NS = 50_000_000
+"""Summed counter increments reach the SDK at least this often (and at every flush): a handful
+of SDK calls per interval instead of several per op; collections see counters at most this
+much behind the histograms, which are recorded per op."""
+_BUSY_LATE_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
+
+
+class Op:
+    """One op as the sinks see it: the ``record.OP_FIELDS`` and what the sinks add."""
+
+    __slots__ = (*rec.OP_FIELDS, "parent_context", "span_context", "exemplar_context", "host_written",
+                 "host_pool", "reuse", "links", "links_dropped")
+
+    def __init__(self, message: tuple[Any, ...]) -> None:
+        for name, value in zip(rec.OP_FIELDS, message[1:]):
+            setattr(self, name, value)
+        parent = self.parent
+        self.parent_context = set_span_in_context(NonRecordingSpan(span_context(parent))) if parent else None
+        self.request_links = tuple(map(span_context, self.request_links))
+        self.span_context = self.exemplar_context = self.host_written = self.host_pool = self.reuse = None
+        self.links = ()
+        self.links_dropped = 0
+
+
+def span_context(values: tuple[Any, ...]) -> SpanContext:
+    """A ``record.context_tuple()`` as a ``SpanContext``."""
+    trace_id, span_id, flags, remote, state = values
+    return SpanContext(trace_id, span_id, is_remote=remote, trace_flags=TraceFlags(flags),
+                       trace_state=TraceState(list(state)) if state else None)
+
+
+def _slots(data: bytes) -> Any:
+    """``record.slot_bytes()`` back as slot indices: a list for a small op, else a NumPy array."""
+    if len(data) <= 8 * SMALL_OP_SLOTS:
+        slots = array("q")
+        slots.frombytes(data)
+        return slots.tolist()
+    import numpy as np
+
+    return np.frombuffer(data, dtype=np.int64)
+
+
+class Consumer:
+    """The sinks of one serving process, on ``tracer_provider`` and ``meter_provider``.
+
+    ``hello`` says what the capture knows of its process: ``attributes`` (the static ones),
+    ``device`` (for the host link's capacity), ``pools`` (POOL messages sent before).
+    """
+
+    def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        static = dict(hello.get("attributes") or {})
+        self.metrics = TransferMetrics(meter_provider, static, clock)  # (the ages: on the capture's clock)
+        sampling = hello.get("span_sampling")
+        settings = SpanSamplingSettings(*sampling) if sampling else SpanSamplingSettings.from_environment()
+        self.spans = SpanBuilder(tracer_provider, static, settings.policy(static), self.metrics.span_decision)
+        self.log = TransferLog()
+        self.cpu = TelemetryCpu(meter_provider, static, in_process=bool(hello.get("embedded")))
+        self.cache_events = CacheEventCounters(meter_provider, static)
+        LinkCapacity(static, hello.get("device")).bind(meter_provider)
+        self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
+        self._pools: dict[int, Any] = {}
+        self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> (pool, pages written, reuse): HOST to OP
+        self._awaiting: dict[int, tuple[Op, Any]] = {}  # seq -> (op, span) waiting for its ACK
+        self._oldest_inflight: dict[str, Any] = dict.fromkeys(rec.DIRECTIONS)
+        self.taken = 0  # OP messages taken in
+        for message in hello.get("pools") or ():
+            self._pool(message)
+        lost = hello.get("lost") or 0
+        if lost:
+            self.metrics.dropped_records(sc.DROP_TELEMETRY_PROCESS_LOST, lost)
+        self._handlers = {rec.OP: self._op, rec.ACK: self._ack, rec.HOST: self._host_pages, rec.POOL: self._pool,
+                          rec.FREE: self._freed, rec.DROPPED: self._dropped, rec.STATE: self._state,
+                          rec.FLUSH: self._flush, rec.STOP: _ignore}
+        self._handed_over = time.monotonic_ns()
+
+    def apply(self, batch: list[tuple[Any, ...]]) -> None:
+        """Every message of ``batch``, in order; one that fails is counted and the rest go on."""
+        handlers = self._handlers
+        for message in batch:
+            try:
+                handlers[message[0]](message)
+            except Exception as exc:  # pylint: disable=broad-except  # one message, never the batch
+                if message[0] == rec.OP or message[0] == rec.ACK:  # an op, or its span at the end of its wait
+                    self.metrics.dropped_records(sc.DROP_INTERNAL_ERROR)
+                warn_once(f"consumer:{type(exc).__name__}", "otel-hicache: a transfer record could not be "
+                          "reported (%r); counted in otel_hicache.records.dropped{reason=internal_error}", exc)
+                logger.debug("otel-hicache consumer error", exc_info=True)
+        if time.monotonic_ns() - self._handed_over >= HAND_OVER_INTERVAL_NS:
+            self.flush()
+
+    def idle(self) -> None:
+        """No batch for a while (the telemetry process's input was quiet, or the poller's periodic
+        send): what was summed since the last hand-over goes to the SDK now."""
+        if self.metrics.pending():
+            self.flush()
+
+    def flush(self) -> None:
+        """The summed counter increments to the SDK (before the providers export)."""
+        self._handed_over = time.monotonic_ns()
+        self.metrics.flush()
+
+    def close(self) -> None:
+        """The end of the input: every ack wait ends (unacked), the counters are handed over."""
+        for seq in list(self._awaiting):
+            self._ack((rec.ACK, seq, None))
+        self.metrics.flush()
+
+    # -- messages -----------------------------------------------------------------------
+    def _op(self, message: tuple[Any, ...]) -> None:
+        self.taken += 1
+        op = Op(message)
+        host = self._host.pop(op.seq, None)
+        if host is not None:
+            op.host_pool, pages, op.reuse = host
+            if pages is not None:
+                op.host_written = (op.host_pool, pages)
+        if op.error is not None:
+            state = self.spans.begin(op)
+            self.metrics.failed_record(op, op.error)
+            self.spans.finish(op, state)
+            return
+        busy_added = self._busy[op.direction].add(op.start_ns, op.end_ns)
+        if op.reuse is not None:
+            try:
+                op.links, op.links_dropped = op.host_pool.links(op.reuse)
+            except Exception as exc:  # the span is still made, without links
+                warn_once(f"links:{type(exc).__name__}", "otel-hicache: cannot link a load-back's span (%r)", exc)
+        state = self.spans.begin(op)
+        written = op.host_written
+        if written is not None and op.span_context is not None and op.span_context.trace_flags.sampled:
+            written[0].link(written[1], op.span_context.trace_id, op.span_context.span_id)
+        self.metrics.completed(op, busy_added)
+        self.log.completed(op, busy_added)
+        if op.expect_ack and op.ack_ns is None:
+            self._awaiting[op.seq] = (op, state)
+        else:
+            self._finish(op, state)
+
+    def _finish(self, op: Op, state: Any) -> None:
+        if op.ack_ns is not None:
+            self.metrics.acked(op)
+        self.spans.finish(op, state)
+
+    def _ack(self, message: tuple[Any, ...]) -> None:
+        entry = self._awaiting.pop(message[1], None)
+        if entry is not None:  # (an op dropped on the way has none)
+            entry[0].ack_ns = message[2]
+            self._finish(*entry)
+
+    def _pool(self, message: tuple[Any, ...]) -> None:
+        _kind, pool_id, name, slots, page_size = message
+        if pool_id not in self._pools:
+            self._pools[pool_id] = make_host_pool(slots, page_size, name)
+
+    def _host_pages(self, message: tuple[Any, ...]) -> None:
+        """An op's host pages at intake: an offload writes them, a load-back reads them (its
+        residence and bytes now; its links when its span starts)."""
+        _kind, seq, pool_id, direction, data, submit_ns, cause, num_bytes = message
+        pool = self._pools.get(pool_id)
+        if pool is None:  # no NumPy, or a bad size (warned once)
+            return
+        try:
+            slots = _slots(data)
+            if direction == rec.OFFLOAD:
+                pages, waste = pool.written(slots, submit_ns, cause, num_bytes)
+                self._host[seq] = (pool, pages, None)
+                if waste is not None:
+                    self.metrics.host_waste(waste, pool.page_size)
+            else:
+                reuse = pool.read(slots, submit_ns)
+                self._host[seq] = (pool, None, reuse)
+                if reuse is not None:
+                    self.metrics.host_reuse(cause, reuse)
+        except Exception as exc:  # the op is still reported; its pages are not tracked
+            warn_once(f"host_pages:{type(exc).__name__}", "otel-hicache: cannot track an op's host pages (%r)", exc)
+
+    def _freed(self, message: tuple[Any, ...]) -> None:
+        pool = self._pools.get(message[1])
+        if pool is not None:
+            waste = pool.freed(_slots(message[2]))
+            if waste is not None:
+                self.metrics.host_waste(waste, pool.page_size)
+
+    def _dropped(self, message: tuple[Any, ...]) -> None:
+        if message[2]:
+            self.metrics.dropped_records(message[1], message[2])
+
+    def _state(self, message: tuple[Any, ...]) -> None:
+        inflight, oldest_inflight, oldest_unacked, queue_size, poller_cpu_s, cache = message[1:]
+        self.metrics.state(inflight, oldest_inflight, oldest_unacked, queue_size)
+        self.cpu.poller_cpu_s = poller_cpu_s
+        if cache is not None:
+            self.cache_events.totals = cache
+        # busy intervals ending well before the oldest op in flight can never overlap one to come
+        oldest = min((t for t in oldest_inflight.values() if t is not None), default=None)
+        if oldest is not None or not any(inflight.values()):
+            for direction, tracker in self._busy.items():
+                cutoff = oldest if oldest is not None else tracker.latest_end
+                if cutoff is not None:
+                    tracker.forget_before(cutoff - _BUSY_LATE_MARGIN_NS)
+
+    def _flush(self, _message: tuple[Any, ...]) -> None:
+        self.flush()  # (the telemetry process also exports, for the FLUSH of a force_flush())
+
+
+def _ignore(_message: tuple[Any, ...]) -> None:
+    """STOP: for the telemetry process itself (its export bound)."""

@@ -1,0 +1,58 @@
+"""The embedded channel: the sinks on the poller thread of the serving process.
+
+For providers the caller passes (their own, or the tests'), for ``configure()`` when it
+exports nothing over the network (``OTEL_HICACHE_TELEMETRY_PROCESS``), and as the
+fallback when no telemetry process can be started or after it died repeatedly. The same
+consumer as the telemetry process's (:mod:`.consumer`): each batch is applied as the
+poller writes it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from .bounded_flush import bounded
+from .consumer import Consumer
+
+
+class EmbeddedChannel:
+    """Batches straight to a :class:`~.consumer.Consumer` on ``tracer_provider`` and ``meter_provider``."""
+
+    def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        self.tracer_provider = tracer_provider
+        self.meter_provider = meter_provider
+        self._lock = threading.Lock()  # the poller applies; a flush or stop hands over from another thread
+        self.consumer = Consumer(tracer_provider, meter_provider, {**hello, "embedded": True}, clock)
+
+    def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
+        with self._lock:
+            self.consumer.apply(batch)
+
+    def send(self) -> None:
+        """The poller's periodic send: applied at write already, the counters summed since are handed
+        over once the interval passed (the poller sends after its last batch too)."""
+        with self._lock:
+            self.consumer.idle()
+
+    def hand_over(self) -> None:
+        """What the consumer summed, to the SDK now (no export)."""
+        with self._lock:
+            self.consumer.flush()
+
+    def flush(self, timeout_s: float) -> bool:
+        with self._lock:
+            self.consumer.flush()
+        return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
+
+    def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
+        """Ends the ack waits and exports; the providers stay up (they are the caller's, or
+        ``configure()``'s, shut down at exit)."""
+        with self._lock:
+            self.consumer.close()
+        return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
+
+    def forget_in_child(self) -> None:
+        """In a forked child: this consumer's state is the parent's; the child opens its own."""

@@ -1,0 +1,141 @@
+"""The telemetry process: ``python -m otel_hicache.sinks.process``, one per serving process.
+
+Started by the capture's channel (:mod:`otel_hicache.capture.channel`) with the serving
+process's interpreter and environment. Its first frame (the hello) carries the serving
+process's resource, so both processes' telemetry joins; its providers are built from the
+same ``OTEL_*`` variables (:mod:`.providers`). Then each frame is a batch for the consumer;
+a ``FLUSH`` is answered once what came before it is exported. At the end of its input
+(the serving process stopped, or ended in any way) it ends the ack waits, exports what it
+has (bounded by ``OTEL_HICACHE_SHUTDOWN_TIMEOUT_S``) and exits. It runs at a lower CPU
+priority than the serving process, and ignores the terminal's Ctrl-C (the serving process
+ends it by closing its input, after its own last records).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import select
+import signal
+import sys
+import time
+from typing import Any
+
+from .. import environment_variables as ev
+from .. import record as rec
+from ..diagnostics import logger, mark_warned
+from ..settings import env_float
+
+NICENESS = 10  # below the serving process: export waits, serving does not
+_TAKEN_EVERY_S = 0.05  # how often at most the count of ops taken in is sent back
+_PARENT_CHECK_S = 1.0  # an idle read looks this often whether the serving process is still there
+_IDLE_S = 0.05  # an idle read hands the summed counters to the SDK this often (consumer.idle)
+
+
+class _Input:
+    """The frames of a pipe, read whole; ``None`` at its end, or once the serving process is
+    gone while something else keeps its end open (checked on every idle second)."""
+
+    def __init__(self, fd: int, parent: int, idle: Any) -> None:
+        self._fd = fd
+        self._parent = parent
+        self._idle = idle
+        self._buffer = bytearray()
+
+    def _fill(self, size: int) -> bool:
+        waited = 0.0
+        while len(self._buffer) < size:
+            readable, _, _ = select.select([self._fd], [], [], _IDLE_S)
+            if not readable:
+                self._idle()
+                waited += _IDLE_S
+                if waited >= _PARENT_CHECK_S:
+                    waited = 0.0
+                    if os.getppid() != self._parent:
+                        return False
+                continue
+            chunk = os.read(self._fd, 1 << 20)
+            if not chunk:
+                return False
+            self._buffer += chunk
+        return True
+
+    def frames(self) -> Any:
+        """Each pickled object of each frame (a frame holds one or more)."""
+        header = rec.FRAME_HEADER.size
+        while self._fill(header):
+            size = header + rec.FRAME_HEADER.unpack_from(self._buffer)[0]
+            if not self._fill(size):
+                return
+            data = io.BytesIO(bytes(self._buffer[header:size]))
+            del self._buffer[:size]
+            end = size - header
+            while data.tell() < end:
+                yield pickle.load(data)  # (a new unpickler each: each pickle has its own memo)
+
+
+def _answer(answers: Any, line: bytes) -> None:
+    """An answer to the serving process; once it stopped reading (it stops, or ended), none is
+    needed: what came in is still exported."""
+    try:
+        answers.write(line)
+    except OSError:
+        pass
+
+
+def _resource(hello: dict[str, Any]) -> Any:
+    from opentelemetry.sdk.resources import Resource
+
+    return Resource(hello.get("resource") or {}, hello.get("schema_url") or None)
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        os.nice(NICENESS)
+    except OSError:
+        pass
+    answers = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # anything printed goes to the serving process's standard error, not into the answers
+    sys.stdout = sys.stderr
+    parent = os.getppid()
+    consumer: Any = None
+    frames = _Input(0, parent, lambda: consumer.idle() if consumer is not None else None).frames()
+    hello = next(frames, None)
+    if not isinstance(hello, dict):
+        return 1
+    mark_warned(hello.get("warned") or [])
+    level = hello.get("log_level")
+    if level:  # the serving process logs otel-hicache at DEBUG: so does this one, to the same standard error
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [telemetry process] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(level)
+    from .consumer import Consumer
+    from .providers import build
+
+    providers = build(_resource(hello))
+    consumer = Consumer(providers.tracer_provider, providers.meter_provider, hello)
+    _answer(answers, b"hello\n")  # (from here, the loss the hello reports is this process's to export)
+    last_answer = 0.0
+    bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
+    for batch in frames:
+        bound = next((m[1] for m in batch if m[0] == rec.STOP), bound)
+        flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]  # (0: the poller's, no export)
+        consumer.apply(batch)
+        if flushes:
+            ok = providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
+            _answer(answers, b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
+        now = time.monotonic()
+        if flushes or now - last_answer >= _TAKEN_EVERY_S:
+            _answer(answers, b"taken %d\n" % consumer.taken)
+            last_answer = now
+    consumer.close()
+    providers.shutdown(bound)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Tracer and meter providers from the standard ``OTEL_*`` variables, built of the SDK's parts.
+
+As the SDK's configurator does, privately (the host's global providers are left alone)
+and per process: exporters by the SDK's entry-point names, each SDK object reading its
+own variables (:mod:`.otel_environment` retries what a constructor rejects), and this
+meter provider handed to them for the SDK's ``otel.sdk.*`` self-metrics. Added where the
+SDK lacks it: a bounded shutdown. ``docs/configuration.md`` has the details.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from ..diagnostics import logger, shown, warn_once, withhold
+from ..settings import sdk_disabled
+from . import otel_environment
+from .bounded_flush import bounded
+from .http_session import otlp_session
+
+
+class Undelivered:
+    """Per batch processor, the sampled spans it was given against those its exporter was handed:
+    what is left at exit was never sent (the SDK's own counts die with the process). Wrappers
+    around each processor's ``on_end`` and its exporter's ``export``, public methods both."""
+
+    def __init__(self) -> None:
+        self._counts: list[list[int]] = []  # [ended, handed] per processor
+
+    def counting(self, processor: Any, exporter: Any) -> Any:
+        counts = [0, 0]
+        self._counts.append(counts)
+        on_end, export = processor.on_end, exporter.export
+
+        def ended(span: Any) -> Any:
+            if span.context is not None and span.context.trace_flags.sampled:
+                counts[0] += 1
+            return on_end(span)
+
+        def handed(spans: Any, *args: Any, **kwargs: Any) -> Any:
+            counts[1] += len(spans)
+            return export(spans, *args, **kwargs)
+
+        processor.on_end, exporter.export = ended, handed
+        return processor
+
+    def left(self) -> int:
+        return max((ended - handed for ended, handed in self._counts), default=0)
+
+
+@dataclass
+class Providers:
+    """A tracer and a meter provider, and what they export with."""
+
+    tracer_provider: Any
+    meter_provider: Any
+    disabled: bool
+    metric_readers: Sequence[Any] = ()
+    span_processors: Sequence[Any] = ()
+    undelivered: Undelivered | None = None
+
+    def shutdown(self, timeout_s: float) -> bool:
+        done = bounded("shutdown", self.tracer_provider, self.meter_provider, timeout_s)
+        left = self.undelivered.left() if self.undelivered is not None else 0
+        if left:  # no metric can carry this any more
+            logger.warning("otel-hicache: %d spans were still queued at exit and were not delivered (collector "
+                           "unreachable or slow?)", left)
+        return done
+
+    def force_flush(self, timeout_s: float) -> bool:
+        return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
+
+
+# -- exporters, by the names of the SDK's entry-point groups ----------------------------------------
+
+EXPORTER_GROUPS = {"traces": ("OTEL_TRACES_EXPORTER", "opentelemetry_traces_exporter"),
+                   "metrics": ("OTEL_METRICS_EXPORTER", "opentelemetry_metrics_exporter")}
+OTLP_EXPORTERS = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
+
+
+def exporter_names(signal: str) -> list[str]:
+    """The names ``OTEL_{TRACES,METRICS}_EXPORTER`` lists (``otlp`` when unset); [] for ``none``."""
+    raw = os.environ.get(EXPORTER_GROUPS[signal][0], "otlp")
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()] or ["otlp"]
+    return [] if "none" in names else names
+
+
+def otlp_protocol(signal: str, name: str) -> str | None:
+    """The OTLP protocol exporter ``name`` uses (``otlp``: by the protocol variables); None if not OTLP."""
+    return protocol(signal) if name == "otlp" else {v: k for k, v in OTLP_EXPORTERS.items()}.get(name)
+
+
+def protocol(signal: str) -> str:
+    for variable in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        value = (otel_environment.raw(variable) or "").strip().lower()
+        if value in OTLP_EXPORTERS:
+            return value
+        if value:
+            warn_once(f"protocol:{variable}", "otel-hicache: %s=%s is not supported (grpc, http/protobuf); "
+                      "ignoring it", variable, shown(os.environ[variable]))
+    return "grpc"
+
+
+def _accepted(cls: Any, **kwargs: Any) -> dict[str, Any]:
+    """The keyword arguments ``cls`` takes (``meter_provider``: SDK 1.3x does not)."""
+    try:
+        return {k: v for k, v in kwargs.items() if k in inspect.signature(cls).parameters}
+    except (TypeError, ValueError):
+        return {}
+
+
+def _entry_point(group: str, name: str) -> Any:
+    from importlib.metadata import entry_points
+
+    return next(iter(entry_points(group=group, name=name)), None)
+
+
+def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | None = None,
+              wrap_export: Callable[[Any], Any] | None = None) -> list[Any]:
+    """The exporters (or, for metrics, pull readers) ``names`` (default: what
+    ``OTEL_{TRACES,METRICS}_EXPORTER`` names) stand for, built as configure() builds them."""
+    variable, group = EXPORTER_GROUPS[signal]
+    built = []
+    for name in exporter_names(signal) if names is None else names:
+        otlp = otlp_protocol(signal, name)
+        found = _entry_point(group, OTLP_EXPORTERS[otlp] if otlp else name)
+        if found is None:
+            warn_once(f"exporter:{variable}:{name}", "otel-hicache: %s=%s: unknown exporter %s (none, or an "
+                      "installed %s entry point); skipping it", variable, shown(os.environ.get(variable)),
+                      shown(name), group)
+            continue
+        if otlp is not None and not otel_environment.certificate_usable(signal, otlp):
+            continue
+        cls = otel_environment.build(f"{name} {signal} exporter class", found.load, {})
+        fixed = {"session": otlp_session()} if otlp == "http/protobuf" else {}
+        if otlp is not None:  # its headers, parsed here (none of their values reaches a log line)
+            fixed.update(otel_environment.otlp_keywords(signal, otlp))
+        if meter_provider is not None:
+            fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
+        retries = otel_environment.otlp_exporter(signal, otlp) if otlp else {}
+        exporter = cls and otel_environment.build(f"{name} {signal} exporter", lambda **kw: cls(**fixed, **kw),
+                                                  retries)
+        if exporter is not None:
+            if otlp == "grpc" and wrap_export is not None:
+                exporter.export = wrap_export(exporter.export)
+            if "session" in fixed:  # a blank certificate or key variable means unset
+                otel_environment.settle_session(fixed["session"], signal)
+            built.append(exporter)
+    return built
+
+
+# -- providers ------------------------------------------------------------------------------------
+
+def build(resource: Any = None, extra_readers: Sequence[Any] = (),
+          wrap_export: Callable[[Any], Any] | None = None) -> Providers:
+    """Providers from the ``OTEL_*`` variables, on ``resource`` (default: the SDK's, from
+    ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME``); ``wrap_export(export)`` wraps
+    each gRPC exporter's ``export`` (the bootstrap's fork guard)."""
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.trace import NoOpTracerProvider
+
+    if sdk_disabled():
+        return Providers(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+
+    withhold(())  # no SDK log line quotes a whole value from now on
+    build_ = otel_environment.build
+    if resource is None:
+        resource = otel_environment.resource()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES: the SDK's rules
+    readers, meter_provider = _meter_provider(resource, extra_readers, wrap_export=wrap_export)
+    # Not this meter provider: otel.sdk.span.started/live would cost the sinks two SDK calls a span, and
+    # their own counters already count every op; nor the host's global one.
+    own = _accepted(TracerProvider, meter_provider=NoOpMeterProvider())
+    tracer_provider = build_("tracer provider", lambda **limits: TracerProvider(
+        resource=resource, shutdown_on_exit=False, span_limits=SpanLimits(**limits) if limits else None,
+        sampler=otel_environment.sampler(), **own),
+        otel_environment.SPAN_LIMITS) or NoOpTracerProvider()
+    undelivered = Undelivered()
+    processors = []
+    for exporter in exporters("traces", meter_provider, wrap_export=wrap_export):
+        for processor in span_processors([exporter], meter_provider):
+            processors.append(undelivered.counting(processor, exporter))
+            tracer_provider.add_span_processor(processor)
+    return Providers(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
+                     span_processors=processors, undelivered=undelivered)
+
+
+def _meter_provider(resource: Any, extra_readers: Sequence[Any] = (), names: Sequence[str] | None = None,
+                    wrap_export: Callable[[Any], Any] | None = None) -> tuple[list[Any], Any]:
+    """The readers ``OTEL_METRICS_EXPORTER`` names (or ``names``), ``extra_readers``, and a meter provider of them."""
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+
+    build_ = otel_environment.build
+    readers: list[Any] = []
+    metric_exporters = []
+    for made in exporters("metrics", names=names, wrap_export=wrap_export):
+        if isinstance(made, MetricReader):
+            readers.append(made)  # a pull reader (prometheus) serving its own endpoint
+        else:
+            reader = build_("periodic metric reader", lambda **kw: PeriodicExportingMetricReader(made, **kw),
+                           otel_environment.METRIC_READER)
+            if reader is not None:
+                readers.append(reader)
+                metric_exporters.append(made)
+    readers += extra_readers
+    meter_provider = build_("meter provider", lambda **kw: MeterProvider(
+        metric_readers=readers, resource=resource, shutdown_on_exit=False, **kw), otel_environment.METER_PROVIDER)
+    meter_provider = meter_provider or NoOpMeterProvider()  # (warned)
+    for exporter in metric_exporters:  # the OTLP metric exporters' self-metrics
+        if callable(getattr(exporter, "set_meter_provider", None)):
+            exporter.set_meter_provider(meter_provider)
+    return readers, meter_provider
+
+
+def span_processors(span_exporters: Sequence[Any], meter_provider: Any) -> list[Any]:
+    """A ``BatchSpanProcessor`` per exporter, each reading the ``OTEL_BSP_*`` variables."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    batch = otel_environment.BATCH_SPAN_PROCESSOR
+    own = _accepted(BatchSpanProcessor, meter_provider=meter_provider)
+    if "OTEL_BSP_MAX_EXPORT_BATCH_SIZE" not in os.environ:  # at most the queue size (the SDK raises); blank: build()
+        own["max_export_batch_size"] = batch["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1]()
+    return [p for p in (otel_environment.build("batch span processor",
+                                               lambda **kw: BatchSpanProcessor(e, **own, **kw), batch)
+                        for e in span_exporters) if p is not None]

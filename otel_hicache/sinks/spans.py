@@ -1,0 +1,209 @@
+"""Transfer spans, through the public ``Tracer`` API of any tracer provider.
+
+A span is begun when the op's completion arrives (so metrics recorded then can carry
+its span context as an exemplar) and finished at the end of its ack wait, or at once
+when no ack is expected. Span start/end are the copy's own times (device time placed
+on the wall clock), so the span duration is the DMA time however late the ack is.
+The parent is the span context current at ``submit()`` in the serving process
+(SGLang's request or step span), carried as ids.
+
+With ``OTEL_HICACHE_SPAN_SAMPLING=outliers`` (:mod:`.span_sampling`) the spans the
+policy keeps (errors, slow ops, a sampled parent's children) are sampled whatever the
+provider's sampler says, and carry ``hicache.sampling.reason``; the sampler decides the
+others. Each decision is counted through ``count(decision, reason)``
+(``otel_hicache.spans``); with the default ``all`` every span is the sampler's,
+``reason=base``.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Any, Callable, Mapping
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.propagation import set_span_in_context
+
+from .. import semconv as sc
+from .host_residence import OFFLOAD_LINK_ATTRIBUTES
+from ..diagnostics import warn_once
+from ..record import INT64_MAX, ONBOARD, TIERS, encodes
+from .span_sampling import OutlierPolicy, keeping_tracer
+from ..version import __version__
+
+REQUEST_LINK_ATTRIBUTES = {sc.LINK_TO: sc.LINK_TO_REQUEST}
+"""The attributes of every link to a request (shared, never mutated)."""
+
+
+def trace_id_hex(context: Any) -> str:
+    """A span context's trace id as Jaeger and Zipkin show it, so a search for what the UI
+    shows finds it: 16 lowercase hex digits for a 64-bit id (SGLang's own request tracing
+    makes those), 32 otherwise (``trace.format_trace_id``)."""
+    trace_id = context.trace_id
+    return f"{trace_id:016x}" if trace_id < 1 << 64 else trace.format_trace_id(trace_id)
+
+
+SPAN_NAMES = {"offload": sc.SPAN_OFFLOAD, ONBOARD: sc.SPAN_ONBOARD}
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_KEPT, _SKIPPED, _BASE = sc.SPAN_KEPT, sc.SPAN_SKIPPED, sc.SPAN_REASON_BASE
+Count = Callable[[str, str], None]  # (decision, reason): otel_hicache.spans
+
+
+def span_attributes(record: Any, static: Mapping[str, Any]) -> dict[str, Any]:
+    """Everything a transfer span carries, ack fields aside.
+
+    Static attributes first, then the call's own, then the ``hicache.*`` ones:
+    a caller's attribute never overwrites what otel-hicache measured."""
+    src, dst = TIERS[record.direction]
+    attrs: dict[str, Any] = dict(static)
+    extra = record.attributes
+    if extra:
+        for key, value in extra.items():
+            if isinstance(key, str) and key and _encodable(key) and _valid_value(value):
+                attrs[key] = value
+            else:
+                warn_once(f"attribute:{type(value).__name__}", "otel-hicache: a span attribute OTLP cannot encode "
+                          "was left out (%s, a %s)", reprlib.repr(key), type(value).__name__)
+    attrs[sc.DIRECTION] = record.direction
+    attrs[sc.SRC_TIER] = src
+    attrs[sc.DST_TIER] = dst
+    attrs[sc.ORIGIN] = record.origin
+    attrs[sc.CAUSE] = record.cause
+    if record.cause_parts is not None:
+        attrs[sc.CAUSES_ATTR] = tuple(part[0] for part in record.cause_parts)
+    attrs[sc.TOKENS] = record.tokens
+    attrs[sc.BLOCKS] = record.blocks
+    attrs[sc.BYTES] = record.num_bytes
+    attrs[sc.PAGE_SIZE] = record.page_size
+    attrs[sc.POOL_NAMES] = record.pool_names
+    attrs[sc.POOL_TOKENS] = record.pool_tokens
+    if record.io_backend is not None:
+        attrs[sc.IO_BACKEND] = str(record.io_backend)
+    attrs[sc.TIMING_SOURCE] = record.timing_source
+    if record.placement is not None:
+        attrs[sc.PLACEMENT_SOURCE] = record.placement
+    if record.queue_wait_ns is not None:
+        attrs[sc.QUEUE_WAIT_US] = record.queue_wait_ns / 1e3
+    if record.duration_ns > 0 and record.error is None:
+        attrs[sc.BANDWIDTH] = record.num_bytes * 1e9 / record.duration_ns
+    if record.error is not None:
+        attrs[sc.ERROR_TYPE] = record.error
+    reuse = record.reuse
+    if reuse is not None:
+        if reuse.min_ns is not None:
+            attrs[sc.RESIDENCE_MIN_US] = reuse.min_ns / 1e3
+            attrs[sc.RESIDENCE_MAX_US] = reuse.max_ns / 1e3
+        if reuse.unknown_pages:
+            attrs[sc.UNKNOWN_PAGES] = reuse.unknown_pages
+    if record.links_dropped:
+        attrs[sc.LINKS_DROPPED] = record.links_dropped
+    if record.request_links_dropped:
+        attrs[sc.REQUEST_LINKS_DROPPED] = record.request_links_dropped
+    return attrs
+
+
+def span_links(record: Any) -> tuple[Any, ...]:
+    """A span's links: for a load-back, the sampled offload spans that wrote its pages
+    (newest first, at most ``host_residence.MAX_LINKS``); then the requests it served or
+    wrote (:mod:`.request_links`). Each says what it points to in ``hicache.link_to``."""
+    links, requests = record.links, record.request_links
+    if not links:
+        return tuple([Link(context, REQUEST_LINK_ATTRIBUTES) for context in requests]) if requests else ()
+    return (*[Link(SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED), OFFLOAD_LINK_ATTRIBUTES)
+              for trace_id, span_id in links],
+            *[Link(context, REQUEST_LINK_ATTRIBUTES) for context in requests])
+
+
+def _encodable(value: Any) -> bool:
+    """A scalar OTLP can encode: an int64, a float, a bool, or a string without lone surrogates
+    (anything else would make every span of its export batch fail)."""
+    if isinstance(value, str):
+        return encodes(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -INT64_MAX - 1 <= value <= INT64_MAX
+    return isinstance(value, (bool, float))
+
+
+def _valid_value(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_encodable(v) for v in value)
+    return _encodable(value)
+
+
+def _ack_attributes(record: Any, attrs: dict[str, Any]) -> None:
+    if record.ack_ns is not None:
+        attrs[sc.ACKED] = True
+        attrs[sc.ACK_DELAY_US] = max(0, record.ack_ns - record.end_ns) / 1e3
+    elif record.expect_ack:
+        attrs[sc.ACKED] = False
+
+
+def _events(record: Any, make_event: Any) -> list[Any]:
+    """``make_event(name, timestamp, attributes or None)`` for each of the span's events."""
+    events = [make_event(sc.EVENT_SUBMITTED, record.submit_ns, None)]
+    for context in record.request_links:  # the way back from a request, in Jaeger's search
+        events.append(make_event(sc.EVENT_REQUEST, record.submit_ns, {sc.REQUEST_TRACE_ID: trace_id_hex(context)}))
+    if record.ack_ns is not None:
+        events.append(make_event(sc.EVENT_ACKED, record.ack_ns, None))
+    return events
+
+
+def _status(record: Any) -> Status:
+    if record.error is None:
+        return Status(StatusCode.UNSET)
+    return Status(StatusCode.ERROR, record.error)
+
+
+class SpanBuilder:
+    """Spans of transfer records on one tracer provider."""
+
+    def __init__(self, tracer_provider: Any, static: Mapping[str, Any], policy: OutlierPolicy | None = None,
+                 count: Count | None = None) -> None:
+        self._tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
+        self._static = static
+        self._policy = policy
+        self._count = count
+        # the spans the policy keeps start here: the same tracer, its sampler ALWAYS_ON (SDK
+        # tracers; with any other, None: its own sampler decides those too, and is counted so)
+        self._keeping = keeping_tracer(self._tracer) if policy is not None else None
+
+    def begin(self, record: Any) -> Any:
+        tracer = self._tracer
+        attributes = span_attributes(record, self._static)
+        reason = _BASE
+        policy = self._policy
+        if policy is not None:
+            parent = trace.get_current_span(record.parent_context).get_span_context()
+            forced = policy.keep_reason(record, parent if parent.is_valid else None)
+            if forced is not None:
+                reason = forced
+                if self._keeping is not None:
+                    tracer = self._keeping
+            attributes[sc.SAMPLING_REASON] = reason
+        span = tracer.start_span(
+            SPAN_NAMES[record.direction],
+            context=record.parent_context,
+            kind=SpanKind.INTERNAL,
+            attributes=attributes,
+            links=span_links(record),
+            start_time=record.start_ns,
+        )
+        record.span_context = span.get_span_context()
+        if record.span_context.trace_flags.sampled:
+            record.exemplar_context = set_span_in_context(span)
+        if self._count is not None:  # kept: a span was made and sampled (a disabled tracer makes none)
+            self._count(_KEPT if span.is_recording() and record.span_context.trace_flags.sampled else _SKIPPED,
+                        reason)
+        return span
+
+    def finish(self, record: Any, span: Any) -> None:
+        if not span.is_recording():
+            return
+        attrs: dict[str, Any] = {}
+        _ack_attributes(record, attrs)
+        if attrs:
+            span.set_attributes(attrs)
+        _events(record, lambda name, timestamp, attributes: span.add_event(name, attributes, timestamp))
+        if record.error is not None:
+            span.set_status(_status(record))
+        span.end(end_time=record.end_ns)
