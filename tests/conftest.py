@@ -48,7 +48,13 @@ def warnings_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 def fresh_configuration() -> Any:
     """No providers from an earlier configure(); the ones a test builds are shut down after it."""
     from otel_hicache import configuration
-
     configuration._configured = None  # pylint: disable=protected-access
     yield
     configuration.shutdown(1.0)
+
+
+@pytest.fixture
+def embedded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """configure() builds its providers here (the sinks embedded), for tests that look inside them:
+    the telemetry process builds its own with the same code (otel_hicache.sinks.providers)."""
+    monkeypatch.setenv("OTEL_HICACHE_TELEMETRY_PROCESS", "false")

@@ -1,4 +1,4 @@
-"""A stand-in for the ``pynvml`` module (nvidia-ml-py): the calls otel_hicache.link_capacity
+"""A stand-in for the ``pynvml`` module (nvidia-ml-py): the calls otel_hicache.sinks.link_capacity
 makes, answered from a list of simulated GPUs. Install with
 ``monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(...))``."""
 
@@ -8,7 +8,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from otel_hicache.link_capacity import dcgm_bus_id
+from otel_hicache.sinks.link_capacity import dcgm_bus_id
 
 NVML_SUCCESS = 0
 NVML_ERROR_NOT_SUPPORTED = 3

@@ -18,8 +18,7 @@ from otel_hicache.testing import SimulatedDevice
 class Harness:
     """A TransferTelemetry wired to a simulated device and in-memory SDK sinks."""
 
-    def __init__(self, sampler: Any = None, attributes: dict | None = None, fast_path: bool = True,
-                 spans: Any = None) -> None:
+    def __init__(self, sampler: Any = None, attributes: dict | None = None, spans: Any = None) -> None:
         self.device = SimulatedDevice()
         self.spans = spans if spans is not None else InMemorySpanExporter()
         self.tracer_provider = TracerProvider(sampler=sampler, shutdown_on_exit=False)
@@ -35,10 +34,14 @@ class Harness:
         )
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait for the worker to process everything completed (no metric collection:
-        each collection resets exemplars)."""
+        """Wait for the poller and the sinks to process everything completed (no metric
+        collection: each collection resets exemplars)."""
         pipeline = self.tel._pipeline  # pylint: disable=protected-access
-        return pipeline.flush(timeout_s) if pipeline is not None else True
+        done = pipeline.flush(timeout_s) if pipeline is not None else True
+        channel = self.tel.channel
+        if channel is not None:
+            channel.hand_over()  # what the sinks summed, to the SDK (also what a poller that stopped wrote)
+        return done
 
     def finished(self) -> list[Any]:
         assert self.flush()

@@ -11,7 +11,7 @@ from collections import deque
 
 import pytest
 
-from otel_hicache.records import DIRECT, MERGED_OP
+from otel_hicache.capture.records import DIRECT, MERGED_OP
 
 
 def _submit(h, queue, item, **kwargs):

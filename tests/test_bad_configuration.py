@@ -20,15 +20,14 @@ from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 import otel_hicache
-from otel_hicache import otel_environment
-
+from otel_hicache.sinks import otel_environment
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXECUTABLE_SERVICE = f"unknown_service:{os.path.basename(sys.executable)}"
 PARENT_ON = "ParentBased{root:AlwaysOnSampler,"
 HTTP = {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}
 
 
-pytestmark = pytest.mark.usefixtures("fresh_configuration")
+pytestmark = pytest.mark.usefixtures("fresh_configuration", "embedded")
 
 
 # -- what the built SDK objects hold --------------------------------------------------------------

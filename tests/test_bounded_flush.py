@@ -1,4 +1,4 @@
-"""otel_hicache.bounded_flush: flush and shutdown within a time bound, and a shutdown behind a
+"""otel_hicache.sinks.bounded_flush: flush and shutdown within a time bound, and a shutdown behind a
 blocked flush is still done once that flush returns (not waited for)."""
 
 from __future__ import annotations
@@ -6,9 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from otel_hicache import bounded_flush
-
-
+from otel_hicache.sinks import bounded_flush
 class Provider:
     """force_flush blocks until ``release`` is set; calls are noted."""
 

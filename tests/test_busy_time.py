@@ -9,8 +9,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_hicache import TransferTelemetry
-from otel_hicache.busy_time import BusyTimeTracker
-from otel_hicache.device import anchor_factory_for
+from otel_hicache.sinks.busy_time import BusyTimeTracker
+from otel_hicache.capture.device import anchor_factory_for
 from otel_hicache.testing import DuckEvent, OneStreamEvent, SimulatedDevice
 
 

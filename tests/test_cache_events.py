@@ -7,7 +7,7 @@ import os
 import pytest
 
 from otel_hicache import semconv as sc
-from otel_hicache.cache_events import CacheEvents
+from otel_hicache.capture.cache_events import CacheEvents
 
 
 def _points(h, name):
@@ -62,15 +62,20 @@ def test_bad_counts_warn_once_and_never_raise(harness, warnings_log):
     assert len([m for m in messages if "prefix count" in m]) == 1
 
 
-def test_counts_made_before_binding_are_kept():
-    events = CacheEvents({"tp_rank": 0})
-    events.evicted_tokens(7, "host")
+def test_counts_made_before_the_sinks_exist_are_kept():
+    """The capture's totals, sent with the poller's state, are what the sinks' counters report."""
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+    from otel_hicache.sinks.cache_events import CacheEventCounters
+
+    events = CacheEvents({"tp_rank": 0})
+    events.evicted_tokens(7, "host")
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
-    events.bind(provider)
+    counters = CacheEventCounters(provider, {"tp_rank": 0})
+    counters.totals = events.changed()
+    assert events.changed() is None  # nothing new since: the poller sends nothing more
     data = reader.get_metrics_data()
     values = {(m.name, p.attributes.get("hicache.tier")): p.value
               for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics

@@ -11,9 +11,10 @@ import pytest
 from opentelemetry import metrics, trace
 
 import otel_hicache
+from otel_hicache.sinks import providers
 
 
-pytestmark = pytest.mark.usefixtures("fresh_configuration")
+pytestmark = pytest.mark.usefixtures("fresh_configuration", "embedded")
 
 
 def span_exporters(conf):
@@ -255,7 +256,6 @@ def test_per_signal_http_endpoint(monkeypatch):
 
 def test_an_entry_point_exporter_that_cannot_be_built_is_warned_about_and_skipped(monkeypatch, warnings_log):
     from otel_hicache import configuration
-
     class Broken:
         def __init__(self):
             raise RuntimeError("needs a collector address")
@@ -264,8 +264,8 @@ def test_an_entry_point_exporter_that_cannot_be_built_is_warned_about_and_skippe
         def load(self):
             return Broken
 
-    real = configuration._entry_point  # pylint: disable=protected-access
-    monkeypatch.setattr(configuration, "_entry_point",
+    real = providers._entry_point  # pylint: disable=protected-access
+    monkeypatch.setattr(providers, "_entry_point",
                         lambda group, name: EntryPoint() if name == "broken" else real(group, name))
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "broken,console")
     conf = otel_hicache.configure()  # must not raise
@@ -282,7 +282,6 @@ def test_spans_still_queued_when_the_bounded_shutdown_gives_up_are_reported(monk
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
     from otel_hicache import configuration
-
     release, exporting = threading.Event(), threading.Event()
 
     class Stalled(SpanExporter):  # a collector that stopped answering
@@ -295,7 +294,7 @@ def test_spans_still_queued_when_the_bounded_shutdown_gives_up_are_reported(monk
         def load(self):
             return Stalled
 
-    monkeypatch.setattr(configuration, "_entry_point", lambda group, name: EntryPoint() if name == "stalled" else None)
+    monkeypatch.setattr(providers, "_entry_point", lambda group, name: EntryPoint() if name == "stalled" else None)
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "stalled")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
     monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "10")

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from otel_hicache.device import anchor_factory_for, timing_event_pair
+from otel_hicache.capture.device import anchor_factory_for, timing_event_pair
 from otel_hicache.testing import SimulatedDevice
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, Sum
 
-from otel_hicache import cache_events, configuration, environment_variables, logs
+from otel_hicache import configuration, environment_variables
+from otel_hicache.sinks import logs
 from otel_hicache import semconv as sc
-
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 STATIC = {"tp_rank": 0}
 
@@ -58,8 +58,8 @@ def semconv_metrics() -> dict[str, tuple[str, str, str]]:
 
 
 _NOT_ATTRIBUTES = ("SCOPE_NAME", "SPAN_", "EVENT_", "DROP_", "FAIL_", "TIER_")
-OBSERVABLE_COUNTERS = {spec[0] for spec in cache_events._KINDS.values()}  # pylint: disable=protected-access
-OBSERVABLE_COUNTERS |= {sc.WORKER_CPU_TIME[0], sc.EXPORT_CPU_TIME[0]}  # otel_hicache.self_metrics
+OBSERVABLE_COUNTERS = {spec[0] for spec in sc.CACHE_EVENT_KINDS.values()}
+OBSERVABLE_COUNTERS |= {sc.WORKER_CPU_TIME[0], sc.EXPORT_CPU_TIME[0]}  # otel_hicache.sinks.self_metrics
 
 
 def semconv_attributes() -> dict[str, str]:
@@ -159,8 +159,14 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    # an export thread, so otel_hicache.export.cpu_time has a point
     h.tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
+    # what only a telemetry process reports (otel_hicache.export.cpu_time): its sink, on a provider
+    # of its own (a second registration of worker.cpu_time on the harness's would be dropped)
+    from opentelemetry.sdk.metrics import MeterProvider
+    from otel_hicache.sinks.self_metrics import TelemetryCpu
+    process_reader = InMemoryMetricReader()
+    process_provider = MeterProvider(metric_readers=[process_reader], shutdown_on_exit=False)
+    TelemetryCpu(process_provider, STATIC, in_process=False)
     monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")
     pool = h.tel.host_pool(1024, 64)  # the load-back reads what the offload wrote, and a page it did not
     for direction, slots in (("offload", range(128)), ("onboard", range(192))):
@@ -177,7 +183,10 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
     assert len(spans) == 2
     metrics: dict[str, dict[str, Any]] = {}
     data = h.reader.get_metrics_data()
-    for rm in data.resource_metrics:
+    process_only = [rm for rm in process_reader.get_metrics_data().resource_metrics
+                    for sm in rm.scope_metrics for m in sm.metrics if m.name == sc.EXPORT_CPU_TIME[0]]
+    process_provider.shutdown()
+    for rm in [*data.resource_metrics, *process_only]:
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 if isinstance(metric.data, Histogram):
@@ -435,10 +444,11 @@ def standard_variables() -> set[str]:
     """Every OTEL_* variable configure() reads or retries: the literals of configuration.py,
     otel_environment.py and settings.py, their per-signal templates, the retry tables and
     the certificate and key variables."""
-    from otel_hicache import otel_environment, settings
-
+    from otel_hicache import settings
+    from otel_hicache.sinks import otel_environment
     found = set()
-    for module in (configuration, otel_environment, settings):
+    from otel_hicache.sinks import providers
+    for module in (configuration, providers, otel_environment, settings):
         with open(module.__file__, encoding="utf-8") as file:
             source = file.read()
         found |= set(re.findall(r'"(OTEL_[A-Z0-9_]+)"', source))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import subprocess
+import re
 import sys
 import types
 from pathlib import Path
@@ -186,7 +187,6 @@ def test_sglang_patch_groups_on_the_real_sglang(monkeypatch):
     sglang_cpu = pytest.importorskip("sglang_cpu")
     sglang_cpu.install_cpu_support()  # importing SGLang 0.5.23 on CPU (seconds, once per session)
     from otel_hicache import doctor as module
-
     out = io.StringIO()
     module._sglang(out, check_groups=True)
     text = out.getvalue()
@@ -205,7 +205,6 @@ def test_sglang_not_installed(monkeypatch):
     import importlib.metadata
 
     from otel_hicache import doctor as module
-
     def version(name: str) -> str:
         raise importlib.metadata.PackageNotFoundError(name)
 
@@ -230,7 +229,6 @@ def _fake_nvml(monkeypatch: pytest.MonkeyPatch, fail: bool) -> None:
 
 def test_nvml_is_reported_and_never_fails(monkeypatch):
     from otel_hicache import doctor as module
-
     monkeypatch.setitem(sys.modules, "pynvml", None)  # absent: import raises
     out = io.StringIO()
     module._nvml(out)
@@ -258,34 +256,36 @@ def test_why_not_applied_is_the_patchers_check():
                                                    check=too_old)) == "HiCacheAck has no field num_bytes"
 
 
-def test_the_span_export_helper_is_checked_when_it_is_on():
+def test_the_telemetry_process_is_checked_when_configure_would_use_it():
     receiver = HttpReceiver()
     try:
         done = doctor(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
-                      OTEL_HICACHE_SPAN_EXPORT_PROCESS="true", **FAST)
+                      **FAST)
         out = done.stdout + done.stderr
         assert done.returncode == 0, out
-        assert "the span export helper process (OTEL_HICACHE_SPAN_EXPORT_PROCESS=true, pid" in done.stdout, out
-        # the test span twice: the doctor's own export, then the helper's
-        assert [span.name for _, span in receiver.received.spans()] == ["otel_hicache.doctor"] * 2
+        assert "sinks           a telemetry process of their own (an exporter sends over OTLP)" in done.stdout, out
+        assert re.search(r"the telemetry process \(pid \d+\) started and flushed its exporters", done.stdout), out
     finally:
         receiver.stop()
 
 
-def test_a_span_export_helper_that_fails_is_a_problem_with_a_fix(monkeypatch):
-    from opentelemetry.sdk.trace import ReadableSpan
+def test_embedded_sinks_start_no_telemetry_process():
+    done = doctor(OTEL_TRACES_EXPORTER="console", OTEL_METRICS_EXPORTER="none", **FAST)
+    assert "sinks           embedded in the serving process (no exporter sends over the network)" in done.stdout
+    assert "telemetry process (pid" not in done.stdout
 
+
+def test_a_telemetry_process_that_fails_is_a_problem_with_a_fix(monkeypatch):
     from otel_hicache import doctor as doctor_module
-    from otel_hicache import span_export_process
+    from otel_hicache.capture import channel
 
-    monkeypatch.setenv("OTEL_HICACHE_SPAN_EXPORT_PROCESS", "true")
     lines: list[str] = []
     for command in (["/nonexistent/python"], [sys.executable, "-c", "raise SystemExit(3)"]):
-        monkeypatch.setattr(span_export_process, "helper_command", lambda command=command: command)
-        problem = doctor_module._export_process(lines.append, [ReadableSpan("x")], 2.0)  # noqa: SLF001
+        monkeypatch.setattr(channel, "telemetry_process_command", lambda command=command: command)
+        problem = doctor_module._telemetry_process(lines.append, 2.0)  # noqa: SLF001
         assert problem is not None, lines
         what, fix = problem
-        assert "span export helper process" in what and "unset OTEL_HICACHE_SPAN_EXPORT_PROCESS" in fix
+        assert "telemetry process" in what and "OTEL_HICACHE_TELEMETRY_PROCESS=false" in fix
         assert "NOT working" in lines[-1]
     assert "could not be started" in lines[0]
 

@@ -230,15 +230,14 @@ def test_a_collector_refusing_with_a_status_is_never_counted_as_a_delivery(case,
         assert run.warnings(f"error code: {named}") >= 1, run.stderr[-3000:]
 
 
-def test_a_refusing_collector_is_named_by_the_span_export_helper_too(tmp_path):
+def test_a_refusing_collector_is_named_by_the_telemetry_process_too(tmp_path):
     receiver = HttpReceiver(status=308, headers={"Location": REDIRECT_TO})
     try:
-        run = run_workload(tmp_path, _env("http/protobuf", receiver.endpoint, OTEL_EXPORTER_OTLP_TIMEOUT="0.5",
-                                          OTEL_HICACHE_SPAN_EXPORT_PROCESS="true"),
-                           "--rate", "200", "--seconds", "1")
+        run = run_workload(tmp_path, _env("http/protobuf", receiver.endpoint, OTEL_EXPORTER_OTLP_TIMEOUT="0.5"),
+                           "--rate", "200", "--seconds", "1", "--telemetry-process")
     finally:
         receiver.stop()
-    # the helper's exporters are configure()'s: every span reached the collector, refused, and none was taken
+    # its exporters are configure()'s: every span reached the collector, refused, and none was taken
     assert receiver.received.refused_items("traces") == run.result["ops"] and not receiver.received.spans()
     assert run.warnings(f"{receiver.endpoint}/v1/traces was refused: {REFUSALS['http 308 redirect to https'][3]}") == 1
     assert "Traceback" not in run.stderr, run.stderr[-3000:]

@@ -773,7 +773,6 @@ PROCESS_SCRIPT = textwrap.dedent(
     import json, multiprocessing, os, sys, time
     import otel_hicache
     from otel_hicache import TransferTelemetry
-
     OUT = sys.argv[1]
     INTERVAL_MS = int(sys.argv[2])
     OPS = int(sys.argv[3])
@@ -960,7 +959,6 @@ FORK_EXIT_SCRIPT = textwrap.dedent(
     import multiprocessing
     import otel_hicache
     from otel_hicache import TransferTelemetry
-
     def child():
         for _ in range(5):
             assert TEL.submit("offload", {"kv": 64}, 7, 64, expect_ack=False, host_start_ns=0, host_end_ns=1000)
@@ -980,7 +978,7 @@ FORK_EXIT_SCRIPT = textwrap.dedent(
 
 def test_a_forked_multiprocessing_child_exports_at_exit(tmp_path, otlp_http):
     """multiprocessing clears the exit hooks (``multiprocessing.util`` finalizers) a
-    forked child inherited; otel_hicache.process_exit registers them again from
+    forked child inherited; otel_hicache.capture.process_exit registers them again from
     multiprocessing's after-fork callbacks, so the child's last spans leave at exit."""
     script = tmp_path / "app.py"
     script.write_text(FORK_EXIT_SCRIPT)

@@ -11,8 +11,7 @@ import textwrap
 
 import pytest
 
-from otel_hicache import fork
-
+from otel_hicache.capture import fork
 SCRIPT = textwrap.dedent(
     """
     import json, os, sys

@@ -39,24 +39,30 @@ def test_gil_impact_runs_and_every_span_is_encoded(tmp_path):
         assert "GIL waits over 50 us, by what otel-hicache's threads did meanwhile" in run.stdout
 
 
-def test_gil_impact_runs_the_export_process_variants_and_every_span_arrives(tmp_path):
-    run, results = gil_impact(tmp_path, "--rates", "1000", "--no-outliers", "--gil-slice-us", "40",
-                              "--hold-us", "60")
-    helper = results["variants"]["hicache 1000 export process"]
-    sliced = results["variants"]["hicache 1000 export process, GIL slices 40 us"]
-    in_process = results["variants"]["hicache 1000"]
-    for through_helper in (helper, sliced):
-        assert through_helper["ops"] > 0 and through_helper["flushed"]
-        assert through_helper["helper_cpu_share"] is not None
-    assert in_process["helper_cpu_share"] is None
-    # spans at 100%: the in-process variant's encoded by the sink, the helpers' received over OTLP
-    assert results["received_spans"] >= helper["ops"] + sliced["ops"] + in_process["ops"]
-    assert set(results["goal"]) == {"hicache 1000", "hicache 1000 export process",
-                                    "hicache 1000 export process, GIL slices 40 us"}
+def test_gil_impact_runs_the_telemetry_process_beside_embedded_and_every_span_arrives(tmp_path):
+    run, results = gil_impact(tmp_path, "--rates", "1000", "--no-outliers", "--hold-us", "60")
+    names = set(results["variants"])
+    assert "hicache 1000 telemetry process" in names and not any("slice" in name for name in names)
+    process = results["variants"]["hicache 1000 telemetry process"]
+    embedded = results["variants"]["hicache 1000"]
+    assert process["ops"] > 0 and process["flushed"] and embedded["ops"] > 0 and embedded["flushed"]
+    assert process["telemetry_process_cpu_share"] is not None  # its own CPU, from /proc by the channel's pid
+    assert embedded["telemetry_process_cpu_share"] is None
+    # in the serving process only the poller runs: no span processor, no metric reader there
+    assert process["cpu_share"]["worker"] > 0
+    assert process["cpu_share"]["span_processor"] == process["cpu_share"]["metric_reader"] == 0
+    # spans at 100%: the embedded variant's encoded by the sink, the telemetry process's received over OTLP
+    assert results["received_spans"] >= process["ops"] + embedded["ops"]
+    assert set(results["goal"]) == {"hicache 1000", "hicache 1000 telemetry process"}
+    # both modes side by side
+    side = results["side_by_side"]
+    assert [row["channel"] for row in side] == ["embedded", "telemetry process"]
+    assert side[0]["telemetry_process_cpu_us_per_op"] is None and side[1]["telemetry_process_cpu_us_per_op"] >= 0
+    assert "## Embedded vs telemetry process, 1000 ops/s" in run.stdout
+    assert "the telemetry process" in run.stdout and "--gil-slice-us" not in run.stdout
     # the floor: the GIL held 60 us per wake-up by the submitting thread, no otel-hicache
     assert results["variants"]["hold 60 us"]["ops"] > 0 and set(results["hold_floor"]) == {"hold 60 us"}
     assert "floor: the GIL held 60 us per wake-up" in run.stdout
-    assert "the export helper process" in run.stdout
     if Path("/proc/pressure/cpu").exists():  # the machine's part, per variant
         assert "## The machine's part" in run.stdout
         for name, variant in results["variants"].items():
@@ -103,7 +109,7 @@ def test_preemptions_are_read_per_thread(monkeypatch):
     assert module.preemptions() >= 0
     assert module.worker_preemptions() is None  # no completion worker in this thread's sight
     release = threading.Event()
-    worker = threading.Thread(target=release.wait, name="otel-hicache-completion")
+    worker = threading.Thread(target=release.wait, name="otel-hicache-poller")
     worker.start()
     try:
         assert module.worker_preemptions() == module.preemptions(worker.native_id) >= 0

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_validate.py"
 
 WIRING = ("spans: one per op, device_event, anchored", "span duration == stand-in truth",
-          "metrics: duration histogram, bytes == spans", "completion worker running during the run", "results json")
+          "metrics: duration histogram, bytes == spans", "poller running during the run", "results json")
 TARGETS = ("duration / independent, offload", "duration / independent, onboard",
            "anchor error, median |span start - host before|", "anchor error, max",
            "caller: submit() per op, real events, net", "runtime")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from otel_hicache import semconv as sc
-from otel_hicache.host_residence import MAX_LINKS, HostPool
+from otel_hicache.sinks.host_residence import MAX_LINKS, HostPool
 
 PAGE = 4
 BYTES_PER_TOKEN = 1000
@@ -18,19 +18,19 @@ BYTES_PER_TOKEN = 1000
 @pytest.fixture(autouse=True, params=["python", "numpy"])
 def _on(monkeypatch, request):
     """Every test on both paths: plain Python (small ops) and NumPy (every op here, forced)."""
-    monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")  # off by default
+    monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")  # (the default, whatever the environment)
     if request.param == "numpy":
         monkeypatch.setattr(HostPool, "small_op_slots", 0)
     return request.param
 
 
-def test_off_by_default_host_pool_is_none(harness, monkeypatch):
+def test_on_by_default_and_off_with_false(harness, monkeypatch):
     monkeypatch.delenv("OTEL_HICACHE_HOST_RESIDENCE")
     h = harness()
+    assert h.tel.host_pool(64, PAGE) is not None
+    monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "false")
     assert h.tel.host_pool(64, PAGE) is None
     h.tel.host_freed(None, [0])  # and a free of no pool is nothing
-    monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")
-    assert h.tel.host_pool(64, PAGE) is not None
 
 
 def _op(h, direction, slots, pool, cause, ms=1.0):
@@ -160,7 +160,7 @@ def test_bad_slots_never_raise_and_the_op_is_still_reported(harness, caplog):
     assert sum("host_slots must be" in m for m in messages) == 1
     assert sum("cannot track an op's host pages" in m for m in messages) == 1
     assert sum("cannot track freed host pages" in m for m in messages) == 1
-    assert pool.written_ns[0] != 0  # the in-range page was tracked
+    assert h.tel.channel.consumer._pools[pool.pool_id].written_ns[0] != 0  # the in-range page was tracked
 
 
 def test_bookkeeping_memory_per_page_and_page_ids():

@@ -28,7 +28,6 @@ HOST = textwrap.dedent("""
     import numpy as np
     import otel_hicache
     from otel_hicache import TransferTelemetry, configure
-
     class Event:  # a duck-typed timing event whose elapsed_time() is what the case says
         def __init__(self, ms): self.ms = ms
         def query(self): return True
@@ -140,9 +139,9 @@ def test_one_poison_op_never_costs_the_others_their_data(protocol, case):
 def test_spans_stay_encodable_when_events_place_an_op_beyond_the_wall_clock():
     """The anchor's own elapsed_time() returns nonsense: the op is placed where the worker
     saw it end, not at a time no exporter can encode."""
-    from otel_hicache.clock import WallClockAnchor
-    from otel_hicache.records import INT64_MAX, submission, TransferRecord, validate
-    from otel_hicache.timing import resolve
+    from otel_hicache.capture.clock import WallClockAnchor
+    from otel_hicache.capture.records import INT64_MAX, submission, TransferRecord, validate
+    from otel_hicache.capture.timing import resolve
 
     class Wild:
         def query(self):
@@ -164,7 +163,6 @@ def test_spans_stay_encodable_when_events_place_an_op_beyond_the_wall_clock():
 HUNG_HOST = textwrap.dedent("""
     import json, sys, threading, time
     from otel_hicache import TransferTelemetry, configure
-
     forever = threading.Event()
     class Hung:  # an event whose query() never returns
         def query(self): forever.wait(); return True

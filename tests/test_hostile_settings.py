@@ -20,8 +20,8 @@ import pytest
 import otel_hicache
 from otel_hicache import configuration
 from otel_hicache.environment_variables import DEFAULTS
-from otel_hicache.pipeline import PipelineSettings
-from otel_hicache.span_sampling import SpanSamplingSettings
+from otel_hicache.capture.poller import PipelineSettings
+from otel_hicache.sinks.span_sampling import SpanSamplingSettings
 from otlp_receiver import GrpcReceiver, HttpReceiver, closed_port
 from paced_runs import final_counters, otlp_env, run_workload
 
@@ -30,7 +30,7 @@ PROTOCOLS = {"grpc": GrpcReceiver, "http/protobuf": HttpReceiver}
 LONGEST_RECORD = 1000  # characters of one formatted log record, traceback included
 BOUND_S = 20.0  # a hang fails the test instead of the suite
 
-pytestmark = pytest.mark.usefixtures("fresh_configuration")
+pytestmark = pytest.mark.usefixtures("fresh_configuration", "embedded")
 
 OTLP_SUFFIXES = ("ENDPOINT", "HEADERS", "TIMEOUT", "COMPRESSION", "CERTIFICATE", "CLIENT_KEY",
                  "CLIENT_CERTIFICATE", "INSECURE", "PROTOCOL")

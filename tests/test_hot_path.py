@@ -102,7 +102,8 @@ def test_a_broken_mapping_never_raises_into_the_caller(harness):
 
 def test_a_failing_sink_drops_that_record_once_and_the_worker_goes_on(harness, monkeypatch, warnings_log):
     h = harness()
-    sinks = h.tel._pipeline._sinks_now()  # pylint: disable=protected-access
+    assert h.flush()  # the channel is open
+    sinks = h.tel.channel.consumer
     original = sinks.spans.begin
     calls = {"n": 0}
 
@@ -124,20 +125,21 @@ def test_a_failing_sink_drops_that_record_once_and_the_worker_goes_on(harness, m
 
 def test_a_record_the_intake_fails_on_is_counted_and_the_rest_of_its_batch_goes_on(harness, monkeypatch,
                                                                                     warnings_log):
+    from otel_hicache.capture import poller as poller_module
+
     h = harness()
     pipeline = h.tel._pipeline  # pylint: disable=protected-access
-    metrics = pipeline._sinks_now().metrics  # pylint: disable=protected-access
-    original = metrics.submitted
+    original = poller_module.TransferRecord
     calls = {"n": 0}
 
-    def flaky(record):
+    def flaky(item):
         calls["n"] += 1
-        original(record)  # counted in flight, then the error
         if calls["n"] == 2:
             raise RuntimeError("intake exploded")
+        return original(item)
 
-    monkeypatch.setattr(metrics, "submitted", flaky)
-    with pipeline._lock:  # pylint: disable=protected-access  # the worker takes all three in one batch
+    monkeypatch.setattr(poller_module, "TransferRecord", flaky)
+    with pipeline._lock:  # pylint: disable=protected-access  # the poller takes all three in one batch
         for _ in range(3):
             h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
     assert len(h.finished()) == 2

@@ -1,5 +1,5 @@
-"""The OTLP/HTTP exporters' session (``otel_hicache.http_session``), with the real SDK exporters
-that ``configuration.exporters()`` builds from the ``OTEL_*`` variables, against the in-process
+"""The OTLP/HTTP exporters' session (``otel_hicache.sinks.http_session``), with the real SDK exporters
+that ``providers.exporters()`` builds from the ``OTEL_*`` variables, against the in-process
 receiver: no redirect is followed, a refusal is an export failure named once, and a
 collector's ``Retry-After`` is kept."""
 
@@ -10,8 +10,9 @@ import logging
 import pytest
 
 from otel_hicache import configuration
+from otel_hicache.sinks import providers
 from otel_hicache.diagnostics import reset_warnings
-from otel_hicache.http_session import REFUSAL, describe
+from otel_hicache.sinks.http_session import REFUSAL, describe
 from otlp_receiver import HttpReceiver
 
 
@@ -30,7 +31,7 @@ def otlp_http(monkeypatch):
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", timeout_s)
-        (made,) = configuration.exporters("traces", names=["otlp"])
+        (made,) = providers.exporters("traces", names=["otlp"])
         return made
 
     reset_warnings()

@@ -15,9 +15,9 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from fake_nvml import FakeNvml, Gpu
-from otel_hicache import link_capacity as lc
+from otel_hicache.capture.device import current_device
+from otel_hicache.sinks import link_capacity as lc
 from otel_hicache import semconv as sc
-
 NAME = sc.LINK_NOMINAL_BANDWIDTH[0]
 GEN4_X16 = float(Fraction(16 * 16 * 10**9 * 128, 130 * 8))  # 16 lanes x 16 GT/s x 128/130 / 8 bits
 
@@ -117,17 +117,17 @@ def props(domain: int, bus: int, device: int = 0, uuid: str = "") -> Any:
 
 def test_device_is_torch_current_device_by_bus_id():
     cuda = FakeCuda(True, current=1, props=[props(0, 0x1B), props(0, 0x3B)])
-    assert lc.current_device(torch_with(cuda), {}) == (lc.BUS_ID, "00000000:3B:00.0")
+    assert current_device(torch_with(cuda), {}) == (lc.BUS_ID, "00000000:3B:00.0")
 
 
 def test_device_by_uuid_with_a_torch_without_pci_ids():
     cuda = FakeCuda(True, props=[types.SimpleNamespace(uuid="58b7c0de-0000-1111-2222-333344445555")])
-    assert lc.current_device(torch_with(cuda), {}) == (lc.UUID, "GPU-58b7c0de-0000-1111-2222-333344445555")
+    assert current_device(torch_with(cuda), {}) == (lc.UUID, "GPU-58b7c0de-0000-1111-2222-333344445555")
 
 
 def test_cuda_is_never_initialized_to_find_the_device():
     # FakeCuda asserts if asked for a device before CUDA is initialized
-    assert lc.current_device(torch_with(FakeCuda(False)), {}) == (lc.ONLY, None)
+    assert current_device(torch_with(FakeCuda(False)), {}) == (lc.ONLY, None)
 
 
 @pytest.mark.parametrize("environ, expected", [
@@ -138,24 +138,24 @@ def test_cuda_is_never_initialized_to_find_the_device():
     ({"CUDA_VISIBLE_DEVICES": "2,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, (lc.INDEX, 2)),
 ])
 def test_device_from_the_environment_before_cuda_is_initialized(environ, expected):
-    assert lc.current_device(torch_with(FakeCuda(False)), environ) == expected
+    assert current_device(torch_with(FakeCuda(False)), environ) == expected
 
 
 @pytest.mark.parametrize("environ", [{"CUDA_VISIBLE_DEVICES": "2,3"}, {"CUDA_VISIBLE_DEVICES": ""},
                                      {"CUDA_VISIBLE_DEVICES": "-1"}])
 def test_no_device_when_the_environment_cannot_name_it(environ):
-    kind, why = lc.current_device(torch_with(FakeCuda(False)), environ)
+    kind, why = current_device(torch_with(FakeCuda(False)), environ)
     assert kind == lc.NONE and "CUDA_VISIBLE_DEVICES" in why
 
 
 def test_a_broken_torch_falls_back_to_the_environment():
     cuda = FakeCuda(True, raises=True)
-    assert lc.current_device(torch_with(cuda), {"CUDA_VISIBLE_DEVICES": "GPU-aaaa"}) == (lc.UUID, "GPU-aaaa")
+    assert current_device(torch_with(cuda), {"CUDA_VISIBLE_DEVICES": "GPU-aaaa"}) == (lc.UUID, "GPU-aaaa")
 
 
 def test_without_torch_the_environment_decides(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
-    assert lc.current_device(None, {"CUDA_VISIBLE_DEVICES": "GPU-x"}) == (lc.UUID, "GPU-x")
+    assert current_device(None, {"CUDA_VISIBLE_DEVICES": "GPU-x"}) == (lc.UUID, "GPU-x")
 
 
 # -- what is exported -----------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_pcie_gen4_x16_through_the_telemetry(monkeypatch, harness):
 def test_c2c_sums_the_active_links(monkeypatch):
     links = [(1, 45_000)] * 10 + [(0, 45_000)]  # one inactive link does not count
     install(monkeypatch, FakeNvml([Gpu(bus_id="00000009:01:00.0", c2c=links)]))
-    capacity = lc.LinkCapacity({"tp_rank": 0})
+    capacity = lc.LinkCapacity({"tp_rank": 0}, current_device())
     reader, _ = bound(capacity)
     found = points(reader)
     assert len(found) == 2
@@ -191,7 +191,7 @@ def test_c2c_sums_the_active_links(monkeypatch):
 
 def test_c2c_enabled_but_unreadable_exports_nothing_not_pcie(monkeypatch):
     install(monkeypatch, FakeNvml([Gpu(c2c=[(1, 45_000)], c2c_fields_fail=True)]))
-    capacity = lc.LinkCapacity()
+    capacity = lc.LinkCapacity(device=current_device())
     reader, _ = bound(capacity)
     assert points(reader) == []
     assert "C2C" in capacity.unavailable
@@ -199,13 +199,13 @@ def test_c2c_enabled_but_unreadable_exports_nothing_not_pcie(monkeypatch):
 
 def test_a_pynvml_without_c2c_reads_pcie(monkeypatch):
     install(monkeypatch, FakeNvml([Gpu(max_gen=5, max_width=16)], no_c2c_api=True))
-    reader, _ = bound(lc.LinkCapacity())
+    reader, _ = bound(lc.LinkCapacity(device=current_device()))
     assert {p.value for p in points(reader)} == {lc.pcie_bytes_per_second(5, 16)}
 
 
 def test_current_generation_and_width_when_the_max_is_not_supported(monkeypatch):
     install(monkeypatch, FakeNvml([Gpu(max_gen=None, max_width=None, cur_gen=3, cur_width=8, legacy_bus_id=True)]))
-    reader, _ = bound(lc.LinkCapacity())
+    reader, _ = bound(lc.LinkCapacity(device=current_device()))
     found = points(reader)
     assert {p.value for p in found} == {lc.pcie_bytes_per_second(3, 8)}
     assert {p.attributes[sc.PCI_BUS_ID] for p in found} == {"00000000:3B:00.0"}
@@ -242,13 +242,13 @@ def _nothing_and_one_line(capacity: lc.LinkCapacity, caplog: pytest.LogCaptureFi
 
 def test_nvml_init_failure_exports_nothing_and_raises_nothing(monkeypatch, caplog):
     nvml = install(monkeypatch, FakeNvml(init_error=True))
-    _nothing_and_one_line(lc.LinkCapacity(), caplog, "nvmlInit() failed")
+    _nothing_and_one_line(lc.LinkCapacity(device=current_device()), caplog, "nvmlInit() failed")
     assert nvml.calls == ["nvmlInit"]  # tried once, not per collection
 
 
 def test_no_pynvml_module_exports_nothing(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
-    _nothing_and_one_line(lc.LinkCapacity(), caplog, "pynvml is not importable")
+    _nothing_and_one_line(lc.LinkCapacity(device=current_device()), caplog, "pynvml is not importable")
 
 
 def test_unknown_device_exports_nothing(monkeypatch, caplog):
@@ -259,7 +259,7 @@ def test_unknown_device_exports_nothing(monkeypatch, caplog):
 
 def test_unknown_pcie_generation_exports_nothing(monkeypatch, caplog):
     install(monkeypatch, FakeNvml([Gpu(max_gen=7)]))
-    _nothing_and_one_line(lc.LinkCapacity(), caplog, "generation 7")
+    _nothing_and_one_line(lc.LinkCapacity(device=current_device()), caplog, "generation 7")
 
 
 def test_no_nameable_device_does_not_touch_nvml(monkeypatch, caplog):

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from otel_hicache import logs
-
-
+from otel_hicache.sinks import logs
 def test_two_debug_lines_per_op_with_trace_ids(harness, caplog):
     caplog.set_level(logging.DEBUG, logger="otel_hicache")
     h = harness()

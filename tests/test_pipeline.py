@@ -1,27 +1,53 @@
-"""Unit tests of otel_hicache.pipeline.CompletionPipeline with fake sinks that
-note every call, a clock the test sets, and events whose ``query()`` the test
-controls.
+"""Unit tests of otel_hicache.capture.poller.Poller: what it writes to its channel.
 
-Most tests run the worker's cycle by hand (``ManualPipeline``: no thread, so the
-order of calls is exact); flush, stop and the fork restart run the real worker,
-bounded by their timeouts."""
+The poller writes one batch of plain-tuple messages per cycle (otel_hicache.record: OP,
+ACK, DROPPED, STATE, FLUSH...) to ``channel.write(batch, ops)``. Here the channel is a fake
+that notes every batch (and ``stop()``/``forget_in_child()``), the clock is one the test
+sets, and the events' ``query()`` answers what the test says.
+
+Most tests run the poller's cycle by hand (``ManualPoller``: no thread, so every batch is
+exact); flush, stop, a stuck poller and the fork restart run the real thread, bounded by
+their timeouts. Where a behaviour is the sinks' now (busy time, a sink failing on one op),
+the poller's own messages are applied to a ``Consumer`` on in-memory SDK providers.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from types import SimpleNamespace
 
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from otel_hicache import fork
-from otel_hicache import pipeline as engine
-from otel_hicache.pipeline import CompletionPipeline, PipelineSettings, Sinks
-from otel_hicache.records import DEVICE_EVENT, DIRECTIONS, HOST_CLOCK, S_ACK_NS, submission
+from otel_hicache import record as rec
+from otel_hicache import semconv as sc
+from otel_hicache.capture import fork
+from otel_hicache.capture import poller as engine
+from otel_hicache.capture.poller import PipelineSettings, Poller
+from otel_hicache.capture.records import DEVICE_EVENT, HOST_CLOCK, S_ACK_NS, submission
+from otel_hicache.sinks.consumer import Consumer
+
+
+@pytest.fixture(autouse=True)
+def _write_every_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cycles driven by hand do all their work and write it at once (the poller's write interval
+    and cycle budget are real time: test_pipeline.py checks them apart)."""
+    from otel_hicache.capture import poller as poller_module
+
+    monkeypatch.setattr(poller_module, "_WRITE_INTERVAL_NS", 0)
+    monkeypatch.setattr(poller_module, "CYCLE_BUDGET_NS", 1 << 60)
 
 T0 = 1_767_225_600_000_000_000
 MS = 1_000_000
 S = 1_000_000_000
+IDLE = {"offload": 0, "onboard": 0}
+NONE = {"offload": None, "onboard": None}
 
 
 class Clock:
@@ -56,96 +82,71 @@ class Event:
         return self.elapsed_ms
 
 
-class Recorder:
-    """Fake sinks: every call but metrics.flush() noted in order, records by their
-    intake sequence number; ``fail[name]`` makes the next such call raise."""
+class Hung:
+    """An event whose ``query()`` does not return until ``release`` is set."""
 
     def __init__(self):
-        self.calls, self.records, self.fail = [], {}, {}
-        self.flushes_at = []  # len(calls) at each metrics.flush()
+        self.release = threading.Event()
+        self.entered = threading.Event()
 
-    def note(self, *call):
-        self.calls.append(call)
-        error = self.fail.pop(call[0], None)
+    def query(self):
+        self.entered.set()
+        self.release.wait(30.0)
+        return True
+
+
+class Channel:
+    """A fake channel: ``log`` holds ("write", batch, ops, thread), ("stop",) and ("forget",) in order."""
+
+    def __init__(self):
+        self.log = []
+        self.fail_write = None  # an exception the next write raises
+
+    def write(self, batch, ops):
+        error, self.fail_write = self.fail_write, None
         if error is not None:
             raise error
+        assert ops == sum(1 for m in batch if m[0] == rec.OP)  # the poller counts what it sends
+        self.log.append(("write", list(batch), ops, threading.current_thread()))
 
-    def sinks(self):
-        return Sinks(FakeSpans(self), FakeMetrics(self), FakeLog(self))
+    def stop(self, timeout_s, export_s=None):
+        self.log.append(("stop",))
+        return True
 
+    def forget_in_child(self):
+        self.log.append(("forget",))
 
-class FakeSpans:
-    def __init__(self, rec):
-        self.rec = rec
-
-    def begin(self, r):
-        self.rec.note("begin", r.seq)
-        return f"state{r.seq}"
-
-    def finish(self, r, state):
-        self.rec.note("finish", r.seq, state)
+    def messages(self):
+        return [m for entry in self.log if entry[0] == "write" for m in entry[1]]
 
 
-class FakeMetrics:
-    def __init__(self, rec):
-        self.rec = rec
-
-    def submitted(self, r):
-        self.rec.records[r.seq] = r
-        self.rec.note("submitted", r.seq)
-
-    def left_flight(self, r):
-        self.rec.note("left_flight", r.seq)
-
-    def completed(self, r, busy_added_ns):
-        self.rec.note("completed", r.seq, busy_added_ns)
-
-    def acked(self, r):
-        self.rec.note("acked", r.seq)
-
-    def failed_record(self, r, reason):
-        self.rec.note("failed", r.seq, reason)
-
-    def dropped_records(self, reason, count=1):
-        self.rec.note("dropped", reason, count)
-
-    def flush(self, pause=None):
-        self.rec.flushes_at.append(len(self.rec.calls))
-        error = self.rec.fail.pop("flush", None)
-        if error is not None:
-            raise error
-
-
-class FakeLog:
-    def __init__(self, rec):
-        self.rec = rec
-
-    def completed(self, r, busy_added_ns):
-        self.rec.note("log", r.seq, busy_added_ns)
-
-
-class ManualPipeline(CompletionPipeline):
-    """No worker thread: the test runs each cycle itself. ``alive`` is what the
-    worker's is_alive() answers (flush() registers a waiter only while alive)."""
+class ManualPoller(Poller):
+    """No poller thread: the test runs each cycle itself. ``alive`` is what the thread's
+    is_alive() answers (flush() registers a waiter only while alive)."""
 
     alive = False
 
-    def _start_worker(self):
-        self._worker = SimpleNamespace(is_alive=lambda: self.alive, join=lambda timeout=None: None)
+    def _start_thread(self):
+        self._thread = SimpleNamespace(is_alive=lambda: self.alive, join=lambda timeout=None: None, ident=None)
 
 
 class Rig:
-    def __init__(self, manual=True, cap=8, ack_timeout_s=1.0, transfer_timeout_s=2.0):
-        self.rec, self.clock = Recorder(), Clock()
-        self.builds, self.built = 0, threading.Event()
+    def __init__(self, manual=True, cap=8, ack_timeout_s=1.0, transfer_timeout_s=2.0, stall_warning_s=10.0):
+        self.clock = Clock()
+        self.channels = []
+        self.open_threads = []
+        self.open_errors = []  # exceptions the next open_channel() calls raise
+        self._seen = 0
         settings = PipelineSettings(max_queue_size=cap, poll_interval_s=0.0005, ack_timeout_s=ack_timeout_s,
-                                    transfer_timeout_s=transfer_timeout_s)
-        self.p = (ManualPipeline if manual else CompletionPipeline)(settings, self.build, self.clock)
+                                    transfer_timeout_s=transfer_timeout_s, stall_warning_s=stall_warning_s)
+        self.p = (ManualPoller if manual else Poller)(settings, self.open_channel, self.clock)
 
-    def build(self):
-        self.builds += 1
-        self.built.set()
-        return self.rec.sinks()
+    def open_channel(self):
+        self.open_threads.append(threading.current_thread())
+        if self.open_errors:
+            raise self.open_errors.pop(0)
+        self.channels.append(Channel())
+        return self.channels[-1]
 
     def submit(self, finish=None, start=None, timing=False, expect_ack=False, direction="offload", **kwargs):
         """What TransferTelemetry.submit() appends to the queue."""
@@ -161,14 +162,20 @@ class Rig:
         self.clock.now += advance_ns
         self.p._cycle()
 
+    def messages(self):
+        return [m for channel in self.channels for m in channel.messages()]
+
     def take(self):
-        """The calls since the last take() (a swap: a worker's append lands in one list or the other)."""
-        calls, self.rec.calls = self.rec.calls, []
-        return calls
+        """The messages written since the last take()."""
+        messages = self.messages()
+        new, self._seen = messages[self._seen:], len(messages)
+        return new
 
 
 @pytest.fixture
-def make():
+def make(monkeypatch):
+    # a STATE whenever what the gauges show changed (not at most every 50 ms): exact batches
+    monkeypatch.setattr(engine, "_STATE_INTERVAL_NS", 0)
     rigs = []
 
     def factory(**kwargs):
@@ -177,18 +184,55 @@ def make():
 
     yield factory
     for rig in rigs:
-        if not isinstance(rig.p, ManualPipeline):
+        if not isinstance(rig.p, ManualPoller):
             rig.p.stop(1.0)
-            rig.p._worker.join(5.0)
+            rig.p.thread.join(5.0)
 
 
-def done_op(seq, busy=0):
-    """The calls for an op whose completion was seen and that expects no ack."""
-    return [("begin", seq), ("completed", seq, busy), ("log", seq, busy), ("finish", seq, f"state{seq}")]
+def brief(messages):
+    """The messages but STATE, shortly: ("op", seq, error), ("ack", seq, ack_ns), ("dropped", reason,
+    count), ("flush",), or the kind's number."""
+    out = []
+    for m in messages:
+        if m[0] == rec.OP:
+            out.append(("op", m[1], fields(m)["error"]))
+        elif m[0] == rec.ACK:
+            out.append(("ack", m[1], m[2]))
+        elif m[0] == rec.DROPPED:
+            out.append(("dropped", m[1], m[2]))
+        elif m[0] == rec.FLUSH:
+            out.append(("flush",))
+        elif m[0] != rec.STATE:
+            out.append((m[0],))
+    return out
 
 
-def messages(log, text):
+def fields(message):
+    assert message[0] == rec.OP and len(message) == 1 + len(rec.OP_FIELDS)
+    return dict(zip(rec.OP_FIELDS, message[1:]))
+
+
+def ops(messages):
+    return {m[1]: fields(m) for m in messages if m[0] == rec.OP}
+
+
+def states(messages):
+    return [dict(zip(rec.STATE_FIELDS, m[1:])) for m in messages if m[0] == rec.STATE]
+
+
+def dropped(messages, reason):
+    return sum(m[2] for m in messages if m[0] == rec.DROPPED and m[1] == reason)
+
+
+def warned(log, text):
     return [r.getMessage() for r in log.records if text in r.getMessage()]
+
+
+def wait_until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
 
 
 # -- 1. intake ----------------------------------------------------------------------------------
@@ -199,17 +243,19 @@ def test_intake_takes_in_only_what_the_cap_leaves_room_for(make):
     for event in events:
         rig.submit(event)
     rig.cycle()
-    assert rig.take() == [("submitted", 0), ("submitted", 1), ("submitted", 2)]
+    assert brief(rig.take()) == [] and [r.seq for r in rig.p._pending] == [0, 1, 2]
     assert (len(rig.p.queue), rig.p.held, rig.p.size()) == (2, 3, 5)
     rig.cycle()
-    assert rig.take() == []  # no room: the rest stays queued
+    assert rig.take() == [] and [r.seq for r in rig.p._pending] == [0, 1, 2]  # no room: the rest stays queued
     events[1].done = True
     rig.cycle(advance_ns=MS)
     # intake runs before completion: the slot freed here is taken on the next cycle
-    assert rig.take() == done_op(1, busy=MS)
+    batch = rig.take()
+    assert brief(batch) == [("op", 1, None)]
+    assert states(batch)[-1]["inflight"] == {"offload": 4, "onboard": 0}  # 2 pending + 2 queued
     assert (len(rig.p.queue), rig.p.held) == (2, 2)
     rig.cycle()
-    assert rig.take() == [("submitted", 3)]
+    assert [r.seq for r in rig.p._pending] == [0, 2, 3]
     assert (len(rig.p.queue), rig.p.held, rig.p.size()) == (1, 3, 4)
 
 
@@ -217,28 +263,49 @@ def test_records_awaiting_their_ack_count_against_the_cap(make):
     rig = make(cap=2)
     handles = [rig.submit(expect_ack=True) for _ in range(3)]  # no events: complete at submit
     rig.cycle()
-    assert rig.take() == [("submitted", 0), ("submitted", 1), ("begin", 0), ("completed", 0, 0), ("log", 0, 0),
-                          ("begin", 1), ("completed", 1, 0), ("log", 1, 0)]
+    batch = rig.take()
+    assert brief(batch) == [("op", 0, None), ("op", 1, None)]
+    assert all(op["expect_ack"] and op["ack_ns"] is None for op in ops(batch).values())  # an ACK will follow
     rig.cycle(advance_ns=engine._ACK_SCAN_INTERVAL_NS)
-    assert rig.take() == [] and len(rig.p.queue) == 1  # two awaiting their ack fill the cap
+    assert brief(rig.take()) == [] and len(rig.p.queue) == 1  # two awaiting their ack fill the cap
     rig.ack(handles[0])
     rig.cycle(advance_ns=engine._ACK_SCAN_INTERVAL_NS)
-    assert rig.take() == [("acked", 0), ("finish", 0, "state0")]
+    assert brief(rig.take()) == [("ack", 0, T0 + engine._ACK_SCAN_INTERVAL_NS)]
     rig.cycle()
-    assert rig.take()[:1] == [("submitted", 2)]
+    assert brief(rig.take()) == [("op", 2, None)]
 
 
-def test_invalid_records_are_counted_warned_once_per_problem_and_take_no_room(make, warnings_log):
+def test_invalid_records_are_dropped_as_invalid_input_warned_once_per_problem_and_take_no_room(make, warnings_log):
     rig = make(cap=2)
     for bad in (submission("sideways"), submission("sideways"), submission("offload", page_size=0)):
         rig.p.queue.append(bad)
     for _ in range(3):
         rig.submit(Event())
     rig.cycle()
-    assert rig.take() == [("dropped", "invalid_input", 1)] * 3 + [("submitted", 3), ("submitted", 4)]
+    assert brief(rig.take()) == [("dropped", "invalid_input", 3)]
+    assert [r.seq for r in rig.p._pending] == [3, 4]
     assert (len(rig.p.queue), rig.p.held) == (1, 2)
-    found = messages(warnings_log, "dropped a transfer record")
+    found = warned(warnings_log, "dropped a transfer record")
     assert len(found) == 2 and "direction must be" in found[0] and "page_size must be >= 1" in found[1]
+
+
+def test_an_invalid_record_alone_is_still_written_in_its_cycle(make):
+    rig = make()
+    rig.cycle()  # the first STATE: nothing changes from here on
+    rig.take()
+    rig.p.queue.append(submission("sideways", submit_ns=T0))
+    rig.cycle()
+    assert brief(rig.take()) == [("dropped", "invalid_input", 1)]  # not held back until something else is sent
+
+
+def test_a_record_that_cannot_be_taken_in_is_an_internal_error_and_the_rest_of_its_batch_goes_on(make, warnings_log):
+    rig = make()
+    rig.p.queue.append(["offload"])  # not a submission list: no record can be made of it
+    rig.submit()
+    rig.cycle()
+    assert brief(rig.take()) == [("op", 1, None), ("dropped", "internal_error", 1)]
+    assert rig.p.held == 0
+    assert len(warned(warnings_log, "could not be taken in")) == 1
 
 
 # -- 2./3. completion ---------------------------------------------------------------------------
@@ -248,94 +315,157 @@ def test_completion_is_polled_and_elapsed_time_waits_for_both_events(make):
     start, finish = Event(elapsed_ms=2.5), Event()
     rig.submit(finish, start, timing=True)
     rig.cycle()
-    assert rig.take() == [("submitted", 0)]
+    assert brief(rig.take()) == []
     assert (finish.queries, start.queries) == (1, 0)
     finish.done = True  # the finish event completed first (another stream)
     rig.cycle()
     assert (finish.queries, start.queries) == (2, 1)
-    assert rig.take() == []
+    assert brief(rig.take()) == []
     start.done = True
     rig.cycle(advance_ns=MS)
-    assert rig.take() == done_op(0, busy=2_500_000)
-    r = rig.rec.records[0]
-    assert (r.timing_source, r.duration_ns, r.start_ns, r.end_ns) == (DEVICE_EVENT, 2_500_000,
-                                                                      T0 + MS - 2_500_000, T0 + MS)
+    batch = rig.take()
+    assert brief(batch) == [("op", 0, None)]
+    op = ops(batch)[0]
+    assert (op["timing_source"], op["duration_ns"], op["start_ns"], op["end_ns"]) == (
+        DEVICE_EVENT, 2_500_000, T0 + MS - 2_500_000, T0 + MS)
+    assert (op["direction"], op["tokens"], op["blocks"], op["num_bytes"], op["pool_names"], op["pool_tokens"]) == (
+        "offload", 64, 1, 4096, ("kv",), (64,))
     assert start.misuse == finish.misuse == []  # never synchronize(), no early elapsed_time()
 
 
-def test_a_transfer_that_never_completes_times_out_as_an_error(make, warnings_log):
+def test_a_transfer_that_never_completes_times_out_as_an_error_op(make, warnings_log):
     rig = make(transfer_timeout_s=2.0)
     rig.submit(Event(), expect_ack=True)
     rig.submit(Event(), expect_ack=True)
     rig.cycle()
     rig.take()
     rig.cycle(advance_ns=2 * S)
-    assert rig.take() == []  # exactly the timeout: not yet
+    assert brief(rig.take()) == []  # exactly the timeout: not yet
     rig.cycle(advance_ns=1)
-    assert rig.take() == [("begin", 0), ("failed", 0, "transfer_timeout"), ("finish", 0, "state0"),
-                          ("begin", 1), ("failed", 1, "transfer_timeout"), ("finish", 1, "state1")]
-    r = rig.rec.records[0]
-    assert (r.error, r.timing_source, r.start_ns, r.end_ns, r.duration_ns, r.expect_ack) == (
-        "transfer_timeout", HOST_CLOCK, T0, T0 + 2 * S + 1, 2 * S + 1, False)
+    batch = rig.take()
+    assert brief(batch) == [("op", 0, "transfer_timeout"), ("op", 1, "transfer_timeout")]
+    op = ops(batch)[0]
+    assert (op["timing_source"], op["start_ns"], op["end_ns"], op["duration_ns"], op["expect_ack"]) == (
+        HOST_CLOCK, T0, T0 + 2 * S + 1, 2 * S + 1, False)
+    assert states(batch)[-1]["inflight"] == IDLE
     assert (rig.p._pending, rig.p._awaiting, rig.p.held) == ([], [], 0)  # no ack wait for a failed op
-    found = messages(warnings_log, "did not complete within")
+    rig.cycle(advance_ns=2 * S)  # past the ack timeout too: no ACK follows a failed op
+    assert brief(rig.take()) == []
+    found = warned(warnings_log, "did not complete within")
     assert len(found) == 1 and "OTEL_HICACHE_TRANSFER_TIMEOUT_S=2 s" in found[0]
 
 
-def test_an_event_that_raises_is_an_error_span_warned_once_per_exception_type(make, warnings_log):
+def test_an_event_that_raises_is_an_error_op_warned_once_per_exception_type(make, warnings_log):
     rig = make()
     for _ in range(2):
         rig.submit(Event(query_error=RuntimeError("CUDA error: an illegal memory access")))
     rig.submit(Event(done=True), start=Event(query_error=ValueError("bad start event")))
     rig.cycle(advance_ns=MS)
-    expected = [("submitted", 0), ("submitted", 1), ("submitted", 2)]
-    for seq in (0, 1, 2):
-        expected += [("begin", seq), ("failed", seq, "event_error"), ("finish", seq, f"state{seq}")]
-    assert rig.take() == expected
-    r = rig.rec.records[2]
-    assert (r.error, r.timing_source, r.start_ns, r.end_ns) == ("event_error", HOST_CLOCK, T0, T0 + MS)
-    found = messages(warnings_log, "a transfer's event raised")
+    batch = rig.take()
+    assert brief(batch) == [("op", seq, "event_error") for seq in (0, 1, 2)]
+    op = ops(batch)[2]
+    assert (op["timing_source"], op["start_ns"], op["end_ns"], op["expect_ack"]) == (HOST_CLOCK, T0, T0 + MS, False)
+    found = warned(warnings_log, "a transfer's event raised")
     assert len(found) == 2 and "illegal memory access" in found[0] and "bad start event" in found[1]
 
 
-def test_busy_time_added_per_direction_goes_to_metrics_and_log(make):
+# -- what the sinks make of the poller's messages (a Consumer on in-memory providers) -------------
+
+class Sinks:
+    def __init__(self):
+        self.spans = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider(shutdown_on_exit=False)
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
+        self.consumer = Consumer(self.tracer_provider, self.meter_provider, {"attributes": {"tp_rank": 0}})
+
+    def points(self, name):
+        self.consumer.flush()
+        return [p for rm in self.reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
+                for m in sm.metrics if m.name == name for p in m.data.data_points]
+
+    def close(self):
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+@pytest.fixture
+def sinks():
+    made = Sinks()
+    yield made
+    made.close()
+
+
+def test_busy_time_is_the_union_of_the_ops_intervals_per_direction(make, sinks):
     rig = make()
     rig.submit(host_start_ns=T0, host_end_ns=T0 + 4 * MS)
     rig.submit(host_start_ns=T0 + 2 * MS, host_end_ns=T0 + 6 * MS)  # overlaps the first by 2 ms
     rig.submit(direction="onboard", host_start_ns=T0, host_end_ns=T0 + 4 * MS)  # the other direction
     rig.cycle()
-    assert [c for c in rig.take() if c[0] in ("completed", "log")] == [
-        ("completed", 0, 4 * MS), ("log", 0, 4 * MS), ("completed", 1, 2 * MS), ("log", 1, 2 * MS),
-        ("completed", 2, 4 * MS), ("log", 2, 4 * MS)]
+    batch = rig.take()
+    assert [(op["start_ns"], op["end_ns"]) for op in ops(batch).values()] == [
+        (T0, T0 + 4 * MS), (T0 + 2 * MS, T0 + 6 * MS), (T0, T0 + 4 * MS)]
+    sinks.consumer.apply(batch)
+    busy = {p.attributes[sc.DIRECTION]: p.value for p in sinks.points(sc.TRANSFER_BUSY_TIME[0])}
+    assert busy == pytest.approx({"offload": 0.006, "onboard": 0.004})
 
 
-def test_a_sink_failing_while_an_acked_op_is_finished_drops_that_record_only(make, warnings_log):
+def test_a_sink_failing_while_an_acked_op_is_finished_loses_that_span_only(make, sinks, warnings_log):
     rig = make()
     handles = [rig.submit(expect_ack=True) for _ in range(2)]
     rig.cycle()
-    rig.take()
-    rig.rec.fail["finish"] = RuntimeError("span processor exploded")
+    sinks.consumer.apply(rig.take())
     for handle in handles:
         rig.ack(handle)
     rig.cycle(advance_ns=engine._ACK_SCAN_INTERVAL_NS)
-    assert rig.take() == [("acked", 0), ("finish", 0, "state0"), ("left_flight", 0), ("dropped", "internal_error", 1),
-                          ("acked", 1), ("finish", 1, "state1")]
-    assert rig.p._awaiting == []  # handled once, not retried
-    assert len(messages(warnings_log, "could not be reported")) == 1
+    batch = rig.take()
+    assert brief(batch) == [("ack", 0, T0), ("ack", 1, T0)]
+    finish, failed = sinks.consumer.spans.finish, []
+
+    def exploding(op, state):
+        if not failed:
+            failed.append(op.seq)
+            raise RuntimeError("span processor exploded")
+        finish(op, state)
+
+    sinks.consumer.spans.finish = exploding
+    sinks.consumer.apply(batch)
+    assert failed == [0]
+    assert [s.attributes[sc.ACKED] for s in sinks.spans.get_finished_spans()] == [True]  # the other one's
+    assert sinks.consumer._awaiting == {}  # handled once, not retried
+    assert len(warned(warnings_log, "could not be reported")) == 1
+
+
+def test_a_span_lost_at_its_ack_is_counted_as_an_internal_error(make, sinks):
+    rig = make()
+    handle = rig.submit(expect_ack=True)
+    rig.cycle()
+    sinks.consumer.apply(rig.take())
+    rig.ack(handle)
+    rig.cycle(advance_ns=engine._ACK_SCAN_INTERVAL_NS)
+
+    def exploding(op, state):
+        raise RuntimeError("span processor exploded")
+
+    sinks.consumer.spans.finish = exploding
+    sinks.consumer.apply(rig.take())
+    lost = [p.value for p in sinks.points(sc.RECORDS_DROPPED[0]) if p.attributes[sc.REASON] == "internal_error"]
+    assert lost == [1]
 
 
 # -- 4. acks -------------------------------------------------------------------------------------
 
-def test_an_ack_is_taken_at_the_next_ack_scan_or_at_once_when_a_flush_waits(make):
+def test_an_ack_is_sent_at_the_next_ack_scan_or_at_once_when_a_flush_waits(make):
     rig = make()
     handle = rig.submit(expect_ack=True)
     rig.cycle()
-    assert rig.take() == [("submitted", 0), ("begin", 0), ("completed", 0, 0), ("log", 0, 0)]
+    assert brief(rig.take()) == [("op", 0, None)]
     rig.ack(handle)
     rig.cycle(advance_ns=engine._ACK_SCAN_INTERVAL_NS - 1)
-    assert rig.take() == []  # acks not watched are scanned every _ACK_SCAN_INTERVAL_NS
+    assert brief(rig.take()) == []  # acks not watched are scanned every _ACK_SCAN_INTERVAL_NS
     rig.cycle(advance_ns=1)
-    assert rig.take() == [("acked", 0), ("finish", 0, "state0")]
+    assert brief(rig.take()) == [("ack", 0, T0)]
 
     handle = rig.submit(expect_ack=True)
     rig.cycle()
@@ -344,176 +474,182 @@ def test_an_ack_is_taken_at_the_next_ack_scan_or_at_once_when_a_flush_waits(make
     rig.p.alive = True
     assert rig.p.flush(0) is False  # registers a waiter, as a flush() on another thread does
     rig.cycle()
-    assert rig.take() == [("acked", 1), ("finish", 1, "state1")]  # no scan interval to wait for
+    # no scan interval to wait for; the sinks are told to hand over what they summed
+    assert brief(rig.take()) == [("ack", 1, rig.clock()), ("flush",)]
     assert rig.p._flush_waiters == []
 
 
-def test_no_ack_within_the_ack_timeout_finishes_the_span_unacked(make):
+def test_no_ack_within_the_ack_timeout_ends_the_wait_unacked(make):
     rig = make(ack_timeout_s=1.0)
     rig.submit(expect_ack=True)
     rig.cycle()
     rig.take()
     rig.cycle(advance_ns=S)
-    assert rig.take() == []  # scanned at exactly the timeout: still waiting
+    assert brief(rig.take()) == []  # scanned at exactly the timeout: still waiting
     rig.cycle(advance_ns=engine._ACK_SCAN_INTERVAL_NS)
-    assert rig.take() == [("finish", 0, "state0")]  # at the next scan; no ("acked", 0)
-    assert rig.rec.records[0].ack_ns is None and rig.p.held == 0
+    batch = rig.take()
+    assert brief(batch) == [("ack", 0, None)]  # at the next scan: timed out
+    assert states(batch)[-1]["oldest_unacked_ns"] == NONE and rig.p.held == 0
 
 
-def test_an_ack_taken_before_the_completion_was_seen_finishes_the_op_at_completion(make):
+def test_an_ack_taken_before_the_completion_was_seen_travels_with_the_op(make):
     rig = make()
     finish = Event()
     handle = rig.submit(finish, expect_ack=True)
     rig.cycle()
+    rig.clock.now += MS
     rig.ack(handle)
     finish.done = True
     rig.cycle()
-    assert rig.take() == [("submitted", 0), ("begin", 0), ("completed", 0, 0), ("log", 0, 0), ("acked", 0),
-                          ("finish", 0, "state0")]
+    batch = rig.take()
+    assert brief(batch) == [("op", 0, None)]
+    assert (ops(batch)[0]["ack_ns"], ops(batch)[0]["expect_ack"]) == (T0 + MS, True)  # no ACK follows
     assert rig.p._awaiting == []
+    rig.cycle(advance_ns=2 * S)
+    assert brief(rig.take()) == []
 
 
 # -- 5. refused submit() calls ------------------------------------------------------------------------
 
-def test_refused_submissions_are_counted_once_each(make, warnings_log):
+def test_refused_submissions_are_dropped_as_queue_full_once_each(make, warnings_log):
     rig = make()
     for _ in range(3):
         next(rig.p.refused)  # what submit() does on a full queue
     rig.cycle()
-    assert rig.take() == [("dropped", "queue_full", 3)]
+    assert brief(rig.take()) == [("dropped", "queue_full", 3)]
     rig.cycle()
-    assert rig.take() == []  # the count's own reads are not refusals
+    assert brief(rig.take()) == []  # the count's own reads are not refusals
     for _ in range(2):
         next(rig.p.refused)
     rig.cycle()
-    assert rig.take() == [("dropped", "queue_full", 2)]
-    found = messages(warnings_log, "queue full")
+    assert brief(rig.take()) == [("dropped", "queue_full", 2)]
+    found = warned(warnings_log, "queue full")
     assert len(found) == 1 and "OTEL_HICACHE_MAX_QUEUE_SIZE=8" in found[0]
 
 
-# -- busy-interval forgetting -------------------------------------------------------------------------
+# -- the channel -----------------------------------------------------------------------------------
 
-class SpyTracker:
-    def __init__(self):
-        self.cutoffs = []
-
-    def forget_before(self, cutoff_ns):
-        self.cutoffs.append(cutoff_ns)
-
-
-NOW = T0 + 60 * S
-
-
-@pytest.mark.parametrize("pending, queued, oldest", [
-    ([], None, NOW),
-    ([NOW - 1 * S, NOW - 3 * S], None, NOW - 3 * S),
-    ([NOW - 1 * S], NOW - 10 * S, NOW - 10 * S),  # a backlog not taken in yet: its head is older
-    ([NOW - 1 * S], "not an int", NOW - 1 * S),  # an invalid queued record says nothing
-    ([NOW + 2 * S], None, NOW),  # a submit stamp ahead of the clock: never past now
-], ids=["idle", "oldest-in-flight", "queue-head", "invalid-queue-head", "future-stamp"])
-def test_busy_intervals_are_forgotten_only_well_before_the_oldest_op_in_flight(make, pending, queued, oldest):
+def test_the_channel_opens_at_the_first_batch_and_each_batch_says_how_many_ops_it_holds(make):
     rig = make()
-    rig.p._busy = {d: SpyTracker() for d in DIRECTIONS}
-    rig.p._pending = [SimpleNamespace(submit_ns=ns) for ns in pending]
-    if queued is not None:
-        rig.p.queue.append(submission("offload", submit_ns=queued))
-    rig.p._forget_busy_intervals(NOW)
-    assert [t.cutoffs for t in rig.p._busy.values()] == [[oldest - engine._BUSY_LATE_MARGIN_NS]] * 2
-
-
-def test_busy_intervals_are_forgotten_at_most_once_per_interval(make):
-    rig = make()
-    spy = SpyTracker()
-    rig.p._busy = {d: spy if d == "offload" else SpyTracker() for d in DIRECTIONS}
+    assert rig.channels == []  # by hand, no thread: nothing written yet
+    rig.submit()
+    rig.submit(Event())
     rig.cycle()
-    rig.cycle(advance_ns=engine._BUSY_FORGET_INTERVAL_NS - 1)
-    assert len(spy.cutoffs) == 1
-    rig.cycle(advance_ns=1)
-    assert spy.cutoffs == [T0 - engine._BUSY_LATE_MARGIN_NS,
-                           T0 + engine._BUSY_FORGET_INTERVAL_NS - engine._BUSY_LATE_MARGIN_NS]
+    assert len(rig.channels) == 1 and rig.open_threads == [threading.current_thread()]
+    rig.submit()
+    rig.cycle()
+    # an OP and a STATE, then an OP alone: what the gauges show has not changed (one op in flight)
+    assert [(entry[2], [m[0] for m in entry[1]]) for entry in rig.channels[0].log] == [
+        (1, [rec.OP, rec.STATE]), (1, [rec.OP])]
 
 
-# -- flush (the real worker) ---------------------------------------------------------------------
+def test_ops_of_a_batch_the_channel_could_not_be_opened_for_are_not_lost_silently(make, warnings_log):
+    rig = make()
+    rig.open_errors.append(RuntimeError("no collector"))
+    rig.submit()
+    rig.cycle()
+    assert rig.channels == [] and len(warned(warnings_log, "cannot open the telemetry channel")) == 1
+    rig.submit()
+    rig.cycle()  # the next batch opens it
+    messages = rig.take()
+    assert 1 in ops(messages)
+    assert 0 in ops(messages) or dropped(messages, "internal_error") == 1
+
+
+# -- flush (the real thread) -----------------------------------------------------------------------
 
 def test_flush_waits_for_earlier_submissions_but_not_for_their_acks(make):
     rig = make(manual=False)
     acked = rig.submit(expect_ack=True)
     assert rig.p.flush(5.0) is True  # completed and awaiting its ack: flushed
-    assert rig.take() == [("submitted", 0), ("begin", 0), ("completed", 0, 0), ("log", 0, 0)]
+    assert brief(rig.take())[:1] == [("op", 0, None)]
     stuck = Event()
     rig.submit(stuck)
     assert rig.p.flush(0.05) is False  # in flight: the flush times out
     stuck.done = True
     rig.ack(acked)
     assert rig.p.flush(5.0) is True
-    calls = rig.take()
-    # the ack taken before this flush is reported by it (a waiting flush scans the acks)
-    assert sorted(calls, key=repr) == sorted([("submitted", 1), ("acked", 0), ("finish", 0, "state0")]
-                                             + done_op(1), key=repr)
+    # the ack taken before this flush is written by it (a waiting flush scans the acks)
+    found = [m for m in brief(rig.take()) if m[0] != "flush"]
+    assert sorted(found, key=repr) == sorted([("op", 1, None), ("ack", 0, T0)], key=repr)
 
 
-def test_flush_on_a_stopped_pipeline_answers_at_once(make):
+def test_flush_on_a_stopped_poller_answers_at_once(make):
     rig = make(manual=False)
     assert rig.p.stop(5.0) is True
+    began = time.monotonic()
     assert rig.p.flush(60.0) is True
     rig.submit()
     assert rig.p.flush(60.0) is False  # nothing will take it in
+    assert time.monotonic() - began < 30.0
     assert rig.p.stop(5.0) is False  # stopped already
+    assert [entry[0] for entry in rig.channels[0].log].count("stop") == 1
 
 
 def test_a_flush_racing_the_intake_still_waits_for_the_record_being_taken_in(make):
     rig = make()
     rig.p.alive = True
-    waiters = []
+    racers = []
 
     class RacingQueue(deque):
         def popleft(self):
             item = super().popleft()
-            if not waiters:  # another thread's flush() runs here (the GIL can switch at any bytecode)
-                if rig.p._lock.locked():  # unless the intake holds the flush lock: then none can
-                    waiters.append(threading.Event())
+            if not racers:  # another thread's flush() runs here (the GIL can switch at any bytecode)
+                if rig.p._lock.locked():  # the intake holds the flush lock: that flush waits for it
+                    racers.append(threading.Thread(target=rig.p.flush, args=(0,)))
+                    racers[0].start()
                 else:
+                    racers.append(None)
                     rig.p.flush(0)
-                    waiters.append(rig.p._flush_waiters[-1][1])
             return item
 
     rig.p.queue = RacingQueue()
-    rig.submit(Event())  # submitted before that flush, and still in flight
+    finish = Event()
+    rig.submit(finish)  # submitted before that flush, and still in flight
     rig.cycle()
-    assert rig.rec.calls == [("submitted", 0)]
-    assert not waiters[0].is_set()
+    if racers[0] is not None:
+        racers[0].join(5.0)
+    [(target, waiting)] = rig.p._flush_waiters
+    assert target == 1
+    rig.cycle()
+    assert not waiting.is_set()  # the record is still in flight
+    finish.done = True
+    rig.cycle()
+    assert waiting.is_set() and rig.p._flush_waiters == []
 
 
-# -- stop and the final cycle (the real worker) ---------------------------------------------------------
+# -- stop and the final cycle ----------------------------------------------------------------------------
 
-def test_stop_drops_what_is_in_flight_and_finishes_what_awaits_an_ack(make, warnings_log):
+def test_stop_drops_what_is_in_flight_as_shutdown_and_ends_the_ack_waits(make, warnings_log):
     rig = make(manual=False)
     rig.submit(expect_ack=True)
     assert rig.p.flush(5.0)
     rig.submit(Event())  # never completes
     assert rig.p.stop(0.2) is False  # its flush timed out
-    rig.p._worker.join(5.0)  # a starved worker may finish after stop()'s bounded join
-    calls = rig.take()
-    assert calls[:5] == [("submitted", 0), ("begin", 0), ("completed", 0, 0), ("log", 0, 0), ("submitted", 1)]
-    # the drop is the final cycle's; the span awaiting its ack is finished by the last regular
-    # cycle (stop() sets drain-all first) or by the final one, whichever sees the flag first
-    assert calls[5:] in ([("finish", 0, "state0"), ("dropped", "shutdown", 1), ("left_flight", 1)],
-                         [("dropped", "shutdown", 1), ("left_flight", 1), ("finish", 0, "state0")])
-    assert rig.rec.flushes_at[-1] == 8  # counters handed over after the last of them
-    assert (rig.p.size(), rig.p._worker.is_alive()) == (0, False)
-    assert len(messages(warnings_log, "1 transfers still in flight at shutdown")) == 1
+    rig.p.thread.join(5.0)  # a starved thread may finish after stop()'s bounded join
+    messages = rig.take()
+    found = [m for m in brief(messages) if m[0] != "flush"]
+    assert found[0] == ("op", 0, None)
+    assert sorted(found[1:], key=repr) == [("ack", 0, None), ("dropped", "shutdown", 1)]
+    last = states(messages)[-1]
+    assert (last["inflight"], last["oldest_inflight_ns"], last["oldest_unacked_ns"], last["queue_size"]) == (
+        IDLE, NONE, NONE, 0)
+    assert (rig.p.size(), rig.p.thread.is_alive()) == (0, False)
+    assert len(warned(warnings_log, "1 transfers still in flight at shutdown")) == 1
 
 
-def test_stop_with_nothing_in_flight(make):
+def test_stop_with_nothing_in_flight_writes_everything_then_stops_the_channel(make):
     rig = make(manual=False)
     rig.submit()
     assert rig.p.stop(5.0) is True
-    assert rig.take() == [("submitted", 0)] + done_op(0)
-    assert rig.builds == 1
+    assert [m for m in brief(rig.take()) if m[0] != "flush"] == [("op", 0, None)]
+    assert len(rig.channels) == 1
+    assert rig.channels[0].log[-1] == ("stop",)  # after the last batch
+    assert [entry[0] for entry in rig.channels[0].log].count("stop") == 1
     assert rig.p.stop(5.0) is False
 
 
-def test_the_final_cycle_drops_what_is_left_and_finishes_what_awaits_an_ack(make, warnings_log):
+def test_the_final_cycle_drops_what_is_left_and_ends_what_awaits_an_ack(make, warnings_log):
     rig = make()  # by hand: the final cycle itself, after the last regular one took X and Z in
     rig.submit(Event())  # X: in flight, never completes
     rig.submit(expect_ack=True)  # Z: complete, its ack never comes
@@ -522,64 +658,157 @@ def test_the_final_cycle_drops_what_is_left_and_finishes_what_awaits_an_ack(make
     rig.submit()  # Y: submitted after that cycle's intake, racing stop()
     rig.p._drain_all = rig.p._stopping = True  # as stop() sets them
     rig.p._cycle_final()
-    assert rig.take() == [("dropped", "shutdown", 1), ("left_flight", 0), ("finish", 1, "state1"),
-                          ("dropped", "shutdown", 1)]
-    assert (len(rig.p.queue), rig.p.size(), rig.rec.flushes_at[-1]) == (0, 0, 4)
-    assert len(messages(warnings_log, "were not reported")) == 2
+    batch = rig.take()
+    assert brief(batch) == [("ack", 1, None), ("dropped", "shutdown", 2)]  # X and Y
+    assert states(batch)[-1]["inflight"] == IDLE and states(batch)[-1]["queue_size"] == 0
+    assert (len(rig.p.queue), rig.p.size()) == (0, 0)
+    assert len(warned(warnings_log, "were not reported")) == 2
 
 
 # The final cycle once dropped the records still in flight without releasing the flush waiters: a
-# flush() waiting on another thread when stop() ran blocked for its whole timeout, the worker gone.
-def test_a_flush_waiting_when_the_pipeline_stops_is_released(make):
+# flush() waiting on another thread when stop() ran blocked for its whole timeout, the thread gone.
+def test_a_flush_waiting_when_the_poller_stops_is_released(make):
     rig = make(manual=False)
     rig.submit(Event())  # never completes
     assert rig.p.flush(0.05) is False  # its waiter stays registered, as a flush() blocked on another thread
     [(_target, waiting)] = list(rig.p._flush_waiters)
     rig.p.stop(0.05)
-    rig.p._worker.join(5.0)
-    assert rig.rec.calls[-2:] == [("dropped", "shutdown", 1), ("left_flight", 0)]  # nothing left in flight
+    rig.p.thread.join(5.0)
+    assert dropped(rig.messages(), "shutdown") == 1  # nothing left in flight
     assert waiting.is_set()
 
 
-def test_the_worker_survives_an_error_in_its_cycle(make, warnings_log):
+def test_the_poller_survives_an_error_in_its_cycle_and_loses_nothing(make, warnings_log):
     rig = make(manual=False)
-    rig.rec.fail["flush"] = RuntimeError("exporter exploded")
+    failures = []
+
+    def cache_totals():  # called by every STATE: here, the cycle that completed the op raises once
+        if not failures and any(m[0] == rec.OP for m in rig.p._out):
+            failures.append(1)
+            raise RuntimeError("cache totals exploded")
+        return None
+
+    rig.p.cache_totals = cache_totals
     rig.submit()
     assert rig.p.flush(5.0) is True  # released by a later cycle
-    assert rig.take() == [("submitted", 0)] + done_op(0)  # reported once, not lost, not twice
-    assert "flush" not in rig.rec.fail
-    assert len(messages(warnings_log, "completion worker error RuntimeError('exporter exploded')")) == 1
+    assert failures == [1]
+    assert [m for m in brief(rig.take()) if m[0] == "op"] == [("op", 0, None)]  # written once, not lost, not twice
+    assert len(warned(warnings_log, "poller error RuntimeError('cache totals exploded')")) == 1
     rig.submit()
     assert rig.p.flush(5.0) is True
+    assert [m for m in brief(rig.take()) if m[0] == "op"] == [("op", 1, None)]
+
+
+def test_the_poller_survives_a_channel_that_raises(make, warnings_log):
+    rig = make(manual=False)
+    assert rig.p.flush(5.0)  # the channel is open
+    rig.channels[0].fail_write = OSError("pipe exploded")
+    rig.submit()
+    rig.p.flush(1.0)
+    rig.submit()
+    assert rig.p.flush(5.0) is True
+    assert 1 in ops(rig.take())
+    assert rig.p.thread.is_alive()
+    assert len(warned(warnings_log, "poller error OSError('pipe exploded')")) == 1
+
+
+# -- a stuck poller ----------------------------------------------------------------------------------
+
+def test_a_stuck_poller_is_warned_about_once_naming_where_it_is_blocked(make, warnings_log):
+    rig = make(manual=False, stall_warning_s=0.2)
+    hung = Hung()
+    rig.submit(hung)
+    assert hung.entered.wait(5.0)
+    assert rig.p.stalled() == 0.0  # not yet past stall_warning_s
+    wait_until(lambda: rig.p.stalled() > 0)
+    assert rig.p.flush(0.05) is False  # a flush that times out checks too
+    found = warned(warnings_log, "has not finished a cycle")
+    assert len(found) == 1
+    assert "blocked in Hung.query (" in found[0] and "test_pipeline.py:" in found[0] and ", in wait" in found[0]
+    hung.release.set()
+    wait_until(lambda: warned(warnings_log, "finished its stalled cycle"))
+    assert rig.p.stalled() == 0.0
+    assert rig.p.flush(5.0) is True
+    assert 0 in ops(rig.messages())
+    assert len(warned(warnings_log, "has not finished a cycle")) == 1
+
+
+def test_refusals_while_the_poller_is_stuck_are_written_by_the_thread_that_notices(make):
+    rig = make(manual=False, stall_warning_s=0.1)
+    hung = Hung()
+    rig.submit(hung)
+    assert hung.entered.wait(5.0)
+    for _ in range(3):
+        next(rig.p.refused)
+    wait_until(lambda: rig.p.stalled() > 0)  # what a refused submit() calls
+    written = [entry for entry in rig.channels[0].log if entry[0] == "write" and entry[3] is threading.current_thread()]
+    assert written, "the stuck poller's refusals were not written"
+    batch = [m for entry in written for m in entry[1]]
+    assert dropped(batch, "queue_full") == 3
+    state = states(batch)[-1]
+    assert (state["inflight"], state["oldest_inflight_ns"]) == ({"offload": 1, "onboard": 0}, {"offload": T0,
+                                                                                               "onboard": None})
+    hung.release.set()
+    assert rig.p.flush(5.0) is True
+    assert dropped(rig.messages(), "queue_full") == 3  # once each: not again by the poller
+
+
+def test_stop_with_a_stuck_poller_counts_what_it_held_as_shutdown(make, warnings_log):
+    rig = make(manual=False, stall_warning_s=0.1)
+    hung = Hung()
+    rig.submit(hung)
+    rig.submit()  # taken in with it, behind it in the completion loop
+    assert hung.entered.wait(5.0)
+    rig.submit()  # queued behind the stuck cycle
+    time.sleep(0.15)
+    assert rig.p.stop(0.3) is False
+    assert dropped(rig.messages(), "shutdown") == 3
+    assert rig.channels[0].log[-1] == ("stop",)
+    assert len(warned(warnings_log, "3 transfers held by the stuck poller were not reported")) == 1
+    hung.release.set()  # it returns after stop() counted it lost: nothing more is written
+    rig.p.thread.join(5.0)
+    assert not rig.p.thread.is_alive()
+    assert ops(rig.messages()) == {}
 
 
 # -- fork ----------------------------------------------------------------------------------------
 
-def test_after_fork_the_child_starts_empty_with_its_own_worker_and_builds_its_sinks_lazily(make):
+def test_after_fork_the_child_starts_empty_with_its_own_thread_and_opens_its_own_channel(make):
     rig = make(manual=False)
     p = rig.p
     assert any(handle() == p._after_fork_in_child for handle in fork._callbacks)  # registered for fork()
     for _ in range(2):
         next(p.refused)  # refusals the parent reported
-    assert p.stop(5.0) is True  # threads do not survive fork(): the parent's worker is gone in the child
-    assert rig.take() == [("dropped", "queue_full", 2)]
-    parent_worker = p._worker
+    assert p.stop(5.0) is True  # threads do not survive fork(): the parent's is gone in the child
+    parent = rig.channels[0]
+    assert dropped(parent.messages(), "queue_full") == 2
+    parent_thread = p.thread
     # what the child inherits from the parent: queued, in-flight and awaiting records, refusals
     rig.submit(Event())
     p._pending = [object()]
-    p._awaiting = [(object(), None)]
+    p._awaiting = [object()]
     p.held = 2
     next(p.refused)
-    rig.take()
-    rig.built.clear()
 
+    opens = len(rig.open_threads)
     p._after_fork_in_child()  # what fork's at-fork callback runs in the child
+    assert rig.open_threads[opens:] in ([], [p.thread])  # never opened by the at-fork callback itself
+    assert parent.log[-1] == ("forget",)  # the parent's telemetry process stays the parent's
     assert (len(p.queue), p.held, p.size(), p._pending, p._awaiting) == (0, 0, 0, [], [])
-    assert p._worker is not parent_worker and p._worker.is_alive()
-    assert not rig.built.wait(0.05)  # idle: no providers built inside the at-fork callbacks
-    assert rig.builds == 1
+    assert p.thread is not parent_thread and p.thread.is_alive()
 
     rig.submit()  # the child's own first op
     assert p.flush(5.0) is True
-    assert rig.builds == 2
-    assert rig.take() == [("submitted", 0)] + done_op(0)  # numbered from 0, no parent refusal reported
+    assert len(rig.channels) == 2  # its own channel
+    child = rig.channels[1].messages()
+    assert list(ops(child)) == [0]  # numbered from 0
+    assert dropped(child, "queue_full") == 0  # no parent refusal reported
+    assert len(parent.log) == len([e for e in parent.log if e[0] == "write"]) + 2  # nothing more to the parent
+
+
+def test_an_idle_forked_child_opens_no_channel(make):
+    rig = make(manual=False)
+    assert rig.p.stop(5.0) is True
+    rig.p._after_fork_in_child()
+    time.sleep(0.2)  # some hundred idle cycles, nothing submitted
+    assert len(rig.open_threads) == 1  # the parent's only

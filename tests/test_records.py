@@ -1,6 +1,6 @@
 import pytest
 
-from otel_hicache.records import TransferRecord, submission, validate
+from otel_hicache.capture.records import TransferRecord, submission, validate
 
 
 def make(direction="offload", pools=None, num_bytes=0, page_size=64):
@@ -72,11 +72,11 @@ def undrained(monkeypatch):
     """A TransferTelemetry whose pipeline has no worker: what submit() queues stays as built."""
     from types import SimpleNamespace
 
-    from otel_hicache import telemetry
-    from otel_hicache.pipeline import CompletionPipeline
+    from otel_hicache.capture import telemetry
+    from otel_hicache.capture.poller import Poller
 
-    monkeypatch.setattr(CompletionPipeline, "_start_worker", lambda self: setattr(
-        self, "_worker", SimpleNamespace(is_alive=lambda: False, join=lambda timeout=None: None)))
+    monkeypatch.setattr(Poller, "_start_thread", lambda self: setattr(
+        self, "_thread", SimpleNamespace(is_alive=lambda: False, join=lambda timeout=None: None)))
     monkeypatch.setattr(telemetry, "_get_current_context", lambda: "<parent_context>")
     now = SimpleNamespace(ns=0)
     tel = telemetry.TransferTelemetry(clock=lambda: now.ns)
@@ -89,7 +89,7 @@ def test_submit_builds_its_list_in_the_declared_layout(undrained):
     argument, the clock and the context must land at its declared index."""
     import inspect
 
-    from otel_hicache.records import S_ACK_NS, S_SUBMIT_NS, SUBMISSION_FIELDS
+    from otel_hicache.capture.records import S_ACK_NS, S_SUBMIT_NS, SUBMISSION_FIELDS
 
     tel, now = undrained
     given = [name for name in SUBMISSION_FIELDS if name not in ("submit_ns", "parent_context", "ack_ns")]
@@ -106,7 +106,7 @@ def test_submit_builds_its_list_in_the_declared_layout(undrained):
 
 
 def test_records_and_submissions_follow_the_declared_layout():
-    from otel_hicache.records import SUBMISSION_FIELDS
+    from otel_hicache.capture.records import SUBMISSION_FIELDS
 
     sentinel = {name: f"<{name}>" for name in SUBMISSION_FIELDS}
     handle = submission(**sentinel)

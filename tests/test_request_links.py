@@ -1,22 +1,20 @@
 """Links from transfer spans to the requests they served (``submit(requests=...)``): which
 requests are linked (valid, sampled, each once, at most 16, the rest counted), the links
-and ``hicache.request`` events on both span paths, outlier sampling keeping them, bad
+and ``hicache.request`` events on the span, outlier sampling keeping them, bad
 input skipped with one warning, and the metrics unchanged."""
 
 from __future__ import annotations
 
 import logging
 
-import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from otel_hicache import environment_variables as ev
 from otel_hicache import semconv as sc
-from otel_hicache.request_links import MAX_REQUEST_LINKS, resolve, trace_id_hex
-
-PATHS = pytest.mark.parametrize("fast_path", ["true", "false"], ids=["fast", "api"])
+from otel_hicache.capture.request_links import MAX_REQUEST_LINKS, resolve
+from otel_hicache.sinks.spans import trace_id_hex
 
 
 def request(n: int, sampled: bool = True) -> SpanContext:
@@ -78,9 +76,7 @@ def test_a_bad_request_is_skipped_with_one_warning_and_the_others_kept(caplog):
 
 # -- on the span -----------------------------------------------------------------------------------------
 
-@PATHS
-def test_the_span_links_to_its_requests_and_names_their_trace_ids(harness, monkeypatch, fast_path):
-    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_FAST_PATH, fast_path)
+def test_the_span_links_to_its_requests_and_names_their_trace_ids(harness):
     h = harness()
     a, b = request(1), request(2)
     handle = copy(h, [a, b, request(3, sampled=False)])
@@ -99,9 +95,7 @@ def test_the_span_links_to_its_requests_and_names_their_trace_ids(harness, monke
     assert offload.links == () and [e.name for e in offload.events] == [sc.EVENT_SUBMITTED]
 
 
-@PATHS
-def test_more_than_sixteen_requests_are_counted_on_the_span(harness, monkeypatch, fast_path):
-    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_FAST_PATH, fast_path)
+def test_more_than_sixteen_requests_are_counted_on_the_span(harness):
     h = harness()
     copy(h, [request(n) for n in range(20)])
     (span,) = h.finished()
@@ -109,9 +103,7 @@ def test_more_than_sixteen_requests_are_counted_on_the_span(harness, monkeypatch
     assert span.attributes[sc.REQUEST_LINKS_DROPPED] == 4
 
 
-@PATHS
-def test_outlier_sampling_keeps_an_op_linked_to_a_sampled_request(harness, monkeypatch, fast_path):
-    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_FAST_PATH, fast_path)
+def test_outlier_sampling_keeps_an_op_linked_to_a_sampled_request(harness, monkeypatch):
     monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_SAMPLING, "outliers")
     monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS, "0")
     monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE, "0")
@@ -144,24 +136,20 @@ def test_a_failed_op_keeps_its_request_links(harness):
     assert span.attributes["error.type"] == sc.FAIL_EVENT_ERROR and len(span.links) == 1
 
 
-def test_links_to_requests_pass_the_span_limits_as_on_the_api_path(harness, monkeypatch):
-    """The fast path bounds links and events with the provider's limits, as the SDK's Span does."""
+def test_links_to_requests_pass_the_span_limits(harness, monkeypatch):
+    """Links and events are bounded by the provider's limits, as the SDK's Span does."""
     monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", "3")
     monkeypatch.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", "2")
-    got = {}
-    for fast_path in ("true", "false"):
-        monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_FAST_PATH, fast_path)
-        h = harness()
-        copy(h, [request(n) for n in range(5)])
-        (span,) = h.finished()
-        got[fast_path] = ([l.context.trace_id for l in span.links], span.dropped_links,
-                          [e.name for e in span.events], span.dropped_events)
-    assert got["true"] == got["false"]
-    assert got["true"][1] == 2 and got["true"][3] == 4  # 5 links (3 kept), 6 events (2 kept)
+    h = harness()
+    copy(h, [request(n) for n in range(5)])
+    (span,) = h.finished()
+    # 5 links, 6 events: the newest 3 and 2 kept
+    assert [link.context.trace_id for link in span.links] == [0x1002, 0x1003, 0x1004] and span.dropped_links == 2
+    assert [e.name for e in span.events] == [sc.EVENT_REQUEST] * 2 and span.dropped_events == 4
 
 
 def test_a_tracer_provider_without_the_sdk_still_gets_links(monkeypatch):
-    """Any TracerProvider (the API path): links go through start_span(links=...)."""
+    """Any TracerProvider: links go through start_span(links=...)."""
     from otel_hicache import TransferTelemetry
     from otel_hicache.testing import WallClockDevice
 

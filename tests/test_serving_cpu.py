@@ -20,13 +20,13 @@ def test_serving_cpu_runs_every_variant_and_subtracts_the_control(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads(out.read_text())
     variants = results["variants"]
-    assert list(variants) == ["control", "embedded", "export process"]
+    assert list(variants) == ["control", "embedded", "telemetry process"]
     assert results["complete"] is True
 
     control = variants["control"]
     assert control["enabled"] is False  # OTEL_HICACHE_ENABLED=false: the loop without telemetry
     assert "serving_cpu_us_per_op" not in control
-    for name in ("embedded", "export process"):
+    for name in ("embedded", "telemetry process"):
         f = variants[name]
         assert f["enabled"] is True and f["flushed"] is True
         # spans at 100%, each op one span: the receiver process counted every op submitted
@@ -38,19 +38,21 @@ def test_serving_cpu_runs_every_variant_and_subtracts_the_control(tmp_path):
         assert all(x > 0 for x in raw + net + total)
         cycles = f["stretch_us"]["worker_cycle"]
         assert cycles["calls"] > 0 and 0 < cycles["p50"] <= cycles["p99"] <= cycles["p999"] <= cycles["max"]
-        assert f["stretch_us"]["span_export"]["calls"] > 0
-    embedded, helper = variants["embedded"], variants["export process"]
+    # embedded, the serving process exports; with the telemetry process, it never does
+    assert variants["embedded"]["stretch_us"]["span_export"]["calls"] > 0
+    assert variants["telemetry process"]["stretch_us"]["span_export"]["calls"] == 0
+    embedded, helper = variants["embedded"], variants["telemetry process"]
     assert embedded["helper_cpu_us_per_op"] is None
     assert embedded["total_cpu_us_per_op"]["rounds"] == embedded["serving_cpu_us_per_op"]["rounds"]
-    # the export helper's own CPU is measured apart and added to the total
+    # the telemetry process's own CPU is measured apart and added to the total
     helper_cpu = helper["helper_cpu_us_per_op"]["rounds"]
     assert all(h > 0 for h in helper_cpu)
     assert all(math.isclose(t, s + h) for t, s, h in zip(helper["total_cpu_us_per_op"]["rounds"],
                                                           helper["serving_cpu_us_per_op"]["rounds"], helper_cpu))
 
-    # the goals are the telemetry-process design's, shown for information and never judged
-    assert len(results["goals"]) == 5
-    assert "goal (for the telemetry-process design, not built yet)" in run.stdout
-    assert "PASS" not in run.stdout and "FAIL" not in run.stdout
-    for heading in ("serving (net)", "total (net)", "per poller cycle", "per export() call", "p99.9"):
+    # the goals, each said met or not from this run's figures (a short run on a shared machine: not judged here)
+    assert len(results["goals"]) == 4
+    for goal in results["goals"]:
+        assert goal["result"] in ("met", "NOT met") and goal["measured"] in run.stdout
+    for heading in ("serving (net)", "total (net)", "per cycle", "per export() call", "p99.9"):
         assert heading in run.stdout

@@ -2,8 +2,8 @@
 always kept, a sampled parent's children kept, the provider's sampler deciding the rest;
 metrics exact whatever is dropped, and every decision counted in otel_hicache.spans.
 
-End to end on the simulated device (the ``harness`` fixture), on both span paths, and
-unit tests of the running quantile and of the settings."""
+End to end on the simulated device (the ``harness`` fixture), unit tests of the span
+builder's forced spans, of the running quantile and of the settings."""
 
 from __future__ import annotations
 
@@ -21,21 +21,20 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, StatusCode, Trace
 
 from otel_hicache import environment_variables as ev
 from otel_hicache import semconv as sc
-from otel_hicache.records import DEVICE_EVENT, TransferRecord, submission, validate
-from otel_hicache.span_sampling import (BOUNDS_NS, REFRESH, WINDOW, OutlierPolicy, RecentQuantile,
-                                        SpanSamplingSettings)
-from otel_hicache.spans import ApiSpanBuilder, FastSpanBuilder
+from otel_hicache.record import DEVICE_EVENT, DIRECT, OP, OP_FIELDS, context_tuple
+from otel_hicache.sinks.consumer import Op
+from otel_hicache.sinks.span_sampling import (BOUNDS_NS, REFRESH, WINDOW, OutlierPolicy, RecentQuantile,
+                                              SpanSamplingSettings)
+from otel_hicache.sinks.spans import SpanBuilder
 
-PATHS = pytest.mark.parametrize("fast_path", ["true", "false"], ids=["fast", "api"])
 SPANS = sc.SPANS[0]
 BYTES = 1 << 20
 
 
-def outliers(monkeypatch, fast_path="true", slower_than_ms="0", quantile="0", mode="outliers"):
+def outliers(monkeypatch, slower_than_ms="0", quantile="0", mode="outliers"):
     monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_SAMPLING, mode)
     monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS, slower_than_ms)
     monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE, quantile)
-    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_FAST_PATH, fast_path)
 
 
 def op(h, duration_ms=1.0, direction="onboard", fail=False, tokens=64):
@@ -91,9 +90,7 @@ def test_the_default_is_all_spans_subject_to_the_sampler(harness):
                             ("kept", "parent"): 0, ("kept", "request"): 0, ("skipped", "base"): 0}
 
 
-@PATHS
-def test_by_default_the_sampler_drops_errors_and_slow_ops_too(harness, monkeypatch, fast_path):
-    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_FAST_PATH, fast_path)
+def test_by_default_the_sampler_drops_errors_and_slow_ops_too(harness):
     h = harness(sampler=ALWAYS_OFF)
     op(h, duration_ms=100.0)
     op(h, fail=True)
@@ -111,9 +108,8 @@ def test_zero_series_carry_the_static_attributes(harness, monkeypatch):
 
 # -- outliers: what is kept ----------------------------------------------------------------------------
 
-@PATHS
-def test_errors_and_slow_ops_are_kept_with_an_always_off_base(harness, monkeypatch, fast_path):
-    outliers(monkeypatch, fast_path, slower_than_ms="5")
+def test_errors_and_slow_ops_are_kept_with_an_always_off_base(harness, monkeypatch):
+    outliers(monkeypatch, slower_than_ms="5")
     h = harness(sampler=ALWAYS_OFF)
     for i in range(40):
         op(h, duration_ms=9.0 if i in (7, 30) else 1.0, direction="offload" if i % 2 else "onboard")
@@ -135,9 +131,8 @@ def test_errors_and_slow_ops_are_kept_with_an_always_off_base(harness, monkeypat
     assert h.value("otel_hicache.records.failed", reason="event_error") == 1
 
 
-@PATHS
-def test_slower_than_the_running_quantile_of_its_direction_is_kept(harness, monkeypatch, fast_path):
-    outliers(monkeypatch, fast_path, quantile="0.99")  # no absolute threshold
+def test_slower_than_the_running_quantile_of_its_direction_is_kept(harness, monkeypatch):
+    outliers(monkeypatch, quantile="0.99")  # no absolute threshold
     h = harness(sampler=ALWAYS_OFF)
     warmup = RecentQuantile(0.99).warmup
     for i in range(warmup + 2 * REFRESH):  # onboard ~1 ms, offload ~3 ms: each its own quantile
@@ -161,9 +156,8 @@ def test_no_relative_outliers_before_the_warmup(harness, monkeypatch):
     assert h.finished() == []
 
 
-@pytest.mark.parametrize("fast_path", ["true", "false"], ids=["fast", "api"])
-def test_a_sampled_parent_keeps_its_children(harness, monkeypatch, fast_path):
-    outliers(monkeypatch, fast_path)
+def test_a_sampled_parent_keeps_its_children(harness, monkeypatch):
+    outliers(monkeypatch)
     h = harness(sampler=ALWAYS_OFF)  # not parent-based: only the policy keeps them
     scope, parent = sampled_parent()
     with scope:
@@ -186,9 +180,8 @@ def test_without_outliers_a_sampled_parent_is_the_samplers_business(harness):
     assert h.finished() == []
 
 
-@PATHS
-def test_the_base_share_follows_otel_traces_sampler(harness, monkeypatch, fast_path):
-    outliers(monkeypatch, fast_path)
+def test_the_base_share_follows_otel_traces_sampler(harness, monkeypatch):
+    outliers(monkeypatch)
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
     h = harness()  # the TracerProvider reads the sampler from the environment
@@ -219,8 +212,7 @@ def test_always_on_base_keeps_everything_with_the_same_span_as_before(harness, m
 
 # -- metrics exact, decisions counted ---------------------------------------------------------------
 
-@PATHS
-def test_metrics_are_the_same_whatever_spans_are_dropped(harness, monkeypatch, fast_path):
+def test_metrics_are_the_same_whatever_spans_are_dropped(harness, monkeypatch):
     def workload(h):
         rng = random.Random(7)
         for i in range(300):
@@ -229,7 +221,7 @@ def test_metrics_are_the_same_whatever_spans_are_dropped(harness, monkeypatch, f
 
     h_all = harness()
     workload(h_all)
-    outliers(monkeypatch, fast_path, slower_than_ms="50", quantile="0.99")
+    outliers(monkeypatch, slower_than_ms="50", quantile="0.99")
     h_out = harness(sampler=ALWAYS_OFF)
     workload(h_out)
     spans_all, spans_out = h_all.finished(), h_out.finished()
@@ -266,7 +258,7 @@ def test_a_skipped_span_builds_nothing(harness, monkeypatch):
     assert all(not p.exemplars for p in h.points("hicache.transfer.duration"))
 
 
-# -- the builders, unit ---------------------------------------------------------------------------------
+# -- the builder, unit ----------------------------------------------------------------------------------
 
 class AskedSampler(Sampler):
     """Notes the attributes it is asked with; samples nothing, or everything with an attribute of its own."""
@@ -284,71 +276,60 @@ class AskedSampler(Sampler):
         return "AskedSampler"
 
 
-def record(duration_ns=1_000_000, error=None, parent_context=None):
-    r = TransferRecord(submission("offload", {"kv": 64}, BYTES, 64, submit_ns=1_000, parent_context=parent_context,
-                                  expect_ack=False))
-    validate(r)
-    r.timing_source = DEVICE_EVENT
-    r.start_ns, r.end_ns, r.duration_ns = 2_000, 2_000 + duration_ns, duration_ns
-    r.error = error
-    return r
+def record(duration_ns=1_000_000, error=None, parent=None):
+    """A direct offload of 64 tokens as the span builder gets it: a ``consumer.Op`` made from the
+    ``record.OP`` message the poller sends (``parent``: the SpanContext current at submit, or None)."""
+    fields = dict(
+        seq=1, direction="offload", origin=DIRECT, cause=sc.CAUSE_OTHER, cause_parts=None, tokens=64, blocks=1,
+        pool_names=("kv",), pool_tokens=(64,), num_bytes=BYTES, page_size=64, io_backend=None, attributes=None,
+        timing_source=DEVICE_EVENT, placement=None, start_ns=2_000, end_ns=2_000 + duration_ns,
+        duration_ns=duration_ns, queue_wait_ns=None, error=error, submit_ns=1_000, ack_ns=None, expect_ack=False,
+        parent=context_tuple(parent), request_links=(), request_links_dropped=0)
+    assert tuple(fields) == OP_FIELDS
+    return Op((OP, *fields.values()))
 
 
-def rig(builder, sampler, policy, provider=None):
+def rig(sampler, policy, provider=None):
     exporter = InMemorySpanExporter()
     provider = provider or TracerProvider(sampler=sampler, shutdown_on_exit=False)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     counted = []
-    return builder(provider, {"tp_rank": 0}, policy, lambda d, r: counted.append((d, r))), exporter, counted
+    return SpanBuilder(provider, {"tp_rank": 0}, policy, lambda d, r: counted.append((d, r))), exporter, counted
 
 
 def emit(builder, r):
     builder.finish(r, builder.begin(r))
 
 
-def test_the_fast_path_asks_the_base_sampler_before_building_the_span():
-    sampler = AskedSampler()
-    builder, exporter, counted = rig(FastSpanBuilder, sampler, OutlierPolicy(0, 0.0, {"tp_rank": 0}))
-    r = record()
-    emit(builder, r)
-    assert sampler.asked == [{"tp_rank": 0, "hicache.direction": "offload"}]
-    assert r.span_context is None and r.exemplar_context is None and exporter.get_finished_spans() == ()
-    assert counted == [("skipped", "base")]
-
-
-@pytest.mark.parametrize("builder", [FastSpanBuilder, ApiSpanBuilder], ids=["fast", "api"])
-def test_a_base_span_keeps_the_samplers_own_attributes(builder):
+def test_a_base_span_keeps_the_samplers_own_attributes():
     sampler = AskedSampler(Decision.RECORD_AND_SAMPLE)
-    b, exporter, counted = rig(builder, sampler, OutlierPolicy(0, 0.0, {"tp_rank": 0}))
+    b, exporter, counted = rig(sampler, OutlierPolicy(0, 0.0, {"tp_rank": 0}))
     emit(b, record())
     [span] = exporter.get_finished_spans()
     assert span.attributes["sampler.rule"] == "r1" and span.attributes[sc.SAMPLING_REASON] == "base"
     assert counted == [("kept", "base")]
 
 
-@pytest.mark.parametrize("builder", [FastSpanBuilder, ApiSpanBuilder], ids=["fast", "api"])
-def test_forced_spans_are_not_asked_and_take_the_parents_trace_state(builder):
+def test_forced_spans_are_not_asked_and_take_the_parents_trace_state():
     from opentelemetry.trace import TraceState
-    from opentelemetry.trace.propagation import set_span_in_context
 
     sampler = AskedSampler()
-    b, exporter, counted = rig(builder, sampler, OutlierPolicy(0, 0.0))
+    b, exporter, counted = rig(sampler, OutlierPolicy(0, 0.0))
     state = TraceState([("vendor", "x")])
     parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED), trace_state=state)
-    emit(b, record(parent_context=set_span_in_context(NonRecordingSpan(parent))))
+    emit(b, record(parent=parent))
     emit(b, record(error="event_error"))
     spans = exporter.get_finished_spans()
     assert [s.attributes[sc.SAMPLING_REASON] for s in spans] == ["parent", "error"]
     assert spans[0].context.trace_state == state and spans[0].parent.span_id == 0xDEF
     assert spans[1].parent is None and len(spans[1].context.trace_state) == 0
     assert counted == [("kept", "parent"), ("kept", "error")]
-    if builder is FastSpanBuilder:
-        assert sampler.asked == []
+    assert sampler.asked == []  # started on the keeping tracer: ALWAYS_ON, not the provider's sampler
 
 
-def test_the_api_path_leaves_the_providers_cached_tracer_alone():
+def test_forced_spans_leave_the_providers_cached_tracer_alone():
     provider = TracerProvider(sampler=ALWAYS_OFF, shutdown_on_exit=False)
-    b, exporter, _ = rig(ApiSpanBuilder, None, OutlierPolicy(0, 0.0), provider)
+    b, exporter, _ = rig(None, OutlierPolicy(0, 0.0), provider)
     emit(b, record(error="event_error"))
     assert len(exporter.get_finished_spans()) == 1
     assert provider.get_tracer(sc.SCOPE_NAME, b._tracer.instrumentation_info.version).sampler is ALWAYS_OFF
@@ -356,28 +337,23 @@ def test_the_api_path_leaves_the_providers_cached_tracer_alone():
 
 def test_on_a_non_sdk_provider_the_count_says_what_happened():
     counted = []
-    b = ApiSpanBuilder(trace.NoOpTracerProvider(), {}, OutlierPolicy(0, 0.0), lambda d, r: counted.append((d, r)))
+    b = SpanBuilder(trace.NoOpTracerProvider(), {}, OutlierPolicy(0, 0.0), lambda d, r: counted.append((d, r)))
     emit(b, record(error="event_error"))
     assert counted == [("skipped", "error")]
 
 
-@pytest.mark.parametrize("builder", [FastSpanBuilder, ApiSpanBuilder], ids=["fast", "api"])
-def test_sdk_span_metrics_agree_on_both_paths(builder, monkeypatch):
-    def run(cls):
-        monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
-        reader = InMemoryMetricReader()
-        provider = TracerProvider(sampler=ALWAYS_OFF, shutdown_on_exit=False,
-                                  meter_provider=MeterProvider(metric_readers=[reader], shutdown_on_exit=False))
-        b, _exporter, _ = rig(cls, None, OutlierPolicy(0, 0.0), provider)
-        for r in (record(), record(error="event_error"), record()):
-            emit(b, r)
-        data = reader.get_metrics_data()
-        return sorted((m.name, tuple(sorted(p.attributes.items())), p.value)
-                      for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-                      if m.name.startswith("otel.sdk.span.") for p in m.data.data_points)
-
-    points = run(builder)
-    assert points == run(ApiSpanBuilder)
+def test_sdk_span_metrics_count_a_forced_span_as_sampled(monkeypatch):
+    monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+    reader = InMemoryMetricReader()
+    provider = TracerProvider(sampler=ALWAYS_OFF, shutdown_on_exit=False,
+                              meter_provider=MeterProvider(metric_readers=[reader], shutdown_on_exit=False))
+    b, _exporter, _ = rig(None, OutlierPolicy(0, 0.0), provider)
+    for r in (record(), record(error="event_error"), record()):
+        emit(b, r)
+    data = reader.get_metrics_data()
+    points = sorted((m.name, tuple(sorted(p.attributes.items())), p.value)
+                    for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+                    if m.name.startswith("otel.sdk.span.") for p in m.data.data_points)
     started = {dict(a)["otel.span.sampling_result"]: v for n, a, v in points if n == "otel.sdk.span.started"}
     assert started == {"DROP": 2, "RECORD_AND_SAMPLE": 1}
 
@@ -434,5 +410,4 @@ def test_settings_values(monkeypatch):
     assert (settings.mode, settings.slower_than_ms, settings.quantile) == ("outliers", 2.5, 0.999)
     policy = settings.policy({"tp_rank": 1})
     assert policy.slower_than_ns == 2_500_000 and policy.quantiles["offload"].warmup == 10_000
-    assert policy.sampler_attributes["onboard"] == {"tp_rank": 1, "hicache.direction": "onboard"}
     assert settings.policy() is not settings.policy()  # one per builder: its own quantiles

@@ -1,7 +1,6 @@
-"""Unit tests of otel_hicache.spans: the attribute set, and both span builders
-(``ApiSpanBuilder``, ``FastSpanBuilder``) on an SDK TracerProvider with an
-InMemorySpanExporter, on records whose timing is set by hand. Most builder tests
-run on both builders; the fast one must give the API one's result."""
+"""Unit tests of otel_hicache.sinks.spans: the attribute set, and ``SpanBuilder`` on an
+SDK TracerProvider with an InMemorySpanExporter, on ops as the consumer hands them to it
+(``consumer.Op``, made from a ``record.OP`` message) with their timing set by hand."""
 
 from __future__ import annotations
 
@@ -14,11 +13,12 @@ from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider, _
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler, SamplingResult
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
-from opentelemetry.trace.propagation import set_span_in_context
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
 
-from otel_hicache.records import DEVICE_EVENT, S_ACK_NS, TransferRecord, submission, validate
-from otel_hicache.spans import ApiSpanBuilder, FastSpanBuilder, make_span_builder, span_attributes
+from otel_hicache import semconv as sc
+from otel_hicache.record import DEVICE_EVENT, DIRECT, MERGED_OP, OP, OP_FIELDS, context_tuple
+from otel_hicache.sinks.consumer import Op
+from otel_hicache.sinks.spans import SpanBuilder, span_attributes
 from otel_hicache.version import __version__
 
 SUBMIT = 1_767_225_600_000_000_000
@@ -39,21 +39,21 @@ MEASURED = [
 ]
 MEASURED_DIRECT = [(k, "direct" if k == "hicache.origin" else v) for k, v in MEASURED]  # expect_ack=False
 
-BUILDERS = pytest.mark.parametrize("builder", [ApiSpanBuilder, FastSpanBuilder], ids=["api", "fast"])
 
-
-def record(direction="onboard", expect_ack=True, ack_ns=None, error=None, parent_context=None, attributes=None,
+def record(direction="onboard", expect_ack=True, ack_ns=None, error=None, parent=None, attributes=None,
            duration_ns=DURATION, queue_wait_ns=200_000, io_backend="kernel"):
-    r = TransferRecord(submission(direction, {"kv": 1408, "swa": 64}, 161_480_704, 64, io_backend=io_backend,
-                                  attributes=attributes, expect_ack=expect_ack, submit_ns=SUBMIT,
-                                  parent_context=parent_context))
-    validate(r)
-    r.timing_source = DEVICE_EVENT  # as timing.resolve() leaves it
-    r.start_ns, r.end_ns, r.duration_ns = START, START + duration_ns, duration_ns
-    r.queue_wait_ns = queue_wait_ns
-    r.error = error
-    r.handle[S_ACK_NS] = ack_ns
-    return r
+    """The standard op (1408 + 64 tokens of two pools) as the span builder gets it: a ``consumer.Op``
+    made from the ``record.OP`` message the poller sends. ``parent``: the SpanContext current at
+    submit (sent as ids), or None."""
+    fields = dict(
+        seq=1, direction=direction, origin=MERGED_OP if expect_ack else DIRECT, cause=sc.CAUSE_OTHER,
+        cause_parts=None, tokens=1408, blocks=22, pool_names=("kv", "swa"), pool_tokens=(1408, 64),
+        num_bytes=161_480_704, page_size=64, io_backend=io_backend, attributes=dict(attributes) if attributes else None,
+        timing_source=DEVICE_EVENT, placement=None, start_ns=START, end_ns=START + duration_ns,
+        duration_ns=duration_ns, queue_wait_ns=queue_wait_ns, error=error, submit_ns=SUBMIT, ack_ns=ack_ns,
+        expect_ack=expect_ack, parent=context_tuple(parent), request_links=(), request_links_dropped=0)
+    assert tuple(fields) == OP_FIELDS
+    return Op((OP, *fields.values()))
 
 
 class Recorder(SpanProcessor):
@@ -87,14 +87,14 @@ class FixedSampler(Sampler):
 
 
 class Rig:
-    def __init__(self, builder, sampler=None, limits=None, **provider_kwargs):
+    def __init__(self, sampler=None, limits=None, **provider_kwargs):
         self.exporter = InMemorySpanExporter()
         self.recorder = Recorder()
         self.provider = TracerProvider(sampler=sampler, span_limits=limits, shutdown_on_exit=False,
                                        resource=Resource.create({"service.name": "unit"}), **provider_kwargs)
         self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
         self.provider.add_span_processor(self.recorder)
-        self.builder = builder(self.provider, STATIC)
+        self.builder = SpanBuilder(self.provider, STATIC)
 
     def emit(self, r):
         """The spans begin() and finish() export."""
@@ -110,9 +110,8 @@ class Rig:
 
 
 def parent_context(flags=TraceFlags.SAMPLED, remote=False, trace_state=None):
-    context = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0x00F067AA0BA902B7, is_remote=remote,
-                          trace_flags=TraceFlags(flags), trace_state=trace_state)
-    return set_span_in_context(NonRecordingSpan(context)), context
+    return SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0x00F067AA0BA902B7, is_remote=remote,
+                       trace_flags=TraceFlags(flags), trace_state=trace_state)
 
 
 def snapshot(span):
@@ -173,11 +172,10 @@ def test_span_attributes_leave_the_static_mapping_alone():
     assert "x" not in span_attributes(record(), static)
 
 
-# -- both builders: the span ---------------------------------------------------------------------
+# -- the span builder: the span -----------------------------------------------------------------
 
-@BUILDERS
-def test_one_span_with_the_copys_times_events_attributes_and_scope(builder):
-    rig = Rig(builder)
+def test_one_span_with_the_copys_times_events_attributes_and_scope():
+    rig = Rig()
     r = record(ack_ns=END + 5_750_000_000)
     span = rig.span(r)
     assert snapshot(span) == {
@@ -195,13 +193,11 @@ def test_one_span_with_the_copys_times_events_attributes_and_scope(builder):
     assert trace.get_current_span(r.exemplar_context).get_span_context() == span.context
 
 
-@BUILDERS
 @pytest.mark.parametrize("direction, name", [("offload", "hicache.offload"), ("onboard", "hicache.onboard")])
-def test_the_span_name_says_the_direction(builder, direction, name):
-    assert Rig(builder).span(record(direction=direction)).name == name
+def test_the_span_name_says_the_direction(direction, name):
+    assert Rig().span(record(direction=direction)).name == name
 
 
-@BUILDERS
 @pytest.mark.parametrize("expect_ack, ack_ns, fields, events", [
     (True, END + 1_500, [("hicache.acked", True), ("hicache.ack_delay_us", 1.5)], ["submitted", "acked"]),
     (True, END - 10, [("hicache.acked", True), ("hicache.ack_delay_us", 0.0)], ["submitted", "acked"]),
@@ -209,28 +205,26 @@ def test_the_span_name_says_the_direction(builder, direction, name):
     (False, None, [], ["submitted"]),
     (False, END + 1_000, [("hicache.acked", True), ("hicache.ack_delay_us", 1.0)], ["submitted", "acked"]),
 ], ids=["acked", "acked-before-the-end", "ack-timed-out", "direct", "direct-acked-anyway"])
-def test_ack_fields_at_finish(builder, expect_ack, ack_ns, fields, events):
-    span = Rig(builder).span(record(expect_ack=expect_ack, ack_ns=ack_ns))
+def test_ack_fields_at_finish(expect_ack, ack_ns, fields, events):
+    span = Rig().span(record(expect_ack=expect_ack, ack_ns=ack_ns))
     # set last, after the measured ones
     assert list(span.attributes.items()) == (MEASURED if expect_ack else MEASURED_DIRECT) + fields
     assert [e.name for e in span.events] == events
 
 
-@BUILDERS
-def test_a_failed_record_is_an_error_span(builder):
-    span = Rig(builder).span(record(expect_ack=False, error="event_error"))
+def test_a_failed_record_is_an_error_span():
+    span = Rig().span(record(expect_ack=False, error="event_error"))
     assert (span.status.status_code, span.status.description) == (StatusCode.ERROR, "event_error")
     assert span.attributes["error.type"] == "event_error"
 
 
-@BUILDERS
 @pytest.mark.parametrize("flags", [TraceFlags.SAMPLED, TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID],
                          ids=["parent-flags-sampled", "parent-flags-random"])
 @pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
-def test_a_child_of_the_context_current_at_submit(builder, flags, remote):
-    context, parent = parent_context(flags, remote)
-    rig = Rig(builder)
-    r = record(parent_context=context)
+def test_a_child_of_the_context_current_at_submit(flags, remote):
+    parent = parent_context(flags, remote)
+    rig = Rig()
+    r = record(parent=parent)
     span = rig.span(r)
     assert span.parent == parent and span.parent.is_remote is remote
     assert span.context.trace_id == parent.trace_id and span.context.span_id != parent.span_id
@@ -238,18 +232,17 @@ def test_a_child_of_the_context_current_at_submit(builder, flags, remote):
     assert not span.context.is_remote
 
 
-@BUILDERS
-def test_a_child_of_a_span_started_through_the_tracer_api(builder):
-    rig = Rig(builder)
+def test_a_child_of_a_span_started_through_the_tracer_api():
+    rig = Rig()
     with rig.provider.get_tracer("request").start_as_current_span("request") as request:
-        r = record(parent_context=trace.set_span_in_context(request))
+        # submit() sends the span context current then, as ids
+        r = record(parent=trace.get_current_span().get_span_context())
     [span] = rig.emit(r)
     assert span.parent == request.get_span_context()
 
 
-@BUILDERS
-def test_a_dropped_span_is_not_recorded_and_has_no_exemplar(builder):
-    rig = Rig(builder, sampler=ALWAYS_OFF)
+def test_a_dropped_span_is_not_recorded_and_has_no_exemplar():
+    rig = Rig(sampler=ALWAYS_OFF)
     r = record(ack_ns=END)
     assert rig.emit(r) == []
     assert rig.recorder.ended == []
@@ -257,19 +250,17 @@ def test_a_dropped_span_is_not_recorded_and_has_no_exemplar(builder):
     assert r.exemplar_context is None
 
 
-@BUILDERS
-def test_an_unsampled_parent_is_followed_by_the_default_sampler(builder):
-    context, parent = parent_context(flags=TraceFlags.DEFAULT)
-    rig = Rig(builder)  # ParentBased(ALWAYS_ON)
-    r = record(parent_context=context)
+def test_an_unsampled_parent_is_followed_by_the_default_sampler():
+    parent = parent_context(flags=TraceFlags.DEFAULT)
+    rig = Rig()  # ParentBased(ALWAYS_ON)
+    r = record(parent=parent)
     assert rig.emit(r) == []
     assert r.span_context.trace_id == parent.trace_id and not r.span_context.trace_flags.sampled
     assert r.exemplar_context is None
 
 
-@BUILDERS
-def test_record_only_reaches_the_processors_but_not_a_sampled_only_exporter(builder):
-    rig = Rig(builder, sampler=FixedSampler(Decision.RECORD_ONLY))
+def test_record_only_reaches_the_processors_but_not_a_sampled_only_exporter():
+    rig = Rig(sampler=FixedSampler(Decision.RECORD_ONLY))
     r = record(ack_ns=END)
     assert rig.emit(r) == []  # SimpleSpanProcessor exports sampled spans only
     [seen] = rig.recorder.ended
@@ -278,22 +269,20 @@ def test_record_only_reaches_the_processors_but_not_a_sampled_only_exporter(buil
     assert r.exemplar_context is None  # no exemplar links to a span nobody exports
 
 
-@BUILDERS
-def test_the_sampler_sees_the_span_and_adds_its_attributes_and_trace_state(builder):
-    context, parent = parent_context()
+def test_the_sampler_sees_the_span_and_adds_its_attributes_and_trace_state():
+    parent = parent_context()
     sampler = FixedSampler(Decision.RECORD_AND_SAMPLE, extra={"sampler.rule": "r1"},
                            trace_state=TraceState([("vendor", "v1")]))
-    rig = Rig(builder, sampler=sampler)
-    span = rig.span(record(parent_context=context, ack_ns=END))
+    rig = Rig(sampler=sampler)
+    span = rig.span(record(parent=parent, ack_ns=END))
     assert sampler.asked == [(parent.trace_id, "hicache.onboard", SpanKind.INTERNAL, dict(MEASURED))]
     assert list(span.attributes.items()) == MEASURED + [("sampler.rule", "r1"), ("hicache.acked", True),
                                                          ("hicache.ack_delay_us", 0.0)]
     assert span.context.trace_state == TraceState([("vendor", "v1")])
 
 
-@BUILDERS
-def test_a_tracer_disabled_at_runtime_emits_nothing(builder):
-    rig = Rig(builder)
+def test_a_tracer_disabled_at_runtime_emits_nothing():
+    rig = Rig()
     assert len(rig.emit(record())) == 1
     rig.provider._set_tracer_configurator(tracer_configurator=_disable_tracer_configurator)
     r = record()
@@ -302,62 +291,36 @@ def test_a_tracer_disabled_at_runtime_emits_nothing(builder):
     assert r.exemplar_context is None
 
 
-def test_only_the_api_builder_calls_on_start():
-    # documented: the fast path hands finished spans to on_end only
-    api, fast = Rig(ApiSpanBuilder), Rig(FastSpanBuilder)
-    api.emit(record())
-    fast.emit(record())
-    assert (api.recorder.started, len(api.recorder.ended)) == (["hicache.onboard"], 1)
-    assert (fast.recorder.started, len(fast.recorder.ended)) == ([], 1)
+def test_processors_see_the_span_start_and_end():
+    rig = Rig()
+    rig.emit(record())
+    assert (rig.recorder.started, len(rig.recorder.ended)) == (["hicache.onboard"], 1)
 
 
-# -- span limits: the provider's SpanLimits, both builders alike ------------------------------------------
+# -- span limits: the provider's SpanLimits -------------------------------------------------------------
 
-LIMITS = {
-    "exact-fit": dict(max_span_attributes=19),  # 17 + the two ack fields
-    "one-short": dict(max_span_attributes=17),
-    "value-length": dict(max_span_attribute_length=3),
-    "one-event": dict(max_events=1),
-    "no-events": dict(max_events=0),
-    "everything": dict(max_span_attributes=4, max_span_attribute_length=5, max_events=1),
-}
-
-
-@pytest.mark.parametrize("limits", LIMITS.values(), ids=LIMITS.keys())
-@pytest.mark.parametrize("kind", ["acked", "direct"])
-def test_the_fast_builder_applies_limits_as_the_api_does(limits, kind):
-    def emit(builder):
-        r = record(ack_ns=END + 1_000) if kind == "acked" else record(expect_ack=False)
-        return snapshot(Rig(builder, limits=SpanLimits(**limits)).span(r))
-
-    assert emit(FastSpanBuilder) == emit(ApiSpanBuilder)
-
-
-@BUILDERS
-def test_attribute_count_limit_drops_the_oldest_attributes(builder):
-    fits = Rig(builder, limits=SpanLimits(max_span_attributes=19)).span(record(ack_ns=END))
+def test_attribute_count_limit_drops_the_oldest_attributes():
+    fits = Rig(limits=SpanLimits(max_span_attributes=19)).span(record(ack_ns=END))
     assert (len(fits.attributes), fits.dropped_attributes) == (19, 0)
-    short = Rig(builder, limits=SpanLimits(max_span_attributes=18)).span(record(ack_ns=END))
+    short = Rig(limits=SpanLimits(max_span_attributes=18)).span(record(ack_ns=END))
     assert list(short.attributes) == [k for k, _ in MEASURED[1:]] + ["hicache.acked", "hicache.ack_delay_us"]
     assert short.dropped_attributes == 1
     # a direct copy takes no ack fields: 17 attributes fit under a limit of 18
-    direct = Rig(builder, limits=SpanLimits(max_span_attributes=18)).span(record(expect_ack=False))
+    direct = Rig(limits=SpanLimits(max_span_attributes=18)).span(record(expect_ack=False))
     assert (list(direct.attributes.items()), direct.dropped_attributes) == (MEASURED_DIRECT, 0)
 
 
-@BUILDERS
-def test_value_length_limit_truncates_strings_only(builder):
-    span = Rig(builder, limits=SpanLimits(max_span_attribute_length=3)).span(record(ack_ns=END))
+def test_value_length_limit_truncates_strings_only():
+    span = Rig(limits=SpanLimits(max_span_attribute_length=3)).span(record(ack_ns=END))
     a = span.attributes
     assert (a["model"], a["hicache.direction"], a["hicache.timing_source"]) == ("qwe", "onb", "dev")
     assert a["hicache.pool.names"] == ("kv", "swa") and a["hicache.pool.tokens"] == (1408, 64)
     assert (a["hicache.bytes"], a["hicache.acked"]) == (161_480_704, True)
 
 
-@BUILDERS
 @pytest.mark.parametrize("max_events, kept, dropped", [(1, [("acked", END + 7)], 1), (0, [], 2)])
-def test_event_count_limit_keeps_the_newest_events(builder, max_events, kept, dropped):
-    span = Rig(builder, limits=SpanLimits(max_events=max_events)).span(record(ack_ns=END + 7))
+def test_event_count_limit_keeps_the_newest_events(max_events, kept, dropped):
+    span = Rig(limits=SpanLimits(max_events=max_events)).span(record(ack_ns=END + 7))
     assert ([(e.name, e.timestamp) for e in span.events], span.dropped_events) == (kept, dropped)
 
 
@@ -369,18 +332,11 @@ UNLIMITED = {
 }
 
 
-@pytest.mark.parametrize("limits", UNLIMITED.values(), ids=UNLIMITED.keys())
-def test_unlimited_limits_on_the_api_builder(monkeypatch, limits):
-    span = Rig(ApiSpanBuilder, limits=limits(monkeypatch)).span(record(ack_ns=END))
-    assert (len(span.attributes), len(span.events), span.dropped_attributes, span.dropped_events) == (19, 2, 0, 0)
-
-
 # A limit left unset is None in SpanLimits (SpanLimits.UNSET, or OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT= set
-# empty): the fast builder once compared counts with it and raised TypeError, so every record was
-# dropped as internal_error (no span, no transfer metrics).
+# empty): nothing is dropped.
 @pytest.mark.parametrize("limits", UNLIMITED.values(), ids=UNLIMITED.keys())
-def test_unlimited_limits_on_the_fast_builder(monkeypatch, limits):
-    span = Rig(FastSpanBuilder, limits=limits(monkeypatch)).span(record(ack_ns=END))
+def test_unlimited_limits(monkeypatch, limits):
+    span = Rig(limits=limits(monkeypatch)).span(record(ack_ns=END))
     assert (len(span.attributes), len(span.events), span.dropped_attributes, span.dropped_events) == (19, 2, 0, 0)
 
 
@@ -402,11 +358,10 @@ class ScriptedSampler(Sampler):
 
 
 DECISIONS = [Decision.RECORD_AND_SAMPLE, Decision.RECORD_ONLY, Decision.DROP]
-PARENTS = {"none": lambda: None, "local": lambda: parent_context()[0],
-           "remote": lambda: parent_context(remote=True)[0]}
+PARENTS = {"none": lambda: None, "local": parent_context, "remote": lambda: parent_context(remote=True)}
 
 
-def metered_rig(builder, monkeypatch, enabled):
+def metered_rig(monkeypatch, enabled):
     """A Rig whose TracerProvider has a MeterProvider, built with the SDK's own metrics on or off
     (the Tracer reads OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED when it is made)."""
     if enabled:
@@ -416,7 +371,7 @@ def metered_rig(builder, monkeypatch, enabled):
     reader = InMemoryMetricReader()
     meter_provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
     sampler = ScriptedSampler(DECISIONS * len(PARENTS))
-    return Rig(builder, sampler=sampler, meter_provider=meter_provider), reader
+    return Rig(sampler=sampler, meter_provider=meter_provider), reader
 
 
 def self_metrics(reader):
@@ -427,13 +382,13 @@ def self_metrics(reader):
                   for m in sm.metrics if m.name.startswith("otel.sdk.span.") for p in m.data.data_points)
 
 
-def emit_metered(builder, monkeypatch, enabled):
+def emit_metered(monkeypatch, enabled):
     """Each parent origin with each decision: the points once every span began, and once all finished."""
-    rig, reader = metered_rig(builder, monkeypatch, enabled)
+    rig, reader = metered_rig(monkeypatch, enabled)
     begun = []
     for parent in PARENTS.values():
         for _decision in DECISIONS:
-            r = record(parent_context=parent(), ack_ns=END)
+            r = record(parent=parent(), ack_ns=END)
             begun.append((r, rig.builder.begin(r)))
     live = self_metrics(reader)
     for r, state in begun:
@@ -441,10 +396,8 @@ def emit_metered(builder, monkeypatch, enabled):
     return live, self_metrics(reader), len(rig.recorder.ended)
 
 
-def test_the_fast_builder_records_the_sdks_span_metrics_as_the_api_does(monkeypatch):
-    fast, api = emit_metered(FastSpanBuilder, monkeypatch, True), emit_metered(ApiSpanBuilder, monkeypatch, True)
-    assert fast == api
-    live, ended, recorded = fast
+def test_the_sdks_span_metrics_are_recorded(monkeypatch):
+    live, ended, recorded = emit_metered(monkeypatch, True)
     assert recorded == 6  # record-and-sample and record-only, for each parent
     started = [("otel.sdk.span.started", (("otel.span.parent.origin", origin),
                                           ("otel.span.sampling_result", decision.name)), 1)
@@ -457,24 +410,14 @@ def test_the_fast_builder_records_the_sdks_span_metrics_as_the_api_does(monkeypa
         ("otel.sdk.span.live", (("otel.span.sampling_result", "RECORD_ONLY"),), 0)])
 
 
-@BUILDERS
-def test_no_sdk_span_metrics_unless_enabled(builder, monkeypatch):
-    assert emit_metered(builder, monkeypatch, False) == ([], [], 6)
+def test_no_sdk_span_metrics_unless_enabled(monkeypatch):
+    assert emit_metered(monkeypatch, False) == ([], [], 6)
 
 
-# -- choosing a builder --------------------------------------------------------------------------
+# -- any provider ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("provider, fast_path, expected", [
-    (lambda: TracerProvider(shutdown_on_exit=False), True, FastSpanBuilder),
-    (lambda: TracerProvider(shutdown_on_exit=False), False, ApiSpanBuilder),
-    (trace.NoOpTracerProvider, True, ApiSpanBuilder),
-], ids=["sdk", "sdk-fast-path-off", "noop"])
-def test_make_span_builder_uses_the_fast_path_only_on_an_sdk_provider(provider, fast_path, expected):
-    assert type(make_span_builder(provider(), STATIC, fast_path)) is expected
-
-
-def test_the_api_builder_works_on_any_provider():
-    builder = ApiSpanBuilder(trace.NoOpTracerProvider(), STATIC)
+def test_the_builder_works_on_any_provider():
+    builder = SpanBuilder(trace.NoOpTracerProvider(), STATIC)
     r = record(ack_ns=END)
     builder.finish(r, builder.begin(r))  # nothing to record, nothing raised
     assert not r.span_context.is_valid and r.exemplar_context is None

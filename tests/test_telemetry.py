@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_hicache import semconv as sc
-from otel_hicache.records import submission
+from otel_hicache.capture.records import submission
 
 KV_BYTES_PER_TOKEN = 114_688  # 2 x 28 layers x 8 KV heads x 128 dim x 2 B
 
@@ -168,9 +168,7 @@ def test_span_is_a_child_of_the_context_current_at_submit(harness):
     assert [e.span_id for e in point.exemplars] == [child.context.span_id]
 
 
-@pytest.mark.parametrize("fast_path", ["true", "false"])
-def test_api_and_fast_span_paths_emit_the_same_span(harness, monkeypatch, fast_path):
-    monkeypatch.setenv("OTEL_HICACHE_SPAN_FAST_PATH", fast_path)
+def test_an_acked_op_emits_its_span(harness):
     h = harness()
     handle = onboard_1408(h)
     h.device.advance(ms=10)
@@ -484,27 +482,31 @@ def test_overload_keeps_records_alive_within_the_cap_and_reporting_going(harness
     assert h.value("hicache.transfer.blocks", **{"hicache.direction": "offload"}) == accepted
 
 
-def test_refusals_during_a_worker_cycle_are_counted_before_a_flush_is_released(harness):
-    """Submissions refused while the worker completes a backlog are counted before
+def test_refusals_during_a_poller_cycle_are_counted_before_a_flush_is_released(harness):
+    """Submissions refused while the poller completes a backlog are written to the sinks before
     that cycle releases a flush, so what force_flush() exports includes them."""
     import threading
+
+    from otel_hicache import record as rec
 
     h = harness()
     pipeline = h.tel._pipeline  # pylint: disable=protected-access
     assert pipeline.stop(2.0)  # drive the cycle by hand
-    sinks = pipeline._sinks_now()
-    order = []
-    dropped_records = sinks.metrics.dropped_records
-    sinks.metrics.dropped_records = lambda reason, n=1: (order.append(("dropped", reason, n)),
-                                                         dropped_records(reason, n))
-    begin = sinks.spans.begin
+    order: list = []
 
-    def begin_while_the_caller_is_refused(record):
+    class Channel:
+        def write(self, batch, ops):
+            order.extend(m for m in batch if m[0] == rec.DROPPED)
+
+    pipeline.channel = Channel()
+    send = pipeline._send
+
+    def send_while_the_caller_is_refused(record):
         for _ in range(100):  # 100 submit() calls refused meanwhile
             next(pipeline.refused)
-        return begin(record)
+        return send(record)
 
-    sinks.spans.begin = begin_while_the_caller_is_refused
+    pipeline._send = send_while_the_caller_is_refused
     pipeline.queue.append(submission("offload", {"kv": 64}, 10, 64, host_start_ns=0, host_end_ns=5))
     done = threading.Event()
     pipeline._flush_waiters = [(1, done)]
@@ -512,7 +514,7 @@ def test_refusals_during_a_worker_cycle_are_counted_before_a_flush_is_released(h
     pipeline._release_flush_waiters = lambda: (order.append("release"), release())
     pipeline._cycle()
     assert done.is_set()
-    assert order == [("dropped", "queue_full", 100), "release"]
+    assert order == [(rec.DROPPED, "queue_full", 100), "release"]
 
 
 def test_no_events_and_no_end_stamp_count_as_complete_at_submit(harness):
@@ -539,8 +541,8 @@ def test_busy_intervals_are_kept_only_around_the_ops_in_flight(harness):
             per_direction += i & 1
             h.device.advance(ms=10)
         assert h.flush()
-    pipeline = h.tel._pipeline  # pylint: disable=protected-access
-    held = max(len(t) for t in pipeline._busy.values())  # pylint: disable=protected-access
+    consumer = h.tel.channel.consumer
+    held = max(len(t) for t in consumer._busy.values())  # pylint: disable=protected-access
     live = 50 * 5  # one direction's intervals in the 5 s margin
     assert held <= max(2 * live, live + 1024), (held, per_direction)
     assert held < per_direction / 2
@@ -553,13 +555,14 @@ def test_a_submit_racing_shutdown_is_counted_not_lost(harness):
     pipeline = h.tel._pipeline  # pylint: disable=protected-access
     h.tel.shutdown()
     pipeline.queue.append(submission("offload", {"kv": 64}, 4096, 64, submit_ns=h.device.time_ns()))
-    pipeline._drop_queued_at_shutdown()  # what stop() does when it finds such a record
+    pipeline._drop_queued()  # what stop() does when it finds such a record
+    pipeline._write()
+    pipeline.channel.hand_over()
     assert not pipeline.queue
     assert h.value("otel_hicache.records.dropped", reason="shutdown") == 1
 
 
-def _span_under_limits(harness, monkeypatch, fast_path, **limits):
-    monkeypatch.setenv("OTEL_HICACHE_SPAN_FAST_PATH", fast_path)
+def _span_under_limits(harness, monkeypatch, **limits):
     for name, value in limits.items():
         monkeypatch.setenv(name, value)
     h = harness(attributes={"tp_rank": 0, "model": "a-long-model-name"})
@@ -570,11 +573,9 @@ def _span_under_limits(harness, monkeypatch, fast_path, **limits):
     return span
 
 
-@pytest.mark.parametrize("fast_path", ["true", "false"])
-def test_span_limits_apply_on_both_span_paths(harness, monkeypatch, fast_path):
-    # 4 attributes of at most 5 characters, 1 event: the fast path ignored these once
-    # (17 attributes, values untruncated); both paths must give the SDK's Span result
-    span = _span_under_limits(harness, monkeypatch, fast_path, OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT="4",
+def test_span_limits_apply(harness, monkeypatch):
+    # 4 attributes of at most 5 characters, 1 event: the SDK's Span result
+    span = _span_under_limits(harness, monkeypatch, OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT="4",
                               OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT="5", OTEL_SPAN_EVENT_COUNT_LIMIT="1")
     # the SDK keeps the newest attributes; the ack fields come last
     assert dict(span.attributes) == {"hicache.bandwidth_bytes_per_second": pytest.approx(161_480_704 / 6.781e-3),
@@ -585,9 +586,8 @@ def test_span_limits_apply_on_both_span_paths(harness, monkeypatch, fast_path):
     assert span.end_time - span.start_time == 6_781_000  # the limits change nothing measured
 
 
-@pytest.mark.parametrize("fast_path", ["true", "false"])
-def test_span_value_length_limit_truncates_strings_on_both_paths(harness, monkeypatch, fast_path):
-    span = _span_under_limits(harness, monkeypatch, fast_path, OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT="5")
+def test_span_value_length_limit_truncates_strings(harness, monkeypatch):
+    span = _span_under_limits(harness, monkeypatch, OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT="5")
     assert span.attributes["model"] == "a-lon"
     assert span.attributes["hicache.direction"] == "onboa"
     assert span.attributes["hicache.pool.names"] == ("kv",)

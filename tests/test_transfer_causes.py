@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from otel_hicache import semconv as sc
-from otel_hicache.records import TransferRecord, submission, validate
+from otel_hicache.capture.records import TransferRecord, submission, validate
 
 CAUSE = sc.CAUSE
 

@@ -62,7 +62,11 @@ class Instrumented:
         return list(self.spans.get_finished_spans())
 
     def metric(self, name: str, **attrs: Any) -> float:
-        """Sum of the points of ``name`` whose attributes include ``attrs`` (of a histogram's: their counts)."""
+        """Sum of the points of ``name`` whose attributes include ``attrs`` (of a histogram's: their counts),
+        once what was counted reached the sinks (cache events travel with the poller's state)."""
+        telemetry = self.instrumentor.telemetry
+        if telemetry is not None and telemetry.enabled:
+            assert telemetry.force_flush(10.0)
         data = self.reader.get_metrics_data()
         total = 0
         for rm in data.resource_metrics if data else ():

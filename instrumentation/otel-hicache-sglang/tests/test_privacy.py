@@ -390,7 +390,7 @@ def scan_names(exported: Exported, documented: dict[str, set[str]],
     from opentelemetry.trace import SpanContext
     from otlp_receiver import attributes
 
-    from otel_hicache.request_links import trace_id_hex
+    from otel_hicache.sinks.spans import trace_id_hex
 
     findings = []
     spans = [span for request in exported.traces for rs in request.resource_spans for ss in rs.scope_spans
@@ -709,6 +709,9 @@ def sglang_run(sglang_cpu: Any) -> Run:
         mp.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")  # exports at force_flush and shutdown
         mp.setenv("OTEL_HICACHE_POLL_INTERVAL_MS", "0.5")
         mp.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")  # its links and attributes are scanned too
+        # embedded: the DEBUG lines are then logging records of this process, which the scan reads
+        # (a telemetry process writes the same lines, from the same code, to its standard error)
+        mp.setenv("OTEL_HICACHE_TELEMETRY_PROCESS", "false")
         mp.setattr(UnifiedTreeNode, "counter", NODE_IDS.start)
         mp.setattr(CacheOperation, "counter", OP_IDS.start)
         mp.setattr(sglang_cpu, "insert_sequence", insert_sequence)
@@ -796,8 +799,10 @@ def test_the_run_exercised_what_the_scan_claims(sglang_run):
     names = {name for name, _ in _points(exported)}
     # every metric, cache events included; queue wait needs device timing events (none on CPU),
     # the link's nominal bandwidth NVML (there or not)
+    # and the telemetry process's own CPU (this run is embedded)
     nvml_only = {sc.LINK_NOMINAL_BANDWIDTH[0]}
-    assert names - nvml_only == documented()["metric_names"] - {sc.TRANSFER_QUEUE_WAIT[0]} - nvml_only
+    assert names - nvml_only == documented()["metric_names"] - {sc.TRANSFER_QUEUE_WAIT[0], sc.EXPORT_CPU_TIME[0]} \
+        - nvml_only
     points = dict(((n, tuple(sorted(_attributes(p.attributes).items()))), p) for n, p in _points(exported))
     dropped = [p for (n, a), p in points.items() if n == sc.DROPPED_TOKENS[0]
                and ("reason", "write_through_unbacked_eviction") in a]

@@ -138,7 +138,7 @@ def test_causes_are_exact_when_the_worker_resolves_them_long_after(instrumented,
             expected.append(("hicache.offload", "other", 8))
         assert len(pipeline.queue) == len(expected)
         # each merged op carries the site calls logged before it, and only those
-        from otel_hicache.records import SUBMISSION_FIELDS
+        from otel_hicache.capture.records import SUBMISSION_FIELDS
         causes = [record[SUBMISSION_FIELDS.index("cause")] for record in pipeline.queue]
         logs = [cause[-1] for cause in causes if type(cause) is tuple]
         assert [len(log) for log in logs] == [1, 1, 0] * 3  # the insert's backup, the load-back, nothing

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_hicache import semconv as sc
-from otel_hicache.request_links import trace_id_hex
+from otel_hicache.sinks.spans import trace_id_hex
 
 REQUEST_GROUP = "request links"
 
@@ -41,7 +41,10 @@ def _root(request: Any) -> Any:
 
 
 def _linked(span: Any) -> list[tuple[int, int, str]]:
-    return [(link.context.trace_id, link.context.span_id, link.attributes[sc.LINK_TO]) for link in span.links]
+    """The span's links to requests (a load-back also links to the offloads that wrote its
+    pages, host residence being on by default: those say ``hicache.link_to=offload``)."""
+    return [(link.context.trace_id, link.context.span_id, link.attributes[sc.LINK_TO]) for link in span.links
+            if link.attributes[sc.LINK_TO] == sc.LINK_TO_REQUEST]
 
 
 def _request_events(span: Any) -> list[str]:
@@ -67,6 +70,9 @@ def test_write_through_and_load_back_link_to_their_requests(sglang_tracing, make
                                                                                           did["onboard_bytes"])
     _expect(offload, did["writer"])
     _expect(onboard, did["reader"])
+    # the load-back's other link: the offload that wrote its pages, before the requests
+    assert [(link.context.trace_id, link.context.span_id, link.attributes[sc.LINK_TO]) for link in onboard.links][
+        0] == (offload.context.trace_id, offload.context.span_id, sc.LINK_TO_OFFLOAD)
     exported = {(s.context.trace_id, s.context.span_id) for s in sglang_tracing.get_finished_spans()}
     assert {(t, s) for span in (offload, onboard) for t, s, _ in _linked(span)} <= exported  # real, exported spans
 
