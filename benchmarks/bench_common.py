@@ -214,15 +214,25 @@ def worker_us_per_op(tel: Any, providers: "SdkProviders", ops: int, drive: Any) 
     worker's CPU per op in microseconds (its thread's clock, from the first submit until
     ``force_flush`` returned). Shuts ``tel`` and ``providers`` down either way."""
     try:
-        before = thread_cpu().get("otel-hicache-completion", 0.0)
+        before = thread_cpu().get("otel-hicache-poller", 0.0)
         drive()
         if not tel.force_flush(600):
             raise RuntimeError("force_flush timed out")
-        worker = thread_cpu().get("otel-hicache-completion", 0.0) - before
+        worker = thread_cpu().get("otel-hicache-poller", 0.0) - before
     finally:
         tel.shutdown()
         providers.shutdown()
     return worker / ops * 1e6
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) of another process so far, from ``/proc`` (None: gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def wait_until(deadline: int, spin_ns: int = 0) -> int:

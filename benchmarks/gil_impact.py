@@ -2,47 +2,54 @@
 
 A probe thread stands in for SGLang's scheduler: it sleeps ``--probe-us`` (100 us) in a
 loop and records how late it wakes (``perf_counter_ns`` after ``time.sleep`` minus the
-requested sleep). When it wakes, it needs the GIL; whoever holds it then (the completion
-worker, the BatchSpanProcessor thread encoding a batch, the periodic metric reader
-collecting) delays it: by the rest of that hold, or by the switch interval
-(``sys.getswitchinterval()``, 5 ms by default) when the holder does not let go sooner.
+requested sleep). When it wakes, it needs the GIL; whoever holds it then (otel-hicache's
+poller, and with the sinks embedded the BatchSpanProcessor thread encoding a batch and the
+periodic metric reader collecting) delays it: by the rest of that hold, or by the switch
+interval (``sys.getswitchinterval()``, 5 ms by default) when the holder does not let go sooner.
 
 Another thread submits ops paced at a rate (one op = ``submit()`` + ``ack()`` of the op of
 ``benchmarks/overhead.py``: 2 pools x 1408 tokens, a completed device-timed event pair,
 directions alternating), spans at 100%, to the providers ``otel_hicache.configure()`` builds
-from ``OTEL_*``. ``--sink memory`` (default): its own exporters off, a ``BatchSpanProcessor``
-(with ``configure()``'s settings) and a ``PeriodicExportingMetricReader`` added whose exporters
-encode every batch to OTLP protobuf bytes, as the OTLP exporters do, and drop them (no
-network, no receiver competing for the 2 cores). ``--sink otlp``: ``configure()``'s own
+from ``OTEL_*``. The embedded variants' sinks: ``--sink memory`` (default): its own exporters
+off, a ``BatchSpanProcessor`` (with ``configure()``'s settings) and a
+``PeriodicExportingMetricReader`` added whose exporters encode every batch to OTLP protobuf
+bytes, as the OTLP exporters do, and drop them (no network, no receiver competing for the 2
+cores). ``--sink otlp``: ``configure()``'s own
 OTLP/HTTP-protobuf exporters to a receiver in a child process (``tests/otlp_receiver.py``).
 The metric export interval is 60 s, as by default (``OTEL_METRIC_EXPORT_INTERVAL``): a turn
 sees the final collection only. Each collection holds the GIL for several ms; at
 ``--metric-interval-ms 1000`` they are ~1% of the wall time and set the p99.9, 60 times more
 often than in production.
 
+Both channels are reported side by side, at 1,000 ops/s: ``hicache 1000`` (embedded) and
+``hicache 1000 telemetry process``, each with its added lateness and GIL wait, the CPU of
+otel-hicache's threads in this process, the serving process's CPU per op (all its threads,
+minus the ``paced 1000`` floor's) and the telemetry process's.
+
 Variants, in rotating order within each round, so machine drift spreads over them:
 
 * ``idle``: the probe alone, no otel-hicache in the process;
 * ``paced R``: the submitting thread wakes R times a second but submits nothing (the floor
   for R: its own wake-ups take the GIL too);
-* ``hicache R``: the same with otel-hicache, R ops/s (200, 1,000, 5,000 by default);
-* ``hicache 1000 export process``: ``OTEL_HICACHE_SPAN_EXPORT_PROCESS=true`` at 1,000 ops/s:
-  spans encoded and exported (OTLP/HTTP, to the receiver child) by the helper process; its
-  CPU is printed apart (``/proc``);
+* ``hicache R``: the same with otel-hicache, R ops/s (200, 1,000, 5,000 by default), the sinks
+  embedded (``OTEL_HICACHE_TELEMETRY_PROCESS=false``): spans, metrics and their export on the
+  poller thread and the SDK's threads, all in this process;
+* ``hicache 1000 telemetry process``: the default channel at 1,000 ops/s: this process only
+  captures, a telemetry process of its own (``python -m otel_hicache.sinks.process``) builds the
+  spans and metrics and exports them with ``configure()``'s own OTLP/HTTP-protobuf exporters to
+  the receiver child (whatever ``--sink`` says: it is the user's path); its CPU is read from
+  ``/proc`` (the channel's ``process.pid``) and printed apart (``--no-telemetry-process``: skip);
 * ``hicache 1000 outliers``: ``OTEL_HICACHE_SPAN_SAMPLING=outliers`` at 1,000 ops/s, the base
-  sampler at 1% (``parentbased_traceidratio`` 0.01): spans kept are the outliers and 1%;
-* ``..., GIL slices N us``: the export process and outliers variants again with
-  ``OTEL_HICACHE_GIL_SLICE_US=N`` (``--gil-slice-us``, 50 by default; 0 skips them): the
-  worker and the helper's writer pause after N us of GIL time (``otel_hicache.gil_slice``);
+  sampler at 1% (``parentbased_traceidratio`` 0.01), embedded: spans kept are the outliers and 1%;
 * ``hold N us``: no otel-hicache; the submitting thread, at 1,000 wake-ups a second, holds the
   GIL for N us of pure Python each time, then sleeps (``--hold-us``, 50 and 100 by default):
   what holds of that length cost a waking thread on this machine (a probe that wakes during one
   waits for the rest of it and for the hand-over), the scale the goal asks of otel-hicache's.
 
 "added" is the variant's lateness percentile minus the ``paced R`` one of the same run (for
-``idle``/``paced``: minus ``idle``). With ``--sections`` the run also records when the worker's
-cycles, span exports and metric collections ran and attributes each late probe wake-up
-(over ``--late-us``) to the sections it overlapped. With ``--attribute-waits`` the probe reads
+``idle``/``paced``: minus ``idle``). With ``--sections`` the run also records when the poller's
+cycles (``Poller._cycle``), span exports and metric collections ran and attributes each late
+probe wake-up (over ``--late-us``) to the sections it overlapped. With ``--attribute-waits`` the probe reads
 the statistics of otel-hicache's threads (time on a CPU, from each thread's CPU clock; time
 runnable but waiting for one, from ``/proc/self/task/TID/schedstat``), the submitting thread's and
 its own around each sleep,
@@ -77,6 +84,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 # a sibling module: this script's folder is first on sys.path
+import bench_common
 from bench_common import env, machine, percentile, table, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +95,7 @@ PAGE_SIZE = 64
 COPY_MS = 6.0
 COPY_ENDED_AGO_NS = 100_000
 STATIC = {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0}
-THREADS = {"otel-hicache-completion": "worker", "OtelBatchSpanRecordProcessor": "span_processor",
+THREADS = {"otel-hicache-poller": "worker", "OtelBatchSpanRecordProcessor": "span_processor",
            "OtelPeriodicExportingMetricReader": "metric_reader"}
 GOAL_P999_ADDED_US = 100.0  # at 1,000 ops/s, spans 100%
 
@@ -303,14 +311,13 @@ def worker_preemptions() -> int | None:
 
 
 def process_cpu_s(pid: int | None) -> float:
-    """CPU seconds of another process (the export helper), 0 when it cannot be read."""
-    from otel_hicache.span_export_process import process_cpu_s as read
-
-    return read(pid) or 0.0
+    """CPU seconds of another process (the telemetry process), 0 when it cannot be read."""
+    return (bench_common.process_cpu_s(pid) if pid is not None else None) or 0.0
 
 
 class Sections:
-    """Wall intervals of the worker's cycles, span exports and metric collections (``--sections``)."""
+    """Wall intervals of the poller's cycles, span exports and metric collections (``--sections``;
+    the last two in this process only when the sinks are embedded)."""
 
     def __init__(self) -> None:
         self.intervals: dict[str, list[tuple[int, int]]] = {"worker cycle": [], "span export": [],
@@ -329,13 +336,13 @@ class Sections:
 
         return wrapper
 
-    def attach(self, telemetry: Any, conf: Any) -> None:
+    def attach(self, telemetry: Any, span_processors: Sequence[Any], metric_readers: Sequence[Any]) -> None:
         pipeline = telemetry._pipeline  # pylint: disable=protected-access
         pipeline._cycle = self.timed("worker cycle", pipeline._cycle)  # pylint: disable=protected-access
-        for processor in conf.span_processors:
+        for processor in span_processors:
             exporter = processor._batch_processor._exporter  # pylint: disable=protected-access
             exporter.export = self.timed("span export", exporter.export)
-        for reader in conf.metric_readers:
+        for reader in metric_readers:
             if hasattr(reader, "_ticker"):
                 reader.collect = self.timed("metric collect+export", reader.collect)
 
@@ -366,7 +373,8 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
     from otel_hicache.testing import WallClockDevice
 
     rate = variant["rate"]
-    telemetry = conf = helper = None
+    telemetry = conf = None
+    telemetry_pid: int | None = None
     recorder = Sections() if sections and variant["hicache"] else None
     if variant["hicache"]:
         settings = {
@@ -376,12 +384,13 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
             "OTEL_METRIC_EXPORT_INTERVAL": str(metric_interval_ms),
             "OTEL_BSP_MAX_QUEUE_SIZE": "65536",  # never drop: every span is encoded and sent
             "OTEL_HICACHE_SPAN_SAMPLING": variant.get("sampling", "all"),
-            "OTEL_HICACHE_GIL_SLICE_US": str(variant.get("slice_us", 0)),
+            # the sinks embedded in this process, or (empty: unset) configure()'s default for an
+            # OTLP exporter, the telemetry process
+            "OTEL_HICACHE_TELEMETRY_PROCESS": "" if variant.get("process") else "false",
         }
         if variant.get("sampling") == "outliers":  # outliers kept, the rest at the base sampler's 1%
             settings.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.01")
-        if variant.get("process"):  # configure()'s own OTLP exporters, in the helper process
-            settings["OTEL_HICACHE_SPAN_EXPORT_PROCESS"] = "true"
+        if variant.get("process"):  # configure()'s own OTLP exporters, in the telemetry process
             sinks = None
         readers: list[Any] = []
         if sinks is not None:  # memory: configure()'s parts, with exporters that encode and drop
@@ -391,23 +400,30 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
             readers.append(PeriodicExportingMetricReader(sinks[1](), export_interval_millis=metric_interval_ms))
         with env(**settings):
             conf = configuration.configure(force=True, metric_readers=readers)
+            if conf.telemetry_process != bool(variant.get("process")):
+                raise RuntimeError(f"{variant['name']}: configure() chose the {conf.channel} channel")
+            span_processors, metric_readers = list(conf.span_processors), list(conf.metric_readers)
             if sinks is not None:
                 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-                from otel_hicache import otel_environment
+                from otel_hicache.sinks import otel_environment
 
                 batch = int(os.environ.get("OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
                             or otel_environment.BATCH_SPAN_PROCESSOR["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1]())
                 processor = BatchSpanProcessor(sinks[0](), max_queue_size=65536, max_export_batch_size=batch)
                 conf.tracer_provider.add_span_processor(processor)
-                conf.span_processors = [processor]
+                span_processors = [processor]
             telemetry = otel_hicache.TransferTelemetry(attributes=STATIC)
-        helper = getattr(conf.span_processors[0], "helper", None) if conf.span_processors else None
-        if helper is not None:  # started and ready (its exporters built) before the turn
-            helper.export([])
-            helper.force_flush(30_000)
+            if variant.get("process"):
+                # started (with this environment) and ready, its exporters built, before the turn
+                telemetry.force_flush(30.0)
+                process = getattr(telemetry.channel, "process", None)
+                if process is None:
+                    raise RuntimeError(f"{variant['name']}: no telemetry process (channel "
+                                       f"{type(telemetry.channel).__name__})")
+                telemetry_pid = process.pid
         if recorder is not None:
-            recorder.attach(telemetry, conf)
+            recorder.attach(telemetry, span_processors, metric_readers)
     device = WallClockDevice()
     copy = device.copy
     ago = COPY_ENDED_AGO_NS + int(COPY_MS * 1e6)
@@ -502,8 +518,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
             i += 1
         submitted[0] = i
 
-    helper_pid = helper.pid if variant["hicache"] and helper is not None else None
-    helper0 = process_cpu_s(helper_pid)
+    telemetry0 = process_cpu_s(telemetry_pid)
     pressure0, worker0, steal0 = cpu_pressure_us(), worker_preemptions(), steal_s()
     cpu0, process0, t0 = thread_cpu_by_role(), time.process_time(), time.perf_counter()
     threads = [threading.Thread(target=probe, name="probe"), threading.Thread(target=submitter, name="submitter")]
@@ -519,7 +534,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
         flushed = telemetry.force_flush(30.0)
     cpu1, process1 = thread_cpu_by_role(), time.process_time()
     pressure1, worker1, steal1 = cpu_pressure_us(), worker_preemptions(), steal_s()
-    helper_share = (process_cpu_s(helper_pid) - helper0) / elapsed if helper_pid is not None else None
+    telemetry_share = (process_cpu_s(telemetry_pid) - telemetry0) / elapsed if telemetry_pid is not None else None
     if telemetry is not None:
         telemetry.shutdown()
         configuration.shutdown(10.0)
@@ -533,7 +548,7 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
         "mean_us": statistics.fmean(lateness) / 1e3,
         "cpu_share": {role: (cpu1[role] - cpu0[role]) / elapsed for role in cpu1},
         "process_cpu_share": (process1 - process0) / elapsed,
-        "helper_cpu_share": helper_share,
+        "telemetry_process_cpu_share": telemetry_share,
         # the machine's part: how much runnable work waited for a CPU, how often the probe and the
         # worker lost theirs (per second of the turn)
         "cpu_pressure_share": None if pressure0 is None or pressure1 is None else (pressure1 - pressure0) / 1e6 / elapsed,
@@ -556,25 +571,23 @@ def run_turn(variant: dict[str, Any], seconds: float, probe_us: float, receiver_
 # Rounds and report
 # --------------------------------------------------------------------------------------
 
+TELEMETRY_PROCESS = "hicache 1000 telemetry process"
+
+
 def variants_for(rates: Sequence[int], outliers: bool, process: bool = False,
-                 holds_us: Sequence[float] = (), slice_us: float = 0.0) -> list[dict[str, Any]]:
+                 holds_us: Sequence[float] = ()) -> list[dict[str, Any]]:
+    """The variants of a run: ``hicache R`` embedded; with ``process`` (and 1,000 in ``rates``) the
+    telemetry process at 1,000 ops/s beside it."""
     out: list[dict[str, Any]] = [{"name": "idle", "rate": 0, "hicache": False, "floor": "idle"}]
-    sliced = f", GIL slices {slice_us:g} us"
     for rate in rates:
         out.append({"name": f"paced {rate}", "rate": rate, "hicache": False, "floor": "idle"})
         out.append({"name": f"hicache {rate}", "rate": rate, "hicache": True, "floor": f"paced {rate}"})
         if process and rate == 1000:
-            out.append({"name": f"hicache {rate} export process", "rate": rate, "hicache": True,
-                        "floor": f"paced {rate}", "process": True})
-            if slice_us:
-                out.append({"name": f"hicache {rate} export process{sliced}", "rate": rate, "hicache": True,
-                            "floor": f"paced {rate}", "process": True, "slice_us": slice_us})
+            out.append({"name": TELEMETRY_PROCESS, "rate": rate, "hicache": True, "floor": f"paced {rate}",
+                        "process": True})
     if outliers and 1000 in rates:
         out.append({"name": "hicache 1000 outliers", "rate": 1000, "hicache": True, "floor": "paced 1000",
                     "sampling": "outliers"})
-        if slice_us:
-            out.append({"name": f"hicache 1000 outliers{sliced}", "rate": 1000, "hicache": True,
-                        "floor": "paced 1000", "sampling": "outliers", "slice_us": slice_us})
     if 1000 in rates:
         out.extend({"name": f"hold {hold:g} us", "rate": 1000, "hicache": False, "floor": "paced 1000",
                     "hold_us": hold} for hold in holds_us)
@@ -592,8 +605,30 @@ def has_variable(name: str) -> bool:
     """Whether the otel-hicache under test reads the ``OTEL_HICACHE_*`` variable ``name`` (an older
     tree, loaded side by side, may not: its variants are left out)."""
     from otel_hicache import environment_variables as ev
-
     return hasattr(ev, name)
+
+
+def side_by_side(merged: dict[str, Any]) -> list[dict[str, Any]]:
+    """``hicache 1000`` (embedded) and the telemetry process variant, each against ``paced 1000``:
+    lateness and GIL wait added, the CPU of our threads in this process, the serving process's CPU
+    per op (all its threads, the floor's taken off) and the telemetry process's. Empty unless both
+    ran (``added_us`` and ``gil_wait_added_us`` set by the report first)."""
+    floor = merged.get("paced 1000")
+    rows = []
+    for name, channel in (("hicache 1000", "embedded"), (TELEMETRY_PROCESS, "telemetry process")):
+        res = merged.get(name)
+        if res is None or floor is None or not res["ops_per_s"]:
+            return []
+        per_op = 1e6 / res["ops_per_s"]  # a share of one core, in us per op
+        serving = (res["process_cpu_share"] - floor["process_cpu_share"]) * per_op
+        other = res["telemetry_process_cpu_share"]
+        rows.append({"variant": name, "channel": channel, "added_p99_us": res["added_us"]["p99_us"],
+                     "added_p999_us": res["added_us"]["p999_us"],
+                     "gil_wait_added_p999_us": res.get("gil_wait_added_us", {}).get("p999"),
+                     "threads_cpu_share": sum(res["cpu_share"].values()), "serving_cpu_us_per_op": serving,
+                     "telemetry_process_cpu_us_per_op": None if other is None else other * per_op,
+                     "total_cpu_us_per_op": serving + (other or 0.0) * per_op})
+    return rows
 
 
 def merge(turns: list[dict[str, Any]]) -> dict[str, Any]:
@@ -608,8 +643,9 @@ def merge(turns: list[dict[str, Any]]) -> dict[str, Any]:
         "per_round_p999_us": [t["p999_us"] for t in turns], "per_round_p99_us": [t["p99_us"] for t in turns],
         "cpu_share": {r: sum(t["cpu_share"][r] * t["elapsed_s"] for t in turns) / elapsed for r in roles},
         "process_cpu_share": sum(t["process_cpu_share"] * t["elapsed_s"] for t in turns) / elapsed,
-        "helper_cpu_share": (sum(t["helper_cpu_share"] * t["elapsed_s"] for t in turns) / elapsed
-                             if turns[0]["helper_cpu_share"] is not None else None),
+        "telemetry_process_cpu_share": (
+            sum(t["telemetry_process_cpu_share"] * t["elapsed_s"] for t in turns) / elapsed
+            if turns[0]["telemetry_process_cpu_share"] is not None else None),
         "flushed": all(t["flushed"] for t in turns), "ops": sum(t["ops"] for t in turns),
         **{key: (sum(t[key] * t["elapsed_s"] for t in turns) / elapsed
                  if all(t[key] is not None for t in turns) else None)
@@ -644,12 +680,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="rounds (each variant one turn per round)")
     parser.add_argument("--turn-s", type=float, help="seconds per turn")
     parser.add_argument("--probe-us", type=float, default=100.0, help="the probe's sleep")
-    parser.add_argument("--no-export-process", action="store_true",
-                        help="skip the OTEL_HICACHE_SPAN_EXPORT_PROCESS=true variant")
+    parser.add_argument("--no-telemetry-process", action="store_true",
+                        help="skip the telemetry process variant (only the embedded ones)")
     parser.add_argument("--no-outliers", action="store_true",
                         help="skip the OTEL_HICACHE_SPAN_SAMPLING=outliers variant")
-    parser.add_argument("--gil-slice-us", type=float, default=50.0,
-                        help="OTEL_HICACHE_GIL_SLICE_US of the ', GIL slices' variants (0: skip them)")
     parser.add_argument("--hold-us", type=float, nargs="*", default=[50.0, 100.0],
                         help="'hold N us' variants at 1,000/s: the GIL held N us per wake-up, no otel-hicache "
                              "(none: skip)")
@@ -679,10 +713,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds = args.rounds or (2 if args.quick else 3)
     turn_s = args.turn_s or (1.0 if args.quick else 3.0)
     variants = variants_for(args.rates, not args.no_outliers and has_variable("OTEL_HICACHE_SPAN_SAMPLING"),
-                            not args.no_export_process and has_variable("OTEL_HICACHE_SPAN_EXPORT_PROCESS"),
-                            args.hold_us, args.gil_slice_us if has_variable("OTEL_HICACHE_GIL_SLICE_US") else 0.0)
+                            not args.no_telemetry_process and has_variable("OTEL_HICACHE_TELEMETRY_PROCESS"),
+                            args.hold_us)
     from otel_hicache import __version__
-
     results: dict[str, Any] = {"machine": machine("otel_hicache", __version__),
                                "switch_interval_s": sys.getswitchinterval(),
                                "params": {"rates": args.rates, "rounds": rounds, "turn_s": turn_s,
@@ -734,7 +767,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"{100 * sum(res['cpu_share'].values()):.1f}" if v["hicache"] else ""])
     print("\n## Probe lateness (us) and what otel-hicache adds\n")
     print(table(rows, ["variant", "ops/s", "wake-ups", "p50", "p99", "p99.9", "max", "added p50", "added p99",
-                       "added p99.9", "p99.9 per round", "telemetry CPU %"], left=1))
+                       "added p99.9", "p99.9 per round", "our threads CPU %"], left=1))
     if merged["idle"].get("gil_wait_us"):
         gil_rows = []
         for v in variants:
@@ -747,13 +780,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n## Of that lateness, the wait for the GIL after the OS woke the probe (us)\n")
         print(table(gil_rows, ["variant", "p50", "p99", "p99.9", "added p99", "added p99.9"], left=1))
         print()
-    print("added = minus the floor of the same run (hicache R: paced R; paced R: idle). telemetry CPU = the\n"
-          "completion worker + span processor + metric reader threads, % of one core (their CPU clocks).")
+    print("added = minus the floor of the same run (hicache R: paced R; paced R: idle). our threads CPU = the\n"
+          "poller + span processor + metric reader threads in this process, % of one core (their CPU clocks).")
     for v in variants:
         if v["hicache"]:
-            share, helper = merged[v["name"]]["cpu_share"], merged[v["name"]]["helper_cpu_share"]
+            share, other = merged[v["name"]]["cpu_share"], merged[v["name"]]["telemetry_process_cpu_share"]
             print(f"  {v['name']}: " + ", ".join(f"{k} {100 * x:.1f}%" for k, x in share.items())
-                  + ("" if helper is None else f"; the export helper process {100 * helper:.1f}% (another process)"))
+                  + ("" if other is None else f"; the telemetry process {100 * other:.1f}% (another process)"))
+    side = side_by_side(merged)
+    if side:
+        results["side_by_side"] = side
+        print("\n## Embedded vs telemetry process, 1000 ops/s, spans 100%, side by side\n")
+        print(table([[row["variant"], row["channel"], f"{row['added_p99_us']:+.1f}", f"{row['added_p999_us']:+.1f}",
+                      "" if row["gil_wait_added_p999_us"] is None else f"{row['gil_wait_added_p999_us']:+.1f}",
+                      f"{100 * row['threads_cpu_share']:.1f}", f"{row['serving_cpu_us_per_op']:.1f}",
+                      "" if row["telemetry_process_cpu_us_per_op"] is None
+                      else f"{row['telemetry_process_cpu_us_per_op']:.1f}", f"{row['total_cpu_us_per_op']:.1f}"]
+                     for row in side],
+                    ["variant", "sinks", "added p99", "added p99.9", "GIL wait added p99.9", "our threads CPU %",
+                     "serving CPU us/op", "telemetry process us/op", "total us/op"], left=1))
+        print("added: probe lateness minus paced 1000 (us). our threads = otel-hicache's and the SDK's threads in\n"
+              "the serving process, % of one core. serving CPU = the whole serving process (all threads: probe,\n"
+              "submitter, ours) minus paced 1000's, per op; telemetry process = its CPU (/proc, clock ticks) per\n"
+              "op; total = the two. The embedded sinks export to "
+              + ("an in-process encoder (--sink memory)" if args.sink == "memory" else "the receiver (OTLP/HTTP)")
+              + ",\nthe telemetry process's over OTLP/HTTP to the receiver. Each window ends once force_flush()\n"
+              "returned: the last export (and, embedded, the metric collection) is in it.")
+        if len(side) == 2 and side[0]["serving_cpu_us_per_op"] > 0:
+            ratio = side[1]["serving_cpu_us_per_op"] / side[0]["serving_cpu_us_per_op"]
+            print(f"serving-process CPU per op, telemetry process / embedded: {ratio:.3f}x")
     if any(merged[v["name"]]["cpu_pressure_share"] is not None for v in variants):
         print("\n## The machine's part: runnable work waiting for a CPU, and threads losing theirs\n")
         print(table([[v["name"], pct(merged[v["name"]]["cpu_pressure_share"]),
@@ -787,9 +842,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {v['name']}: {sec['late']} late; overlapping " + ", ".join(
                     f"{n} {c}" for n, c in sec["overlapping"].items()) + f", none {sec['none']}\n    {durations}")
     print()
-    goals = [("hicache 1000", "exported in-process"), ("hicache 1000 export process", "export process")]
-    goals += [(v["name"], v["name"][len("hicache 1000 "):]) for v in variants
-              if v.get("slice_us") and v.get("process")]
+    goals = [("hicache 1000", "sinks embedded"), (TELEMETRY_PROCESS, "telemetry process")]
     for name, how in goals:
         goal = merged.get(name)
         if goal is None:

@@ -83,7 +83,6 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from otel_hicache import TransferTelemetry
 from otel_hicache import semconv as sc
-
 import bench_common  # noqa: E402  (this script's folder, see above)
 
 MIB = 1 << 20
@@ -91,7 +90,7 @@ BYTES_PER_TOKEN = 114_688  # Qwen3-0.6B-like KV: 28 layers x 8 heads x 128 dims 
 PAGE_SIZE = 64
 DIRECTIONS = ("offload", "onboard")  # device -> pinned host, pinned host -> device
 ATTR_ID = "gpu_validate.id"
-WORKER_THREAD = "otel-hicache-completion"
+WORKER_THREAD = "otel-hicache-poller"
 
 CUDA_SIZES_MIB = (1, 4, 16, 64, 256, 1024)
 DRY_SIZES_MIB = (1, 4, 16)
@@ -877,7 +876,7 @@ class Validation:
                         net <= TARGET_OVERHEAD_US)
 
     def check_worker(self) -> None:
-        self.report.add("completion worker running during the run", "wiring",
+        self.report.add("poller running during the run", "wiring",
                         "yes" if self.worker_seen else f"no {WORKER_THREAD} thread seen", "yes", self.worker_seen)
 
     def check_late_ack(self) -> None:

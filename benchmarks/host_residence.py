@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_common import SdkProviders, env, table, worker_us_per_op  # noqa: E402
 
 from otel_hicache import TransferTelemetry  # noqa: E402
-from otel_hicache.host_residence import SMALL_OP_PAGES, SMALL_OP_SLOTS  # noqa: E402
+from otel_hicache.sinks.host_residence import SMALL_OP_PAGES, SMALL_OP_SLOTS  # noqa: E402
 from otel_hicache.testing import WallClockDevice  # noqa: E402
 
 PAGE = 64

@@ -29,8 +29,9 @@ Sections:
    fresh interpreters (process RSS; Python heap with tracemalloc): flat once the
    cap is reached, records held vs the cap, every op reported or counted as dropped;
 5. goals table;
-6. with ``--profile-worker``: the completion worker's cost per op by step
-   (cProfile, scaled to its unprofiled CPU) and the unprofiled cost of each SDK call;
+6. with ``--profile-worker``: the poller's cost per op by step, the capture and the sinks
+   embedded on its thread (cProfile, scaled to its unprofiled CPU), and the unprofiled cost
+   of each SDK call;
 7. spans at 100% vs source-side outliers + 1% base (``OTEL_HICACHE_SPAN_SAMPLING=outliers``,
    ``parentbased_traceidratio`` 0.01), on an op mix with varied durations: worker CPU,
    span-export CPU and OTLP bytes per op (each batch serialized with the OTLP encoder),
@@ -83,9 +84,9 @@ from otel_hicache import TransferTelemetry
 from otel_hicache import __version__ as hicache_version
 from otel_hicache import environment_variables as ev
 from otel_hicache import semconv as sc
-from otel_hicache.busy_time import BusyTimeTracker
-from otel_hicache.metrics import TransferInstruments
-from otel_hicache.records import DIRECTIONS, TIERS
+from otel_hicache.sinks.busy_time import BusyTimeTracker
+from otel_hicache.sinks.metrics import TransferInstruments
+from otel_hicache.capture.records import DIRECTIONS, TIERS
 from otel_hicache.testing import WallClockDevice
 
 # a sibling module: this script's folder is first on sys.path
@@ -550,7 +551,7 @@ def run_flat(key: str, ops: int, cap: int, collect_garbage: bool = True,
         # everything but the submit loop: the threads', and the caller's flush (where a
         # force_flush runs the span processor's last export)
         "beyond_loop_cpu_us": ((cpu2 - cpu0) - (thread1 - thread0)) * per_op,
-        "hicache_worker_cpu_us": by_thread.get("otel-hicache-completion", 0.0),
+        "hicache_worker_cpu_us": by_thread.get("otel-hicache-poller", 0.0),
         "span_processor_cpu_us": by_thread.get("OtelBatchSpanRecordProcessor", 0.0),
         "flushed_s": wall2 - wall0,
         "ops_per_s": ops / (wall2 - wall0),
@@ -686,23 +687,25 @@ def run_memory(ops: int, traced: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------
 
 
-# (label, file suffix, function name) of the worker's steps per op, as cProfile names them
+# (label, file suffix, function name) of the poller's steps per op, as cProfile names them: the
+# capture, then (the sinks embedded: the variant passes its providers) the sinks on the same thread
 WORKER_STEPS = (
-    ("intake: records.validate", "otel_hicache/records.py", "validate"),
-    ("intake: metrics.submitted (inflight +1, summed)", "otel_hicache/metrics.py", "submitted"),
-    ("poll: timing.is_complete (event.query)", "otel_hicache/timing.py", "is_complete"),
-    ("timing.resolve (elapsed_time, anchor)", "otel_hicache/timing.py", "resolve"),
-    ("busy-time union", "otel_hicache/busy_time.py", "add"),
-    ("spans.begin (sampler, ids, exemplar context)", "otel_hicache/spans.py", "begin"),
-    ("metrics.completed (3 histogram records + sums)", "otel_hicache/metrics.py", "completed"),
-    ("logs.completed (totals; DEBUG off)", "otel_hicache/logs.py", "completed"),
-    ("metrics.acked (ack_delay histogram record)", "otel_hicache/metrics.py", "acked"),
-    ("spans.finish (attributes, ReadableSpan, on_end)", "otel_hicache/spans.py", "finish"),
-    ("metrics.flush (summed counter adds, per cycle)", "otel_hicache/metrics.py", "flush"),
+    ("intake: records.validate", "otel_hicache/capture/records.py", "validate"),
+    ("poll: timing.is_complete (event.query)", "otel_hicache/capture/timing.py", "is_complete"),
+    ("timing.resolve (elapsed_time, anchor)", "otel_hicache/capture/timing.py", "resolve"),
+    ("poller._send (the op as a record.OP message)", "otel_hicache/capture/poller.py", "_send"),
+    ("sinks: consumer.apply (every message of a batch)", "otel_hicache/sinks/consumer.py", "apply"),
+    ("  consumer._op (one op)", "otel_hicache/sinks/consumer.py", "_op"),
+    ("  busy-time union", "otel_hicache/sinks/busy_time.py", "add"),
+    ("  spans.begin (sampler, ids, exemplar context)", "otel_hicache/sinks/spans.py", "begin"),
+    ("  metrics.completed (histogram records + sums)", "otel_hicache/sinks/metrics.py", "completed"),
+    ("  logs.completed (totals; DEBUG off)", "otel_hicache/sinks/logs.py", "completed"),
+    ("  metrics.acked (ack_delay histogram record)", "otel_hicache/sinks/metrics.py", "acked"),
+    ("  spans.finish (attributes, ReadableSpan, on_end)", "otel_hicache/sinks/spans.py", "finish"),
+    ("  metrics.flush (summed counter adds)", "otel_hicache/sinks/metrics.py", "flush"),
 )
 # SDK calls inside those steps
 SDK_CALLS = (
-    ("  otel-hicache BoundHistogram.record (metrics fast path)", "otel_hicache/metrics_fast_path.py", "record"),
     ("  SDK Histogram.record", "metrics/_internal/instrument.py", "record"),
     ("    of which Measurement() attribute cleaning", "metrics/_internal/measurement.py", "__post_init__"),
     ("    of which attribute hashing (_hash_attributes)", "metrics/_internal/_view_instrument_match.py",
@@ -711,8 +714,8 @@ SDK_CALLS = (
      "should_sample"),
     ("    of which aggregate() (buckets + exemplar reservoir)", "metrics/_internal/aggregation.py", "aggregate"),
     ("      of which exemplar reservoir (_sample_exemplar)", "metrics/_internal/aggregation.py", "_sample_exemplar"),
-    ("  SDK Counter/UpDownCounter.add (per cycle)", "metrics/_internal/instrument.py", "add"),
-    ("  spans.span_attributes (19 attributes)", "otel_hicache/spans.py", "span_attributes"),
+    ("  SDK Counter/UpDownCounter.add", "metrics/_internal/instrument.py", "add"),
+    ("  spans.span_attributes", "otel_hicache/sinks/spans.py", "span_attributes"),
     ("  SDK ReadableSpan.__init__", "sdk/trace/__init__.py", "__init__"),
     ("  SDK BatchSpanProcessor.on_end", "sdk/trace/export/__init__.py", "on_end"),
     ("  SDK sampler.should_sample", "sdk/trace/sampling.py", "should_sample"),
@@ -743,7 +746,7 @@ def _cum_us(stats: dict[Any, Any], suffix: str, func: str, ops: int) -> tuple[fl
 
 
 def profile_worker(ops: int, worker_cpu_us: float | None, top: int = 15) -> dict[str, Any]:
-    """cProfile of the completion worker's cycles over ``ops`` flat-out ops: its steps per op,
+    """cProfile of the poller's cycles over ``ops`` flat-out ops: its steps per op,
     in profiled us and scaled to the unprofiled worker CPU per op (cProfile inflates every
     call; the scaled column is each step's share of the profiled cycle times the real cost)."""
     variant = HiCacheVariant(enabled=True, max_queue_size=ops + 10_000)
@@ -768,7 +771,7 @@ def profile_worker(ops: int, worker_cpu_us: float | None, top: int = 15) -> dict
     pipeline._cycle = original  # pylint: disable=protected-access
     variant.close()
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-    total, _ = _cum_us(stats, "otel_hicache/pipeline.py", "_cycle", ops)
+    total, _ = _cum_us(stats, "otel_hicache/capture/poller.py", "_cycle", ops)
     scale = (worker_cpu_us / total) if worker_cpu_us and total else None
     steps = []
     for label, suffix, func in WORKER_STEPS + SDK_CALLS:

@@ -6,8 +6,12 @@ Runs ``--rate`` ops per second for ``--seconds`` through ``otel_hicache.configur
 with host-clock times and an ack one op later. Every op's span carries ``workload.op`` (its
 index), so a receiver can tell which ops arrived. What the exporters delivered and lost is
 read from the SDK's own self-metrics (``otel.sdk.*``) through an in-memory metric reader
-added to the providers: run it with ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true``
-(``tests/paced_runs.py`` does), or every delivery count reads 0.
+added to the providers (which keeps the sinks embedded in this process): run it with
+``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true`` (``tests/paced_runs.py`` does), or every
+delivery count reads 0. With ``--telemetry-process`` no reader is added: ``configure()``
+chooses as it does for a user (the telemetry process when an exporter sends over OTLP), the
+SDK's self-metrics stay in the telemetry process and every delivery count here reads 0;
+``telemetry_process_pid`` in the results is its pid (None when the sinks ran embedded).
 
 Measured in the process and written to ``--out`` (JSON):
 
@@ -42,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 
 import otel_hicache  # noqa: E402
-from bench_common import SDK_SELF_METRICS, read_sdk_delivery, wait_until  # noqa: E402  (this script's folder)
+from bench_common import (SDK_SELF_METRICS, read_sdk_delivery, sdk_delivery,  # noqa: E402  (this script's folder)
+                          wait_until)
 from otel_hicache import configuration  # noqa: E402
 
 PAGE = 64
@@ -75,13 +80,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="submit() cost percentiles instead of the per-op lists (long runs)")
     parser.add_argument("--exit-without-shutdown", action="store_true",
                         help="write the results and return: the exit hooks shut telemetry down (as in a server)")
+    parser.add_argument("--telemetry-process", action="store_true",
+                        help="no in-process metric reader: configure() chooses where the sinks run, as for a "
+                             "user (delivery counts read 0)")
     args = parser.parse_args(argv)
 
-    if any(os.environ.get(k) != v for k, v in SDK_SELF_METRICS.items()):
-        print("paced_workload: OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED is not true: the SDK keeps no "
-              "self-metrics, every delivery count reads 0", file=sys.stderr)
-    reader = InMemoryMetricReader()  # the SDK's self-metrics (and the transfer metrics), read in-process
-    configuration.configure(metric_readers=[reader])
+    if args.telemetry_process:
+        reader = None
+        configuration.configure()
+    else:
+        if any(os.environ.get(k) != v for k, v in SDK_SELF_METRICS.items()):
+            print("paced_workload: OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED is not true: the SDK keeps no "
+                  "self-metrics, every delivery count reads 0", file=sys.stderr)
+        reader = InMemoryMetricReader()  # the SDK's self-metrics (and the transfer metrics), read in-process
+        configuration.configure(metric_readers=[reader])
     tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": args.tp_rank})
     total = int(args.rate * args.seconds)
     submit_ms = array("d", bytes(8 * total))  # preallocated: the lists do not grow the RSS
@@ -93,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def worker_cpu_s() -> float:
         for thread in threading.enumerate():
-            if thread.name == "otel-hicache-completion" and thread.ident is not None:
+            if thread.name == "otel-hicache-poller" and thread.ident is not None:
                 try:
                     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
                 except (AttributeError, OSError):
@@ -102,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def sample(attempts: int = 0) -> dict[str, Any]:
         pipeline = tel._pipeline  # pylint: disable=protected-access
-        delivery = read_sdk_delivery(reader, attempts)
+        delivery = read_sdk_delivery(reader, attempts) if reader is not None else sdk_delivery(None)
         return {"t": round(time.monotonic() - t0, 3), "ops": progress[0], "rss": rss_bytes(),
                 "pipeline": pipeline.size() if pipeline is not None else 0,
                 "span_queue": delivery["spans"]["queued"], "worker_cpu_s": round(worker_cpu_s(), 4),
@@ -151,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_provider_flush:
         flushed = tel.force_flush(10.0) and flushed
     final = sample(attempts=10)
+    process = getattr(tel.channel, "process", None)  # the telemetry process, while it runs
     result = {
         "rate": args.rate, "seconds": args.seconds, "ops": total, "start_unix_ns": start_unix_ns,
         "elapsed_s": elapsed, "flushed": flushed,
+        "channel": type(tel.channel).__name__, "telemetry_process_pid": process.pid if process is not None else None,
         "truth": truth, "samples": samples, "final": final,
         "submit": _percentiles(submit_cost) if args.summary else {"ms": list(submit_ms),
                                                                    "cost_ns": list(submit_cost)},

@@ -5,7 +5,9 @@
 The workload is ``paced_workload.py`` (the fault tests' and the soak's load), configured
 only by ``OTEL_*`` variables, as the SGLang plugin configures a scheduler process: spans at
 100%, the SDK's default queue, batch, timeout and export interval settings, a
-``StallingServer`` (``tests/otlp_receiver.py``) on loopback as the collector. Once a second
+``StallingServer`` (``tests/otlp_receiver.py``) on loopback as the collector. Its in-process
+metric reader (the SDK's self-metrics) keeps the sinks embedded: the span queue and the
+exports in flight are in the serving process, the case that needs a bound there. Once a second
 this process reads the workload's ``VmRSS`` from ``/proc/<pid>/status``. Printed: the RSS
 before the first op, the first sample, the median of each minute, the peak and when it
 happened, the final sample, and the computed bound beside the peak.
@@ -28,10 +30,11 @@ stalled collector):
   collection of every series (the series are bounded, so the snapshot does not grow with
   ops), plus that snapshot;
 * ``completion queue``: ``OTEL_HICACHE_MAX_QUEUE_SIZE`` records, the larger of a queued op
-  (the worker paused) and a held one (its finish event never completes), measured full;
+  (the poller paused: its ``Poller._cycle`` a no-op, so ``submit()``'s lists stay in its
+  queue) and a held one (its finish event never completes), measured full;
 * ``busy-time union``: the intervals ``busy_time.BusyTimeTracker`` keeps, at most its 120 s
-  horizon of ops (the completion pipeline has it forget those ending 5 s before the oldest
-  op in flight, so it usually keeps far fewer), as paced ops leave them: disjoint;
+  horizon of ops (the sinks' consumer has it forget those ending 5 s before the oldest op
+  in flight, so it usually keeps far fewer), as paced ops leave them: disjoint;
 * ``host residence``: 0 unless ``OTEL_HICACHE_HOST_RESIDENCE`` is on (this workload names no
   host pages either way).
 
@@ -163,8 +166,9 @@ def measure_parts(traced: bool) -> dict[str, Any]:
     import otel_hicache
     import paced_workload  # noqa: F401  (the workload's imports, as in the run)
     from otel_hicache import configuration
+    from otel_hicache.sinks import providers
     from otel_hicache import environment_variables as ev
-    from otel_hicache.busy_time import BusyTimeTracker
+    from otel_hicache.sinks.busy_time import BusyTimeTracker
     from otel_hicache.settings import env_bool, env_int
 
     logging.getLogger("opentelemetry.exporter").setLevel(logging.CRITICAL)  # the hanging exports' failures
@@ -217,8 +221,8 @@ def measure_parts(traced: bool) -> dict[str, Any]:
 
     # The real exporters, built as configure() builds them, each with one export hanging on
     # the stalled collector; their threads are left hanging (the process exits with os._exit).
-    span_exporter = configuration.exporters("traces")[0]
-    metric_exporter = configuration.exporters("metrics")[0]
+    span_exporter = providers.exporters("traces")[0]
+    metric_exporter = providers.exporters("metrics")[0]
 
     def hang(export: Callable[[], Any]) -> None:
         threading.Thread(target=export, daemon=True).start()
@@ -230,7 +234,8 @@ def measure_parts(traced: bool) -> dict[str, Any]:
     encoded = measure.part("encoded span batch (one copy)", lambda: encode_spans(spans))
     encoded_bytes = encoded.ByteSize()
 
-    # The completion queue full: ops queued with the worker paused, and ops the worker holds.
+    # The completion queue full: ops queued with the poller paused (its thread wakes and runs a
+    # no-op cycle: nothing is taken from the queue), and ops the poller holds.
     paused = otel_hicache.TransferTelemetry(provider, conf.meter_provider, attributes={"tp_rank": 0})
     paused._pipeline._cycle = lambda: None  # pylint: disable=protected-access
     measure.part("completion queue (queued ops)", lambda: submit_ops(paused, completion_cap), completion_cap)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     load_plugins()  # as every SGLang scheduler does: otel-hicache comes in through its entry point
     from otel_hicache_sglang import SGLangHiCacheInstrumentor
 
-    from otel_hicache.request_links import trace_id_hex
+    from otel_hicache.sinks.spans import trace_id_hex
 
     if not SGLangHiCacheInstrumentor().is_instrumented_by_opentelemetry:
         print("sglang_workload: otel-hicache was not loaded by SGLang's load_plugins()", file=sys.stderr)

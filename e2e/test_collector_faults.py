@@ -11,7 +11,9 @@ every cumulative point that made it through is seen. Cases:
   arrive (no gap once delivery recovered); every span the workload emitted is
   delivered or counted as lost (the SDK's own self-metrics, read in the workload);
 * OTLP over TLS to the Collector with a self-signed certificate (and headers); a wrong
-  certificate fails visibly: the SDK's log line, counted failures, nothing delivered.
+  certificate fails visibly: the SDK's log line, counted failures, nothing delivered;
+* the default for an OTLP exporter, the telemetry process: every span and exact counters
+  through the Collector, and no telemetry process left once the workload exited.
 
 Run by e2e/faults.sh (after deploy/local/stack.sh install), from CI.
 """
@@ -159,16 +161,20 @@ def test_tls_to_the_collector(protocol, sink, certificates, tmp_path):
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_spans_through_the_export_process_and_the_collector(protocol, sink, tmp_path):
-    """OTEL_HICACHE_SPAN_EXPORT_PROCESS=true: every span, encoded by the workload's helper
-    process, reaches the sink through the real Collector, counters stay exact, and the helper
-    ends with the workload (no process left behind)."""
+def test_spans_through_the_telemetry_process_and_the_collector(protocol, sink, tmp_path):
+    """The default for an OTLP exporter, the telemetry process (``python -m
+    otel_hicache.sinks.process``): every span, built and exported there, reaches the sink
+    through the real Collector, counters stay exact, and the telemetry process ends with the
+    workload (no process left behind)."""
     collector = Collector(tmp_path, sink.endpoint)
     collector.start()
     try:
-        run = run_workload(tmp_path, _env(protocol, collector.endpoint(protocol),
-                                          OTEL_HICACHE_SPAN_EXPORT_PROCESS="true"),
-                           "--rate", "500", "--seconds", "3")
+        # --telemetry-process: no in-process metric reader, configure() chooses as for a user
+        run = run_workload(tmp_path, _env(protocol, collector.endpoint(protocol)),
+                           "--rate", "500", "--seconds", "3", "--telemetry-process")
+        assert run.result["channel"] == "ProcessChannel", run.result["channel"]
+        pid = run.result["telemetry_process_pid"]
+        assert pid is not None, run.stderr[-3000:]  # it ran in a telemetry process, not embedded
         truth = run.result["truth"]
         exact = _wait_for(lambda: final_counters(sink.received.metrics) == truth)
         assert exact, (final_counters(sink.received.metrics), truth, collector.log())
@@ -176,11 +182,22 @@ def test_spans_through_the_export_process_and_the_collector(protocol, sink, tmp_
             len(_op_ids(sink)), run.result["ops"])
     finally:
         collector.stop()
-    helpers = [line for line in _processes() if "otel_hicache.span_export_process" in line]
-    assert not helpers, helpers
-    assert "Traceback" not in run.stderr and "span export helper" not in run.stderr, run.stderr[-3000:]
-    print(f"\nexport process ({protocol}): {run.result['ops']} spans through the helper and the Collector, "
-          f"counters exact, helper gone at exit")
+    assert _wait_for(lambda: not _is_telemetry_process(pid), 10.0), f"telemetry process {pid} still running"
+    left = [line for line in _processes() if "otel_hicache.sinks.process" in line]
+    assert not left, left
+    assert "Traceback" not in run.stderr and "the telemetry process" not in run.stderr, run.stderr[-3000:]
+    print(f"\ntelemetry process ({protocol}): {run.result['ops']} spans through the telemetry process and the "
+          f"Collector, counters exact, the telemetry process gone at exit")
+
+
+def _is_telemetry_process(pid: int) -> bool:
+    """Whether ``pid`` is still a telemetry process (gone, a zombie's empty command line, or a
+    reused pid: not)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"otel_hicache.sinks.process" in fh.read()
+    except OSError:
+        return False
 
 
 def _processes() -> list[str]:

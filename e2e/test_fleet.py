@@ -149,7 +149,6 @@ def node_main(argv: list[str]) -> int:
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from otel_hicache import configuration
-
     reader = InMemoryMetricReader()  # the SDK's self-metrics: what the OTLP exporter delivered
     config = configuration.configure(metric_readers=[reader])
     measure = _MeasuringExporter()

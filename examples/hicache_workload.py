@@ -91,7 +91,8 @@ from opentelemetry import context as otel_context
 from otel_hicache import environment_variables as ev
 from otel_hicache import semconv as sc
 from otel_hicache import TransferTelemetry
-from otel_hicache.records import DIRECTIONS, OFFLOAD, ONBOARD
+from otel_hicache.record import DIRECTIONS, OFFLOAD, ONBOARD
+from otel_hicache.sinks.providers import build as build_providers
 
 STEP_SPAN = "example.scheduler_step"
 """The span each op runs under, standing in for a server's scheduler step."""
@@ -954,9 +955,13 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda *a: None) if args.quiet else print
     use_env = args.export == "env" or (args.export == "auto" and export_requested())
     attributes = {"tp_rank": 0, "model": f"qwen3-like-{cfg.layers}L"}
-    embedded = None
+    embedded = application = None
     if use_env:
-        tracer_provider = otel_hicache.configure().tracer_provider
+        conf = otel_hicache.configure()
+        tracer_provider = conf.tracer_provider
+        if tracer_provider is None:  # the telemetry process exports ours: the application's own request spans
+            application = build_providers(conf.resource)
+            tracer_provider = application.tracer_provider
         tel = TransferTelemetry(attributes=attributes)
     else:
         embedded = EmbeddedPipeline()
@@ -976,6 +981,8 @@ def main(argv: list[str] | None = None) -> int:
             embedded.shutdown()
         else:
             otel_hicache.shutdown()
+        if application is not None:
+            application.shutdown(5.0)
 
 
 def _run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, embedded: EmbeddedPipeline | None,
