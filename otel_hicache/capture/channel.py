@@ -64,6 +64,8 @@ class ProcessChannel:
         self._lost = 0  # ops a dead telemetry process never took in, for the next one to report
         self._embedded: Any = None
         self._stopped = False
+        self._asked: set[int] = set()  # flush tokens not answered yet (asked again of a successor)
+        self._flushed: dict[int, bool] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -82,7 +84,6 @@ class ProcessChannel:
         self._last_read = 0
         self._answered = False  # it said it read its hello
         self._hello_lost = 0
-        self._flushed: dict[int, bool] = {}
 
     # -- the poller's side ---------------------------------------------------------
     def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
@@ -109,19 +110,29 @@ class ProcessChannel:
         """Everything written before this call exported by the telemetry process (bounded)."""
         deadline = time.monotonic() + timeout_s
         token = next(self._tokens)
+        with self._lock:
+            self._asked.add(token)
+            deaths = self._deaths
         self.write([(rec.FLUSH, token)], 0)
         while True:
             with self._lock:
                 if self._embedded is not None:
+                    self._asked.discard(token)
                     return bool(self._embedded.flush(max(0.0, deadline - time.monotonic())))
+                if self._deaths != deaths and token in self._asked:  # it may have died with the question
+                    deaths = self._deaths
+                    self._backlog.append([self._pickled([(rec.FLUSH, token)]), 0])
                 self._pump(answers=True)
                 if token in self._flushed:
                     return self._flushed.pop(token)
                 process = self.process
                 waiting_to_write = self._partial is not None or bool(self._backlog)
-            left = deadline - time.monotonic()
-            if left <= 0 or process is None or process.stdout is None:
-                return False
+                left = deadline - time.monotonic()
+                if process is None and not self._stopped and left > 0:
+                    continue  # it ended as it answered: its successor is asked
+                if left <= 0 or process is None or process.stdout is None:
+                    self._asked.discard(token)
+                    return False
             try:
                 select.select([process.stdout], [process.stdin] if waiting_to_write else [], [], min(left, 0.05))
             except (OSError, ValueError):  # closed meanwhile
@@ -180,6 +191,7 @@ class ProcessChannel:
         self._stopped = False
         self._deaths = 0
         self._lost = 0
+        self._asked, self._flushed = set(), {}
         self._reset()
 
     # -- the telemetry process -------------------------------------------------------
@@ -222,7 +234,7 @@ class ProcessChannel:
         """The telemetry process ended (a broken pipe): count the ops it never read, reap it, and
         start another at the next write (or fall back)."""
         process = self.process
-        self._read_replies()  # what it answered before it ended is still in the pipe
+        self._read_replies(ended=True)  # what it answered before it ended is still in the pipe
         lost = self._unread()
         self._lost += lost + (0 if self._answered else self._hello_lost)  # (a hello it never read: again)
         self._deaths += 1
@@ -332,7 +344,7 @@ class ProcessChannel:
                     kept.append((rec.DROPPED, sc.DROP_INTERNAL_ERROR, 1 if message[0] == rec.OP else 0))
             return pickle.dumps(kept, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def _read_replies(self) -> None:
+    def _read_replies(self, ended: bool = False) -> None:
         process = self.process
         if process is None or process.stdout is None:
             return
@@ -341,6 +353,8 @@ class ProcessChannel:
         except (BlockingIOError, OSError, ValueError):
             return
         if not chunk:
+            if not ended:  # the end of its answers: it ended after the last write (no broken pipe seen)
+                self._died()
             return
         lines = (self._replies + chunk).split(b"\n")
         self._replies = lines.pop()
@@ -351,7 +365,8 @@ class ProcessChannel:
                 self._answered = True
             elif parts == [b"hello"]:
                 self._answered = True
-            elif len(parts) == 3 and parts[0] == b"flushed":
+            elif len(parts) == 3 and parts[0] == b"flushed" and int(parts[1]) in self._asked:
+                self._asked.discard(int(parts[1]))  # (asked twice: the second answer is not kept)
                 self._flushed[int(parts[1])] = parts[2] == b"1"
 
     def _trim(self) -> None:
