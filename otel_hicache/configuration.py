@@ -119,6 +119,7 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
     providers passed (either one; the other from configure(), else the global one), else what
     :func:`configure` chose (called here first in a forked child that used it)."""
     from opentelemetry import metrics, trace
+    from opentelemetry.sdk.resources import Resource
 
     sampling = SpanSamplingSettings.from_environment().values()  # read at construction, as the others
 
@@ -137,7 +138,8 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
                                      trace.get_tracer_provider())
         meter = meter_provider or (current.meter_provider if current and current.built else
                                    metrics.get_meter_provider())
-        return EmbeddedChannel(tracer, meter, hello_(current.resource if current else None), clock)
+        # (embedded, the sinks use the providers' resource: none is detected, which an exit hook could not do)
+        return EmbeddedChannel(tracer, meter, hello_(current.resource if current else Resource.get_empty()), clock)
 
     opened.used_configure = configured() is not None  # type: ignore[attr-defined]
     return opened

@@ -456,7 +456,8 @@ class Poller:
         # forced once a flush can be released (not in the cycles of a backlog: the state reads the queue)
         self._state(now, force=self._drain_all or (bool(self._flush_waiters) and not self._more and not queue))
         urgent = bool(self._flush_waiters) or self._drain_all
-        if self._flush_waiters:
+        # (not in a forked child that reported nothing: opening its channel would reach the parent's providers)
+        if self._flush_waiters and not (self._forked and self.channel is None and not out and not self._drops):
             self._take_drops()
             out.append((rec.FLUSH, 0))  # the sinks hand what they summed to the SDK now
         if out or self._drops:
@@ -582,7 +583,7 @@ class Poller:
     def _release_flush_waiters(self) -> None:
         """A flush is done once every record submitted before it was taken in and is no longer
         in flight (later submissions do not hold it up)."""
-        oldest_pending = min((r.seq for r in self._pending), default=self._taken)
+        oldest_pending = self._pending[0].seq if self._pending else self._taken  # (in intake order)
         with self._lock:
             waiting = []
             for target, done in self._flush_waiters:
