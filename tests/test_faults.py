@@ -585,7 +585,7 @@ def test_concurrent_submitters_acks_and_flushes(rig, roomy_env, thread_errors):
     for t in others:
         t.join()
     r.device.advance(ms=10)
-    assert wait_until(lambda: r.flush(1.0) and r.pipeline.size() == 0)
+    assert wait_until(lambda: r.flush(1.0) and r.pipeline.size() == 0, 60), counts  # (a bound: 2 busy cores)
     elapsed = time.perf_counter() - t0
 
     fault_t, base_t = compare([x for s in samples for x in s.values()], [x for s in base_samples for x in s.values()])
@@ -793,10 +793,14 @@ PROCESS_SCRIPT = textwrap.dedent(
     def phases(tel, nbytes):
         # two phases, each followed by eight export intervals: periodic exports must show the
         # cumulative counter at the first phase's total, then at both phases' total; then a tail
-        # of ops submitted just before the process ends: only its shutdown can deliver those
+        # of ops submitted just before the process ends: only its shutdown can deliver those.
+        # (Each phase flushed first: a telemetry process that has just started, niced, on 2 busy
+        # cores, may take longer than the intervals to read the phase.)
         report(tel, OPS, nbytes, "first")  # right after the fork or spawn
+        assert tel.force_flush(30)
         time.sleep(8 * INTERVAL_MS / 1e3)
         report(tel, OPS, nbytes, "second")  # settled
+        assert tel.force_flush(30)
         time.sleep(8 * INTERVAL_MS / 1e3)
         report(tel, TAIL, nbytes, "tail")
 
