@@ -42,7 +42,6 @@ relative to the other ops of its timeline; the offset to the wall clock is estim
 PLACEMENT_HOST_COMPLETION = "host_completion"
 """Ends when the poller saw it end (or at the caller's ``host_end_ns``): its events
 could not be compared with an earlier op's (it may start a timeline of its own)."""
-PLACEMENTS = (PLACEMENT_ANCHOR, PLACEMENT_RELATIVE, PLACEMENT_HOST_COMPLETION)
 
 
 class WallClockAnchor:

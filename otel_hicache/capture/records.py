@@ -153,22 +153,21 @@ def _integer(value: Any, what: str) -> int:
 
 def _count(value: Any, what: str) -> int:
     """A count from 0 to ``INT64_MAX``, or a ValueError/TypeError naming ``what``."""
-    if type(value) is int and 0 <= value <= INT64_MAX:  # the common case, first
-        return value
-    number = _integer(value, what)
-    if not 0 <= number <= INT64_MAX:
-        raise ValueError(f"{what} must be >= 0 and < 2**63, got {_shown(number)}")
-    return number
+    return _int64(value, what, "must be >= 0 and < 2**63")
 
 
 def _timestamp(value: Any, what: str) -> int:
     """A host time in ns since the epoch (as ``time.time_ns()``), 0 to ``INT64_MAX``; floats are
     refused rather than rounded (they lose the nanoseconds), like any other non-integer."""
+    return _int64(value, what, "must be a time in ns from 0 to 2**63-1")
+
+
+def _int64(value: Any, what: str, rule: str) -> int:
     if type(value) is int and 0 <= value <= INT64_MAX:  # the common case, first
         return value
     number = _integer(value, what)
     if not 0 <= number <= INT64_MAX:
-        raise ValueError(f"{what} must be a time in ns from 0 to 2**63-1, got {_shown(number)}")
+        raise ValueError(f"{what} {rule}, got {_shown(number)}")
     return number
 
 

@@ -95,7 +95,6 @@ class Consumer:
         self._pools: dict[int, Any] = {}
         self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> (pool, pages written, reuse): HOST to OP
         self._awaiting: dict[int, tuple[Op, Any]] = {}  # seq -> (op, span) waiting for its ACK
-        self._oldest_inflight: dict[str, Any] = dict.fromkeys(rec.DIRECTIONS)
         self.taken = 0  # OP messages taken in
         for message in hello.get("pools") or ():
             self._pool(message)
