@@ -45,13 +45,13 @@ def _assert_normal_cost(run, healthy, what: str) -> None:
     print(f"{what}: submit p99 {p99 / 1e3:.1f} us (healthy {base_p99 / 1e3:.1f}), "
           f"worst {worst / 1e3:.1f} us (healthy {base_worst / 1e3:.1f})")
     median, base_median = quantile(run.costs_ns(), 0.5), quantile(healthy.costs_ns(), 0.5)
-    # A submit that waited on the exporter would take the stall or the export timeout
-    # (milliseconds to seconds). The p99 of 1,000 ops is its 10th-worst, and a busy 2-core
-    # CI machine moved it from 10 to 52 us once with no export involved: the tail bounds
-    # are wide, the median (robust to preemption) is the tight one.
+    # A submit that waited on the exporter would take the export timeout (10 s here; a stalled
+    # collector never answers). The p99 of 1,000 ops is its 10th-worst, and a busy 2-core CI
+    # machine moved it from 10 to 52 us once, and the worst to 4.3 ms once, with no export
+    # involved: the tail bounds are wide, the median (robust to preemption) is the tight one.
     assert median <= 3 * base_median + 5_000, (what, median, base_median)
     assert p99 <= 10 * base_p99 + 100_000, (what, p99, base_p99)
-    assert worst <= 5 * base_worst + 2_000_000, (what, worst, base_worst)
+    assert worst <= 5 * base_worst + 20_000_000, (what, worst, base_worst)
 
 
 @pytest.fixture(scope="module", params=sorted(PROTOCOLS))
