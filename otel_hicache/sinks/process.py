@@ -133,7 +133,11 @@ def main() -> int:
             _answer(answers, b"taken %d\n" % consumer.taken)
             last_answer = now
     consumer.close()
-    providers.shutdown(bound)
+    # a flush first, within the same bound: the SDK's self-metrics of its exports (spans and points
+    # delivered, or lost) then leave with the last one, as a periodic export would have sent them
+    deadline = time.monotonic() + bound
+    providers.force_flush(bound)
+    providers.shutdown(max(0.5, deadline - time.monotonic()))
     return 0
 
 
