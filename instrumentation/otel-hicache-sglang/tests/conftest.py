@@ -59,7 +59,8 @@ class Instrumented:
         telemetry = self.instrumentor.telemetry
         assert telemetry is not None, "no HiCache controller was created: no telemetry"
         assert telemetry.force_flush(10.0)
-        return list(self.spans.get_finished_spans())
+        # in the order the ops happened: a span ends when its ack is seen, which need not keep that order
+        return sorted(self.spans.get_finished_spans(), key=lambda span: span.start_time)
 
     def metric(self, name: str, **attrs: Any) -> float:
         """Sum of the points of ``name`` whose attributes include ``attrs`` (of a histogram's: their counts),
