@@ -136,6 +136,8 @@ class ProcessChannel:
             try:
                 select.select([process.stdout], [process.stdin] if waiting_to_write else [], [], min(left, 0.05))
             except (OSError, ValueError):  # closed meanwhile
+                with self._lock:
+                    self._asked.discard(token)
                 return False
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
@@ -153,6 +155,8 @@ class ProcessChannel:
             self._backlog.append([self._pickled([(rec.STOP, timeout_s if export_s is None else export_s)]), 0])
             while (self._backlog or self._partial is not None) and time.monotonic() < deadline:
                 self._pump()
+                if self.process is None:  # it ended meanwhile: no successor after stop(), nothing to wait for
+                    break
                 if (self._partial is not None or self._backlog) and self.process is not None:
                     try:
                         select.select([], [process.stdin], [], min(0.05, max(0.0, deadline - time.monotonic())))
