@@ -1,15 +1,14 @@
 """Run SGLang's real HiCache device<->host KV transfer code on a CPU-only machine.
 
 The tests of the SGLang instrumentation use this module to exercise the genuine
-SGLang 0.5.23 objects -- ``HiCacheController`` / ``HybridCacheController``,
+SGLang objects (the cache stack: 0.5.22 and later; the engine level: every tested release) -- ``HiCacheController`` / ``HybridCacheController``,
 ``L2TransferEngine``, ``MHATokenToKVPool``, ``TokenToKVPoolAllocator``, the host
 pools, ``UnifiedRadixCache`` with its tree core, ``HiCacheAck`` and SGLang's own
 ``RadixCacheMetricsCollector`` -- without a GPU.
 
-Three CPU-only substitutions make that possible (:func:`install_cpu_support`):
+Two CPU-only substitutions make that possible (:func:`install_cpu_support`);
+torch and torchvision are PyPI's CUDA builds, which run on the CPU:
 
-* a meta-path import stub for ``torchvision`` (the PyPI wheels require a CUDA
-  torch, and SGLang merely imports it);
 * ``pool_host.common.ALLOC_MEMORY_FUNCS["cpu"]`` allocates host KV unpinned
   (the default path registers the memory with the CUDA runtime);
 * ``pool_host.mha.transfer_kv_direct`` becomes a pure-torch
@@ -29,14 +28,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import enum
 import importlib
-import importlib.abc
-import importlib.machinery
 import logging
 import sys
 import threading
-import types
 import warnings
 from array import array
 from dataclasses import dataclass
@@ -75,60 +70,6 @@ HEAD_DIM = 8
 # --------------------------------------------------------------------------
 # CPU support
 # --------------------------------------------------------------------------
-class _TorchvisionUnavailable:
-    """Any class looked up on the stub: importable, never instantiable."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("torchvision is stubbed out for CPU-only SGLang tests")
-
-    def __class_getitem__(cls, item: Any) -> type:
-        return cls
-
-
-class _InterpolationMode(enum.Enum):
-    NEAREST = "nearest"
-    NEAREST_EXACT = "nearest-exact"
-    BILINEAR = "bilinear"
-    BICUBIC = "bicubic"
-    BOX = "box"
-    HAMMING = "hamming"
-    LANCZOS = "lanczos"
-
-
-def _stub_module_getattr(name: str) -> Any:
-    if name.startswith("__"):
-        raise AttributeError(name)
-    if name == "InterpolationMode":
-        return _InterpolationMode
-    return type(name, (_TorchvisionUnavailable,), {})
-
-
-class _TorchvisionStubLoader(importlib.abc.Loader):
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = types.ModuleType(spec.name)
-        module.__path__ = []  # a package, so any submodule import resolves too
-        module.__getattr__ = _stub_module_getattr  # type: ignore[attr-defined]
-        if spec.name == "torchvision":
-            module.__version__ = "0.0.0+cpu-stub"  # type: ignore[attr-defined]
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-class _TorchvisionStubFinder(importlib.abc.MetaPathFinder):
-    """Serves ``torchvision`` and ``torchvision.*`` as import-only stubs."""
-
-    is_sglang_cpu_stub = True
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(
-                fullname, _TorchvisionStubLoader(), is_package=True
-            )
-        return None
-
-
 def _alloc_unpinned(dims, dtype, device, pin_memory, allocator,
                     registration_granularity_bytes=None):
     """``ALLOC_MEMORY_FUNCS["cpu"]``: plain host memory, no CUDA host registration."""
@@ -168,15 +109,9 @@ _SGLANG_MODULES = (
 def install_cpu_support() -> None:
     """Make SGLang's HiCache code runnable on CPU. Idempotent.
 
-    Installs the ``torchvision`` stub first, then imports the SGLang modules
-    this file uses (with their import-time warnings silenced) and patches the
-    host-pool allocation and the direct KV copy. SGLang modules may already be
-    imported, provided the stub was in place before anything imported
-    ``torchvision`` (it is not installed, so such an import would fail).
+    Imports the SGLang modules this file uses (with their import-time warnings
+    silenced) and patches the host-pool allocation and the direct KV copy.
     """
-    if not any(getattr(f, "is_sglang_cpu_stub", False) for f in sys.meta_path):
-        sys.meta_path.insert(0, _TorchvisionStubFinder())
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in _SGLANG_MODULES:
