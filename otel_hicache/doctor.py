@@ -34,6 +34,7 @@ from typing import Any, Iterator, TextIO
 
 from . import configuration
 from . import environment_variables as ev
+from . import semconv as sc
 from .sinks import otel_environment, providers
 from .environment_variables import (
     DEFAULTS,
@@ -304,6 +305,8 @@ def _hicache_value(name: str) -> str:
     except Exception:  # pylint: disable=broad-except
         value = raw
     shown = str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else value
+    if shown is None:
+        shown = "auto"  # decided at configure(): the sinks line above says how
     return f"{shown} " + ("(default)" if raw is None else f"(set: {raw!r})")
 
 
@@ -741,10 +744,36 @@ def _configuration(p: Any, disabled: bool, notes: list[str]) -> list[Planned]:
     width = max(map(len, DEFAULTS))
     for name in DEFAULTS:
         p(f"    {name:<{width}}  {_hicache_value(name)}")
+    for feature, state in _features():
+        p(f"    {feature:<15} {state}")
     if not env_bool(OTEL_HICACHE_ENABLED):
         notes.append("OTEL_HICACHE_ENABLED=false: otel-hicache records nothing (unset it to record)")
     p()
     return planned
+
+
+def _features() -> list[tuple[str, str]]:
+    """What is on in this process, and for what is off, why."""
+    import importlib.util
+
+    if not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
+        residence = f"off ({ev.OTEL_HICACHE_HOST_RESIDENCE}=false)"
+    elif importlib.util.find_spec("numpy") is None:
+        residence = "off: NumPy is not importable (pip install numpy)"
+    else:
+        residence = "on"
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        timing = (f"device events (torch {torch.__version__}, {gpus} CUDA device(s))" if gpus else
+                  f"host clock: torch {torch.__version__} sees no CUDA device, so ops carry "
+                  f"{sc.TIMING_SOURCE}=host_clock")
+    except Exception as exc:  # pylint: disable=broad-except
+        timing = f"whatever events the caller passes (torch is not importable: {type(exc).__name__})"
+    sampling = _hicache_value(ev.OTEL_HICACHE_SPAN_SAMPLING).split(" ", 1)[0]
+    spans = "every op" if sampling == "all" else f"sampled ({ev.OTEL_HICACHE_SPAN_SAMPLING}={sampling}); counters stay exact"
+    return [("host residence", residence), ("timing", timing), ("spans", spans)]
 
 
 def _build(planned: list[Planned], logs: _Captured) -> tuple[list[Check], list[tuple[str, str, str]]]:

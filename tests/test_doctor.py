@@ -143,6 +143,25 @@ def test_nothing_to_export_exits_0_and_says_why():
     assert "NOTE: nothing is exported: OTEL_SDK_DISABLED=true" in result(disabled)
 
 
+def test_the_sinks_channel_sdk_and_features_off_are_said_with_why():
+    import opentelemetry.sdk.version as sdk
+
+    default = doctor(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
+    assert (f"    sinks           embedded in the serving process (no exporter sends over the network); "
+            f"OpenTelemetry SDK {sdk.__version__}\n") in default.stdout
+    assert "    host residence  on\n" in default.stdout and "    spans           every op\n" in default.stdout
+    assert "    OTEL_HICACHE_TELEMETRY_PROCESS               auto (default)\n" in default.stdout
+    off = doctor(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_HICACHE_TELEMETRY_PROCESS="true",
+                 OTEL_HICACHE_HOST_RESIDENCE="false", OTEL_HICACHE_SPAN_SAMPLING="outliers")
+    assert "    sinks           a telemetry process of their own (OTEL_HICACHE_TELEMETRY_PROCESS)" in off.stdout
+    assert "    host residence  off (OTEL_HICACHE_HOST_RESIDENCE=false)\n" in off.stdout
+    assert ("    spans           sampled (OTEL_HICACHE_SPAN_SAMPLING=outliers); counters stay exact\n"
+            in off.stdout)
+    # no GPU on the test machines: the timing line says the host clock is used, and how the data says so
+    assert "    timing          host clock: torch " in default.stdout or "    timing          device events" \
+        in default.stdout
+
+
 def test_settings_and_otel_hicache_warnings_are_reported():
     receiver = HttpReceiver()
     try:
