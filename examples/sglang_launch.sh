@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch an SGLang server with HiCache, its L1<->L2 transfers reported by otel-hicache.
-# Needs a GPU machine with SGLang (>= 0.5.23, < 0.6) and an OpenTelemetry Collector
+# Needs a GPU machine with SGLang (>= 0.5.20, < 0.5.24) and an OpenTelemetry Collector
 # listening for OTLP (gRPC 4317 by default).
 #
 #   pip install otel-hicache otel-hicache-sglang      # from a checkout: pip install . ./instrumentation/otel-hicache-sglang

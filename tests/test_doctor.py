@@ -209,7 +209,7 @@ def test_sglang_patch_groups_on_the_real_sglang(monkeypatch):
     out = io.StringIO()
     module._sglang(out, check_groups=True)
     text = out.getvalue()
-    assert "sglang          0.5.23 (supported; the adapter instruments sglang >= 0.5.23, < 0.6)" in text
+    assert "sglang          0.5.23 (supported; the adapter instruments sglang >= 0.5.20, < 0.5.24)" in text
     assert "SGLang plugin entry point registered" in text
     for group in ("L1<->L2 transfers", "dropped tokens", "evictions", "prefix hits"):
         assert f"{group}: would apply" in text, text
