@@ -126,8 +126,8 @@ class HostPool:
         found: list[int] = []
         for part in parts:
             dtype = getattr(part, "dtype", None)
-            if dtype is not None:  # a NumPy or torch array: its dtype says integers, tolist() is ~0.3 us
-                kind = getattr(dtype, "kind", None)  # NumPy's (its str() is Python code, ~5 us); torch's str() is C
+            if dtype is not None:  # a NumPy or torch array: its dtype says integers, and tolist() is one C call
+                kind = getattr(dtype, "kind", None)  # NumPy's (its str() is Python code, slow); torch's str() is C
                 # never tolist() a tensor outside host memory (a device tensor's would synchronize)
                 if part.ndim != 1 or part.shape[0] > limit - len(found) or not getattr(part, "is_cpu", True) \
                         or not (kind in ("i", "u") if kind is not None else "int" in str(dtype)):
@@ -176,7 +176,7 @@ class HostPool:
                 (array_[size - 1::size] - firsts == size - 1).all():
             pages = firsts // size  # whole pages, as HiCache allocates them: one slot per page read
         else:
-            # drop repeats of the previous page (O(n)); np.unique over every slot costs ~30 us
+            # drop repeats of the previous page (O(n)); np.unique over every slot sorts them all
             # for a 1,408-token op, so only for what is then still not strictly increasing
             slot_pages = array_ // size if size > 1 else array_
             pages = np.concatenate((slot_pages[:1], slot_pages[1:][slot_pages[1:] != slot_pages[:-1]]))

@@ -1,4 +1,4 @@
-"""Fixtures for the SGLang adapter tests: real SGLang 0.5.23 on CPU, in-memory OTel sinks."""
+"""Fixtures for the SGLang adapter tests: the real SGLang on CPU, in-memory OTel sinks."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@
   wrappers take ``(wrapped, instance, args, kwargs)`` and are applied with
   ``wrapt.wrap_function_wrapper``. A :class:`Method` wrapper (the methods called
   on every HiCache op) replaces a plain function with a plain function instead:
-  wrapt's bound-call proxy costs about 1 us more per call than a Python frame
-  (3-6 us on a scheduler thread between two device ops).
+  wrapt's bound-call proxy costs more per call than a Python frame, and these
+  run on the scheduler thread between two device ops (``docs/performance.md``).
 * :meth:`Patcher.instrument` registers a ``wrapt.register_post_import_hook``
   per module (wrapt calls it at once for a module already imported), so
   ``opentelemetry-instrument``'s ``sitecustomize`` can instrument before SGLang
