@@ -21,10 +21,11 @@ profile="${1:-dev}"
 venv="${HICACHE_DEV_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 req="$root/requirements"
-newest="$req/sglang/$("$python" "$root/scripts/sglang_release.py" list | tail -n 1).txt"
 case "$profile" in
   demo) files=("$req/demo.txt") ;;
-  dev) files=("$req/demo.txt" "$req/dev.txt" "$newest") ;;
+  dev)
+    newest="$req/sglang/$("$python" "$root/scripts/sglang_release.py" list | tail -n 1).txt"
+    files=("$req/demo.txt" "$req/dev.txt" "$newest") ;;
   dev-torch)
     torch="${2:?usage: scripts/bootstrap.sh dev-torch VERSION}"
     venv="$venv-torch$torch"
@@ -60,11 +61,11 @@ else
 fi
 # always (re)install this checkout: a reused venv may point at another clone (setuptools'
 # editable-install banner filtered: it warns of nothing this layout has)
+export PYTHONWARNINGS="ignore:Editable installation"
 if [ "$profile" = demo ]; then
-  PYTHONWARNINGS="ignore:Editable installation" \
-    "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
 else
-  PYTHONWARNINGS="ignore:Editable installation" "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation \
+  "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation \
     -e "$root" -e "$root/instrumentation/otel-hicache-sglang" >&2
 fi
 echo "$venv"

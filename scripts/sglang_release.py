@@ -8,11 +8,11 @@
   python scripts/sglang_release.py overlay RELEASE DIR
                                                    run with a venv's python: install into DIR
                                                    (--no-deps, --target) what of the lock this venv
-                                                   lacks or has at another version; prints DIR, or
-                                                   nothing when the venv has the release already
+                                                   lacks or has at another version (nothing when
+                                                   the venv holds the release already)
 
 A new SGLang release is one ``lock`` away from being tested (scripts/test-sglang.sh); the
-adapter's ``_instruments`` must then say the new range (tests/test_sglang_releases.py).
+adapter's ``_instruments`` must then say the new range (tests/test_release_locks.py).
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
 def releases() -> list[str]:
-    def key(version: str) -> tuple[int, ...]:
-        return tuple(int(part) for part in version.split("."))
-    return sorted((p.stem for p in LOCKS.glob("*.txt")), key=key)
+    return sorted((p.stem for p in LOCKS.glob("*.txt")), key=version_key)
 
 
 def lock_pins(release: str) -> dict[str, str]:
@@ -85,15 +87,13 @@ def lock(release: str) -> Path:
         resolved = {_norm(item["metadata"]["name"]): item["metadata"]
                     for item in json.loads(report.read_text())["install"]}
     # torch's own dependencies (CUDA wheels, triton...) come with torch in the venv: left out
-    closure: set[str] = set()
     todo: list[tuple[str, frozenset[str]]] = [("torch", frozenset())]
-    seen: set[tuple[str, frozenset[str]]] = set()
+    seen: set[tuple[str, frozenset[str]]] = set()  # (package, the extras asked of it)
     while todo:
         name, extras = todo.pop()
         if (name, extras) in seen or name not in resolved:
             continue
         seen.add((name, extras))
-        closure.add(name)
         for text in resolved[name].get("requires_dist") or ():
             req = Requirement(text)
             if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", *extras)):
@@ -101,6 +101,7 @@ def lock(release: str) -> Path:
     lines = [f"# SGLang {release} on CPU, for the adapter's tests. Generated: python scripts/sglang_release.py "
              f"lock {release}", "# (requirements/sglang-cpu.in at the versions this release pins). Do not edit.",
              f"torch=={pins['torch']}", f"sglang=={release}"]
+    closure = {name for name, _ in seen}
     lines += sorted(f"{meta['name']}=={meta['version']}" for name, meta in resolved.items()
                     if name not in closure)
     path = LOCKS / f"{release}.txt"
@@ -109,7 +110,7 @@ def lock(release: str) -> Path:
     return path
 
 
-def overlay(release: str, target: Path) -> str:
+def overlay(release: str, target: Path) -> None:
     pins = lock_pins(release)
     torch = pins.pop("torch")
     have = metadata.version("torch").split("+")[0]
@@ -123,11 +124,9 @@ def overlay(release: str, target: Path) -> str:
         except metadata.PackageNotFoundError:
             pass
         missing.append(f"{name}=={version}")
-    if not missing:
-        return ""
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target",
-                    str(target), *missing], check=True)
-    return str(target)
+    if missing:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target",
+                        str(target), *missing], check=True)
 
 
 def main(argv: list[str]) -> None:
@@ -138,7 +137,7 @@ def main(argv: list[str]) -> None:
     elif argv[:1] == ["lock"] and len(argv) == 2:
         print(lock(argv[1]))
     elif argv[:1] == ["overlay"] and len(argv) == 3:
-        print(overlay(argv[1], Path(argv[2])))
+        overlay(argv[1], Path(argv[2]))
     else:
         raise SystemExit(__doc__)
 

@@ -16,12 +16,8 @@ import sglang_release  # noqa: E402
 ADAPTER = ROOT / "instrumentation" / "otel-hicache-sglang"
 
 
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in text.split("."))
-
-
 def _next(version: str, part: int) -> str:
-    parts = list(_version(version))[: part + 1]
+    parts = list(sglang_release.version_key(version))[: part + 1]
     parts[part] += 1
     return ".".join(map(str, parts))
 
@@ -44,7 +40,8 @@ def test_the_adapter_declares_exactly_the_tested_range():
 
 
 def test_the_core_torch_range_is_the_tested_torches():
-    torches = sorted({sglang_release.lock_pins(r)["torch"] for r in sglang_release.releases()}, key=_version)
+    torches = sorted({sglang_release.lock_pins(r)["torch"] for r in sglang_release.releases()},
+                     key=sglang_release.version_key)
     low, high = ".".join(torches[0].split(".")[:2]), _next(torches[-1], 1)
     assert f'torch = ["torch>={low},<{high}"]' in (ROOT / "pyproject.toml").read_text()
     newest = sglang_release.lock_pins(sglang_release.releases()[-1])["torch"]
