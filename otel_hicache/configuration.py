@@ -133,7 +133,7 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
         opened.used_configure = opened.used_configure or current is not None
         if tracer_provider is None and meter_provider is None and current is not None and current.telemetry_process:
             return ProcessChannel(hello_(current.resource), max_ops, lambda: _embedded_fallback(
-                hello_(current.resource), current.resource))
+                {**hello_(current.resource), "fallback": True}, current.resource))
         tracer = tracer_provider or (current.tracer_provider if current and current.built else
                                      trace.get_tracer_provider())
         meter = meter_provider or (current.meter_provider if current and current.built else

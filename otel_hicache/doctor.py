@@ -26,6 +26,7 @@ import logging
 import os
 import platform
 import re
+import shlex
 import sys
 import threading
 import time
@@ -741,6 +742,9 @@ def _configuration(p: Any, disabled: bool, notes: list[str]) -> list[Planned]:
            else "an exporter sends over OTLP" if channel else "no exporter sends over the network")
     p(f"    sinks           {'a telemetry process of their own' if channel else 'embedded in the serving process'}"
       f" ({why}); OpenTelemetry SDK {sdk_version.__version__}")
+    if channel:
+        p("                    (one that cannot start or keeps dying: embedded after all, their cost then on the"
+          " serving process; otel_hicache_sinks{location=\"embedded_fallback\"} says so)")
     width = max(map(len, DEFAULTS))
     for name in DEFAULTS:
         p(f"    {name:<{width}}  {_hicache_value(name)}")
@@ -889,7 +893,7 @@ def _telemetry_process(p: Any, cap_s: float) -> tuple[str, str] | None:
                                         f"did not answer within {cap_s:g} s")
             + " (the serving process would fall back to exporting itself)")
     p(f"  sinks    NOT working: {what}")
-    return what, (f"run `{' '.join(telemetry_process_command())} < /dev/null` in this environment to see its "
+    return what, (f"run `{shlex.join(telemetry_process_command())} < /dev/null` in this environment to see its "
                   f"error, or set {ev.OTEL_HICACHE_TELEMETRY_PROCESS}=false")
 
 

@@ -2,9 +2,11 @@
 
 The capture (:mod:`otel_hicache.capture`, in the serving process) writes batches, lists of
 the tuples below, to a channel; the sinks (:mod:`otel_hicache.sinks`, in the telemetry
-process or on the poller thread) read them in order. Plain values only (ints, floats,
-strings, bytes, tuples, dicts of them): a batch pickles in one call, and nothing in it
-refers back to the serving process's objects.
+process or on the poller thread) read them in order. JSON values only (ints, floats,
+strings, None, booleans, lists or tuples and str-keyed dicts of them): a batch encodes in one
+call of the C JSON encoder, nothing in it refers back to the serving process's objects, and
+reading one runs no code (unlike a pickle, which a same-user process writing into the pipe
+could use to run its own).
 
 Each message is a tuple whose first item is its kind:
 
@@ -22,18 +24,22 @@ Each message is a tuple whose first item is its kind:
 * ``STOP``: ``(STOP, seconds)``, the channel's last: the serving process stops, export what
   came before within ``seconds`` and exit.
 
-Between processes a batch is a frame: its pickle's length (``FRAME_HEADER``) and the
-pickle. The telemetry process answers on its standard output, a line per answer:
-``hello`` (its sinks are built), ``taken <ops>`` (OP messages it took in so far) and
-``flushed <token> <0|1>``.
+Between processes a batch (or the hello, the first frame) is a frame: the length of its
+UTF-8 JSON (``FRAME_HEADER``, at most ``MAX_FRAME_BYTES``) and the JSON (:func:`encode`,
+:func:`decode`; tuples arrive as lists). The telemetry process answers on its standard
+output, a line per answer:
+``hello`` (its sinks are built), ``reported`` (the loss its hello carried was exported),
+``taken <ops>`` (OP messages it took in so far) and ``flushed <token> <0|1>``.
 
-Slots are token slot indices as the bytes of an int64 array (:func:`slot_bytes`). Trace
+Slots are token slot indices as the base64 text of an int64 array (:func:`slot_text`). Trace
 and span contexts are ``(trace_id, span_id, trace_flags, is_remote, trace_state)``, the
 state as a tuple of ``(key, value)`` pairs.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import struct
 from typing import Any, Final
 
@@ -71,6 +77,20 @@ NONE: Final = "none"  # value: why no GPU can be named
 OP, ACK, HOST, POOL, FREE, DROPPED, STATE, FLUSH, STOP = range(9)
 
 FRAME_HEADER = struct.Struct("<I")
+MAX_FRAME_BYTES = 1 << 26
+"""A frame header saying more is not one of the capture's (its batches are far smaller): the
+reader counts it as malformed rather than wait for, or allocate, that much."""
+
+
+def encode(value: Any) -> bytes:
+    """A batch (or the hello) as one frame."""
+    data = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    return FRAME_HEADER.pack(len(data)) + data
+
+
+def decode(data: bytes) -> Any:
+    """A frame's JSON back; ValueError (a subclass of it) when it is not JSON."""
+    return json.loads(data)
 
 OP_FIELDS = (
     "seq",  # intake order, per serving process
@@ -130,6 +150,11 @@ def context_tuple(context: Any) -> tuple[int, int, int, bool, tuple[tuple[str, s
     state = context.trace_state
     return (context.trace_id, context.span_id, int(context.trace_flags), bool(context.is_remote),
             tuple(state.items()) if state else ())
+
+
+def slot_text(slots: Any) -> str:
+    """:func:`slot_bytes` as base64 text, as messages carry them."""
+    return base64.b64encode(slot_bytes(slots)).decode("ascii")
 
 
 def slot_bytes(slots: Any) -> bytes:

@@ -215,6 +215,16 @@ EXPORT_CPU_TIME = (
     "s",
     "CPU time of otel-hicache's telemetry process: its sinks and exports (thread: telemetry_process).",
 )
+SINKS = (
+    "otel_hicache.sinks",
+    "{process}",
+    "Where otel-hicache's sinks run: 1 for the place in use (location: telemetry_process; embedded, asked for by "
+    "the caller or the configuration; embedded_fallback, when no telemetry process could run).",
+)
+LOCATION: Final = "location"
+LOCATION_TELEMETRY_PROCESS: Final = "telemetry_process"
+LOCATION_EMBEDDED: Final = "embedded"
+LOCATION_EMBEDDED_FALLBACK: Final = "embedded_fallback"
 QUEUE_SIZE = (
     "otel_hicache.queue.size",
     "{record}",
@@ -246,9 +256,11 @@ DROP_INVALID_INPUT: Final = "invalid_input"
 DROP_SHUTDOWN: Final = "shutdown"
 DROP_INTERNAL_ERROR: Final = "internal_error"
 DROP_TELEMETRY_PROCESS_LOST: Final = "telemetry_process_lost"  # written to a telemetry process that died
+DROP_MALFORMED_FRAME: Final = "malformed_frame"  # a frame in the telemetry process's input not the capture's
 FAIL_EVENT_ERROR: Final = "event_error"
 FAIL_TRANSFER_TIMEOUT: Final = "transfer_timeout"
-DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR, DROP_TELEMETRY_PROCESS_LOST)
+DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR, DROP_TELEMETRY_PROCESS_LOST,
+                DROP_MALFORMED_FRAME)
 FAIL_REASONS = (FAIL_EVENT_ERROR, FAIL_TRANSFER_TIMEOUT)
 
 # otel_hicache.spans: decision and reason (see otel_hicache.span_sampling)

@@ -50,7 +50,8 @@ class Received:
             for req in reversed(self.metrics):
                 points = [p for rm in req.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
                           if m.name == name
-                          for p in (m.sum.data_points if m.HasField("sum") else m.histogram.data_points)]
+                          for p in (m.sum.data_points if m.HasField("sum") else m.gauge.data_points
+                                    if m.HasField("gauge") else m.histogram.data_points)]
                 if points:
                     return points
         return []

@@ -74,7 +74,7 @@ def semconv_attributes() -> dict[str, str]:
 def test_semconv_is_what_this_test_expects():
     metrics = semconv_metrics()
     assert {"TRANSFER_DURATION", "TRANSFER_BYTES", "RECORDS_DROPPED", "RECORDS_FAILED", "QUEUE_SIZE"} <= set(metrics)
-    assert len(metrics) == 25
+    assert len(metrics) == 26
     assert not any(spec[0].startswith("otel.sdk.") for spec in metrics.values())  # the SDK's, not ours
     attrs = semconv_attributes()
     assert attrs["DIRECTION"] == "hicache.direction" and attrs["ERROR_TYPE"] == "error.type"
@@ -166,7 +166,7 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
     from otel_hicache.sinks.self_metrics import TelemetryCpu
     process_reader = InMemoryMetricReader()
     process_provider = MeterProvider(metric_readers=[process_reader], shutdown_on_exit=False)
-    TelemetryCpu(process_provider, STATIC, in_process=False)
+    TelemetryCpu(process_provider, STATIC, "telemetry_process")
     monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")
     pool = h.tel.host_pool(1024, 64)  # the load-back reads what the offload wrote, and a page it did not
     for direction, slots in (("offload", range(128)), ("onboard", range(192))):

@@ -21,6 +21,7 @@ from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, T
 from otel_hicache import semconv as sc
 from otel_hicache.record import DEVICE_EVENT, DIRECT, MERGED_OP, OP, OP_FIELDS, context_tuple
 from otel_hicache.sinks.consumer import Op
+from otel_hicache.capture.attributes import call_attributes, limits
 from otel_hicache.sinks.spans import SpanBuilder, span_attributes
 from otel_hicache.version import __version__
 
@@ -149,10 +150,25 @@ def test_span_attributes_static_first_then_the_measured_ones():
 
 def test_per_call_attributes_are_kept_only_when_otel_can_carry_them():
     extra = {"ok": 1, "f": 1.5, "b": True, "s": "x", "t": ("a", "b"), "l": [1, 2], "": "empty key", 5: "int key",
-             "none": None, "d": {"x": 1}, "with_none": ["a", None], "obj": object(), "nested": [[1]]}
-    attrs = span_attributes(record(attributes=extra), {})
-    assert [(k, v) for k, v in attrs.items() if not k.startswith("hicache.")] == [
-        ("ok", 1), ("f", 1.5), ("b", True), ("s", "x"), ("t", ("a", "b")), ("l", [1, 2])]
+             "none": None, "d": {"x": 1}, "with_none": ["a", None], "obj": object(), "nested": [[1]],
+             "surrogate": "a\ud800", "big": 2**64}
+    assert call_attributes(extra, 128, None) == {"ok": 1, "f": 1.5, "b": True, "s": "x", "t": ("a", "b"),
+                                                 "l": [1, 2]}
+    assert call_attributes(["not", "a", "mapping"], 128, None) is None
+
+
+def test_per_call_attributes_obey_the_sdks_limits_before_they_are_queued(monkeypatch):
+    """OTEL_SPAN_ATTRIBUTE_* over OTEL_ATTRIBUTE_*, as the SDK reads them; the SDK's defaults."""
+    for name in ("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_COUNT_LIMIT",
+                 "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"):
+        monkeypatch.delenv(name, raising=False)
+    assert limits() == (128, None)
+    monkeypatch.setenv("OTEL_ATTRIBUTE_COUNT_LIMIT", "5")
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "9")
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "2")
+    assert limits() == (2, 9)
+    big = {"a": "x" * 200_000, "b": ["y" * 20, 3], "c": "kept out"}
+    assert call_attributes(big, *limits()) == {"a": "x" * 9, "b": ["y" * 9, 3]}
 
 
 def test_a_per_call_attribute_overrides_a_static_one_never_a_measured_one():

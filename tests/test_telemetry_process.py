@@ -247,6 +247,8 @@ def test_no_telemetry_process_means_embedded_sinks_warned_once(monkeypatch, rece
     assert len([s for _, s in receiver.received.spans() if s.name == "hicache.offload"]) == 50
     fallbacks = [r for r in warnings_log.records if "the sinks run embedded" in r.getMessage()]
     assert len(fallbacks) == 1 and "cannot start it" in fallbacks[0].getMessage()
+    where = [attributes(p.attributes) for p in receiver.received.last_points("otel_hicache.sinks")]
+    assert [a["location"] for a in where] == ["embedded_fallback"], where  # visible, not only in a log line
 
 
 def test_a_telemetry_process_that_keeps_dying_gives_way_to_embedded_sinks(monkeypatch, receiver, warnings_log):
@@ -258,7 +260,11 @@ def test_a_telemetry_process_that_keeps_dying_gives_way_to_embedded_sinks(monkey
     for key, value in _env(receiver).items():
         if key.startswith("OTEL_"):
             monkeypatch.setenv(key, value)
-    monkeypatch.setattr(channel_module, "telemetry_process_command", lambda: [sys.executable, "-c", "pass"])
+    # ready (its hello answered), then it ends at the first byte after that
+    # (unbuffered reads: it takes from the pipe only the hello, then one byte)
+    dies = ("import os; n = int.from_bytes(os.read(0, 4), 'little'); os.read(0, n); "
+            "os.write(1, b'hello\\n'); os.read(0, 1)")
+    monkeypatch.setattr(channel_module, "telemetry_process_command", lambda: [sys.executable, "-c", dies])
     configuration._configured = None  # pylint: disable=protected-access
     import otel_hicache
 
@@ -280,3 +286,32 @@ def test_a_telemetry_process_that_keeps_dying_gives_way_to_embedded_sinks(monkey
     lost = _dropped(receiver, "telemetry_process_lost")
     assert spans + lost == 400 and spans > 0, (spans, lost)
     assert any("it ended 3 times" in r.getMessage() for r in warnings_log.records)
+
+
+def test_a_telemetry_process_that_cannot_run_here_falls_back_at_once(monkeypatch, receiver, warnings_log):
+    """One that ends before it is ready (an interpreter that is no Python, a path without otel-hicache):
+    one warning, embedded from the first death on, every op exported or counted."""
+    from otel_hicache import configuration
+    from otel_hicache.capture import channel as channel_module
+
+    for key, value in _env(receiver).items():
+        if key.startswith("OTEL_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.setattr(channel_module, "telemetry_process_command", lambda: [sys.executable, "-c", "pass"])
+    configuration._configured = None  # pylint: disable=protected-access
+    import otel_hicache
+
+    otel_hicache.configure()
+    tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
+    try:
+        for _ in range(100):
+            now = time.time_ns()
+            tel.submit("offload", {"kv": 64}, BYTES, 64, expect_ack=False, host_start_ns=now - 1000, host_end_ns=now)
+        assert tel.force_flush(10)
+    finally:
+        tel.shutdown()
+        configuration.shutdown(2.0)
+    spans = len([s for _, s in receiver.received.spans() if s.name == "hicache.offload"])
+    assert spans + _dropped(receiver, "telemetry_process_lost") == 100
+    ours = [r.getMessage() for r in warnings_log.records if "telemetry process" in r.getMessage()]
+    assert len(ours) == 1 and "ended before it was ready" in ours[0], ours

@@ -86,10 +86,11 @@ class CacheEvents:
         return sum(value for key, value in list(self._totals[kind].items())
                    if all(dict(key).get(k) == v for k, v in attributes.items()))
 
-    def changed(self) -> dict[str, dict[tuple[tuple[str, Any], ...], int]] | None:
-        """A copy of the totals when they changed since the last call, else None (the poller's state)."""
+    def changed(self) -> dict[str, list[tuple[tuple[tuple[str, Any], ...], int]]] | None:
+        """The totals, ``{kind: [(attribute pairs, total), ...]}`` (pairs: no dict key in a
+        message), when they changed since the last call, else None (the poller's state)."""
         snapshot = {kind: dict(totals) for kind, totals in list(self._totals.items())}
         if snapshot == self._sent:
             return None
         self._sent = snapshot
-        return snapshot
+        return {kind: list(totals.items()) for kind, totals in snapshot.items()}

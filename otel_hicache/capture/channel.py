@@ -1,7 +1,7 @@
 """The channel from the poller to a telemetry process of its own.
 
-The poller hands each cycle's batch (:mod:`otel_hicache.record`) over, pickled at once, and
-sends what waits every so often (:meth:`ProcessChannel.send`), several batches a frame, to
+The poller hands each cycle's batch (:mod:`otel_hicache.record`) over, encoded at once as a
+frame, and sends what waits every so often (:meth:`ProcessChannel.send`), several frames a write, to
 the standard input of ``python -m otel_hicache.sinks.process``, started with this
 interpreter and environment at the first one. The pipe is non-blocking: what it cannot take
 now waits here, bounded by ``max_ops`` op records, beyond which the oldest batches' ops (and
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import json
 import os
-import pickle
 import select
 import struct
 import subprocess
@@ -37,7 +37,10 @@ from ..diagnostics import logger, warn_once
 
 MAX_RESTARTS = 3
 _ANSWERS_INTERVAL_NS = 100_000_000
-_FRAME_BYTES = 1 << 20  # batches joined into one frame, up to about this size
+_WRITE_BYTES = 1 << 20  # frames joined into one write, up to about this size
+MAX_BACKLOG_BYTES = 32 << 20
+"""The most the frames waiting for the pipe may hold: past it the oldest lose their ops (as past
+``max_ops``), then every state message but the newest, then their acks and host frees."""
 _PIPE_SIZE = 1 << 20  # F_SETPIPE_SZ: the most an unprivileged process may ask for by default
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
@@ -46,8 +49,33 @@ def _nonblocking(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
 
 
+# -I: neither the working directory nor PYTHONPATH (an auto-instrumentation's sitecustomize among
+# them) nor the user's site directory; the path comes from the serving process, as an argument
+_START = ("import json,sys; sys.path[:0] = json.loads(sys.argv[1]); "
+          "from otel_hicache.sinks.process import main; sys.exit(main())")
+_AUTO_INSTRUMENTATION = os.path.join("opentelemetry", "instrumentation", "auto_instrumentation")
+
+
 def telemetry_process_command() -> list[str]:
-    return [sys.executable, "-m", "otel_hicache.sinks.process"]
+    """This interpreter, isolated, on this process's path less its working directory and the
+    auto-instrumentation's directory, with otel-hicache's own location first."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # (deleted meanwhile)
+        cwd = ""
+    own = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = [own]
+    for entry in sys.path:
+        full = os.path.abspath(entry) if entry else cwd
+        if full != cwd and not full.rstrip(os.sep).endswith(_AUTO_INSTRUMENTATION) and full not in path:
+            path.append(full)
+    return [sys.executable, "-I", "-c", _START, json.dumps(path)]
+
+
+def telemetry_process_environment() -> dict[str, str]:
+    """This process's environment (the same OTEL_* configuration) less what would load code into
+    the telemetry process were it not isolated."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
 
 
 class ProcessChannel:
@@ -70,11 +98,12 @@ class ProcessChannel:
 
     def _reset(self) -> None:
         self.process: subprocess.Popen[bytes] | None = None
-        self._backlog: deque[list[Any]] = deque()  # [pickled batch, ops] not written yet
+        self._backlog: deque[list[Any]] = deque()  # [frame, ops] not written yet
         self._backlog_ops = 0
-        self._partial: memoryview | None = None  # the rest of the frame being written
-        self._partial_batches: list[list[Any]] = []  # the backlog entries in it
-        self._partial_frame = b""
+        self._backlog_bytes = 0
+        self._partial: memoryview | None = None  # the rest of the write under way
+        self._partial_batches: deque[list[Any]] = deque()  # its frames not wholly written yet
+        self._partial_end = 0  # where the first of them ends, in _written_bytes
         self._hello_entry: list[Any] | None = None
         self._written_bytes = 0  # to this process, in all
         self._written_ops = 0
@@ -83,11 +112,12 @@ class ProcessChannel:
         self._replies = b""
         self._last_read = 0
         self._answered = False  # it said it read its hello
-        self._hello_lost = 0
+        self._hello_lost = 0  # the loss its hello reported, kept until it said it exported it
+        self._reported = False
 
     # -- the poller's side ---------------------------------------------------------
     def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
-        """Queue ``batch`` (``ops`` of its messages are OP ones), pickled now; :meth:`send` writes it."""
+        """Queue ``batch`` (``ops`` of its messages are OP ones), encoded now; :meth:`send` writes it."""
         with self._lock:
             if self._embedded is not None:
                 self._embedded.write(batch, ops)
@@ -95,9 +125,12 @@ class ProcessChannel:
             if self._stopped:  # (a write racing stop(): no new telemetry process for it)
                 return
             self._pools.extend(m for m in batch if m[0] == rec.POOL)
-            self._backlog.append([self._pickled(batch), ops])
+            frame = self._encoded(batch)
+            self._backlog.append([frame, ops])
             self._backlog_ops += ops
-            self._trim()
+            self._backlog_bytes += len(frame)  # (an estimate: never lowered by writes, made exact in _trim)
+            if self._backlog_ops > self._max_ops or self._backlog_bytes > MAX_BACKLOG_BYTES:
+                self._trim()
 
     def send(self) -> None:
         """Write what waits, as far as the pipe takes it now (the poller, at most every write
@@ -121,7 +154,7 @@ class ProcessChannel:
                     return bool(self._embedded.flush(max(0.0, deadline - time.monotonic())))
                 if self._deaths != deaths and token in self._asked:  # it may have died with the question
                     deaths = self._deaths
-                    self._backlog.append([self._pickled([(rec.FLUSH, token)]), 0])
+                    self._backlog.append([self._encoded([(rec.FLUSH, token)]), 0])
                 self._pump(answers=True)
                 if token in self._flushed:
                     return self._flushed.pop(token)
@@ -152,7 +185,7 @@ class ProcessChannel:
             process = self.process
             if process is None:
                 return True
-            self._backlog.append([self._pickled([(rec.STOP, timeout_s if export_s is None else export_s)]), 0])
+            self._backlog.append([self._encoded([(rec.STOP, timeout_s if export_s is None else export_s)]), 0])
             while (self._backlog or self._partial is not None) and time.monotonic() < deadline:
                 self._pump()
                 if self.process is None:  # it ended meanwhile: no successor after stop(), nothing to wait for
@@ -200,10 +233,10 @@ class ProcessChannel:
 
     # -- the telemetry process -------------------------------------------------------
     def _start(self) -> bool:
-        env = dict(os.environ)
         try:
             process = subprocess.Popen(telemetry_process_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       env=env, close_fds=True, start_new_session=True)
+                                       env=telemetry_process_environment(), close_fds=True,
+                                       start_new_session=True)
         except OSError as exc:
             self._give_up(f"cannot start it ({exc!r})")
             return False
@@ -216,8 +249,8 @@ class ProcessChannel:
         _nonblocking(process.stdout.fileno())
         self.process = process
         hello = dict(self._hello, lost=self._lost, pools=list(self._pools))
-        self._hello_lost, self._lost = self._lost, 0  # its to report, once it said it read the hello
-        self._hello_entry = [pickle.dumps(hello, protocol=pickle.HIGHEST_PROTOCOL), 0]
+        self._hello_lost, self._lost = self._lost, 0  # its to report; ours again if it dies before it exported it
+        self._hello_entry = [rec.encode(hello), 0]
         self._backlog.appendleft(self._hello_entry)  # before what waited
         return True
 
@@ -230,8 +263,7 @@ class ProcessChannel:
                                                     b"\0\0\0\0"))[0]
         except (AttributeError, OSError, ValueError):  # cannot tell: the ops it did not say it took in
             return max(0, self._written_ops - self._taken)
-        read = self._written_bytes - unread - (len(self._partial_frame) - len(self._partial)
-                                               if self._partial is not None else 0)
+        read = self._written_bytes - unread
         return sum(ops for end, ops in self._frames if end > read)
 
     def _died(self) -> None:
@@ -240,7 +272,7 @@ class ProcessChannel:
         process = self.process
         self._read_replies(ended=True)  # what it answered before it ended is still in the pipe
         lost = self._unread()
-        self._lost += lost + (0 if self._answered else self._hello_lost)  # (a hello it never read: again)
+        self._lost += lost + (0 if self._reported else self._hello_lost)
         self._deaths += 1
         if process is not None:
             try:
@@ -257,18 +289,22 @@ class ProcessChannel:
                     pass
         else:
             code = None
-        warn_once(f"telemetry_process:died:{self._deaths}", "otel-hicache: the telemetry process ended (exit code "
-                  "%s) with %d transfers written to it that it never read; they are counted in "
-                  "otel_hicache.records.dropped{reason=telemetry_process_lost}", code, lost)
+        ready = self._answered
+        if ready:  # (one that never said hello gets the one warning of the fallback below)
+            warn_once(f"telemetry_process:died:{self._deaths}", "otel-hicache: the telemetry process ended (exit "
+                      "code %s) with %d transfers written to it that it never read; they are counted in "
+                      "otel_hicache.records.dropped{reason=telemetry_process_lost}", code, lost)
         # a frame cut short goes again, whole, but for the dead one's hello
-        cut = [e for e in self._partial_batches if e is not self._hello_entry] if self._partial is not None else []
+        cut = [e for e in self._partial_batches if e is not self._hello_entry]
         backlog, ops = self._backlog, self._backlog_ops + sum(entry[1] for entry in cut)
         if backlog and backlog[0] is self._hello_entry:
             backlog.popleft()
         self._reset()
         backlog.extendleft(reversed(cut))
         self._backlog, self._backlog_ops = backlog, ops
-        if self._deaths >= MAX_RESTARTS:
+        if not ready:  # it cannot run here (the interpreter, the path): another would not either
+            self._give_up(f"it ended before it was ready (exit code {code}), {self._lost} transfers written to it")
+        elif self._deaths >= MAX_RESTARTS:
             self._give_up(f"it ended {self._deaths} times")
 
     def _give_up(self, why: str) -> None:
@@ -281,7 +317,7 @@ class ProcessChannel:
         embedded.write(list(self._pools) + ([(rec.DROPPED, sc.DROP_TELEMETRY_PROCESS_LOST, lost)] if lost else []),
                        0)
         for data, ops in self._backlog:
-            batch = pickle.loads(data)
+            batch = rec.decode(data[rec.FRAME_HEADER.size:])
             if type(batch) is list:  # (not a hello)
                 embedded.write(batch, ops)
         self._backlog.clear()
@@ -299,15 +335,15 @@ class ProcessChannel:
             if self._partial is None:
                 if not self._backlog:
                     break
-                self._partial_batches = entries = []
+                self._partial_batches = entries = deque()
                 size = 0
-                while self._backlog and size < _FRAME_BYTES:
+                while self._backlog and size < _WRITE_BYTES:
                     entry = self._backlog.popleft()
                     self._backlog_ops -= entry[1]
                     entries.append(entry)
                     size += len(entry[0])
-                self._partial_frame = b"".join([rec.FRAME_HEADER.pack(size), *(e[0] for e in entries)])
-                self._partial = memoryview(self._partial_frame)
+                self._partial = memoryview(b"".join(e[0] for e in entries))
+                self._partial_end = self._written_bytes + len(entries[0][0])
             try:
                 written = os.write(self.process.stdin.fileno(), self._partial)  # type: ignore[union-attr]
             except BlockingIOError:
@@ -317,36 +353,40 @@ class ProcessChannel:
                 continue
             self._partial = self._partial[written:]
             self._written_bytes += written
-            if not self._partial:
-                ops = sum(entry[1] for entry in self._partial_batches)
+            entries = self._partial_batches
+            while entries and self._partial_end <= self._written_bytes:  # frames now wholly in the pipe
+                ops = entries.popleft()[1]
                 self._written_ops += ops
-                self._frames.append((self._written_bytes, ops))
-                while self._frames and self._frames[0][0] <= self._written_bytes - _PIPE_SIZE:
-                    self._frames.popleft()  # read for sure: the pipe holds no more than its size
-                self._partial, self._partial_batches = None, []
+                self._frames.append((self._partial_end, ops))
+                if entries:
+                    self._partial_end += len(entries[0][0])
+            while self._frames and self._frames[0][0] <= self._written_bytes - _PIPE_SIZE:
+                self._frames.popleft()  # read for sure: the pipe holds no more than its size
+            if not self._partial:
+                self._partial = None
         now = time.monotonic_ns()
         if answers or now - self._last_read >= _ANSWERS_INTERVAL_NS:
             self._last_read = now
             self._read_replies()
 
     def _partial_ops(self) -> int:
-        return sum(entry[1] for entry in self._partial_batches) if self._partial is not None else 0
+        return sum(entry[1] for entry in self._partial_batches)
 
     @staticmethod
-    def _pickled(batch: Any) -> bytes:
+    def _encoded(batch: Any) -> bytes:
         try:
-            return pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # one message that does not pickle (a caller's attribute): the others go
+            return rec.encode(batch)
+        except Exception:  # one message that does not encode (a caller's attribute): the others go
             kept = []
             for message in batch:
                 try:
-                    pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+                    rec.encode(message)
                     kept.append(message)
                 except Exception as exc:
-                    warn_once(f"pickle:{type(exc).__name__}", "otel-hicache: a transfer record could not be "
+                    warn_once(f"encode:{type(exc).__name__}", "otel-hicache: a transfer record could not be "
                               "sent to the telemetry process (%r); counted as internal_error", exc)
                     kept.append((rec.DROPPED, sc.DROP_INTERNAL_ERROR, 1 if message[0] == rec.OP else 0))
-            return pickle.dumps(kept, protocol=pickle.HIGHEST_PROTOCOL)
+            return rec.encode(kept)
 
     def _read_replies(self, ended: bool = False) -> None:
         process = self.process
@@ -369,31 +409,72 @@ class ProcessChannel:
                 self._answered = True
             elif parts == [b"hello"]:
                 self._answered = True
+            elif parts == [b"reported"]:  # the loss its hello carried left in an export
+                self._reported = True
             elif len(parts) == 3 and parts[0] == b"flushed" and int(parts[1]) in self._asked:
                 self._asked.discard(int(parts[1]))  # (asked twice: the second answer is not kept)
                 self._flushed[int(parts[1])] = parts[2] == b"1"
 
     def _trim(self) -> None:
-        """Beyond ``max_ops`` waiting ops, the oldest waiting batches lose their ops and host pages
-        (counted); their other messages (acks, frees, counts, state) are small and kept."""
+        """Past ``max_ops`` waiting ops or ``MAX_BACKLOG_BYTES``, the oldest waiting frames lose their
+        ops and host pages (counted as ``queue_full``); past the bytes still, every state message but
+        the newest (each replaces the one before) and the drop counts (summed into one), then the
+        oldest acks and host frees (warned once: their ops' spans end unacked, and host residence
+        may miscount those pages). Pool messages always stay."""
+        self._backlog_bytes = sum(len(entry[0]) for entry in self._backlog)
         excess = self._backlog_ops - self._max_ops
-        if excess <= 0:
-            return
         dropped = 0
         for entry in self._backlog:
-            if excess <= 0:
+            if excess <= 0 and self._backlog_bytes <= MAX_BACKLOG_BYTES:
                 break
-            data, ops = entry
-            if not ops:
-                continue
-            kept = [m for m in pickle.loads(data) if m[0] not in (rec.OP, rec.HOST)]
-            entry[0], entry[1] = pickle.dumps(kept, protocol=pickle.HIGHEST_PROTOCOL), 0
-            dropped += ops
-            excess -= ops
+            if entry[1]:
+                excess -= entry[1]
+                dropped += entry[1]
+                self._rewrite(entry, lambda m: m[0] not in (rec.OP, rec.HOST))
         self._backlog_ops -= dropped
-        self._backlog.append([pickle.dumps([(rec.DROPPED, sc.DROP_QUEUE_FULL, dropped)]), 0])
-        warn_once("channel_full", "otel-hicache: the telemetry process is not keeping up; dropping transfer "
-                  "records, counted in otel_hicache.records.dropped{reason=queue_full}")
+        if self._backlog_bytes > MAX_BACKLOG_BYTES:
+            counts: dict[str, int] = {}
+            state: list[Any] = []
+            for entry in self._backlog:
+                for m in self._messages(entry):
+                    if m[0] == rec.DROPPED:
+                        counts[m[1]] = counts.get(m[1], 0) + m[2]
+                    elif m[0] == rec.STATE:
+                        state = m
+                self._rewrite(entry, lambda m: m[0] not in (rec.STATE, rec.DROPPED))
+            summary = [[rec.DROPPED, r, n] for r, n in counts.items()] + ([state] if state else [])
+            if summary:
+                self._backlog.append([rec.encode(summary), 0])
+                self._backlog_bytes += len(self._backlog[-1][0])
+        for entry in self._backlog:
+            if self._backlog_bytes <= MAX_BACKLOG_BYTES:
+                break
+            self._rewrite(entry, lambda m: m[0] not in (rec.ACK, rec.FREE))
+            warn_once("channel_full_bytes", "otel-hicache: the telemetry process is not keeping up and the "
+                      "messages waiting for it passed %d bytes; dropping the oldest acks and host frees",
+                      MAX_BACKLOG_BYTES)
+        if dropped:
+            self._backlog.append([rec.encode([(rec.DROPPED, sc.DROP_QUEUE_FULL, dropped)]), 0])
+            warn_once("channel_full", "otel-hicache: the telemetry process is not keeping up; dropping transfer "
+                      "records, counted in otel_hicache.records.dropped{reason=queue_full}")
+
+    @staticmethod
+    def _messages(entry: list[Any]) -> list[Any]:
+        batch = rec.decode(entry[0][rec.FRAME_HEADER.size:])
+        return batch if type(batch) is list else []  # (the hello stays as it is)
+
+    def _rewrite(self, entry: list[Any], keep: Callable[[Any], bool]) -> None:
+        """A waiting frame with only the messages ``keep`` says (its ops count then 0 if it dropped them)."""
+        batch = rec.decode(entry[0][rec.FRAME_HEADER.size:])
+        if type(batch) is not list:
+            return
+        kept = [m for m in batch if keep(m)]
+        if len(kept) != len(batch):
+            data = rec.encode(kept)
+            self._backlog_bytes += len(data) - len(entry[0])
+            entry[0] = data
+            if not any(m[0] == rec.OP for m in kept):
+                entry[1] = 0
 
     def _close_input(self) -> None:
         process = self.process

@@ -41,6 +41,7 @@ from ..diagnostics import logger, warn_once
 from ..environment_variables import DEFAULTS
 from ..settings import env_float, env_int
 from . import fork, request_links
+from .attributes import call_attributes, limits
 from .clock import EventTimeline, WallClockAnchor
 from .device import anchor_factory_for
 from .records import DIRECTIONS, S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
@@ -201,6 +202,7 @@ class Poller:
         self.channel: Any = None
         self._open_lock = threading.Lock()
         self._out: list[tuple[Any, ...]] = []  # this cycle's messages
+        self._attribute_limits = limits()  # (count, value length): the SDK's, read once
         self._ops_out = 0
         self._drops: dict[str, int] = {}
         self._state_sent: tuple[Any, ...] | None = None
@@ -681,7 +683,7 @@ class Poller:
         try:
             if callable(slots):
                 slots = slots()
-            self._out.append((rec.HOST, record.seq, pool.pool_id, record.direction, rec.slot_bytes(slots),
+            self._out.append((rec.HOST, record.seq, pool.pool_id, record.direction, rec.slot_text(slots),
                               record.submit_ns, record.cause, record.num_bytes))
         except Exception as exc:  # the op is still reported; its pages are not tracked
             warn_once(f"host_pages:{type(exc).__name__}", "otel-hicache: cannot track an op's host pages (%r)", exc)
@@ -689,7 +691,7 @@ class Poller:
     def _host_freed(self, item: HostFree) -> None:
         try:
             slots = item.slots() if callable(item.slots) else item.slots
-            self._out.append((rec.FREE, item.pool_id, rec.slot_bytes(slots)))
+            self._out.append((rec.FREE, item.pool_id, rec.slot_text(slots)))
         except Exception as exc:
             warn_once(f"host_freed:{type(exc).__name__}", "otel-hicache: cannot track freed host pages (%r)", exc)
 
@@ -731,10 +733,12 @@ class Poller:
         if parent is not None:
             parent = rec.context_tuple(trace.get_current_span(parent).get_span_context())
         attributes = record.attributes
+        if attributes:
+            attributes = call_attributes(attributes, *self._attribute_limits)
         self._out.append((
             rec.OP, record.seq, record.direction, record.origin, record.cause, record.cause_parts, record.tokens,
             record.blocks, record.pool_names, record.pool_tokens, record.num_bytes, record.page_size,
-            record.io_backend, dict(attributes) if attributes else None, record.timing_source, record.placement,
+            record.io_backend, attributes or None, record.timing_source, record.placement,
             record.start_ns, record.end_ns, record.duration_ns, record.queue_wait_ns, record.error,
             record.submit_ns, record.handle[S_ACK_NS], record.expect_ack, parent, record.request_links,
             record.request_links_dropped))

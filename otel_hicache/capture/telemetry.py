@@ -20,9 +20,9 @@ from opentelemetry import context as otel_context
 from .. import configuration
 from .. import environment_variables as ev
 from ..diagnostics import warn_once
-from ..record import encodes
 from ..settings import env_bool, env_float, sdk_disabled
 from . import fork
+from .attributes import static_attributes
 from .cache_events import CacheEvents
 from .device import current_device, timing_event_pair
 from .poller import HostFree, HostPoolRef, PipelineSettings, Poller
@@ -35,32 +35,6 @@ _get_current_context = otel_context.get_current
 # below any queue length, so the capacity check every submit makes anyway sends that one call
 # to _first_in_child (no check of its own on the hot path).
 _OPEN_FIRST = -1
-
-
-def _valid_value(value: Any) -> bool:
-    """An attribute value OTLP can encode: a str, bool, int64 or float, or a sequence of them."""
-    if isinstance(value, (tuple, list)):
-        return all(_valid_value(v) and not isinstance(v, (tuple, list)) for v in value)
-    if isinstance(value, str):
-        return encodes(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return -INT64_MAX - 1 <= value <= INT64_MAX
-    return isinstance(value, (bool, float))
-
-
-def _static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
-    static: dict[str, Any] = {}
-    for key, value in (attributes or {}).items():
-        if isinstance(key, str) and key and _valid_value(value):
-            static[key] = tuple(value) if isinstance(value, list) else value
-        else:
-            warn_once(
-                f"static:{key!r}",
-                "otel-hicache: static attribute %r=%r is not a string/bool/int/float (or a list of them); ignored",
-                key,
-                value,
-            )
-    return static
 
 
 def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
@@ -98,7 +72,7 @@ class TransferTelemetry:
         clock: Callable[[], int] | None = None,
         anchor_event_factory: Callable[[], Any] | None = None,
     ) -> None:
-        self._static = _static_attributes(attributes)
+        self._static = static_attributes(attributes)
         self._strict = env_bool(ev.OTEL_HICACHE_STRICT)
         self._clock = clock or time.time_ns
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)

@@ -13,19 +13,19 @@ from ..version import __version__
 
 
 class CacheEventCounters:
-    """``totals``: ``{kind: {attribute pairs: total}}``, replaced whole by each state that carries them."""
+    """``totals``: ``{kind: [(attribute pairs, total), ...]}``, replaced whole by each state that carries them."""
 
     def __init__(self, meter_provider: Any, static: Mapping[str, Any]) -> None:
         from opentelemetry.metrics import Observation
 
-        self.totals: Mapping[str, Mapping[tuple[tuple[str, Any], ...], int]] = {
-            kind: dict.fromkeys(keys, 0) for kind, keys in sc.cache_event_zero_series().items()}
+        self.totals: Mapping[str, Any] = {
+            kind: [(key, 0) for key in keys] for kind, keys in sc.cache_event_zero_series().items()}
         attrs = dict(static)
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
 
         def callback_for(kind: str) -> Any:
             def observe(_options: Any) -> list[Any]:
-                return [Observation(value, {**attrs, **dict(key)}) for key, value in self.totals.get(kind, {}).items()]
+                return [Observation(value, {**attrs, **dict(key)}) for key, value in self.totals.get(kind, ())]
 
             return observe
 

@@ -11,6 +11,7 @@ in the telemetry process (:mod:`.process`) or, embedded, on the poller thread
 
 from __future__ import annotations
 
+import base64
 import time
 from array import array
 from typing import Any, Callable, Mapping
@@ -62,8 +63,9 @@ def span_context(values: tuple[Any, ...]) -> SpanContext:
                        trace_state=TraceState(list(state)) if state else None)
 
 
-def _slots(data: bytes) -> Any:
-    """``record.slot_bytes()`` back as slot indices: a list for a small op, else a NumPy array."""
+def _slots(text: str) -> Any:
+    """``record.slot_text()`` back as slot indices: a list for a small op, else a NumPy array."""
+    data = base64.b64decode(text, validate=True)
     if len(data) <= 8 * SMALL_OP_SLOTS:
         slots = array("q")
         slots.frombytes(data)
@@ -82,13 +84,16 @@ class Consumer:
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns) -> None:
-        static = dict(hello.get("attributes") or {})
+        # (a list arrives for a tuple: metric points need hashable attribute values)
+        static = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
         self.metrics = TransferMetrics(meter_provider, static, clock)  # (the ages: on the capture's clock)
         sampling = hello.get("span_sampling")
         settings = SpanSamplingSettings(*sampling) if sampling else SpanSamplingSettings.from_environment()
         self.spans = SpanBuilder(tracer_provider, static, settings.policy(static), self.metrics.span_decision)
         self.log = TransferLog()
-        self.cpu = TelemetryCpu(meter_provider, static, in_process=bool(hello.get("embedded")))
+        location = (sc.LOCATION_EMBEDDED_FALLBACK if hello.get("fallback") else
+                    sc.LOCATION_EMBEDDED if hello.get("embedded") else sc.LOCATION_TELEMETRY_PROCESS)
+        self.cpu = TelemetryCpu(meter_provider, static, location)
         self.cache_events = CacheEventCounters(meter_provider, static)
         LinkCapacity(static, hello.get("device")).bind(meter_provider)
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}

@@ -28,6 +28,9 @@ from ..record import DIRECT, DIRECTIONS, INT64_MAX, MERGED_OP, ORIGINS, TIERS
 from ..version import __version__
 
 
+SERIES_CAP = 2000
+"""Series of one kind whose attributes come from a caller (pool names, I/O backends) kept apart at
+most; the SDK's default cardinality limit per metric."""
 _NO_EXEMPLAR = None
 """The context of a histogram value no exemplar should carry: none (the current one would be the
 consumer's, which is no op's)."""
@@ -100,6 +103,7 @@ class TransferMetrics(TransferInstruments):
         self._by_pool: dict[tuple[str, str, str, str], dict[str, Any]] = {}  # ... and pool
         self._by_duration: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self._by_reason: dict[str, dict[str, Any]] = {}
+        self._overflow_attrs = self._attrs({"otel.metric.overflow": True})
         self._by_span_decision: dict[tuple[str, str], dict[str, Any]] = {
             key: self._attrs({sc.DECISION: key[0], sc.REASON: key[1]}) for key in sc.SPAN_DECISION_SERIES
         }
@@ -137,15 +141,26 @@ class TransferMetrics(TransferInstruments):
         key = (direction, origin, cause, pool)
         attrs = self._by_pool.get(key)
         if attrs is None:
+            if len(self._by_pool) >= SERIES_CAP:
+                return self._overflow(sc.POOL)
             attrs = self._by_pool[key] = self._attrs(
                 {sc.DIRECTION: direction, sc.ORIGIN: origin, sc.CAUSE: cause, sc.POOL: pool})
         return attrs
+
+    def _overflow(self, attribute: str) -> dict[str, Any]:
+        """Past ``SERIES_CAP`` series of a kind, the rest go to one overflow series, as the SDK's
+        own cardinality limit does: the counts stay exact in sum, the per-series state bounded."""
+        warn_once(f"cardinality:{attribute}", "otel-hicache: more than %d series by %s (values a caller passes); "
+                  "the rest are reported as one series with otel.metric.overflow=true", SERIES_CAP, attribute)
+        return self._overflow_attrs
 
     def _duration_attrs(self, record: Any) -> dict[str, Any]:
         io_backend = self._default_io_backend if record.io_backend is None else str(record.io_backend)
         key = (record.direction, record.origin, io_backend, record.timing_source, record.cause)
         attrs = self._by_duration.get(key)
         if attrs is None:
+            if len(self._by_duration) >= SERIES_CAP:
+                return self._overflow(sc.IO_BACKEND)
             src, dst = TIERS[record.direction]
             attrs = self._by_duration[key] = self._attrs(
                 {

@@ -1,7 +1,8 @@
-"""The telemetry process: ``python -m otel_hicache.sinks.process``, one per serving process.
+"""The telemetry process, one per serving process.
 
 Started by the capture's channel (:mod:`otel_hicache.capture.channel`) with the serving
-process's interpreter and environment. Its first frame (the hello) carries the serving
+process's interpreter, isolated (``-I``), and environment. Frames are JSON (:mod:`..record`):
+one that is not the capture's is counted and skipped. Its first frame (the hello) carries the serving
 process's resource, so both processes' telemetry joins; its providers are built from the
 same ``OTEL_*`` variables (:mod:`.providers`). Then each frame is a batch for the consumer;
 a ``FLUSH`` is answered once what came before it is exported. At the end of its input
@@ -13,10 +14,8 @@ ends it by closing its input, after its own last records).
 
 from __future__ import annotations
 
-import io
 import logging
 import os
-import pickle
 import select
 import signal
 import sys
@@ -25,13 +24,16 @@ from typing import Any
 
 from .. import environment_variables as ev
 from .. import record as rec
-from ..diagnostics import logger, mark_warned
+from .. import semconv as sc
+from ..diagnostics import logger, mark_warned, warn_once
 from ..settings import env_float
 
 NICENESS = 10  # below the serving process: export waits, serving does not
 _TAKEN_EVERY_S = 0.05  # how often at most the count of ops taken in is sent back
 _PARENT_CHECK_S = 1.0  # an idle read looks this often whether the serving process is still there
 _IDLE_S = 0.05  # an idle read hands the summed counters to the SDK this often (consumer.idle)
+MALFORMED = object()
+"""A frame that is not the capture's: not JSON, or longer than any of its batches."""
 
 
 class _Input:
@@ -63,17 +65,36 @@ class _Input:
         return True
 
     def frames(self) -> Any:
-        """Each pickled object of each frame (a frame holds one or more)."""
+        """Each frame's value, or ``MALFORMED``."""
         header = rec.FRAME_HEADER.size
         while self._fill(header):
-            size = header + rec.FRAME_HEADER.unpack_from(self._buffer)[0]
-            if not self._fill(size):
+            length = rec.FRAME_HEADER.unpack_from(self._buffer)[0]
+            if length > rec.MAX_FRAME_BYTES:  # not the capture's: what was read with it goes too
+                self._buffer.clear()
+                yield MALFORMED
+                continue
+            if not self._fill(header + length):
                 return
-            data = io.BytesIO(bytes(self._buffer[header:size]))
-            del self._buffer[:size]
-            end = size - header
-            while data.tell() < end:
-                yield pickle.load(data)  # (a new unpickler each: each pickle has its own memo)
+            data = bytes(self._buffer[header:header + length])
+            del self._buffer[:header + length]
+            try:
+                yield rec.decode(data)
+            except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+                yield MALFORMED
+
+
+def well_formed(batch: Any) -> bool:
+    """A batch as the capture writes them: a list of messages, each a list starting with its kind
+    (a FLUSH's token an int, a STOP's bound a number); any message may still fail alone later."""
+    if type(batch) is not list:
+        return False
+    for m in batch:
+        if type(m) is not list or not m or type(m[0]) is not int or not rec.OP <= m[0] <= rec.STOP:
+            return False
+        if (m[0] == rec.FLUSH and type(m[1:2] and m[1]) is not int) or \
+                (m[0] == rec.STOP and type(m[1:2] and m[1]) not in (int, float)):
+            return False
+    return True
 
 
 def _answer(answers: Any, line: bytes) -> None:
@@ -118,16 +139,29 @@ def main() -> int:
 
     providers = build(_resource(hello))
     consumer = Consumer(providers.tracer_provider, providers.meter_provider, hello)
-    _answer(answers, b"hello\n")  # (from here, the loss the hello reports is this process's to export)
-    last_answer = 0.0
+    _answer(answers, b"hello\n")
     bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
+    # the loss of a predecessor that died, which the hello carries: exported at once, and said so (the
+    # serving process keeps the count for the next one until then)
+    unreported = bool(hello.get("lost"))
+    if unreported and providers.force_flush(bound):
+        _answer(answers, b"reported\n")
+        unreported = False
+    last_answer = 0.0
     for batch in frames:
+        if batch is MALFORMED or not well_formed(batch):  # written by another process: skipped, counted
+            consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
+            warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
+                      "capture's; skipped, counted in otel_hicache.records.dropped{reason=malformed_frame}")
+            continue
         bound = next((m[1] for m in batch if m[0] == rec.STOP), bound)
         flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]  # (0: the poller's, no export)
         consumer.apply(batch)
         if flushes:
             ok = providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
-            _answer(answers, b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
+            _answer(answers, b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes)
+                    + (b"reported\n" if ok and unreported else b""))
+            unreported = unreported and not ok
         now = time.monotonic()
         if flushes or now - last_answer >= _TAKEN_EVERY_S:
             _answer(answers, b"taken %d\n" % consumer.taken)

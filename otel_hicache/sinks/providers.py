@@ -65,8 +65,9 @@ class Providers:
         done = bounded("shutdown", self.tracer_provider, self.meter_provider, timeout_s)
         left = self.undelivered.left() if self.undelivered is not None else 0
         if left:  # no metric can carry this any more
-            logger.warning("otel-hicache: %d spans were still queued at exit and were not delivered (collector "
-                           "unreachable or slow?)", left)
+            logger.warning("otel-hicache: %d spans ended but were never handed to the exporter: dropped by the "
+                           "SDK's full span queue (also in its own otel.sdk.processor.span.processed, "
+                           "error.type=queue_full, where enabled) or still queued at exit", left)
         return done
 
     def force_flush(self, timeout_s: float) -> bool:

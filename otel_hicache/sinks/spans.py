@@ -17,7 +17,6 @@ others. Each decision is counted through ``count(decision, reason)``
 
 from __future__ import annotations
 
-import reprlib
 from typing import Any, Callable, Mapping
 
 from opentelemetry import trace
@@ -26,8 +25,7 @@ from opentelemetry.trace.propagation import set_span_in_context
 
 from .. import semconv as sc
 from .host_residence import OFFLOAD_LINK_ATTRIBUTES
-from ..diagnostics import warn_once
-from ..record import INT64_MAX, ONBOARD, TIERS, encodes
+from ..record import ONBOARD, TIERS
 from .span_sampling import OutlierPolicy, keeping_tracer
 from ..version import __version__
 
@@ -56,14 +54,8 @@ def span_attributes(record: Any, static: Mapping[str, Any]) -> dict[str, Any]:
     a caller's attribute never overwrites what otel-hicache measured."""
     src, dst = TIERS[record.direction]
     attrs: dict[str, Any] = dict(static)
-    extra = record.attributes
-    if extra:
-        for key, value in extra.items():
-            if isinstance(key, str) and key and _encodable(key) and _valid_value(value):
-                attrs[key] = value
-            else:
-                warn_once(f"attribute:{type(value).__name__}", "otel-hicache: a span attribute OTLP cannot encode "
-                          "was left out (%s, a %s)", reprlib.repr(key), type(value).__name__)
+    if record.attributes:  # (checked and limited in the capture: capture.attributes)
+        attrs.update(record.attributes)
     attrs[sc.DIRECTION] = record.direction
     attrs[sc.SRC_TIER] = src
     attrs[sc.DST_TIER] = dst
@@ -112,22 +104,6 @@ def span_links(record: Any) -> tuple[Any, ...]:
     return (*[Link(SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED), OFFLOAD_LINK_ATTRIBUTES)
               for trace_id, span_id in links],
             *[Link(context, REQUEST_LINK_ATTRIBUTES) for context in requests])
-
-
-def _encodable(value: Any) -> bool:
-    """A scalar OTLP can encode: an int64, a float, a bool, or a string without lone surrogates
-    (anything else would make every span of its export batch fail)."""
-    if isinstance(value, str):
-        return encodes(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return -INT64_MAX - 1 <= value <= INT64_MAX
-    return isinstance(value, (bool, float))
-
-
-def _valid_value(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return all(_encodable(v) for v in value)
-    return _encodable(value)
 
 
 def _ack_attributes(record: Any, attrs: dict[str, Any]) -> None:
