@@ -1,18 +1,22 @@
 """The channel from the poller to a telemetry process of its own.
 
 The poller hands each cycle's batch (:mod:`otel_hicache.record`) over, encoded at once as a
-frame, and sends what waits every so often (:meth:`ProcessChannel.send`), several frames a write, to
-the standard input of ``python -m otel_hicache.sinks.process``, started with this
-interpreter and environment at the first one. The pipe is non-blocking: what it cannot take
-now waits here, bounded by ``max_ops`` op records, beyond which the oldest batches' ops (and
-their host pages) are dropped and counted (``queue_full``), the small messages kept.
+frame (JSON: reading it runs no code), and sends what waits every so often
+(:meth:`ProcessChannel.send`), several frames a write, to the standard input of the telemetry
+process (:mod:`otel_hicache.sinks.process`), started at the first one with this interpreter,
+isolated (``-I``: neither the working directory nor ``PYTHONPATH``), on this process's path.
+The pipe is non-blocking: what it cannot take now waits here, bounded by ``max_ops`` op
+records and ``MAX_BACKLOG_BYTES``, beyond which the oldest batches' ops (and their host pages)
+are dropped and counted (``queue_full``), the small messages kept while the bytes allow.
 
 The telemetry process answers on its standard output (:mod:`otel_hicache.record`), read
 here without blocking. If it dies, the next send finds the pipe broken: the ops written to
 it that it never read (still in the pipe) are counted as ``telemetry_process_lost`` and
-reported by the next one, started then with everything still waiting here. After ``MAX_RESTARTS`` deaths the channel falls back to ``fallback()``
-(an embedded one, warned once). When the serving process ends, however it ends, the
-telemetry process reads the end of its input, exports what it has and exits.
+reported by the next one, started then with everything still waiting here (the count kept
+here until one said it exported it). After ``MAX_RESTARTS`` deaths, or one that ends before
+it is ready, the channel falls back to ``fallback()`` (an embedded one, warned once). When the
+serving process ends, however it ends, the telemetry process reads the end of its input,
+exports what it has and exits.
 """
 
 from __future__ import annotations
