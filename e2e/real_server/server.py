@@ -19,6 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import check_pipeline as cp  # (e2e/ is on the path of every caller) the Jaeger API's span helpers
+
 HERE = Path(__file__).resolve().parent
 CPU_SUPPORT = HERE / "cpu"
 START_TIMEOUT_S = 420.0  # a cold start on 2 busy cores, tensor parallelism 2 included
@@ -293,17 +295,15 @@ def transfer_spans(jaeger: Any, service: str, sglang: dict[tuple[str, str, str],
                    wait_s: float = 90.0) -> dict[str, list[dict[str, Any]]]:
     """Each direction's hicache spans in Jaeger (their tags, ``_trace``, ``_references``), waited
     for until their tokens reach SGLang's count or ``wait_s`` passes (a comparison then shows
-    what is missing). ``jaeger`` is ``check_pipeline.Jaeger``."""
+    what is missing). ``jaeger`` is a ``check_pipeline.Jaeger``."""
     want = {d: sum(v for (dd, what, _), v in sglang.items() if dd == d and what == "tokens") for d in SPAN_NAMES}
     found: dict[str, list[dict[str, Any]]] = {}
     deadline = time.monotonic() + wait_s
     while True:
         for d, op in SPAN_NAMES.items():
             traces, _ = jaeger.traces(service, op, 1000)
-            spans = {s["spanID"]: (tr, s) for tr in traces for s in tr.get("spans") or []
-                     if s.get("operationName") == op}
-            found[d] = [{**{t["key"]: t["value"] for t in s.get("tags") or []}, "_trace": s["traceID"],
-                         "_references": s.get("references") or []} for tr, s in spans.values()]
+            found[d] = [{**cp._tags(s), "_trace": s["traceID"], "_references": s.get("references") or []}
+                        for _, s in cp._spans(traces, op)]
         if all(sum(int(t.get("hicache.tokens", 0)) for t in found[d]) >= want[d] for d in SPAN_NAMES) \
                 or time.monotonic() > deadline:
             return found

@@ -440,12 +440,11 @@ class ProcessChannel:
             counts: dict[str, int] = {}
             state: list[Any] = []
             for entry in self._backlog:
-                for m in self._messages(entry):
+                for m in self._rewrite(entry, lambda m: m[0] not in (rec.STATE, rec.DROPPED)):
                     if m[0] == rec.DROPPED:
                         counts[m[1]] = counts.get(m[1], 0) + m[2]
-                    elif m[0] == rec.STATE:
+                    else:
                         state = m
-                self._rewrite(entry, lambda m: m[0] not in (rec.STATE, rec.DROPPED))
             summary = [[rec.DROPPED, r, n] for r, n in counts.items()] + ([state] if state else [])
             if summary:
                 self._backlog.append([rec.encode(summary), 0])
@@ -462,16 +461,12 @@ class ProcessChannel:
             warn_once("channel_full", "otel-hicache: the telemetry process is not keeping up; dropping transfer "
                       "records, counted in otel_hicache.records.dropped{reason=queue_full}")
 
-    @staticmethod
-    def _messages(entry: list[Any]) -> list[Any]:
-        batch = rec.decode(entry[0][rec.FRAME_HEADER.size:])
-        return batch if type(batch) is list else []  # (the hello stays as it is)
-
-    def _rewrite(self, entry: list[Any], keep: Callable[[Any], bool]) -> None:
-        """A waiting frame with only the messages ``keep`` says (its ops count then 0 if it dropped them)."""
+    def _rewrite(self, entry: list[Any], keep: Callable[[Any], bool]) -> list[Any]:
+        """A waiting frame with only the messages ``keep`` says (its ops count then 0 if it dropped
+        them); returns the messages it left out (none of the hello, which stays as it is)."""
         batch = rec.decode(entry[0][rec.FRAME_HEADER.size:])
         if type(batch) is not list:
-            return
+            return []
         kept = [m for m in batch if keep(m)]
         if len(kept) != len(batch):
             data = rec.encode(kept)
@@ -479,6 +474,7 @@ class ProcessChannel:
             entry[0] = data
             if not any(m[0] == rec.OP for m in kept):
                 entry[1] = 0
+        return [m for m in batch if not keep(m)]
 
     def _close_input(self) -> None:
         process = self.process

@@ -91,8 +91,9 @@ def well_formed(batch: Any) -> bool:
     for m in batch:
         if type(m) is not list or not m or type(m[0]) is not int or not rec.OP <= m[0] <= rec.STOP:
             return False
-        if (m[0] == rec.FLUSH and type(m[1:2] and m[1]) is not int) or \
-                (m[0] == rec.STOP and type(m[1:2] and m[1]) not in (int, float)):
+        if m[0] == rec.FLUSH and (len(m) < 2 or type(m[1]) is not int):
+            return False
+        if m[0] == rec.STOP and (len(m) < 2 or type(m[1]) not in (int, float)):
             return False
     return True
 
