@@ -737,6 +737,11 @@ class Validation:
             else:
                 self.report.skip(f"duration / independent, {direction}", "target",
                                  f"no copies >= {TARGET_MIN_MIB} MiB (--sizes)", target)
+            gaps = [(op["ref_ns"] - op["span_ns"]) / 1e3 for (d, _), ops in groups.items() if d == direction
+                    for op in ops]
+            if gaps:  # the bracket's own cost: constant over sizes, or the spans miss part of the copy
+                self.report.add(f"independent - span, {direction}, all sizes", "info",
+                                f"median {_median(gaps):.1f} us, max {max(gaps):.1f} us (n={len(gaps)})", "report", None)
             if small:
                 worst = max(small, key=lambda r: abs(r - 1.0))
                 self.report.add(f"duration / independent, {direction}, < {TARGET_MIN_MIB} MiB", "info",
