@@ -152,6 +152,18 @@ def test_static_attributes_on_every_point_per_call_attributes_on_the_span_only(h
         assert "hicache.write_policy" not in point.attributes
 
 
+def test_a_static_attribute_whose_key_cannot_be_encoded_is_left_out_with_one_warning(harness, warnings_log):
+    """A lone surrogate in a static key would make every export of every point fail: left out at
+    intake, the others kept, and the ops still reported."""
+    h = harness(attributes={"tp_rank": 1, "bad\udc80": 1})
+    h.tel.submit("offload", {"kv": 64}, 64, 64, expect_ack=False, host_start_ns=1, host_end_ns=2)
+    [span] = h.finished()
+    assert span.attributes["tp_rank"] == 1 and not any("bad" in k for k in span.attributes)
+    assert all(set(p.attributes) >= {"tp_rank"} and not any("bad" in k for k in p.attributes)
+               for p in h.points("hicache.transfer.bytes"))
+    assert sum("static attribute" in r.getMessage() for r in warnings_log.records) == 1
+
+
 def test_span_is_a_child_of_the_context_current_at_submit(harness):
     h = harness()
     tracer = h.tracer_provider.get_tracer("request")

@@ -49,8 +49,8 @@ def limits() -> tuple[int, int | None]:
 def static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     static: dict[str, Any] = {}
     for key, value in (attributes or {}).items():
-        if isinstance(key, str) and key and valid_value(value):
-            static[key] = tuple(value) if isinstance(value, list) else value
+        if isinstance(key, str) and key and encodes(key) and valid_value(value):
+            static[str.__str__(key)] = tuple(value) if isinstance(value, list) else value
         else:
             warn_once(f"static:{key!r}"[:200], "otel-hicache: static attribute %s=%s is not a string/bool/int/"
                       "float (or a list of them); ignored", reprlib.repr(key), reprlib.repr(value))
