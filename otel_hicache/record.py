@@ -22,14 +22,19 @@ Each message is a tuple whose first item is its kind:
 * ``FLUSH``: ``(FLUSH, token)``, the channel's: export what came before, then say so (token 0,
   the poller's: hand the summed counters to the SDK, no export);
 * ``STOP``: ``(STOP, seconds)``, the channel's last: the serving process stops, export what
-  came before within ``seconds`` and exit.
+  came before within ``seconds`` and exit;
+* ``CHECKPOINT``: ``(CHECKPOINT, totals, awaiting)``, what a telemetry process that died had
+  confirmed, for its successor: every counter's total (``[name, attributes, value]``) and the
+  OP messages of the ops still waiting for their ack (their spans only: their metrics are in
+  the totals).
 
 Between processes a batch (or the hello, the first frame) is a frame: the length of its
 UTF-8 JSON (``FRAME_HEADER``, at most ``MAX_FRAME_BYTES``) and the JSON (:func:`encode`,
 :func:`decode`; tuples arrive as lists). The telemetry process answers on its standard
 output, a line per answer:
-``hello`` (its sinks are built), ``reported`` (the loss its hello carried was exported),
-``taken <ops>`` (OP messages it took in so far) and ``flushed <token> <0|1>``.
+``hello`` (its sinks are built), ``flushed <token> <0|1>``, and ``exported <frames> <JSON>``:
+the spans of every op in its first ``frames`` frames after the hello were handed to the
+exporters, and the JSON (a batch of one ``CHECKPOINT``) is where a successor starts from.
 
 Slots are token slot indices as the base64 text of an int64 array (:func:`slot_text`). Trace
 and span contexts are ``(trace_id, span_id, trace_flags, is_remote, trace_state)``, the
@@ -74,7 +79,7 @@ INDEX: Final = "index"  # value: an NVML index
 ONLY: Final = "only"  # the one GPU NVML sees, if it sees exactly one
 NONE: Final = "none"  # value: why no GPU can be named
 
-OP, ACK, HOST, POOL, FREE, DROPPED, STATE, FLUSH, STOP = range(9)
+OP, ACK, HOST, POOL, FREE, DROPPED, STATE, FLUSH, STOP, CHECKPOINT = range(10)
 
 FRAME_HEADER = struct.Struct("<I")
 MAX_FRAME_BYTES = 1 << 26

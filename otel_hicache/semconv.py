@@ -255,12 +255,10 @@ DROP_QUEUE_FULL: Final = "queue_full"
 DROP_INVALID_INPUT: Final = "invalid_input"
 DROP_SHUTDOWN: Final = "shutdown"
 DROP_INTERNAL_ERROR: Final = "internal_error"
-DROP_TELEMETRY_PROCESS_LOST: Final = "telemetry_process_lost"  # written to a telemetry process that died
 DROP_MALFORMED_FRAME: Final = "malformed_frame"  # a frame in the telemetry process's input not the capture's
 FAIL_EVENT_ERROR: Final = "event_error"
 FAIL_TRANSFER_TIMEOUT: Final = "transfer_timeout"
-DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR, DROP_TELEMETRY_PROCESS_LOST,
-                DROP_MALFORMED_FRAME)
+DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR, DROP_MALFORMED_FRAME)
 FAIL_REASONS = (FAIL_EVENT_ERROR, FAIL_TRANSFER_TIMEOUT)
 
 # otel_hicache.spans: decision and reason (see otel_hicache.span_sampling)

@@ -86,7 +86,6 @@ def test_frames_run_no_code_and_malformed_ones_are_counted(tmp_path):
         assert not marker.exists()
         assert len(receiver.received.spans()) == 2 * OPS
         assert _dropped(receiver, "malformed_frame") == 5
-        assert _dropped(receiver, "telemetry_process_lost") == 0  # it never ended
         assert result["stderr"].count("not the capture's") == 1, result["stderr"]  # warned once
     finally:
         receiver.stop()

@@ -5,16 +5,19 @@ frame (JSON: reading it runs no code), and sends what waits every so often
 (:meth:`ProcessChannel.send`), several frames a write, to the standard input of the telemetry
 process (:mod:`otel_hicache.sinks.process`), started at the first one with this interpreter,
 isolated (``-I``: neither the working directory nor ``PYTHONPATH``), on this process's path.
-The pipe is non-blocking: what it cannot take now waits here, bounded by ``max_ops`` op
-records and ``MAX_BACKLOG_BYTES``, beyond which the oldest batches' ops (and their host pages)
-are dropped and counted (``queue_full``), the small messages kept while the bytes allow.
+The pipe is non-blocking: what it cannot take now waits here.
 
-The telemetry process answers on its standard output (:mod:`otel_hicache.record`), read
-here without blocking. If it dies, the next send finds the pipe broken: the ops written to
-it that it never read (still in the pipe) are counted as ``telemetry_process_lost`` and
-reported by the next one, started then with everything still waiting here (the count kept
-here until one said it exported it). After ``MAX_RESTARTS`` deaths, or one that ends before
-it is ready, the channel falls back to ``fallback()`` (an embedded one, warned once). When the
+Every frame written is kept here until the telemetry process answers with a checkpoint that
+covers it (the spans of its ops exported, every counter's total). If it dies, the next one
+starts from that checkpoint, with every frame written after it: its counters go on from the
+totals, and a span exported twice keeps its ids. What waits to be written and what waits for a
+checkpoint share ``MAX_BACKLOG_BYTES``, and ``max_ops`` bounds the op records waiting: beyond
+them the oldest ops waiting to be written are dropped and counted (``queue_full``), the small messages kept while the
+bytes allow. A telemetry process that dies is always replaced, after ``RESTART_DELAYS_S`` when
+the ones before died soon after they started (its sinks' cost never moves onto the serving
+process for that); only when one cannot be started, or ends before it is ready (the interpreter
+or the path cannot run it: another would not either), the channel falls back to ``fallback()``
+(an embedded one, warned once, visible in ``otel_hicache.sinks``), from the checkpoint too. When the
 serving process ends, however it ends, the telemetry process reads the end of its input,
 exports what it has and exits.
 """
@@ -26,10 +29,8 @@ import itertools
 import json
 import os
 import select
-import struct
 import subprocess
 import sys
-import termios
 import threading
 import time
 from collections import deque
@@ -39,7 +40,10 @@ from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 
-MAX_RESTARTS = 3
+RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+"""The wait before each start after a death, by how many died in a row, each within
+``SHORT_LIFE_S`` of its start (the last delay repeats)."""
+SHORT_LIFE_S = 60.0
 _ANSWERS_INTERVAL_NS = 100_000_000
 _WRITE_BYTES = 1 << 20  # frames joined into one write, up to about this size
 MAX_BACKLOG_BYTES = 32 << 20
@@ -86,14 +90,20 @@ class ProcessChannel:
     """Batches to a telemetry process; ``hello`` (a dict of plain values) is its first frame."""
 
     def __init__(self, hello: dict[str, Any], max_ops: int, fallback: Callable[[], Any]) -> None:
-        self._hello = hello
+        # the span ids of an op, and the start time of every counter, the same in each telemetry process
+        self._hello = dict(hello, key=os.urandom(16).hex(), start_ns=time.time_ns())
         self._max_ops = max_ops
         self._fallback = fallback
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)
         self._pools: list[tuple[Any, ...]] = []  # every POOL message, for each telemetry process started
         self._deaths = 0
-        self._lost = 0  # ops a dead telemetry process never took in, for the next one to report
+        self._short_lives = 0  # deaths in a row soon after their start
+        self._started_at = self._restart_at = 0.0
+        # where a successor starts from: the last checkpoint (a frame) and the frames written after it
+        self._checkpoint: bytes | None = None
+        self._unconfirmed: deque[tuple[int, list[Any]]] = deque()  # (frame number, [frame, ops])
+        self._unconfirmed_bytes = 0
         self._embedded: Any = None
         self._stopped = False
         self._asked: set[int] = set()  # flush tokens not answered yet (asked again of a successor)
@@ -109,15 +119,13 @@ class ProcessChannel:
         self._partial_batches: deque[list[Any]] = deque()  # its frames not wholly written yet
         self._partial_end = 0  # where the first of them ends, in _written_bytes
         self._hello_entry: list[Any] | None = None
+        self._checkpoint_entry: list[Any] | None = None
         self._written_bytes = 0  # to this process, in all
         self._written_ops = 0
-        self._frames: deque[tuple[int, int]] = deque()  # (end in _written_bytes, ops) of frames it may not have read
-        self._taken = 0  # ops it said it took in
+        self._written_frames = 0  # wholly, after its hello
         self._replies = b""
         self._last_read = 0
         self._answered = False  # it said it read its hello
-        self._hello_lost = 0  # the loss its hello reported, kept until it said it exported it
-        self._reported = False
 
     # -- the poller's side ---------------------------------------------------------
     def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
@@ -133,7 +141,7 @@ class ProcessChannel:
             self._backlog.append([frame, ops])
             self._backlog_ops += ops
             self._backlog_bytes += len(frame)  # (an estimate: never lowered by writes, made exact in _trim)
-            if self._backlog_ops > self._max_ops or self._backlog_bytes > MAX_BACKLOG_BYTES:
+            if self._backlog_ops > self._max_ops or self._backlog_bytes + self._unconfirmed_bytes > MAX_BACKLOG_BYTES:
                 self._trim()
 
     def send(self) -> None:
@@ -165,11 +173,13 @@ class ProcessChannel:
                 process = self.process
                 waiting_to_write = self._partial is not None or bool(self._backlog)
                 left = deadline - time.monotonic()
-                if process is None and not self._stopped and left > 0:
-                    continue  # it ended as it answered: its successor is asked
-                if left <= 0 or process is None or process.stdout is None:
+                restarting = process is None and not self._stopped and left > 0  # its successor is asked
+                if not restarting and (left <= 0 or process is None or process.stdout is None):
                     self._asked.discard(token)
                     return False
+            if restarting:
+                time.sleep(min(left, 0.05))
+                continue
             try:
                 select.select([process.stdout], [process.stdin] if waiting_to_write else [], [], min(left, 0.05))
             except (OSError, ValueError):  # closed meanwhile
@@ -186,12 +196,14 @@ class ProcessChannel:
             if self._embedded is not None:
                 return bool(self._embedded.stop(timeout_s, export_s))
             self._stopped = True
-            process = self.process
+            if self.process is None and self._backlog and not self._start() and self._embedded is not None:
+                return bool(self._embedded.stop(timeout_s, export_s))  # (what waited went to it)
+            process = self.process  # (one started now for what waited, restart delay or not)
             if process is None:
                 return True
             self._backlog.append([self._encoded([(rec.STOP, timeout_s if export_s is None else export_s)]), 0])
             while (self._backlog or self._partial is not None) and time.monotonic() < deadline:
-                self._pump()
+                self._pump(final=True)
                 if self.process is None:  # it ended meanwhile: no successor after stop(), nothing to wait for
                     break
                 if (self._partial is not None or self._backlog) and self.process is not None:
@@ -231,7 +243,7 @@ class ProcessChannel:
         self._embedded = None
         self._stopped = False
         self._deaths = 0
-        self._lost = 0
+        self._checkpoint, self._unconfirmed, self._unconfirmed_bytes = None, deque(), 0
         self._asked, self._flushed = set(), {}
         self._reset()
 
@@ -252,32 +264,22 @@ class ProcessChannel:
         _nonblocking(process.stdin.fileno())
         _nonblocking(process.stdout.fileno())
         self.process = process
-        hello = dict(self._hello, lost=self._lost, pools=list(self._pools))
-        self._hello_lost, self._lost = self._lost, 0  # its to report; ours again if it dies before it exported it
-        self._hello_entry = [rec.encode(hello), 0]
-        self._backlog.appendleft(self._hello_entry)  # before what waited
+        self._started_at = time.monotonic()
+        self._hello_entry = [rec.encode(dict(self._hello, pools=list(self._pools))), 0]
+        if self._checkpoint is not None:  # before what waited: its predecessor's, to go on from
+            self._checkpoint_entry = [self._checkpoint, 0]
+            self._backlog.appendleft(self._checkpoint_entry)
+        self._backlog.appendleft(self._hello_entry)
         return True
 
-    def _unread(self) -> int:
-        """Ops of the frames still in the pipe: a dead telemetry process never read them. (The pipe
-        keeps its bytes while this end is open; FIONREAD counts them, on either end, on Linux.)"""
-        process = self.process
-        try:
-            unread = struct.unpack("i", fcntl.ioctl(process.stdin.fileno(), termios.FIONREAD,  # type: ignore
-                                                    b"\0\0\0\0"))[0]
-        except (AttributeError, OSError, ValueError):  # cannot tell: the ops it did not say it took in
-            return max(0, self._written_ops - self._taken)
-        read = self._written_bytes - unread
-        return sum(ops for end, ops in self._frames if end > read)
-
     def _died(self) -> None:
-        """The telemetry process ended (a broken pipe): count the ops it never read, reap it, and
-        start another at the next write (or fall back)."""
+        """The telemetry process ended (a broken pipe, or the end of its answers): reap it; the next
+        one starts from its last checkpoint, with every frame written after it (or fall back)."""
         process = self.process
         self._read_replies(ended=True)  # what it answered before it ended is still in the pipe
-        lost = self._unread()
-        self._lost += lost + (0 if self._reported else self._hello_lost)
         self._deaths += 1
+        self._short_lives = self._short_lives + 1 if time.monotonic() - self._started_at < SHORT_LIFE_S else 1
+        self._restart_at = time.monotonic() + RESTART_DELAYS_S[min(self._short_lives, len(RESTART_DELAYS_S)) - 1]
         if process is not None:
             try:
                 process.wait(1.0)  # reaped: no zombie
@@ -294,32 +296,29 @@ class ProcessChannel:
         else:
             code = None
         ready = self._answered
+        own = (self._hello_entry, self._checkpoint_entry)
+        replay = [entry for _, entry in self._unconfirmed] + [
+            e for e in (*self._partial_batches, *self._backlog) if e is not own[0] and e is not own[1]]
+        self._unconfirmed, self._unconfirmed_bytes = deque(), 0
+        self._reset()
+        self._backlog = deque(replay)
+        self._backlog_ops = sum(entry[1] for entry in replay)
         if ready:  # (one that never said hello gets the one warning of the fallback below)
             warn_once(f"telemetry_process:died:{self._deaths}", "otel-hicache: the telemetry process ended (exit "
-                      "code %s) with %d transfers written to it that it never read; they are counted in "
-                      "otel_hicache.records.dropped{reason=telemetry_process_lost}", code, lost)
-        # a frame cut short goes again, whole, but for the dead one's hello
-        cut = [e for e in self._partial_batches if e is not self._hello_entry]
-        backlog, ops = self._backlog, self._backlog_ops + sum(entry[1] for entry in cut)
-        if backlog and backlog[0] is self._hello_entry:
-            backlog.popleft()
-        self._reset()
-        backlog.extendleft(reversed(cut))
-        self._backlog, self._backlog_ops = backlog, ops
+                      "code %s); another goes on from its last checkpoint, with the %d transfers written after it",
+                      code, self._backlog_ops)
         if not ready:  # it cannot run here (the interpreter, the path): another would not either
-            self._give_up(f"it ended before it was ready (exit code {code}), {self._lost} transfers written to it")
-        elif self._deaths >= MAX_RESTARTS:
-            self._give_up(f"it ended {self._deaths} times")
+            self._give_up(f"it ended before it was ready (exit code {code})")
 
     def _give_up(self, why: str) -> None:
-        """From now on the sinks run embedded, with what waited and what was lost."""
+        """From now on the sinks run embedded, from the last checkpoint, with what waited."""
         warn_once("telemetry_process:fallback", "otel-hicache: telemetry process: %s; the sinks run embedded in "
                   "this process from now on", why)
         embedded = self._fallback()
-        lost = self._lost
-        self._lost = 0
-        embedded.write(list(self._pools) + ([(rec.DROPPED, sc.DROP_TELEMETRY_PROCESS_LOST, lost)] if lost else []),
-                       0)
+        first = list(self._pools)
+        if self._checkpoint is not None:
+            first.extend(rec.decode(self._checkpoint[rec.FRAME_HEADER.size:]))  # (a batch of one)
+        embedded.write(first, 0)
         for data, ops in self._backlog:
             batch = rec.decode(data[rec.FRAME_HEADER.size:])
             if type(batch) is list:  # (not a hello)
@@ -329,16 +328,18 @@ class ProcessChannel:
         self._embedded = embedded
 
     # -- the pipe -----------------------------------------------------------------------
-    def _pump(self, answers: bool = False) -> None:
-        """Write frames until the pipe is full or nothing waits; read the answers (with ``answers``,
-        else at most every ``_ANSWERS_INTERVAL_NS``: a read is a system call too)."""
+    def _pump(self, answers: bool = False, final: bool = False) -> None:
+        """Write frames until the pipe is full or nothing waits (or, but for the ``final`` ones, until
+        half the byte bound waits for a checkpoint); read the answers (with ``answers``, else at most
+        every ``_ANSWERS_INTERVAL_NS``: a read is a system call too)."""
         while True:
             if self.process is None:
-                if self._embedded is not None or self._stopped or not self._start():
+                if (self._embedded is not None or self._stopped or time.monotonic() < self._restart_at
+                        or not self._start()):
                     return
             if self._partial is None:
-                if not self._backlog:
-                    break
+                if not self._backlog or self._unconfirmed_bytes >= MAX_BACKLOG_BYTES // 2 and not final:
+                    break  # (nothing, or so much not yet confirmed that more could not be replayed)
                 self._partial_batches = entries = deque()
                 size = 0
                 while self._backlog and size < _WRITE_BYTES:
@@ -359,13 +360,15 @@ class ProcessChannel:
             self._written_bytes += written
             entries = self._partial_batches
             while entries and self._partial_end <= self._written_bytes:  # frames now wholly in the pipe
-                ops = entries.popleft()[1]
-                self._written_ops += ops
-                self._frames.append((self._partial_end, ops))
+                entry = entries.popleft()
+                self._written_ops += entry[1]
+                if entry is not self._hello_entry:
+                    self._written_frames += 1
+                    if entry is not self._checkpoint_entry:  # kept until a checkpoint covers it
+                        self._unconfirmed.append((self._written_frames, entry))
+                        self._unconfirmed_bytes += len(entry[0])
                 if entries:
                     self._partial_end += len(entries[0][0])
-            while self._frames and self._frames[0][0] <= self._written_bytes - _PIPE_SIZE:
-                self._frames.popleft()  # read for sure: the pipe holds no more than its size
             if not self._partial:
                 self._partial = None
         now = time.monotonic_ns()
@@ -396,26 +399,36 @@ class ProcessChannel:
         process = self.process
         if process is None or process.stdout is None:
             return
-        try:
-            chunk = os.read(process.stdout.fileno(), 65536)
-        except (BlockingIOError, OSError, ValueError):
-            return
-        if not chunk:
-            if not ended:  # the end of its answers: it ended after the last write (no broken pipe seen)
-                self._died()
-            return
-        lines = (self._replies + chunk).split(b"\n")
+        chunks = [self._replies]
+        while True:
+            try:
+                chunk = os.read(process.stdout.fileno(), 1 << 20)
+            except (BlockingIOError, OSError, ValueError):
+                break
+            if not chunk:
+                if not ended:  # the end of its answers: it ended after the last write (no broken pipe seen)
+                    self._replies = b"".join(chunks)
+                    self._answers(self._replies.split(b"\n")[:-1])
+                    self._died()
+                    return
+                break
+            chunks.append(chunk)
+        lines = b"".join(chunks).split(b"\n")
         self._replies = lines.pop()
+        self._answers(lines)
+
+    def _answers(self, lines: list[bytes]) -> None:
         for line in lines:
-            parts = line.split()
-            if len(parts) == 2 and parts[0] == b"taken":
-                self._taken = int(parts[1])
+            parts = line.split(b" ", 2)
+            if parts == [b"hello"]:
                 self._answered = True
-            elif parts == [b"hello"]:
-                self._answered = True
-            elif parts == [b"reported"]:  # the loss its hello carried left in an export
-                self._reported = True
-            elif len(parts) == 3 and parts[0] == b"flushed" and int(parts[1]) in self._asked:
+            elif len(parts) == 3 and parts[0] == b"exported" and parts[1].isdigit():
+                covered = int(parts[1])  # its first frames: their spans exported, its state in the checkpoint
+                self._checkpoint = rec.FRAME_HEADER.pack(len(parts[2])) + parts[2]
+                self._checkpoint_entry = None  # (covered now, if it was written)
+                while self._unconfirmed and self._unconfirmed[0][0] <= covered:
+                    self._unconfirmed_bytes -= len(self._unconfirmed.popleft()[1][0])
+            elif len(parts) == 3 and parts[0] == b"flushed" and parts[1].isdigit() and int(parts[1]) in self._asked:
                 self._asked.discard(int(parts[1]))  # (asked twice: the second answer is not kept)
                 self._flushed[int(parts[1])] = parts[2] == b"1"
 
@@ -426,17 +439,18 @@ class ProcessChannel:
         oldest acks and host frees (warned once: their ops' spans end unacked, and host residence
         may miscount those pages). Pool messages always stay."""
         self._backlog_bytes = sum(len(entry[0]) for entry in self._backlog)
+        limit = MAX_BACKLOG_BYTES - self._unconfirmed_bytes  # (what waits to be confirmed counts too)
         excess = self._backlog_ops - self._max_ops
         dropped = 0
         for entry in self._backlog:
-            if excess <= 0 and self._backlog_bytes <= MAX_BACKLOG_BYTES:
+            if excess <= 0 and self._backlog_bytes <= limit:
                 break
             if entry[1]:
                 excess -= entry[1]
                 dropped += entry[1]
                 self._rewrite(entry, lambda m: m[0] not in (rec.OP, rec.HOST))
         self._backlog_ops -= dropped
-        if self._backlog_bytes > MAX_BACKLOG_BYTES:
+        if self._backlog_bytes > limit:
             counts: dict[str, int] = {}
             state: list[Any] = []
             for entry in self._backlog:
@@ -450,7 +464,7 @@ class ProcessChannel:
                 self._backlog.append([rec.encode(summary), 0])
                 self._backlog_bytes += len(self._backlog[-1][0])
         for entry in self._backlog:
-            if self._backlog_bytes <= MAX_BACKLOG_BYTES:
+            if self._backlog_bytes <= limit:
                 break
             self._rewrite(entry, lambda m: m[0] not in (rec.ACK, rec.FREE))
             warn_once("channel_full_bytes", "otel-hicache: the telemetry process is not keeping up and the "

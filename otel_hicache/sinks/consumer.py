@@ -83,7 +83,7 @@ class Consumer:
     """
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
-                 clock: Callable[[], int] = time.time_ns) -> None:
+                 clock: Callable[[], int] = time.time_ns, ids: Any = None) -> None:
         # (a list arrives for a tuple: metric points need hashable attribute values)
         static = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
         self.metrics = TransferMetrics(meter_provider, static, clock)  # (the ages: on the capture's clock)
@@ -99,16 +99,13 @@ class Consumer:
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
         self._pools: dict[int, Any] = {}
         self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> (pool, pages written, reuse): HOST to OP
-        self._awaiting: dict[int, tuple[Op, Any]] = {}  # seq -> (op, span) waiting for its ACK
-        self.taken = 0  # OP messages taken in
+        self._awaiting: dict[int, tuple[Op, Any, Any]] = {}  # seq -> (op, span, OP message) waiting for its ACK
+        self._ids = ids  # spans.OpIds: span ids from the op (a telemetry process's, for a successor's replay)
         for message in hello.get("pools") or ():
             self._pool(message)
-        lost = hello.get("lost") or 0
-        if lost:
-            self.metrics.dropped_records(sc.DROP_TELEMETRY_PROCESS_LOST, lost)
         self._handlers = {rec.OP: self._op, rec.ACK: self._ack, rec.HOST: self._host_pages, rec.POOL: self._pool,
                           rec.FREE: self._freed, rec.DROPPED: self._dropped, rec.STATE: self._state,
-                          rec.FLUSH: self._flush, rec.STOP: _ignore}
+                          rec.FLUSH: self._flush, rec.STOP: _ignore, rec.CHECKPOINT: self._resume}
         self._handed_over = time.monotonic_ns()
 
     def apply(self, batch: list[tuple[Any, ...]]) -> None:
@@ -137,6 +134,22 @@ class Consumer:
         self._handed_over = time.monotonic_ns()
         self.metrics.flush()
 
+    def checkpoint(self) -> list[Any]:
+        """A ``record.CHECKPOINT`` of now: where a successor goes on from, once the spans of the ops
+        taken in so far are exported (the counters' totals, and the ops still waiting for an ack)."""
+        self.flush()
+        return [rec.CHECKPOINT, self.metrics.checkpoint(), [entry[2] for entry in self._awaiting.values()]]
+
+    def _resume(self, message: tuple[Any, ...]) -> None:
+        """A predecessor's checkpoint: its counters go on here, and the spans of its ops that were
+        waiting for their acks start again (their metrics are in the totals)."""
+        self.metrics.seed(message[1])
+        for raw in message[2]:
+            op = Op(raw)
+            if self._ids is not None:
+                self._ids.seq = op.seq
+            self._awaiting[op.seq] = (op, self.spans.begin(op, counted=False), raw)
+
     def close(self) -> None:
         """The end of the input: every ack wait ends (unacked), the counters are handed over."""
         for seq in list(self._awaiting):
@@ -145,8 +158,9 @@ class Consumer:
 
     # -- messages -----------------------------------------------------------------------
     def _op(self, message: tuple[Any, ...]) -> None:
-        self.taken += 1
         op = Op(message)
+        if self._ids is not None:
+            self._ids.seq = op.seq
         host = self._host.pop(op.seq, None)
         if host is not None:
             op.host_pool, pages, op.reuse = host
@@ -170,7 +184,7 @@ class Consumer:
         self.metrics.completed(op, busy_added)
         self.log.completed(op, busy_added)
         if op.expect_ack and op.ack_ns is None:
-            self._awaiting[op.seq] = (op, state)
+            self._awaiting[op.seq] = (op, state, message)
         else:
             self._finish(op, state)
 
@@ -183,7 +197,7 @@ class Consumer:
         entry = self._awaiting.pop(message[1], None)
         if entry is not None:  # (an op dropped on the way has none)
             entry[0].ack_ns = message[2]
-            self._finish(*entry)
+            self._finish(entry[0], entry[1])
 
     def _pool(self, message: tuple[Any, ...]) -> None:
         _kind, pool_id, name, slots, page_size = message

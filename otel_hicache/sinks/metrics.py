@@ -113,7 +113,7 @@ class TransferMetrics(TransferInstruments):
         self._default_io_backend = str(self._static.get(sc.IO_BACKEND, "unknown"))
         # pending counter increments: (instrument, attrs id) -> [attrs, amount]
         self._pending: dict[tuple[int, int], list[Any]] = {}
-        self._totals: dict[tuple[int, int], int] = {}  # integer counters' sums handed over, per series
+        self._totals: dict[tuple[int, int], list[Any]] = {}  # [instrument, attrs, sum handed over], per series
         self._zero_series()
         # stuck and late transfers: the oldest submit and completion times the capture sent,
         # aged when the SDK collects; both directions report 0 while there is none
@@ -248,17 +248,40 @@ class TransferMetrics(TransferInstruments):
             return
         self._pending = {}
         totals = self._totals
-        for key, (instrument, attrs, amount) in pending.items():
+        for key, entry in pending.items():
+            instrument, attrs, amount = entry
             if amount:
-                if type(amount) is int:  # a cumulative count past int64 would fail every export from then on
-                    total = totals.get(key, 0) + amount
-                    if not -INT64_MAX <= total <= INT64_MAX:
-                        name = getattr(instrument, "name", "a counter")
-                        warn_once(f"overflow:{name}", "otel-hicache: %s would pass 2**63-1, the largest count OTLP "
-                                  "can encode; its increments are left out from now on", name)
-                        continue
-                    totals[key] = total
+                kept = totals.get(key)
+                total = amount if kept is None else kept[2] + amount
+                if type(total) is int and not -INT64_MAX <= total <= INT64_MAX:  # would fail every export from now on
+                    name = getattr(instrument, "name", "a counter")
+                    warn_once(f"overflow:{name}", "otel-hicache: %s would pass 2**63-1, the largest count OTLP "
+                              "can encode; its increments are left out from now on", name)
+                    continue
+                if kept is None:
+                    totals[key] = entry
+                else:
+                    kept[2] = total
                 instrument.add(amount, attrs)
+
+    def checkpoint(self) -> list[list[Any]]:
+        """Every monotonic counter's total per series handed to the SDK so far, as
+        ``[name, attributes, value]``: where a successor's counters go on from."""
+        return [[instrument.name, attrs, total] for instrument, attrs, total in self._totals.values()
+                if total and instrument is not self.inflight]
+
+    def seed(self, totals: list[list[Any]]) -> None:
+        """Go on from a predecessor's :meth:`checkpoint`: each total is added at once, so these
+        counters continue its series rather than restart (one that is not ours is skipped)."""
+        instruments = {i.name: i for i in (self.bytes, self.blocks, self.tokens, self.busy_time, self.dropped,
+                                           self.failed, self.span_decisions, self.reloaded_bytes,
+                                           self.wasted_bytes, self.wasted_tokens)}
+        for name, attrs, value in totals:
+            instrument = instruments.get(name)
+            if instrument is not None and type(attrs) is dict and type(value) in (int, float) and value > 0:
+                # (a list arrives for a tuple: metric points need hashable attribute values)
+                self._add(instrument, {k: tuple(v) if type(v) is list else v for k, v in attrs.items()}, value)
+        self.flush()
 
     # -- per record ---------------------------------------------------------
     def completed(self, record: Any, busy_added_ns: int) -> None:

@@ -5,7 +5,11 @@ process's interpreter, isolated (``-I``), and environment. Frames are JSON (:mod
 one that is not the capture's is counted and skipped. Its first frame (the hello) carries the serving
 process's resource, so both processes' telemetry joins; its providers are built from the
 same ``OTEL_*`` variables (:mod:`.providers`). Then each frame is a batch for the consumer;
-a ``FLUSH`` is answered once what came before it is exported. At the end of its input
+a ``FLUSH`` is answered once what came before it is exported, and at most every
+``CHECKPOINT_S`` a checkpoint goes back (:class:`_Checkpoints`): a successor goes on from it
+if this process dies. Span ids come from the ops (:class:`.spans.OpIds`) and every counter
+says it counts since the serving process's channel opened, so a replayed op is the same span
+and the counters never restart. At the end of its input
 (the serving process stopped, or ended in any way) it ends the ack waits, exports what it
 has (bounded by ``OTEL_HICACHE_SHUTDOWN_TIMEOUT_S``) and exits. It runs at a lower CPU
 priority than the serving process, and ignores the terminal's Ctrl-C (the serving process
@@ -27,9 +31,13 @@ from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, mark_warned, warn_once
 from ..settings import env_float
+from .bounded_flush import bounded
 
 NICENESS = 10  # below the serving process: export waits, serving does not
-_TAKEN_EVERY_S = 0.05  # how often at most the count of ops taken in is sent back
+CHECKPOINT_S = 1.0
+"""How often at most (while frames come in) the spans taken in are exported and a checkpoint sent
+back: the serving process keeps the frames after the last one, to replay them to a successor."""
+CHECKPOINT_BYTES = 4 << 20  # ... and after this much input, so what the serving process keeps stays small
 _PARENT_CHECK_S = 1.0  # an idle read looks this often whether the serving process is still there
 _IDLE_S = 0.05  # an idle read hands the summed counters to the SDK this often (consumer.idle)
 MALFORMED = object()
@@ -45,6 +53,7 @@ class _Input:
         self._parent = parent
         self._idle = idle
         self._buffer = bytearray()
+        self.read_bytes = 0  # in all
 
     def _fill(self, size: int) -> bool:
         waited = 0.0
@@ -62,6 +71,7 @@ class _Input:
             if not chunk:
                 return False
             self._buffer += chunk
+            self.read_bytes += len(chunk)
         return True
 
     def frames(self) -> Any:
@@ -89,7 +99,7 @@ def well_formed(batch: Any) -> bool:
     if type(batch) is not list:
         return False
     for m in batch:
-        if type(m) is not list or not m or type(m[0]) is not int or not rec.OP <= m[0] <= rec.STOP:
+        if type(m) is not list or not m or type(m[0]) is not int or not rec.OP <= m[0] <= rec.CHECKPOINT:
             return False
         if m[0] == rec.FLUSH and (len(m) < 2 or type(m[1]) is not int):
             return False
@@ -113,6 +123,30 @@ def _resource(hello: dict[str, Any]) -> Any:
     return Resource(hello.get("resource") or {}, hello.get("schema_url") or None)
 
 
+class _Checkpoints:
+    """Every ``CHECKPOINT_S`` (or ``CHECKPOINT_BYTES`` of input) while frames come in: the spans of
+    the ops taken in so far handed to the exporters, then ``exported <frames> <checkpoint>``."""
+
+    def __init__(self, providers: Any, consumer: Any, answers: Any, bound: float) -> None:
+        self._providers, self._consumer, self._answers, self._bound = providers, consumer, answers, bound
+        self.frames = 0  # applied, after the hello
+        self._done = 0  # frames covered by the last checkpoint
+        self._at = time.monotonic()
+        self._bytes = 0
+
+    def due(self, read_bytes: int) -> bool:
+        return self.frames > self._done and (time.monotonic() - self._at >= CHECKPOINT_S
+                                             or read_bytes - self._bytes >= CHECKPOINT_BYTES)
+
+    def take(self, read_bytes: int, flushed: bool = False) -> None:
+        """``flushed``: everything was just exported (a FLUSH)."""
+        self._at, self._bytes = time.monotonic(), read_bytes
+        frames, checkpoint = self.frames, self._consumer.checkpoint()
+        if flushed or bounded("force_flush", self._providers.tracer_provider, None, self._bound):
+            self._done = frames
+            _answer(self._answers, b"exported %d %s\n" % (frames, rec.encode([checkpoint])[rec.FRAME_HEADER.size:]))
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -124,7 +158,16 @@ def main() -> int:
     sys.stdout = sys.stderr
     parent = os.getppid()
     consumer: Any = None
-    frames = _Input(0, parent, lambda: consumer.idle() if consumer is not None else None).frames()
+    checkpoints: Any = None
+
+    def idle() -> None:
+        if consumer is not None:
+            consumer.idle()
+            if checkpoints.due(source.read_bytes):
+                checkpoints.take(source.read_bytes)
+
+    source = _Input(0, parent, idle)
+    frames = source.frames()
     hello = next(frames, None)
     if not isinstance(hello, dict):
         return 1
@@ -137,19 +180,16 @@ def main() -> int:
         logger.setLevel(level)
     from .consumer import Consumer
     from .providers import build
+    from .spans import OpIds
 
-    providers = build(_resource(hello))
-    consumer = Consumer(providers.tracer_provider, providers.meter_provider, hello)
-    _answer(answers, b"hello\n")
+    ids = OpIds(bytes.fromhex(hello.get("key") or "") or os.urandom(16))
+    providers = build(_resource(hello), id_generator=ids, counters_since_ns=hello.get("start_ns"))
     bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
-    # the loss of a predecessor that died, which the hello carries: exported at once, and said so (the
-    # serving process keeps the count for the next one until then)
-    unreported = bool(hello.get("lost"))
-    if unreported and providers.force_flush(bound):
-        _answer(answers, b"reported\n")
-        unreported = False
-    last_answer = 0.0
+    consumer = Consumer(providers.tracer_provider, providers.meter_provider, hello, ids=ids)
+    checkpoints = _Checkpoints(providers, consumer, answers, bound)
+    _answer(answers, b"hello\n")
     for batch in frames:
+        checkpoints.frames += 1
         if batch is MALFORMED or not well_formed(batch):  # written by another process: skipped, counted
             consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
             warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
@@ -160,13 +200,11 @@ def main() -> int:
         consumer.apply(batch)
         if flushes:
             ok = providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
-            _answer(answers, b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes)
-                    + (b"reported\n" if ok and unreported else b""))
-            unreported = unreported and not ok
-        now = time.monotonic()
-        if flushes or now - last_answer >= _TAKEN_EVERY_S:
-            _answer(answers, b"taken %d\n" % consumer.taken)
-            last_answer = now
+            if ok:
+                checkpoints.take(source.read_bytes, flushed=True)
+            _answer(answers, b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
+        elif checkpoints.due(source.read_bytes):
+            checkpoints.take(source.read_bytes)
     consumer.close()
     # a flush first, within the same bound: the SDK's self-metrics of its exports (spans and points
     # delivered, or lost) then leave with the last one, as a periodic export would have sent them

@@ -155,10 +155,12 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
 # -- providers ------------------------------------------------------------------------------------
 
 def build(resource: Any = None, extra_readers: Sequence[Any] = (),
-          wrap_export: Callable[[Any], Any] | None = None) -> Providers:
+          wrap_export: Callable[[Any], Any] | None = None, id_generator: Any = None,
+          counters_since_ns: int | None = None) -> Providers:
     """Providers from the ``OTEL_*`` variables, on ``resource`` (default: the SDK's, from
     ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME``); ``wrap_export(export)`` wraps
-    each gRPC exporter's ``export`` (the bootstrap's fork guard)."""
+    each gRPC exporter's ``export`` (the bootstrap's fork guard). ``counters_since_ns``: the
+    start time of every monotonic sum exported (counters that go on from a predecessor's)."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.trace import NoOpTracerProvider
 
@@ -170,13 +172,14 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
     build_ = otel_environment.build
     if resource is None:
         resource = otel_environment.resource()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES: the SDK's rules
-    readers, meter_provider = _meter_provider(resource, extra_readers, wrap_export=wrap_export)
+    readers, meter_provider = _meter_provider(resource, extra_readers, wrap_export=wrap_export,
+                                              counters_since_ns=counters_since_ns)
     # Not this meter provider: otel.sdk.span.started/live would cost the sinks two SDK calls a span, and
     # their own counters already count every op; nor the host's global one.
     own = _accepted(TracerProvider, meter_provider=NoOpMeterProvider())
     tracer_provider = build_("tracer provider", lambda **limits: TracerProvider(
         resource=resource, shutdown_on_exit=False, span_limits=SpanLimits(**limits) if limits else None,
-        sampler=otel_environment.sampler(), **own),
+        sampler=otel_environment.sampler(), **({"id_generator": id_generator} if id_generator else {}), **own),
         otel_environment.SPAN_LIMITS) or NoOpTracerProvider()
     undelivered = Undelivered()
     processors = []
@@ -189,7 +192,8 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
 
 
 def _meter_provider(resource: Any, extra_readers: Sequence[Any] = (), names: Sequence[str] | None = None,
-                    wrap_export: Callable[[Any], Any] | None = None) -> tuple[list[Any], Any]:
+                    wrap_export: Callable[[Any], Any] | None = None,
+                    counters_since_ns: int | None = None) -> tuple[list[Any], Any]:
     """The readers ``OTEL_METRICS_EXPORTER`` names (or ``names``), ``extra_readers``, and a meter provider of them."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
@@ -202,6 +206,8 @@ def _meter_provider(resource: Any, extra_readers: Sequence[Any] = (), names: Seq
         if isinstance(made, MetricReader):
             readers.append(made)  # a pull reader (prometheus) serving its own endpoint
         else:
+            if counters_since_ns is not None:
+                made.export = _counters_since(made.export, counters_since_ns)
             reader = build_("periodic metric reader", lambda **kw: PeriodicExportingMetricReader(made, **kw),
                            otel_environment.METRIC_READER)
             if reader is not None:
@@ -215,6 +221,27 @@ def _meter_provider(resource: Any, extra_readers: Sequence[Any] = (), names: Seq
         if callable(getattr(exporter, "set_meter_provider", None)):
             exporter.set_meter_provider(meter_provider)
     return readers, meter_provider
+
+
+def _counters_since(export: Callable[..., Any], start_ns: int) -> Callable[..., Any]:
+    """``export`` of metrics whose monotonic sums all say they count since ``start_ns``: a
+    successor's counters go on from its predecessor's totals, so they must not look restarted
+    (a start time later than the previous point's is a reset to ``rate()`` and delta converters)."""
+    from dataclasses import replace
+
+    from opentelemetry.sdk.metrics.export import Sum
+
+    def since(point: Any) -> Any:
+        return replace(point, start_time_unix_nano=start_ns) if point.start_time_unix_nano > start_ns else point
+
+    def exported(data: Any, *args: Any, **kwargs: Any) -> Any:
+        data = replace(data, resource_metrics=[replace(rm, scope_metrics=[replace(sm, metrics=[
+            replace(m, data=replace(m.data, data_points=[since(p) for p in m.data.data_points]))
+            if isinstance(m.data, Sum) and m.data.is_monotonic else m for m in sm.metrics])
+            for sm in rm.scope_metrics]) for rm in data.resource_metrics])
+        return export(data, *args, **kwargs)
+
+    return exported
 
 
 def span_processors(span_exporters: Sequence[Any], meter_provider: Any) -> list[Any]:

@@ -17,9 +17,11 @@ others. Each decision is counted through ``count(decision, reason)``
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Mapping
 
 from opentelemetry import trace
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation import set_span_in_context
 
@@ -39,6 +41,31 @@ def trace_id_hex(context: Any) -> str:
     makes those), 32 otherwise (``trace.format_trace_id``)."""
     trace_id = context.trace_id
     return f"{trace_id:016x}" if trace_id < 1 << 64 else trace.format_trace_id(trace_id)
+
+
+class OpIds(IdGenerator):
+    """Span and trace ids derived from the op (its ``seq``, set before each span starts) and a
+    key of the serving process: an op a successor telemetry process replays gets the ids it had,
+    so a span exported twice (its first telemetry process died before saying so) is one span
+    to whoever stores it. Random ids for anything else."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key[:64]
+        self.seq: int | None = None
+        self._random = RandomIdGenerator()
+
+    def _digest(self) -> bytes | None:
+        seq = self.seq
+        return None if seq is None else hashlib.blake2b(seq.to_bytes(8, "little", signed=True), key=self._key,
+                                                         digest_size=24).digest()
+
+    def generate_span_id(self) -> int:
+        digest = self._digest()
+        return int.from_bytes(digest[:8], "little") or 1 if digest else self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        digest = self._digest()
+        return int.from_bytes(digest[8:], "little") or 1 if digest else self._random.generate_trace_id()
 
 
 SPAN_NAMES = {"offload": sc.SPAN_OFFLOAD, ONBOARD: sc.SPAN_ONBOARD}
@@ -143,7 +170,7 @@ class SpanBuilder:
         # tracers; with any other, None: its own sampler decides those too, and is counted so)
         self._keeping = keeping_tracer(self._tracer) if policy is not None else None
 
-    def begin(self, record: Any) -> Any:
+    def begin(self, record: Any, counted: bool = True) -> Any:
         tracer = self._tracer
         attributes = span_attributes(record, self._static)
         reason = _BASE
@@ -167,7 +194,7 @@ class SpanBuilder:
         record.span_context = span.get_span_context()
         if record.span_context.trace_flags.sampled:
             record.exemplar_context = set_span_in_context(span)
-        if self._count is not None:  # kept: a span was made and sampled (a disabled tracer makes none)
+        if self._count is not None and counted:  # kept: a span was made and sampled (a disabled tracer makes none)
             self._count(_KEPT if span.is_recording() and record.span_context.trace_flags.sampled else _SKIPPED,
                         reason)
         return span
