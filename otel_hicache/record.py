@@ -132,7 +132,6 @@ STATE_FIELDS = (
     "oldest_unacked_ns",  # {direction: completion time of the oldest op waiting for its ack, or None}
     "queue_size",  # records queued or held by the capture
     "poller_cpu_s",  # CPU seconds of the poller thread so far
-    "cache_events",  # {kind: {attribute pairs: total}} (capture.cache_events), or None: unchanged
 )
 
 

@@ -7,7 +7,7 @@ ids, node ids or hashes are ever attributes.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
 SCOPE_NAME: Final = "otel_hicache"
 
@@ -20,7 +20,7 @@ EVENT_SUBMITTED: Final = "submitted"
 EVENT_ACKED: Final = "acked"
 EVENT_REQUEST: Final = "hicache.request"  # one per linked request: its trace id, searchable in Jaeger
 
-# attributes: spans carry all but POOL, REASON and TIER (metric-only); metric points
+# attributes: spans carry all but POOL and REASON (metric-only); metric points
 # carry the subset listed in otel_hicache.metrics
 DIRECTION: Final = "hicache.direction"
 SRC_TIER: Final = "hicache.src_tier"
@@ -41,7 +41,6 @@ ACK_DELAY_US: Final = "hicache.ack_delay_us"
 ACKED: Final = "hicache.acked"
 BANDWIDTH: Final = "hicache.bandwidth_bytes_per_second"
 ERROR_TYPE: Final = "error.type"
-TIER: Final = "hicache.tier"
 REASON: Final = "reason"
 # metric-only, on hicache.link.nominal_bandwidth: the host link of the process's GPU
 LINK_TYPE: Final = "hicache.link.type"
@@ -167,23 +166,6 @@ HOST_WASTED_TOKENS = (
     "{token}",
     "Tokens (pages x page size) of host pages freed or overwritten without a load-back since written.",
 )
-# cache events (not transfers): exact cumulative counts, see otel_hicache.cache_events
-PREFIX_TOKENS = (
-    "hicache.prefix.tokens",
-    "{token}",
-    "Cached prefix tokens of requests, by the tier they were found in (hicache.tier: device, host, storage).",
-)
-DROPPED_TOKENS = (
-    "hicache.dropped_tokens",
-    "{token}",
-    "KV tokens dropped without a copy in a lower tier (reason, hicache.pool).",
-)
-EVICTED_TOKENS = (
-    "hicache.evicted_tokens",
-    "{token}",
-    "Tokens evicted from a tier (hicache.tier: device, host).",
-)
-
 # the host link's capacity (not transfers): read once from NVML, see otel_hicache.link_capacity
 LINK_NOMINAL_BANDWIDTH = (
     "hicache.link.nominal_bandwidth",
@@ -241,16 +223,6 @@ SPANS = (
 THREAD: Final = "thread"
 THREAD_TELEMETRY_PROCESS: Final = "telemetry_process"  # not a thread: the whole telemetry process
 
-TIER_DEVICE: Final = "device"
-TIER_HOST: Final = "host"
-TIER_STORAGE: Final = "storage"
-PREFIX_TIERS = (TIER_DEVICE, TIER_HOST, TIER_STORAGE)
-EVICTION_TIERS = (TIER_DEVICE, TIER_HOST)
-DROP_HOST_PRESSURE: Final = "host_pressure"
-DROP_WRITE_THROUGH_UNBACKED_EVICTION: Final = "write_through_unbacked_eviction"
-DROPPED_TOKEN_REASONS = (DROP_HOST_PRESSURE, DROP_WRITE_THROUGH_UNBACKED_EVICTION)
-"""Reasons with zero series from start-up (others are accepted as they come)."""
-
 DROP_QUEUE_FULL: Final = "queue_full"
 DROP_INVALID_INPUT: Final = "invalid_input"
 DROP_SHUTDOWN: Final = "shutdown"
@@ -291,17 +263,3 @@ BANDWIDTH_BUCKETS = (
     3e10, 4e10, 5e10, 7.5e10, 1e11, 2e11, 4e11, 1e12,
 )
 """Bytes per second, 100 MB/s to 1 TB/s (PCIe Gen4/5 and C2C links)."""
-
-
-CACHE_EVENT_KINDS = {"prefix": PREFIX_TOKENS, "dropped": DROPPED_TOKENS, "evicted": EVICTED_TOKENS}
-"""The cache events counted by kind (``TransferTelemetry.cache_events``)."""
-
-
-def cache_event_zero_series() -> dict[str, list[tuple[tuple[str, Any], ...]]]:
-    """The attribute sets of each cache event kind that exist as zeros from start-up: every
-    prefix tier, every eviction tier, and the known drop reasons for the ``kv`` pool."""
-    return {
-        "prefix": [((TIER, tier),) for tier in PREFIX_TIERS],
-        "dropped": [((REASON, reason), (POOL, "kv")) for reason in DROPPED_TOKEN_REASONS],
-        "evicted": [((TIER, tier),) for tier in EVICTION_TIERS],
-    }

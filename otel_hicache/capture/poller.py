@@ -209,7 +209,6 @@ class Poller:
         self._last_state = 0
         self._last_send = 0
         self._unsent_ops = -1  # ops written to the channel and not sent on yet; -1: nothing at all
-        self.cache_totals: Callable[[], Any] | None = None  # cache_events.CacheEvents.changed
         self._wake = _Wake()
         self._stopping = False
         self._drain_all = False
@@ -533,7 +532,7 @@ class Poller:
             return
         self._last_state = mono
         message = self._state_message(time.thread_time())
-        if message[1:5] == self._state_sent and message[6] is None and not force:
+        if message[1:5] == self._state_sent and not force:
             return
         self._state_sent = message[1:5]
         self._out.append(message)
@@ -568,8 +567,7 @@ class Poller:
             first = unacked[record.direction]
             if record.handle[S_ACK_NS] is None and (first is None or record.completed_at_ns < first):
                 unacked[record.direction] = record.completed_at_ns
-        cache = self.cache_totals() if self.cache_totals is not None else None
-        return (rec.STATE, inflight, oldest, unacked, len(queued) + self.held, cpu_s, cache)
+        return (rec.STATE, inflight, oldest, unacked, len(queued) + self.held, cpu_s)
 
     @staticmethod
     def _older(oldest: dict[str, Any], direction: str, submit_ns: Any) -> bool:

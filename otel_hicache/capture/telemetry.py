@@ -23,7 +23,6 @@ from ..diagnostics import warn_once
 from ..settings import env_bool, env_float, sdk_disabled
 from . import fork
 from .attributes import static_attributes
-from .cache_events import CacheEvents
 from .device import current_device, timing_event_pair
 from .poller import HostFree, HostPoolRef, PipelineSettings, Poller
 from .process_exit import on_exit
@@ -57,10 +56,6 @@ class TransferTelemetry:
         tests pass their own.
     :param anchor_event_factory: returns a freshly recorded timing event, for the
         wall-clock anchor; derived from the events themselves when omitted.
-
-    ``cache_events`` (:class:`~otel_hicache.cache_events.CacheEvents`) counts
-    the cache events that are not transfers (prefix hits per tier, dropped and
-    evicted tokens) with the same static attributes.
     """
 
     def __init__(
@@ -77,9 +72,6 @@ class TransferTelemetry:
         self._clock = clock or time.time_ns
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self._pipeline: Poller | None = None
-        # prefix hits, dropped and evicted tokens: counted on the caller's thread with a
-        # dict update, sent with the poller's state
-        self.cache_events = CacheEvents(self._static)
         # A plain attribute, not a property: adapters guard their own argument
         # building with ``if tel.enabled:`` for a ~20 ns disabled path.
         self.enabled = False
@@ -92,7 +84,6 @@ class TransferTelemetry:
         self._pipeline = Poller(settings, configuration.open_channel(
             tracer_provider, meter_provider, self._static, device, settings.max_queue_size, self._clock),
             self._clock, anchor_event_factory)
-        self._pipeline.cache_totals = self.cache_events.changed
         self.enabled = True
         on_exit(_stop_at_exit, weakref.ref(self._pipeline), self._shutdown_timeout_s, priority=20)  # multiprocessing children too
         fork.after_fork_in_child(self._after_fork_in_child)  # after the poller's (registration order)

@@ -23,7 +23,6 @@ from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 from .busy_time import BusyTimeTracker
-from .cache_events import CacheEventCounters
 from .host_residence import SMALL_OP_SLOTS, make_host_pool
 from .link_capacity import LinkCapacity
 from .logs import TransferLog
@@ -94,7 +93,6 @@ class Consumer:
         location = (sc.LOCATION_EMBEDDED_FALLBACK if hello.get("fallback") else
                     sc.LOCATION_EMBEDDED if hello.get("embedded") else sc.LOCATION_TELEMETRY_PROCESS)
         self.cpu = TelemetryCpu(meter_provider, static, location)
-        self.cache_events = CacheEventCounters(meter_provider, static)
         LinkCapacity(static, hello.get("device")).bind(meter_provider)
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
         self._pools: dict[int, Any] = {}
@@ -238,11 +236,9 @@ class Consumer:
             self.metrics.dropped_records(message[1], message[2])
 
     def _state(self, message: tuple[Any, ...]) -> None:
-        inflight, oldest_inflight, oldest_unacked, queue_size, poller_cpu_s, cache = message[1:]
+        inflight, oldest_inflight, oldest_unacked, queue_size, poller_cpu_s = message[1:6]
         self.metrics.state(inflight, oldest_inflight, oldest_unacked, queue_size)
         self.cpu.poller_cpu_s = poller_cpu_s
-        if cache is not None:
-            self.cache_events.totals = cache
         # busy intervals ending well before the oldest op in flight can never overlap one to come
         oldest = min((t for t in oldest_inflight.values() if t is not None), default=None)
         if oldest is not None or not any(inflight.values()):

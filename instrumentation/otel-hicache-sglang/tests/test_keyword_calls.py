@@ -8,7 +8,6 @@ here with their engine's ``transfers`` passed by keyword instead.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -84,59 +83,17 @@ def test_merged_ops_and_retraction_with_transfers_by_keyword_report_as_positiona
     assert keyword_tokens == positional_tokens == {"merged_op": 24, "direct": 16}
 
 
-def test_cache_events_by_keyword_count_as_positional(instrumented, sglang_cpu, monkeypatch):
-    from sglang.srt.managers import schedule_batch
-
-    stack = sglang_cpu.build_stack("write_through")
-    cache = stack.cache
-
-    def counts() -> dict[str, float]:
-        return {
-            "dropped": instrumented.metric("hicache.dropped_tokens", reason="host_pressure"),
-            "device": instrumented.metric("hicache.evicted_tokens", **{"hicache.tier": "device"}),
-            "host": instrumented.metric("hicache.evicted_tokens", **{"hicache.tier": "host"}),
-            "prefix": sum(instrumented.metric("hicache.prefix.tokens", **{"hicache.tier": tier})
-                          for tier in ("device", "host", "storage")),
-        }
-
-    start = counts()
-    cache._record_dropped_tokens(5, "host_pressure")
-    cache.update_eviction_metrics(3, time.perf_counter())
-    assert schedule_batch.split_cached_prefix_by_tier(100, 40, 10) == (60, 30, 10)
-    host_evicted = sglang_cpu.host_eviction(stack)["host_evicted_tokens"]
-    positional = {k: v - start[k] for k, v in counts().items()}
-
-    start = counts()
-    cache._record_dropped_tokens(dropped_tokens=5, reason="host_pressure")
-    cache.update_eviction_metrics(num_evicted=3, start_time=time.perf_counter())
-    assert schedule_batch.split_cached_prefix_by_tier(prefix_len=100, host_hit_len=40, storage_hit_len=10) == (
-        60, 30, 10)
-    by_keyword(monkeypatch, cache, "evict_host", "num_tokens", "component_type")
-    host_evicted_kw = sglang_cpu.host_eviction(stack, start=1700)["host_evicted_tokens"]
-    keyword = {k: v - start[k] for k, v in counts().items()}
-
-    assert host_evicted == host_evicted_kw > 0
-    assert positional["dropped"] == 5 and positional["prefix"] == 100 and positional["host"] == host_evicted
-    assert positional["device"] >= 3  # and what host_eviction evicted from the device
-    assert keyword == positional
-
-
 def test_a_renamed_parameter_passed_by_keyword_costs_the_report_never_the_call(monkeypatch, make_instrumented,
                                                                                 sglang_cpu, warnings_log):
-    """As if a later SGLang renamed ``transfers`` and ``dropped_tokens`` and passed them by keyword."""
+    """As if a later SGLang renamed ``transfers`` and passed it by keyword."""
     from sglang.srt.mem_cache.l2_transfer import L2TransferEngine
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    submit, record = L2TransferEngine.submit_device_to_host, UnifiedRadixCache._record_dropped_tokens
+    submit = L2TransferEngine.submit_device_to_host
 
     def submit_device_to_host(self: Any, transfer_list: Any) -> Any:
         return submit(self, transfer_list)
 
-    def _record_dropped_tokens(self: Any, num_tokens: int, reason: str) -> None:
-        return record(self, num_tokens, reason)
-
     monkeypatch.setattr(L2TransferEngine, "submit_device_to_host", submit_device_to_host)
-    monkeypatch.setattr(UnifiedRadixCache, "_record_dropped_tokens", _record_dropped_tokens)
     instrumented = make_instrumented()
 
     controller, _kv, allocator = sglang_cpu.build_controller()
@@ -153,16 +110,10 @@ def test_a_renamed_parameter_passed_by_keyword_costs_the_report_never_the_call(m
         ("hicache.offload", "merged_op"), ("hicache.onboard", "merged_op")]
     assert spans[0].attributes["hicache.tokens"] == acks["offload_tokens"] == 8
 
-    stack = sglang_cpu.build_stack("write_through")
-    before = instrumented.metric("hicache.dropped_tokens", reason="host_pressure")
-    assert stack.cache._record_dropped_tokens(num_tokens=4, reason="host_pressure") is None
-    assert instrumented.metric("hicache.dropped_tokens", reason="host_pressure") == before
-
     messages = [r.getMessage() for r in warnings_log.records]
     renamed = [m for m in messages if "without a parameter" in m]
-    assert len(renamed) == 2, messages
+    assert len(renamed) == 1, messages
     assert "submit_device_to_host() without a parameter 'transfers'" in renamed[0]
-    assert "_record_dropped_tokens() without a parameter 'dropped_tokens'" in renamed[1]
     assert not [m for m in messages if "could not" in m or "does not match" in m], messages
     controller.mem_pool_host.free(host_indices)
     allocator.free(device_indices)

@@ -514,7 +514,7 @@ def documented() -> dict[str, set[str]]:
 def test_the_documented_allow_list_names_no_identifier():
     allowed = documented()
     assert {"hicache.direction", "hicache.tokens", "hicache.controller", "tp_rank"} <= allowed["span"]
-    assert {"hicache.pool", "reason", "hicache.tier", "hicache.origin", "attn_cp_rank"} <= allowed["point"]
+    assert {"hicache.pool", "reason", "hicache.origin", "attn_cp_rank"} <= allowed["point"]
     assert allowed["span_names"] == {sc.SPAN_OFFLOAD, sc.SPAN_ONBOARD}
     assert allowed["event_names"] == {sc.EVENT_SUBMITTED, sc.EVENT_REQUEST, sc.EVENT_ACKED}
     assert allowed["event"] == {sc.REQUEST_TRACE_ID} and allowed["link"] == {sc.LINK_TO}
@@ -797,18 +797,12 @@ def test_the_run_exercised_what_the_scan_claims(sglang_run):
     exemplars = [e for _, p in _points(exported) for e in getattr(p, "exemplars", ())]
     assert exemplars and all(len(e.trace_id) == 16 for e in exemplars)  # trace-based exemplars were exported
     names = {name for name, _ in _points(exported)}
-    # every metric, cache events included; queue wait needs device timing events (none on CPU),
+    # every metric; queue wait needs device timing events (none on CPU),
     # the link's nominal bandwidth NVML (there or not)
     # and the telemetry process's own CPU (this run is embedded)
     nvml_only = {sc.LINK_NOMINAL_BANDWIDTH[0]}
     assert names - nvml_only == documented()["metric_names"] - {sc.TRANSFER_QUEUE_WAIT[0], sc.EXPORT_CPU_TIME[0]} \
         - nvml_only
-    points = dict(((n, tuple(sorted(_attributes(p.attributes).items()))), p) for n, p in _points(exported))
-    dropped = [p for (n, a), p in points.items() if n == sc.DROPPED_TOKENS[0]
-               and ("reason", "write_through_unbacked_eviction") in a]
-    assert dropped and dropped[-1].as_int == facts["dropped"]
-    assert any(n == sc.PREFIX_TOKENS[0] and ("hicache.tier", "host") in a and p.as_int == 12
-               for (n, a), p in points.items())
 
     # each completed op's two DEBUG lines
     complete = [r for r in exported.logs if r.levelno == logging.DEBUG and " transfer complete " in r.getMessage()]

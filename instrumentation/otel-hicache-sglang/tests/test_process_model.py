@@ -22,9 +22,8 @@ from otlp_receiver import GrpcReceiver, attributes
 
 HERE = Path(__file__).resolve().parent
 SPAWN_TIMEOUT_S = 180
-ALL_GROUPS = ["L1<->L2 transfers", "transfer causes", "transfer causes: buffer-only host mode", "host residence",
-              "dropped tokens",
-              "evictions", "prefix hits"]  # the decode-offload causes: only where its module is imported
+# (the decode-offload causes: only where its module is imported)
+ALL_GROUPS = ["L1<->L2 transfers", "transfer causes", "transfer causes: buffer-only host mode", "host residence"]
 
 
 def _otlp_env(monkeypatch: pytest.MonkeyPatch, endpoint: str) -> None:

@@ -32,7 +32,7 @@ from otel_hicache import environment_variables as ev
 from otel_hicache.diagnostics import logger, warn_once
 from otel_hicache.settings import env_bool, sdk_disabled
 
-from . import cache_events, causes
+from . import causes
 from .package import _instruments
 from .patching import Group, Incompatible, Patcher, why_not_applied
 from .transfers import OFFLOAD, ONBOARD, TransferObserver
@@ -42,9 +42,6 @@ __all__ = ["SGLangHiCacheInstrumentor", "patch_groups", "plugin", "__version__"]
 
 L2_TRANSFER = "sglang.srt.mem_cache.l2_transfer"
 CACHE_CONTROLLER = "sglang.srt.managers.cache_controller"
-UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache"
-BASE_PREFIX_CACHE = "sglang.srt.mem_cache.base_prefix_cache"
-SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
 HOST_POOL = "sglang.srt.mem_cache.pool_host.base"
 
 ACK_FIELDS = ("start_event", "finish_event", "num_tokens", "timing_enabled", "num_tokens_by_pool", "num_bytes")
@@ -67,15 +64,6 @@ def _check_transfers() -> None:
     _require_fields(L2_TRANSFER, "L2Transfer", TRANSFER_FIELDS)
 
 
-def _base_component() -> Any:
-    return getattr(sys.modules[UNIFIED_RADIX_CACHE], "BASE_COMPONENT_TYPE")
-
-
-def _check_evictions() -> None:
-    if not hasattr(sys.modules[UNIFIED_RADIX_CACHE], "BASE_COMPONENT_TYPE"):
-        raise Incompatible(f"{UNIFIED_RADIX_CACHE}.BASE_COMPONENT_TYPE not found")
-
-
 def _groups(observer: TransferObserver) -> list[Group]:
     """What is wrapped (``docs/sglang.md``), all or nothing per group."""
     return [
@@ -93,18 +81,6 @@ def _groups(observer: TransferObserver) -> list[Group]:
         Group("host residence", [
             (HOST_POOL, "HostKVCache.free", observer.host_free_wrapper()),
         ]),
-        Group("dropped tokens", [
-            (UNIFIED_RADIX_CACHE, "UnifiedRadixCache._record_dropped_tokens",
-             cache_events.record_dropped_tokens(observer)),
-        ]),
-        Group("evictions", [
-            (BASE_PREFIX_CACHE, "BasePrefixCache.update_eviction_metrics",
-             cache_events.update_eviction_metrics(observer)),
-            (UNIFIED_RADIX_CACHE, "UnifiedRadixCache.evict_host", cache_events.evict_host(observer, _base_component)),
-        ], check=_check_evictions),
-        Group("prefix hits", [
-            (SCHEDULE_BATCH, "split_cached_prefix_by_tier", cache_events.split_cached_prefix_by_tier(observer)),
-        ]),
     ]
 
 
@@ -115,7 +91,7 @@ def _request_groups(observer: TransferObserver) -> list[Group]:
 
 
 class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-method
-    """Instruments SGLang HiCache's L1<->L2 transfers and cache events."""
+    """Instruments SGLang HiCache's L1<->L2 transfers."""
 
     _observer: TransferObserver | None = None
     _patcher: Patcher | None = None
