@@ -799,47 +799,6 @@ class Validation:
                 why = benches[0].get("skipped") or benches[0].get("error") or "no result"
                 self.report.skip(f"duration / do_bench, {direction}", "info", str(why)[:120], "report")
 
-    def check_link(self) -> None:
-        """hicache.link.nominal_bandwidth (NVML) as exported; throughput over it; its bus id."""
-        points = self.metric_points()
-        nominal = {p.attributes.get(sc.DIRECTION): p for p in points.get(sc.LINK_NOMINAL_BANDWIDTH[0], [])}
-        if not nominal:
-            capacity = getattr(self.tel, "_link_capacity", None)
-            why = getattr(capacity, "unavailable", "") or "not exported"
-            self.report.skip("link efficiency (busy-time throughput / nominal)", "info",
-                             f"no {sc.LINK_NOMINAL_BANDWIDTH[0]}: {why}"[:160], "report")
-            return
-        totals: dict[str, list[float]] = {}
-        for index, name in enumerate((sc.TRANSFER_BYTES[0], sc.TRANSFER_BUSY_TIME[0])):
-            for p in points.get(name, []):
-                totals.setdefault(p.attributes.get(sc.DIRECTION), [0.0, 0.0])[index] += p.value
-        peak = (self.analysis.get("bandwidth") or {}).get("peak_gbs", {})
-        link = dict(next(iter(nominal.values())).attributes)
-        self.analysis["link"] = {"attributes": link, "nominal_gbs": {}, "busy_time_gbs": {}, "efficiency": {},
-                                 "peak_over_nominal": {}}
-        for direction in DIRECTIONS:
-            point = nominal.get(direction)
-            nbytes, busy_s = totals.get(direction, [0.0, 0.0])
-            if point is None or not busy_s:
-                continue
-            nominal_gbs, busy_gbs = point.value / 1e9, nbytes / busy_s / 1e9
-            a = self.analysis["link"]
-            a["nominal_gbs"][direction], a["busy_time_gbs"][direction] = nominal_gbs, busy_gbs
-            a["efficiency"][direction] = busy_gbs / nominal_gbs
-            measured = f"{busy_gbs:.2f} / {nominal_gbs:.2f} GB/s = {busy_gbs / nominal_gbs:.1%}"
-            if peak.get(direction):
-                a["peak_over_nominal"][direction] = peak[direction] / nominal_gbs
-                measured += f"; measured peak {peak[direction] / nominal_gbs:.1%}"
-            self.report.add(f"link efficiency {direction} (busy-time throughput / nominal)", "info",
-                            f"{measured} ({link.get(sc.LINK_TYPE)} gen{link.get(sc.LINK_GENERATION, '-')} "
-                            f"x{link.get(sc.LINK_WIDTH)})", "report (PCIe, large copies: ~75-90%)", None)
-        if not self.backend.dry:  # the gauge names the GPU the copies ran on
-            props = torch.cuda.get_device_properties(self.backend.device)
-            want = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-            got = link.get(sc.PCI_BUS_ID)
-            self.report.add("link: pci.bus_id == the copying device's", "target", f"{got} (device {want})",
-                            "equal", got == want)
-
     def check_anchor(self) -> None:
         ops = [op for op in self.ops if op["phase"] == "copies" and op.get("anchor_error_ns") is not None]
         if not ops:
@@ -1059,7 +1018,6 @@ def main(argv: Sequence[str] | None = None, backend: Any = None, started: float 
                 ("check: duration vs independent", v.check_durations, "target", f"within {TARGET_RATIO:.0%}"),
                 ("check: host clock", v.check_host_clock, "info", ""),
                 ("check: do_bench, bandwidth", v.check_bench_and_bandwidth, "info", ""),
-                ("check: link capacity", v.check_link, "info", ""),
                 ("check: anchor error", v.check_anchor, "target", f"< {TARGET_ANCHOR_US:g} us"),
                 ("check: caller overhead", v.check_overhead, "target", f"<= {TARGET_OVERHEAD_US:g} us median"),
                 ("check: worker", v.check_worker, "wiring", ""),

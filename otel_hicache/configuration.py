@@ -104,16 +104,16 @@ def uses_telemetry_process() -> bool:
                for signal in ("traces", "metrics") for name in providers.exporter_names(signal))
 
 
-def hello(static: Mapping[str, Any], device: Any, resource: Any = None) -> dict[str, Any]:
+def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
     """What the sinks are told of this process (``record``: the hello)."""
     if resource is None:
         resource = otel_environment.resource()
     return {"resource": dict(resource.attributes), "schema_url": resource.schema_url, "attributes": dict(static),
-            "device": device, "pid": os.getpid(), "warned": warned(), "log_level": logger.getEffectiveLevel()
+            "pid": os.getpid(), "warned": warned(), "log_level": logger.getEffectiveLevel()
             if logger.isEnabledFor(logging.DEBUG) else None}
 
 
-def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str, Any], device: Any,
+def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str, Any],
                  max_ops: int, clock: Callable[[], int] = time.time_ns) -> Callable[[], Any]:
     """The channel a ``TransferTelemetry`` writes to, opened on its poller thread: embedded on the
     providers passed (either one; the other from configure(), else the global one), else what
@@ -124,7 +124,7 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
     sampling = SpanSamplingSettings.from_environment().values()  # read at construction, as the others
 
     def hello_(resource: Any) -> dict[str, Any]:
-        return {**hello(static, device, resource), "span_sampling": sampling}
+        return {**hello(static, resource), "span_sampling": sampling}
 
     def opened() -> Any:
         current = configured()

@@ -6,13 +6,13 @@ every otel-hicache warning the resolution emits; exports one test span and one
 test metric point through exporters built by :mod:`otel_hicache.configuration`'s
 own code path, to the configured endpoint, and says whether each was accepted
 (an answer outside 2xx never is); reports SGLang (version, the adapter's version
-guard, which patch groups would apply) and NVML.
+guard, which patch groups would apply).
 
 Exit status: 0 when every configured exporter accepted its test data, or when
 nothing is configured to be exported (``OTEL_SDK_DISABLED=true``, or ``none``
 for both signals: said so, with the variable); 1 when an export was not
 accepted or an exporter could not be built, with the cause and the variable to
-fix; 2 for a usage error. SGLang and NVML are reported, never the exit status.
+fix; 2 for a usage error. SGLang is reported, never the exit status.
 
     otel-hicache doctor [--timeout 10] [--skip-sglang]
     python -m otel_hicache.doctor [--timeout 10] [--skip-sglang]
@@ -567,7 +567,7 @@ def _not_built(signal: str, name: str, otlp: Otlp | None, warnings: list[str]) -
             "fix the variable the warning names (Warnings while resolving, above)")
 
 
-# -- SGLang and NVML ---------------------------------------------------------------------------
+# -- SGLang ---------------------------------------------------------------------------
 
 def _sglang(out: TextIO, check_groups: bool) -> None:
     """SGLang's section: the adapter's own report (``otel_hicache_sglang.doctor``), when it is installed."""
@@ -586,26 +586,6 @@ def _sglang(out: TextIO, check_groups: bool) -> None:
         print(f"  adapter         not installed (otel-hicache-sglang: {type(exc).__name__}: {exc})", file=out)
         return
     report(out, installed, check_groups)
-
-
-def _nvml(out: TextIO) -> None:
-    print("NVML", file=out)
-    try:
-        import pynvml  # nvidia-ml-py
-    except Exception as exc:  # pylint: disable=broad-except
-        print(f"  pynvml          absent ({type(exc).__name__}; pip install nvidia-ml-py)", file=out)
-        return
-    try:
-        pynvml.nvmlInit()
-        try:
-            count = pynvml.nvmlDeviceGetCount()
-            driver = pynvml.nvmlSystemGetDriverVersion()
-            driver = driver.decode() if isinstance(driver, bytes) else driver
-        finally:
-            pynvml.nvmlShutdown()
-        print(f"  pynvml          present: {count} device(s), driver {driver}", file=out)
-    except Exception as exc:  # pylint: disable=broad-except
-        print(f"  pynvml          present, but NVML is not usable here ({type(exc).__name__}: {exc})", file=out)
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -671,7 +651,6 @@ def _doctor(logs: _Captured, cap_s: float, check_sglang: bool, out: TextIO) -> i
     trace_id = _exports(p, checks, problems, logs, cap_s, disabled, notes)
     _sglang(out, check_sglang)
     p()
-    _nvml(out)
     p()
     return _verdict(p, notes, problems, checks, trace_id)
 
@@ -876,7 +855,7 @@ def _telemetry_process(p: Any, cap_s: float) -> tuple[str, str] | None:
     from .capture.channel import ProcessChannel, telemetry_process_command
 
     started = time.monotonic()
-    channel = ProcessChannel(configuration.hello({}, None), 1, lambda: None)
+    channel = ProcessChannel(configuration.hello({}), 1, lambda: None)
     try:
         answered = channel.flush(cap_s)
         pid = channel.process.pid if channel.process is not None else None

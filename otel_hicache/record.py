@@ -71,14 +71,6 @@ INT64_MAX = 2**63 - 1
 """The largest count or time any OTLP exporter can encode (int64 values, nanosecond times):
 a larger one would make every export of its batch, or of a cumulative counter, fail."""
 
-# The GPU of the serving process, as capture.device.current_device() names it for the sinks
-# (the host link's capacity, read from NVML): (kind, value)
-BUS_ID: Final = "pci_bus_id"  # value: "00000000:3B:00.0"
-UUID: Final = "uuid"  # value: "GPU-..." or "MIG-..."
-INDEX: Final = "index"  # value: an NVML index
-ONLY: Final = "only"  # the one GPU NVML sees, if it sees exactly one
-NONE: Final = "none"  # value: why no GPU can be named
-
 OP, ACK, HOST, POOL, FREE, DROPPED, STATE, FLUSH, STOP, CHECKPOINT = range(10)
 
 FRAME_HEADER = struct.Struct("<I")

@@ -42,11 +42,6 @@ ACKED: Final = "hicache.acked"
 BANDWIDTH: Final = "hicache.bandwidth_bytes_per_second"
 ERROR_TYPE: Final = "error.type"
 REASON: Final = "reason"
-# metric-only, on hicache.link.nominal_bandwidth: the host link of the process's GPU
-LINK_TYPE: Final = "hicache.link.type"
-LINK_GENERATION: Final = "hicache.link.generation"
-LINK_WIDTH: Final = "hicache.link.width"
-PCI_BUS_ID: Final = "pci.bus_id"
 
 # why an op moved its bytes (spans, and the transfer metrics): a closed set, see CAUSES
 CAUSE: Final = "hicache.cause"
@@ -165,13 +160,6 @@ HOST_WASTED_TOKENS = (
     "hicache.host.wasted_tokens",
     "{token}",
     "Tokens (pages x page size) of host pages freed or overwritten without a load-back since written.",
-)
-# the host link's capacity (not transfers): read once from NVML, see otel_hicache.link_capacity
-LINK_NOMINAL_BANDWIDTH = (
-    "hicache.link.nominal_bandwidth",
-    "By/s",
-    "Nominal bytes/s per direction of the GPU's host link (PCIe at its max generation and width, "
-    "or NVLink-C2C), from NVML at start-up; absent without NVML.",
 )
 
 RECORDS_DROPPED = (

@@ -1,6 +1,6 @@
 """``otel-hicache doctor``, run as the command a user runs: against the in-process OTLP
 receiver (accepted, header values masked), an unreachable endpoint, the wrong protocol,
-TLS problems and nothing to export; its SGLang and NVML sections in-process."""
+TLS problems and nothing to export; its SGLang section in-process."""
 
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ def test_console_script_is_declared_and_installed():
     assert SCRIPT.exists(), "reinstall: pip install --no-deps --no-build-isolation -e ."
 
 
-# -- SGLang and NVML, in-process ---------------------------------------------------------------
+# -- SGLang, in-process ---------------------------------------------------------------
 
 def test_sglang_patch_groups_on_the_real_sglang(monkeypatch):
     pytest.importorskip("otel_hicache_sglang")
@@ -211,7 +211,7 @@ def test_sglang_patch_groups_on_the_real_sglang(monkeypatch):
     text = out.getvalue()
     assert "sglang          0.5.23 (supported; the adapter instruments sglang >= 0.5.20, < 0.5.24)" in text
     assert "SGLang plugin entry point registered" in text
-    for group in ("L1<->L2 transfers", "dropped tokens", "evictions", "prefix hits"):
+    for group in ("L1<->L2 transfers", "transfer causes", "host residence"):
         assert f"{group}: would apply" in text, text
     monkeypatch.setenv("SGLANG_PLUGINS", "something_else")
     out = io.StringIO()
@@ -231,35 +231,6 @@ def test_sglang_not_installed(monkeypatch):
     out = io.StringIO()
     module._sglang(out, check_groups=True)
     assert "sglang          not installed" in out.getvalue()
-
-
-def _fake_nvml(monkeypatch: pytest.MonkeyPatch, fail: bool) -> None:
-    fake: Any = types.ModuleType("pynvml")
-
-    def init() -> None:
-        if fail:
-            raise RuntimeError("NVML Shared Library Not Found")
-
-    fake.nvmlInit, fake.nvmlShutdown = init, lambda: None
-    fake.nvmlDeviceGetCount = lambda: 8
-    fake.nvmlSystemGetDriverVersion = lambda: b"570.86"
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-
-
-def test_nvml_is_reported_and_never_fails(monkeypatch):
-    from otel_hicache import doctor as module
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # absent: import raises
-    out = io.StringIO()
-    module._nvml(out)
-    assert "absent" in out.getvalue()
-    _fake_nvml(monkeypatch, fail=False)
-    out = io.StringIO()
-    module._nvml(out)
-    assert "present: 8 device(s), driver 570.86" in out.getvalue()
-    _fake_nvml(monkeypatch, fail=True)
-    out = io.StringIO()
-    module._nvml(out)
-    assert "present, but NVML is not usable here (RuntimeError" in out.getvalue()
 
 
 def test_why_not_applied_is_the_patchers_check():

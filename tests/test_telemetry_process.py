@@ -200,7 +200,7 @@ def test_a_successor_goes_on_from_the_checkpoint_with_every_frame_after_it(monke
     for key, value in _env(receiver).items():
         if key.startswith("OTEL_"):
             monkeypatch.setenv(key, value)
-    channel = ProcessChannel(configuration.hello({"tp_rank": 0}, None), 10_000, lambda: None)
+    channel = ProcessChannel(configuration.hello({"tp_rank": 0}), 10_000, lambda: None)
     holder = None
     try:
         channel.write(_ops(0, 10), 10)

@@ -23,7 +23,7 @@ from ..diagnostics import warn_once
 from ..settings import env_bool, env_float, sdk_disabled
 from . import fork
 from .attributes import static_attributes
-from .device import current_device, timing_event_pair
+from .device import timing_event_pair
 from .poller import HostFree, HostPoolRef, PipelineSettings, Poller
 from .process_exit import on_exit
 from .records import INT64_MAX, S_ACK_NS, TransferRecord, submission, validate
@@ -79,10 +79,8 @@ class TransferTelemetry:
             return
         settings = PipelineSettings.from_environment()
         self._cap = settings.max_queue_size
-        # the GPU, for the host link's capacity: the current device is per thread, taken here
-        device = current_device()
         self._pipeline = Poller(settings, configuration.open_channel(
-            tracer_provider, meter_provider, self._static, device, settings.max_queue_size, self._clock),
+            tracer_provider, meter_provider, self._static, settings.max_queue_size, self._clock),
             self._clock, anchor_event_factory)
         self.enabled = True
         on_exit(_stop_at_exit, weakref.ref(self._pipeline), self._shutdown_timeout_s, priority=20)  # multiprocessing children too

@@ -24,7 +24,6 @@ from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 from .busy_time import BusyTimeTracker
 from .host_residence import SMALL_OP_SLOTS, make_host_pool
-from .link_capacity import LinkCapacity
 from .logs import TransferLog
 from .metrics import TransferMetrics
 from .self_metrics import TelemetryCpu
@@ -78,7 +77,7 @@ class Consumer:
     """The sinks of one serving process, on ``tracer_provider`` and ``meter_provider``.
 
     ``hello`` says what the capture knows of its process: ``attributes`` (the static ones),
-    ``device`` (for the host link's capacity), ``pools`` (POOL messages sent before).
+    ``pools`` (POOL messages sent before).
     """
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
@@ -93,7 +92,6 @@ class Consumer:
         location = (sc.LOCATION_EMBEDDED_FALLBACK if hello.get("fallback") else
                     sc.LOCATION_EMBEDDED if hello.get("embedded") else sc.LOCATION_TELEMETRY_PROCESS)
         self.cpu = TelemetryCpu(meter_provider, static, location)
-        LinkCapacity(static, hello.get("device")).bind(meter_provider)
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
         self._pools: dict[int, Any] = {}
         self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> (pool, pages written, reuse): HOST to OP

@@ -520,11 +520,8 @@ def test_the_documented_allow_list_names_no_identifier():
     assert allowed["event"] == {sc.REQUEST_TRACE_ID} and allowed["link"] == {sc.LINK_TO}
     metric_specs = [v for v in vars(sc).values() if isinstance(v, tuple) and len(v) == 3 and "." in str(v[0])]
     assert allowed["metric_names"] == {spec[0] for spec in metric_specs}
-    # pci.bus_id (on hicache.link.nominal_bandwidth) is the GPU's PCI address, one per process
-    # and the same on every point, named as DCGM names it: hardware, not a request's identifier
-    hardware = {sc.PCI_BUS_ID}
     offending = {k: identifier_words(k) for owner in ("span", "point", "exemplar") for k in allowed[owner]
-                 if identifier_words(k) and k not in hardware | TRACE_LINKAGE_KEYS}
+                 if identifier_words(k) and k not in TRACE_LINKAGE_KEYS}
     assert not offending, f"documented attribute keys that name identifiers: {offending}"
 
 
@@ -797,12 +794,9 @@ def test_the_run_exercised_what_the_scan_claims(sglang_run):
     exemplars = [e for _, p in _points(exported) for e in getattr(p, "exemplars", ())]
     assert exemplars and all(len(e.trace_id) == 16 for e in exemplars)  # trace-based exemplars were exported
     names = {name for name, _ in _points(exported)}
-    # every metric; queue wait needs device timing events (none on CPU),
-    # the link's nominal bandwidth NVML (there or not)
+    # every metric; queue wait needs device timing events (none on CPU)
     # and the telemetry process's own CPU (this run is embedded)
-    nvml_only = {sc.LINK_NOMINAL_BANDWIDTH[0]}
-    assert names - nvml_only == documented()["metric_names"] - {sc.TRANSFER_QUEUE_WAIT[0], sc.EXPORT_CPU_TIME[0]} \
-        - nvml_only
+    assert names == documented()["metric_names"] - {sc.TRANSFER_QUEUE_WAIT[0], sc.EXPORT_CPU_TIME[0]}
 
     # each completed op's two DEBUG lines
     complete = [r for r in exported.logs if r.levelno == logging.DEBUG and " transfer complete " in r.getMessage()]
