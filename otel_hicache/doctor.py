@@ -217,14 +217,11 @@ def _server(otlp: Otlp) -> tuple[str, str]:
 
 
 def _readable(path: str, directory_ok: bool) -> str:
-    if directory_ok and os.path.isdir(path):
-        return "readable (a directory)"
-    try:
-        with open(path, "rb") as file:
-            file.read(1)
-        return "readable"
-    except OSError as exc:
-        return f"NOT readable ({type(exc).__name__}: {exc.strerror or exc})"
+    """The telemetry process's own check (a FIFO or a device is refused unread, never waited on)."""
+    problem = otel_environment.unreadable(path, directory_ok)
+    if problem is not None:
+        return f"NOT readable: {problem}"
+    return "readable (a directory)" if os.path.isdir(path) else "readable"
 
 
 def _otlp(signal: str, protocol: str) -> Otlp:
@@ -754,9 +751,7 @@ def _features() -> list[tuple[str, str]]:
                   f"{sc.TIMING_SOURCE}=host_clock")
     except Exception as exc:  # pylint: disable=broad-except
         timing = f"whatever events the caller passes (torch is not importable: {type(exc).__name__})"
-    sampling = _hicache_value(ev.OTEL_HICACHE_SPAN_SAMPLING).split(" ", 1)[0]
-    spans = "every op" if sampling == "all" else f"sampled ({ev.OTEL_HICACHE_SPAN_SAMPLING}={sampling}); counters stay exact"
-    return [("host residence", residence), ("timing", timing), ("spans", spans)]
+    return [("host residence", residence), ("timing", timing)]
 
 
 def _build(planned: list[Planned], logs: _Captured) -> tuple[list[Check], list[tuple[str, str, str]]]:

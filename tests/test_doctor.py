@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
 import re
+import subprocess
 import sys
-import types
+import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -124,9 +123,15 @@ def test_tls(protocol, certificates):
         assert "FIX: set OTEL_EXPORTER_OTLP_CERTIFICATE to the CA certificate" in result(wrong)
         missing = doctor(OTEL_EXPORTER_OTLP_CERTIFICATE="/nonexistent/ca.pem", **env)
         assert missing.returncode == 1
-        assert "NOT readable (FileNotFoundError" in missing.stdout
+        assert "NOT readable: cannot be read (FileNotFoundError)" in missing.stdout
         assert "cannot be read" in missing.stdout.split("Warnings while resolving")[1]  # configure()'s warning
         assert "FIX: fix the path in OTEL_EXPORTER_OTLP_CERTIFICATE" in result(missing)
+        fifo = Path(certificates["ca"]).parent / f"ca-{protocol.replace('/', '-')}.fifo"  # open() would wait forever
+        os.mkfifo(fifo)
+        started = time.monotonic()
+        blocked = doctor(OTEL_EXPORTER_OTLP_CERTIFICATE=str(fifo), **env)
+        assert blocked.returncode == 1 and time.monotonic() - started < 30
+        assert "NOT readable: is not a regular file" in blocked.stdout
         plain = doctor(**{**env, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint.replace("https", "http")})
         assert plain.returncode == 1
         assert "use https:// in OTEL_EXPORTER_OTLP_ENDPOINT" in result(plain)
@@ -149,14 +154,12 @@ def test_the_sinks_channel_sdk_and_features_off_are_said_with_why():
     default = doctor(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
     assert (f"    sinks           embedded in the serving process (no exporter sends over the network); "
             f"OpenTelemetry SDK {sdk.__version__}\n") in default.stdout
-    assert "    host residence  on\n" in default.stdout and "    spans           every op\n" in default.stdout
-    assert "    OTEL_HICACHE_TELEMETRY_PROCESS               auto (default)\n" in default.stdout
+    assert "    host residence  on\n" in default.stdout
+    assert re.search(r"^    OTEL_HICACHE_TELEMETRY_PROCESS +auto \(default\)$", default.stdout, re.M), default.stdout
     off = doctor(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_HICACHE_TELEMETRY_PROCESS="true",
-                 OTEL_HICACHE_HOST_RESIDENCE="false", OTEL_HICACHE_SPAN_SAMPLING="outliers")
+                 OTEL_HICACHE_HOST_RESIDENCE="false")
     assert "    sinks           a telemetry process of their own (OTEL_HICACHE_TELEMETRY_PROCESS)" in off.stdout
     assert "    host residence  off (OTEL_HICACHE_HOST_RESIDENCE=false)\n" in off.stdout
-    assert ("    spans           sampled (OTEL_HICACHE_SPAN_SAMPLING=outliers); counters stay exact\n"
-            in off.stdout)
     # no GPU on the test machines: the timing line says the host clock is used, and how the data says so
     assert "    timing          host clock: torch " in default.stdout or "    timing          device events" \
         in default.stdout
