@@ -26,7 +26,6 @@ from .diagnostics import logger, warned
 from .settings import env_bool, env_float, sdk_disabled
 from .sinks import otel_environment, providers
 from .sinks.embedded import EmbeddedChannel
-from .sinks.span_sampling import SpanSamplingSettings
 
 
 @dataclass
@@ -121,10 +120,9 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
 
-    sampling = SpanSamplingSettings.from_environment().values()  # read at construction, as the others
 
     def hello_(resource: Any) -> dict[str, Any]:
-        return {**hello(static, resource), "span_sampling": sampling}
+        return hello(static, resource)
 
     def opened() -> Any:
         current = configured()

@@ -92,46 +92,6 @@ the exporters' final export, even when the collector is unreachable.
 Default: ``5``
 """
 
-OTEL_HICACHE_SPAN_SAMPLING = "OTEL_HICACHE_SPAN_SAMPLING"
-"""
-.. envvar:: OTEL_HICACHE_SPAN_SAMPLING
-
-``all`` (default): every transfer span goes to the tracer provider's sampler
-(``OTEL_TRACES_SAMPLER``), as any span does. ``outliers``: the sinks
-keeps, whatever the sampler says, every error span, every span slower than
-:envvar:`OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS` or than the running quantile
-:envvar:`OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE` of its direction, and every
-span whose parent is sampled; the sampler decides the rest (the base share, e.g.
-``OTEL_TRACES_SAMPLER=parentbased_traceidratio OTEL_TRACES_SAMPLER_ARG=0.01``),
-before the span is built. Metrics are exact either way; every decision is counted
-in ``otel_hicache.spans{decision, reason}``.
-Default: ``all``
-"""
-
-OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS = "OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS"
-"""
-.. envvar:: OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS
-
-With ``OTEL_HICACHE_SPAN_SAMPLING=outliers``: spans of ops that took longer than
-this (their own duration, in ms) are always kept (``reason=slow``). ``0`` turns
-the absolute threshold off. The default is the gateway's tail-sampling latency
-threshold (``deploy/otel-collector/gateway.yaml``).
-Default: ``50``
-"""
-
-OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE = "OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE"
-"""
-.. envvar:: OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE
-
-With ``OTEL_HICACHE_SPAN_SAMPLING=outliers``: spans of ops slower than this
-running quantile of the recent durations of their direction are always kept
-(``reason=slow``). A number ``>= 0`` and ``< 1``; ``0`` turns the relative
-threshold off. Estimated on the poller from the last 16k to 32k ops per direction
-(a fixed histogram of 8 buckets per octave), applied once 10 / (1 - quantile) ops
-were seen.
-Default: ``0.99``
-"""
-
 OTEL_HICACHE_HOST_RESIDENCE = "OTEL_HICACHE_HOST_RESIDENCE"
 """
 .. envvar:: OTEL_HICACHE_HOST_RESIDENCE
@@ -166,9 +126,6 @@ DEFAULTS = {
     OTEL_HICACHE_TRANSFER_TIMEOUT_S: 60.0,
     OTEL_HICACHE_ANCHOR_INTERVAL_S: 1.0,
     OTEL_HICACHE_SHUTDOWN_TIMEOUT_S: 5.0,
-    OTEL_HICACHE_SPAN_SAMPLING: "all",
-    OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS: 50.0,
-    OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE: 0.99,
     OTEL_HICACHE_HOST_RESIDENCE: True,
     OTEL_HICACHE_TELEMETRY_PROCESS: None,
 }

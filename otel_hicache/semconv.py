@@ -1,6 +1,6 @@
 """Names of every span, attribute and metric otel-hicache emits.
 
-One source of truth, used by :mod:`otel_hicache.spans`,
+One source of truth, used by :mod:`otel_hicache.sinks.spans`,
 :mod:`otel_hicache.metrics`, the tests and the reference in ``docs/``. No token
 ids, node ids or hashes are ever attributes.
 """
@@ -84,10 +84,6 @@ REQUEST_LINKS_DROPPED: Final = "hicache.request.links_dropped"
 LINK_TO: Final = "hicache.link_to"  # on every span link (not the span): what it points to
 LINK_TO_OFFLOAD: Final = "offload"  # a load-back's link to an offload span that wrote its pages
 LINK_TO_REQUEST: Final = "request"  # a link to the root span of a request (SGLang --enable-trace)
-
-# on otel_hicache.spans (metric-only) and, with OTEL_HICACHE_SPAN_SAMPLING=outliers, on kept spans
-DECISION: Final = "decision"
-SAMPLING_REASON: Final = "hicache.sampling.reason"
 
 # metrics: name, unit, description
 TRANSFER_DURATION = (
@@ -200,13 +196,6 @@ QUEUE_SIZE = (
     "{record}",
     "Records held by the capture (queued, in flight or awaiting their ack).",
 )
-SPANS = (
-    "otel_hicache.spans",
-    "{span}",
-    "Transfer spans kept (sampled, handed to the span processors) or skipped (not sampled), by "
-    "decision and reason: error, slow, parent, base (the tracer provider's sampler).",
-)
-
 # on otel_hicache.export.cpu_time (metric-only): what ran the export
 THREAD: Final = "thread"
 THREAD_TELEMETRY_PROCESS: Final = "telemetry_process"  # not a thread: the whole telemetry process
@@ -221,16 +210,6 @@ FAIL_TRANSFER_TIMEOUT: Final = "transfer_timeout"
 DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR, DROP_MALFORMED_FRAME)
 FAIL_REASONS = (FAIL_EVENT_ERROR, FAIL_TRANSFER_TIMEOUT)
 
-# otel_hicache.spans: decision and reason (see otel_hicache.span_sampling)
-SPAN_KEPT: Final = "kept"
-SPAN_SKIPPED: Final = "skipped"
-SPAN_REASON_ERROR: Final = "error"
-SPAN_REASON_SLOW: Final = "slow"
-SPAN_REASON_PARENT: Final = "parent"
-SPAN_REASON_REQUEST: Final = "request"
-SPAN_REASON_BASE: Final = "base"
-SPAN_REASONS = (SPAN_REASON_ERROR, SPAN_REASON_SLOW, SPAN_REASON_PARENT, SPAN_REASON_REQUEST, SPAN_REASON_BASE)
-SPAN_DECISION_SERIES = tuple((SPAN_KEPT, reason) for reason in SPAN_REASONS) + ((SPAN_SKIPPED, SPAN_REASON_BASE),)
 """(decision, reason) pairs with zero series from start-up: what the sinks decide."""
 
 DURATION_BUCKETS_S = (

@@ -32,8 +32,8 @@ cd "$root"
 #   test_host_residence.py::test_torch_cpu_indices_are_read_in_place import torch (not installed here).
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_telemetry.py tests/test_hot_path.py tests/test_records.py tests/test_pipeline.py \
-  tests/test_stuck_transfers.py tests/test_self_cost.py tests/test_spans.py tests/test_span_sampling.py \
-  tests/test_busy_time.py tests/test_clock.py tests/test_cache_events.py tests/test_transfer_causes.py \
+  tests/test_stuck_transfers.py tests/test_self_cost.py tests/test_spans.py \
+  tests/test_busy_time.py tests/test_clock.py tests/test_transfer_causes.py \
   tests/test_host_residence.py tests/test_request_links.py tests/test_telemetry_process.py \
   tests/test_hostile_input.py tests/test_layout.py \
   --deselect tests/test_records.py::test_integer_like_counts_and_str_enum_pool_names_are_accepted \

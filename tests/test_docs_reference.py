@@ -72,7 +72,7 @@ def semconv_attributes() -> dict[str, str]:
 def test_semconv_is_what_this_test_expects():
     metrics = semconv_metrics()
     assert {"TRANSFER_DURATION", "TRANSFER_BYTES", "RECORDS_DROPPED", "RECORDS_FAILED", "QUEUE_SIZE"} <= set(metrics)
-    assert len(metrics) == 22
+    assert len(metrics) == 21
     assert not any(spec[0].startswith("otel.sdk.") for spec in metrics.values())  # the SDK's, not ours
     attrs = semconv_attributes()
     assert attrs["DIRECTION"] == "hicache.direction" and attrs["ERROR_TYPE"] == "error.type"

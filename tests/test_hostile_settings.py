@@ -21,7 +21,6 @@ import otel_hicache
 from otel_hicache import configuration
 from otel_hicache.environment_variables import DEFAULTS
 from otel_hicache.capture.poller import PipelineSettings
-from otel_hicache.sinks.span_sampling import SpanSamplingSettings
 from otlp_receiver import GrpcReceiver, HttpReceiver, closed_port
 from paced_runs import final_counters, otlp_env, run_workload
 
@@ -102,7 +101,6 @@ def _bounded(call):
 def _everything():
     conf = otel_hicache.configure(force=True)
     PipelineSettings.from_environment()
-    SpanSamplingSettings.from_environment()
     return conf
 
 

@@ -682,18 +682,20 @@ def test_the_poller_survives_an_error_in_its_cycle_and_loses_nothing(make, warni
     rig = make(manual=False)
     failures = []
 
-    def cache_totals():  # called by every STATE: here, the cycle that completed the op raises once
+    state_message = rig.p._state_message
+
+    def exploding(cpu_s):  # called by every STATE: here, the cycle that completed the op raises once
         if not failures and any(m[0] == rec.OP for m in rig.p._out):
             failures.append(1)
-            raise RuntimeError("cache totals exploded")
-        return None
+            raise RuntimeError("state exploded")
+        return state_message(cpu_s)
 
-    rig.p.cache_totals = cache_totals
+    rig.p._state_message = exploding
     rig.submit()
     assert rig.p.flush(5.0) is True  # released by a later cycle
     assert failures == [1]
     assert [m for m in brief(rig.take()) if m[0] == "op"] == [("op", 0, None)]  # written once, not lost, not twice
-    assert len(warned(warnings_log, "poller error RuntimeError('cache totals exploded')")) == 1
+    assert len(warned(warnings_log, "poller error RuntimeError('state exploded')")) == 1
     rig.submit()
     assert rig.p.flush(5.0) is True
     assert [m for m in brief(rig.take()) if m[0] == "op"] == [("op", 1, None)]

@@ -1,6 +1,6 @@
 """Links from transfer spans to the requests they served (``submit(requests=...)``): which
 requests are linked (valid, sampled, each once, at most 16, the rest counted), the links
-and ``hicache.request`` events on the span, outlier sampling keeping them, bad
+and ``hicache.request`` events on the span, bad
 input skipped with one warning, and the metrics unchanged."""
 
 from __future__ import annotations
@@ -8,10 +8,8 @@ from __future__ import annotations
 import logging
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from otel_hicache import environment_variables as ev
 from otel_hicache import semconv as sc
 from otel_hicache.capture.request_links import MAX_REQUEST_LINKS, resolve
 from otel_hicache.sinks.spans import trace_id_hex
@@ -103,21 +101,6 @@ def test_more_than_sixteen_requests_are_counted_on_the_span(harness):
     assert span.attributes[sc.REQUEST_LINKS_DROPPED] == 4
 
 
-def test_outlier_sampling_keeps_an_op_linked_to_a_sampled_request(harness, monkeypatch):
-    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_SAMPLING, "outliers")
-    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_MS, "0")
-    monkeypatch.setenv(ev.OTEL_HICACHE_SPAN_KEEP_SLOWER_THAN_QUANTILE, "0")
-    h = harness(sampler=ALWAYS_OFF)
-    copy(h, [request(1)])
-    copy(h, [request(2, sampled=False)])  # not linked: the sampler decides (and drops it)
-    copy(h, None)
-    (span,) = h.finished()
-    assert span.attributes[sc.SAMPLING_REASON] == sc.SPAN_REASON_REQUEST and len(span.links) == 1
-    counts = {(p.attributes[sc.DECISION], p.attributes[sc.REASON]): p.value for p in h.points(sc.SPANS[0])}
-    assert counts[(sc.SPAN_KEPT, sc.SPAN_REASON_REQUEST)] == 1 and counts[(sc.SPAN_SKIPPED, sc.SPAN_REASON_BASE)] == 2
-    assert h.value("hicache.transfer.bytes") == 3 << 20  # the metrics count every op
-
-
 def test_requests_given_to_transfer_are_linked(harness):
     h = harness()
     with h.tel.transfer("offload", {"kv": 8}, 4096, 4, requests=[request(7)]):
@@ -183,4 +166,3 @@ def test_without_requests_the_span_is_unchanged(harness):
     (span,) = h.finished()
     assert span.links == () and [e.name for e in span.events] == [sc.EVENT_SUBMITTED]
     assert not any(k.startswith("hicache.request") for k in span.attributes)
-

@@ -27,7 +27,6 @@ from .host_residence import SMALL_OP_SLOTS, make_host_pool
 from .logs import TransferLog
 from .metrics import TransferMetrics
 from .self_metrics import TelemetryCpu
-from .span_sampling import SpanSamplingSettings
 from .spans import SpanBuilder
 
 HAND_OVER_INTERVAL_NS = 50_000_000
@@ -85,9 +84,7 @@ class Consumer:
         # (a list arrives for a tuple: metric points need hashable attribute values)
         static = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
         self.metrics = TransferMetrics(meter_provider, static, clock)  # (the ages: on the capture's clock)
-        sampling = hello.get("span_sampling")
-        settings = SpanSamplingSettings(*sampling) if sampling else SpanSamplingSettings.from_environment()
-        self.spans = SpanBuilder(tracer_provider, static, settings.policy(static), self.metrics.span_decision)
+        self.spans = SpanBuilder(tracer_provider, static)
         self.log = TransferLog()
         location = (sc.LOCATION_EMBEDDED_FALLBACK if hello.get("fallback") else
                     sc.LOCATION_EMBEDDED if hello.get("embedded") else sc.LOCATION_TELEMETRY_PROCESS)
@@ -144,7 +141,7 @@ class Consumer:
             op = Op(raw)
             if self._ids is not None:
                 self._ids.seq = op.seq
-            self._awaiting[op.seq] = (op, self.spans.begin(op, counted=False), raw)
+            self._awaiting[op.seq] = (op, self.spans.begin(op), raw)
 
     def close(self) -> None:
         """The end of the input: every ack wait ends (unacked), the counters are handed over."""

@@ -64,7 +64,6 @@ class TransferInstruments:
         )
         self.dropped = counter(sc.RECORDS_DROPPED)
         self.failed = counter(sc.RECORDS_FAILED)
-        self.span_decisions = counter(sc.SPANS)
         self.residence = histogram(sc.HOST_RESIDENCE_TIME, sc.RESIDENCE_BUCKETS_S)
         self.reloaded_bytes = counter(sc.HOST_RELOADED_BYTES)
         self.wasted_bytes = counter(sc.HOST_WASTED_BYTES)
@@ -104,9 +103,6 @@ class TransferMetrics(TransferInstruments):
         self._by_duration: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self._by_reason: dict[str, dict[str, Any]] = {}
         self._overflow_attrs = self._attrs({"otel.metric.overflow": True})
-        self._by_span_decision: dict[tuple[str, str], dict[str, Any]] = {
-            key: self._attrs({sc.DECISION: key[0], sc.REASON: key[1]}) for key in sc.SPAN_DECISION_SERIES
-        }
         self._by_timing: dict[tuple[str, str], dict[str, Any]] = {}
         self._by_offload_cause = {c: self._attrs({sc.OFFLOAD_CAUSE: c}) for c in OFFLOAD_CAUSES}
         self._by_residence: dict[tuple[str, str], dict[str, Any]] = {}  # (load-back cause, offload cause)
@@ -200,8 +196,6 @@ class TransferMetrics(TransferInstruments):
             self.dropped.add(0, self._reason_attrs(reason))
         for reason in sc.FAIL_REASONS:
             self.failed.add(0, self._reason_attrs(reason))
-        for attrs in self._by_span_decision.values():
-            self.span_decisions.add(0, attrs)
         for attrs in self._by_offload_cause.values():
             self.reloaded_bytes.add(0, attrs)
             self.wasted_bytes.add(0, attrs)
@@ -274,7 +268,7 @@ class TransferMetrics(TransferInstruments):
         """Go on from a predecessor's :meth:`checkpoint`: each total is added at once, so these
         counters continue its series rather than restart (one that is not ours is skipped)."""
         instruments = {i.name: i for i in (self.bytes, self.blocks, self.tokens, self.busy_time, self.dropped,
-                                           self.failed, self.span_decisions, self.reloaded_bytes,
+                                           self.failed, self.reloaded_bytes,
                                            self.wasted_bytes, self.wasted_tokens)}
         for name, attrs, value in totals:
             instrument = instruments.get(name)
@@ -334,13 +328,6 @@ class TransferMetrics(TransferInstruments):
 
     def failed_record(self, record: Any, reason: str) -> None:
         self._add(self.failed, self._reason_attrs(reason), 1)
-
-    def span_decision(self, decision: str, reason: str) -> None:
-        """One span kept or skipped (otel_hicache.spans; the span builder calls it per op)."""
-        attrs = self._by_span_decision.get((decision, reason))
-        if attrs is None:  # a pair not decided by the sinks itself (a non-SDK tracer's own sampler)
-            attrs = self._by_span_decision[decision, reason] = self._attrs({sc.DECISION: decision, sc.REASON: reason})
-        self._add(self.span_decisions, attrs, 1)
 
     def dropped_records(self, reason: str, count: int = 1) -> None:
         self._add(self.dropped, self._reason_attrs(reason), count)

@@ -5,20 +5,14 @@ its span context as an exemplar) and finished at the end of its ack wait, or at 
 when no ack is expected. Span start/end are the copy's own times (device time placed
 on the wall clock), so the span duration is the DMA time however late the ack is.
 The parent is the span context current at ``submit()`` in the serving process
-(SGLang's request or step span), carried as ids.
-
-With ``OTEL_HICACHE_SPAN_SAMPLING=outliers`` (:mod:`.span_sampling`) the spans the
-policy keeps (errors, slow ops, a sampled parent's children) are sampled whatever the
-provider's sampler says, and carry ``hicache.sampling.reason``; the sampler decides the
-others. Each decision is counted through ``count(decision, reason)``
-(``otel_hicache.spans``); with the default ``all`` every span is the sampler's,
-``reason=base``.
+(SGLang's request or step span), carried as ids. The tracer provider's sampler decides
+which spans are kept; the Collector's tail sampling can keep the slow and failed ones.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
@@ -28,7 +22,6 @@ from opentelemetry.trace.propagation import set_span_in_context
 from .. import semconv as sc
 from .host_residence import OFFLOAD_LINK_ATTRIBUTES
 from ..record import ONBOARD, TIERS
-from .span_sampling import OutlierPolicy, keeping_tracer
 from ..version import __version__
 
 REQUEST_LINK_ATTRIBUTES = {sc.LINK_TO: sc.LINK_TO_REQUEST}
@@ -70,8 +63,6 @@ class OpIds(IdGenerator):
 
 SPAN_NAMES = {"offload": sc.SPAN_OFFLOAD, ONBOARD: sc.SPAN_ONBOARD}
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-_KEPT, _SKIPPED, _BASE = sc.SPAN_KEPT, sc.SPAN_SKIPPED, sc.SPAN_REASON_BASE
-Count = Callable[[str, str], None]  # (decision, reason): otel_hicache.spans
 
 
 def span_attributes(record: Any, static: Mapping[str, Any]) -> dict[str, Any]:
@@ -160,43 +151,22 @@ def _status(record: Any) -> Status:
 class SpanBuilder:
     """Spans of transfer records on one tracer provider."""
 
-    def __init__(self, tracer_provider: Any, static: Mapping[str, Any], policy: OutlierPolicy | None = None,
-                 count: Count | None = None) -> None:
+    def __init__(self, tracer_provider: Any, static: Mapping[str, Any]) -> None:
         self._tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
         self._static = static
-        self._policy = policy
-        self._count = count
-        # the spans the policy keeps start here: the same tracer, its sampler ALWAYS_ON (SDK
-        # tracers; with any other, None: its own sampler decides those too, and is counted so)
-        self._keeping = keeping_tracer(self._tracer) if policy is not None else None
 
-    def begin(self, record: Any, counted: bool = True) -> Any:
-        tracer = self._tracer
-        attributes = span_attributes(record, self._static)
-        reason = _BASE
-        policy = self._policy
-        if policy is not None:
-            parent = trace.get_current_span(record.parent_context).get_span_context()
-            forced = policy.keep_reason(record, parent if parent.is_valid else None)
-            if forced is not None:
-                reason = forced
-                if self._keeping is not None:
-                    tracer = self._keeping
-            attributes[sc.SAMPLING_REASON] = reason
-        span = tracer.start_span(
+    def begin(self, record: Any) -> Any:
+        span = self._tracer.start_span(
             SPAN_NAMES[record.direction],
             context=record.parent_context,
             kind=SpanKind.INTERNAL,
-            attributes=attributes,
+            attributes=span_attributes(record, self._static),
             links=span_links(record),
             start_time=record.start_ns,
         )
         record.span_context = span.get_span_context()
         if record.span_context.trace_flags.sampled:
             record.exemplar_context = set_span_in_context(span)
-        if self._count is not None and counted:  # kept: a span was made and sampled (a disabled tracer makes none)
-            self._count(_KEPT if span.is_recording() and record.span_context.trace_flags.sampled else _SKIPPED,
-                        reason)
         return span
 
     def finish(self, record: Any, span: Any) -> None:
