@@ -24,8 +24,8 @@ from .capture.channel import ProcessChannel
 from .capture.process_exit import on_exit
 from .diagnostics import logger, warned
 from .settings import env_bool, env_float, sdk_disabled
-from .sinks import otel_environment, providers
-from .sinks.embedded import EmbeddedChannel
+
+# The sinks' modules are imported where they are used: ``import otel_hicache`` loads the capture only.
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Configuration:
     providers it built (``tracer_provider``/``meter_provider``; None with the telemetry process)."""
 
     telemetry_process: bool
-    built: providers.Providers | None
+    built: Any  # sinks.providers.Providers, or None
     disabled: bool
     resource: Any = None
     pid: int = field(default_factory=os.getpid)
@@ -63,6 +63,8 @@ def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Con
         previous = _configured
         if previous is not None and not force and previous.pid == os.getpid():
             return previous
+        from .sinks import otel_environment, providers
+
         resource = None if sdk_disabled() else otel_environment.resource()
         if not metric_readers and uses_telemetry_process():
             _configured = Configuration(True, None, disabled=False, resource=resource)
@@ -95,6 +97,8 @@ def shutdown(timeout_s: float | None = None) -> bool:
 
 def uses_telemetry_process() -> bool:
     """:envvar:`OTEL_HICACHE_TELEMETRY_PROCESS`, or when unset: whether an exporter sends over OTLP."""
+    from .sinks import providers
+
     if sdk_disabled():
         return False
     if (os.environ.get(ev.OTEL_HICACHE_TELEMETRY_PROCESS) or "").strip():
@@ -106,6 +110,8 @@ def uses_telemetry_process() -> bool:
 def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
     """What the sinks are told of this process (``record``: the hello)."""
     if resource is None:
+        from .sinks import otel_environment
+
         resource = otel_environment.resource()
     return {"resource": dict(resource.attributes), "schema_url": resource.schema_url, "attributes": dict(static),
             "pid": os.getpid(), "warned": warned(), "log_level": logger.getEffectiveLevel()
@@ -120,6 +126,7 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
 
+    from .sinks.embedded import EmbeddedChannel
 
     def hello_(resource: Any) -> dict[str, Any]:
         return hello(static, resource)
@@ -143,9 +150,11 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
     return opened
 
 
-def _embedded_fallback(hello_: dict[str, Any], resource: Any) -> EmbeddedChannel:
+def _embedded_fallback(hello_: dict[str, Any], resource: Any) -> Any:
     """Providers built here after all, for the sinks the telemetry process could not run."""
-    global _configured
+    from .sinks import providers
+    from .sinks.embedded import EmbeddedChannel
+
     built = providers.build(resource, wrap_export=fork.quiet_at_fork)
     with _lock:
         if _configured is not None and _configured.pid == os.getpid() and _configured.built is None:

@@ -115,3 +115,15 @@ def test_the_guard_sees_a_private_sdk_name():
     tree = ast.parse("def f(provider):\n    return provider._active_span_processor\n")
     names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     assert names - _defined_private_names() == {"_active_span_processor"}
+
+
+def test_importing_the_package_loads_the_capture_only():
+    """A serving process that imports otel_hicache pays for the capture, not the sinks'
+    modules (spans, metrics, providers, exporters): those load where they run."""
+    import subprocess
+    import sys
+
+    code = "import sys, otel_hicache; print(sorted(m for m in sys.modules if m.startswith('otel_hicache.sinks')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=CORE.parent, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
