@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return (inside[-1]["worker_cpu_s"] - inside[0]["worker_cpu_s"]) / max(1, ops) * 1e6
 
     cpu_warm, cpu_last = worker_us_per_op(warm), worker_us_per_op(last)
-    delivery = result["final"]["delivery"]  # bench_common.sdk_delivery: the SDK's self-metrics
+    delivery = result["final"]["delivery"]  # tests/sdk_delivery.py: the SDK's self-metrics
     exported, export_failed = run.spans("exported"), run.spans("export_failed")
     queue_full, metric_failures = run.spans("queue_full"), run.metric_points("failed")
     submit = result["submit"]
