@@ -51,8 +51,10 @@ def test_serving_cpu_runs_every_variant_and_gates_on_its_goals(tmp_path):
         for both, serving, telemetry in zip(*(figures[f"{phase}_{k}_pct"]["rounds"]
                                               for k in ("both", "serving", "telemetry"))):
             assert math.isclose(both, serving + telemetry)
-    goals = results["goals"]
-    assert [g["key"] for g in goals] == [key for key, _, _ in load_script().GOALS]
+    goals, module = results["goals"], load_script()
+    assert [g["key"] for g in goals] == [key for key, _, _ in module.GOALS]
+    for key, text in module.REPORTED:  # printed with its spread, gating nothing
+        assert len(figures[key]["rounds"]) == 3 and text in run.stdout
     for goal in goals:
         assert goal["median"] == figures[goal["key"]]["median"] and goal["goal"] in run.stdout
     assert (run.returncode == 0) == all(g["met"] for g in goals)  # a missed goal fails the run
