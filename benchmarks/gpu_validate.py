@@ -119,7 +119,9 @@ class CudaBackend:
         torch.cuda.synchronize(self.device)
         try:
             torch.cuda.empty_cache()
-            getattr(torch._C, "_host_emptyCache", lambda: None)()  # pylint: disable=protected-access
+            host_empty = getattr(torch._C, "_host_emptyCache", None)  # pylint: disable=protected-access
+            if callable(host_empty):
+                host_empty()
         except Exception as exc:  # only memory held longer; never a reason to stop
             print(f"[gpu_validate] freeing cached memory: {exc!r} (ignored)", flush=True)
 
@@ -146,8 +148,8 @@ class CudaBackend:
             "device_index": self.device.index, "device_count": torch.cuda.device_count(),
             "compute_capability": f"{props.major}.{props.minor}",
             "device_memory_gib": round(props.total_memory / (1 << 30), 1), "torch_cuda": torch.version.cuda}
-        fields = "name,driver_version,pci.bus_id,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current," \
-                 "pcie.link.width.max"
+        fields = ("name,driver_version,pci.bus_id,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,"
+                  "pcie.link.width.max")
         try:
             out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader", "-i",
                                   str(self.device.index)], capture_output=True, text=True, timeout=20, check=True)
