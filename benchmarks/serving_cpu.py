@@ -292,7 +292,7 @@ def report(figures: dict[str, Any], goals: list[dict[str, Any]], args: argparse.
                 ["goal", "this run", "result"]))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short windows, for CI")
     parser.add_argument("--rounds", type=int, default=3, help="turns per variant, in rotating order (>= 3)")
@@ -309,21 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--rounds: at least 3 (the goals are medians)")
     if args.tokens <= 0 or args.tokens % 4:
         parser.error("--tokens: a positive multiple of the page size, 4")
-    for name in [k for k in os.environ if k.startswith("OTEL_")]:  # configured by this script's variables only
-        del os.environ[name]
+    return args
 
-    started = time.perf_counter()
-    import sglang_cpu
 
-    sglang_cpu.install_cpu_support()  # before anything imports SGLang or the adapter
-    gc.collect()
-    gc.freeze()  # SGLang and torch: a full collection would otherwise scan them, in the windows too
-    from otel_hicache import __version__
-
-    info = machine("otel_hicache", __version__)
-    print(f"# otel-hicache {info['otel_hicache']}: serving-process CPU, sinks in the telemetry process, "
-          f"OTLP/HTTP to a span counter process\n{info['python']}, opentelemetry-sdk {info['opentelemetry_sdk']}, "
-          f"{info['cpus']} CPUs ({info['processor']}), {info['platform']}", flush=True)
+def run_rounds(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], list[float], int]:
+    """Every variant's turns, the reference op of each round, and the spans the counter got."""
     counter = SpanCounter()
     turns: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     reference = []
@@ -337,6 +327,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  round {r + 1} {variant}: {fast['serving_s'] / fast['ops'] * 1e6:.1f} us per op", flush=True)
     finally:
         received = counter.close()
+    return turns, reference, received
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    for name in [k for k in os.environ if k.startswith("OTEL_")]:  # configured by this script's variables only
+        del os.environ[name]
+    started = time.perf_counter()
+    import sglang_cpu
+
+    sglang_cpu.install_cpu_support()  # before anything imports SGLang or the adapter
+    gc.collect()
+    gc.freeze()  # SGLang and torch: a full collection would otherwise scan them, in the windows too
+    from otel_hicache import __version__
+
+    info = machine("otel_hicache", __version__)
+    print(f"# otel-hicache {info['otel_hicache']}: serving-process CPU, sinks in the telemetry process, "
+          f"OTLP/HTTP to a span counter process\n{info['python']}, opentelemetry-sdk {info['opentelemetry_sdk']}, "
+          f"{info['cpus']} CPUs ({info['processor']}), {info['platform']}", flush=True)
+    turns, reference, received = run_rounds(args)
     submitted = sum(t["submitted"] for ts in turns.values() for t in ts)
     complete = received == submitted and all(t["flushed"] for ts in turns.values() for t in ts)
     figures = summarize(turns, reference)
