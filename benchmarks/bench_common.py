@@ -1,232 +1,48 @@
-"""Helpers shared by the benchmarks in this folder (``overhead.py``, ``sglang_overhead.py``,
-``paced_workload.py``) and the tests that run them.
+"""The shared harness of the benchmarks in this folder: CPU clocks, pacing, an OTLP sink that
+counts, the machine's description and plain-text tables.
 
-The OTel SDK sinks both measure against (a counting span exporter, SDK providers with an
-in-memory metric reader), what the SDK's own self-metrics say was delivered and lost
-(:func:`sdk_delivery`), per-thread CPU clocks, the paced wait between ops, percentiles,
-the machine description and the plain-text tables of their reports.
-
-The benchmarks are run as scripts (``python benchmarks/overhead.py``), so Python puts this
-folder first on ``sys.path`` and they import this module as ``bench_common``, from any
-working directory. It imports only the standard library and the OpenTelemetry SDK: not
-otel-hicache, nor SGLang (``sglang_overhead.py`` must install its CPU support first).
+The benchmarks run as scripts (``python benchmarks/serving_cpu.py``), so Python puts this
+folder first on ``sys.path`` and they import it as ``bench_common`` from any working directory.
+It imports only the standard library and the OpenTelemetry protocol packages. Run as a script it
+is an OTLP/HTTP span counter in a process of its own (:class:`SpanCounter`).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterator, Sequence
-
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.version import __version__ as SDK_VERSION
+from typing import Any, Callable, Iterator, Sequence
 
 HERE = Path(__file__).resolve().parent
 
-# --------------------------------------------------------------------------------------
-# OTel SDK sinks
-# --------------------------------------------------------------------------------------
 
+# -- clocks and pacing ------------------------------------------------------------------
 
-class CountingSpanExporter(SpanExporter):
-    """Counts spans and keeps the first one (to compare attribute sets); exports nothing."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.first: Any = None
-
-    def export(self, spans: Sequence[Any]) -> SpanExportResult:
-        if self.first is None and spans:
-            self.first = spans[0]
-        self.count += len(spans)
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        pass
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
-
-
-class SdkProviders:
-    """TracerProvider (default sampler: 100%) with a BatchSpanProcessor into a
-    counting exporter, and a MeterProvider with an InMemoryMetricReader.
-
-    ``max_spans_queued``: the BatchSpanProcessor's queue size. ``shutdown_on_exit``:
-    passed to both providers (whether they register an ``atexit`` shutdown)."""
-
-    def __init__(self, max_spans_queued: int = 1 << 20, shutdown_on_exit: bool = True) -> None:
-        self.exporter = CountingSpanExporter()
-        self.tracer_provider = TracerProvider(shutdown_on_exit=shutdown_on_exit)
-        self.tracer_provider.add_span_processor(
-            BatchSpanProcessor(self.exporter, max_queue_size=max_spans_queued, max_export_batch_size=512)
-        )
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=shutdown_on_exit)
-
-    def flush(self) -> None:
-        self.tracer_provider.force_flush()
-        self.meter_provider.force_flush()
-
-    def shutdown(self) -> None:
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
-
-    def totals(self, split_by: str | None = None) -> dict[str, float]:
-        """Counter sums (key: the metric name) and histogram counts (key: ``<name>.count``),
-        over all points. With ``split_by``, counter points that have that attribute are
-        summed apart, under ``<name>[<value>]`` (e.g. tokens by pool)."""
-        totals: dict[str, float] = {}
-        data = self.reader.get_metrics_data()
-        for resource_metrics in data.resource_metrics if data else ():
-            for scope_metrics in resource_metrics.scope_metrics:
-                for metric in scope_metrics.metrics:
-                    for point in metric.data.data_points:
-                        if hasattr(point, "bucket_counts"):
-                            key, value = f"{metric.name}.count", point.count
-                        else:
-                            part = point.attributes.get(split_by) if split_by else None
-                            key, value = metric.name + (f"[{part}]" if part else ""), point.value
-                        totals[key] = totals.get(key, 0) + value
-        return totals
-
-    def metric_sum(self, name: str) -> float:
-        """Sum of every point of counter ``name`` (all attribute sets)."""
-        return float(self.totals().get(name, 0.0))
-
-
-@contextmanager
-def env(**values: str) -> Iterator[None]:
-    """Environment variables set while constructing something that reads them."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
-
-
-# --------------------------------------------------------------------------------------
-# The SDK's own self-metrics: what the exporters delivered and lost
-# --------------------------------------------------------------------------------------
-
-# The SDK's own switch (read by each SDK object when it is built): without it the
-# otel.sdk.* instruments below do not exist and every count reads 0.
-SDK_SELF_METRICS = {"OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "true"}
-
-_SPAN_KEYS = ("exported", "export_failed", "queue_full", "after_shutdown", "queued", "in_export")
-
-
-def sdk_delivery(metrics_data: Any) -> dict[str, Any]:
-    """The SDK's self-metrics (scope ``opentelemetry-sdk``) in one collection, summed over
-    every span processor and exporter that reports to that meter provider:
-
-    * ``spans``: ``exported`` (``otel.sdk.exporter.span.exported`` without ``error.type``:
-      delivered to the next hop), ``export_failed`` (the same with ``error.type``: lost in an
-      export that failed after the exporter's retries), ``queue_full`` and ``after_shutdown``
-      (``otel.sdk.processor.span.processed{error.type}``: dropped by the batch span processor
-      on a full queue, or ended after its shutdown), ``queued``
-      (``otel.sdk.processor.span.queue.size``) and ``in_export``
-      (``otel.sdk.exporter.span.inflight``: inside an export that has not returned);
-    * ``metric_points``: ``exported`` and ``failed`` data points
-      (``otel.sdk.exporter.metric_data_point.exported`` without and with ``error.type``);
-    * ``components``: the ``otel.component.name`` of each reporting component (empty when
-      ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED`` was not ``true``).
-
-    Every span the SDK was handed is in exactly one of the ``spans`` counts (the fault tests
-    check ``exported + export_failed + queue_full + queued + in_export`` = spans emitted).
-    """
-    spans = dict.fromkeys(_SPAN_KEYS, 0)
-    points = {"exported": 0, "failed": 0}
-    components: set[str] = set()
-    for resource_metrics in metrics_data.resource_metrics if metrics_data else ():
-        for scope_metrics in resource_metrics.scope_metrics:
-            if scope_metrics.scope.name != "opentelemetry-sdk":
-                continue
-            for metric in scope_metrics.metrics:
-                for point in metric.data.data_points:
-                    attributes = point.attributes or {}
-                    error = attributes.get("error.type")
-                    if "otel.component.name" in attributes:
-                        components.add(str(attributes["otel.component.name"]))
-                    value = int(getattr(point, "value", 0))
-                    if metric.name == "otel.sdk.exporter.span.exported":
-                        spans["export_failed" if error else "exported"] += value
-                    elif metric.name == "otel.sdk.exporter.span.inflight":
-                        spans["in_export"] += value
-                    elif metric.name == "otel.sdk.processor.span.queue.size":
-                        spans["queued"] += value
-                    elif metric.name == "otel.sdk.processor.span.processed" and error:
-                        spans["after_shutdown" if error == "already_shutdown" else "queue_full"] += value
-                    elif metric.name == "otel.sdk.exporter.metric_data_point.exported":
-                        points["failed" if error else "exported"] += value
-    return {"spans": spans, "metric_points": points, "components": sorted(components)}
-
-
-def read_sdk_delivery(reader: Any, attempts: int = 5) -> dict[str, Any]:
-    """:func:`sdk_delivery` of ``reader`` (an ``InMemoryMetricReader`` of the providers'
-    meter provider), collected until two collections in a row agree, at most
-    ``attempts`` + 1 of them: a collection reads the instruments one after the other while
-    the exporter threads move spans on, so one read of a busy pipeline can count a batch
-    twice or not at all. ``attempts=0``: a single collection (samples during a run)."""
-    last = sdk_delivery(reader.get_metrics_data())
-    for _ in range(attempts):
-        now = sdk_delivery(reader.get_metrics_data())
-        if now == last:
-            break
-        last = now
-    return last
-
-
-# --------------------------------------------------------------------------------------
-# Timing
-# --------------------------------------------------------------------------------------
-
-
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of every live thread, by thread name (its first word; this thread is
-    ``"caller"``). Linux: per-thread CPU clocks; threads without one are left out."""
-    cpu: dict[str, float] = {}
+def thread_cpu_s(name: str) -> float:
+    """CPU seconds of the live threads whose name starts with ``name`` (their own clocks)."""
+    total = 0.0
     for thread in threading.enumerate():
-        try:
-            seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))  # type: ignore[arg-type]
-        except (AttributeError, OSError, TypeError):
-            continue
-        name = "caller" if thread is threading.current_thread() else thread.name.split(" ")[0]
-        cpu[name] = cpu.get(name, 0.0) + seconds
-    return cpu
+        if thread.name.startswith(name) and thread.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (AttributeError, OSError):
+                pass
+    return total
 
 
-def worker_us_per_op(tel: Any, providers: "SdkProviders", ops: int, drive: Any) -> float:
-    """``drive()`` submits ``ops`` ops to ``tel``: run it, flush, and return the completion
-    worker's CPU per op in microseconds (its thread's clock, from the first submit until
-    ``force_flush`` returned). Shuts ``tel`` and ``providers`` down either way."""
-    try:
-        before = thread_cpu().get("otel-hicache-poller", 0.0)
-        drive()
-        if not tel.force_flush(600):
-            raise RuntimeError("force_flush timed out")
-        worker = thread_cpu().get("otel-hicache-poller", 0.0) - before
-    finally:
-        tel.shutdown()
-        providers.shutdown()
-    return worker / ops * 1e6
-
-
-def process_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) of another process so far, from ``/proc`` (None: gone, or not Linux)."""
+def process_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system, every thread, ended ones too) of another process, from
+    ``/proc``; None when it is gone or not Linux."""
+    if pid is None:
+        return None
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
@@ -236,15 +52,9 @@ def process_cpu_s(pid: int) -> float | None:
 
 
 def wait_until(deadline: int, spin_ns: int = 0) -> int:
-    """Wait until ``deadline`` (``perf_counter_ns``). Returns the deadline, or now if it
-    already passed (no catch-up bursts).
-
-    The wait sleeps, releasing the GIL (as a scheduler waiting on its device does), so
-    worker threads (otel-hicache's, the span processor's) run between ops. With
-    ``spin_ns`` it sleeps until ``spin_ns`` before the deadline (not at all when less
-    than ``spin_ns`` + 20 us are left) and spins the rest, for a punctual deadline. A
-    long spin holds the GIL: a worker then gets it only every switch interval (5 ms)
-    and processes a large batch while the caller waits."""
+    """Wait until ``deadline`` (``perf_counter_ns``); returns it, or now if it already passed
+    (no catch-up bursts). The wait sleeps, releasing the GIL as a scheduler waiting on its device
+    does; with ``spin_ns`` the last ``spin_ns`` are spun, for a punctual deadline."""
     now = time.perf_counter_ns()
     if now >= deadline:
         return now
@@ -258,49 +68,134 @@ def wait_until(deadline: int, spin_ns: int = 0) -> int:
     return deadline
 
 
+@contextmanager
+def env(**values: str) -> Iterator[None]:
+    """Environment variables set while something that reads them is built or run."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+# -- statistics -------------------------------------------------------------------------
+
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``sorted_values``: the nearest rank, no interpolation."""
     index = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
     return sorted_values[index]
 
 
-# --------------------------------------------------------------------------------------
-# Report
-# --------------------------------------------------------------------------------------
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max and every value: how a figure varied over repetitions."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": list(values)}
 
+
+def spread_text(s: dict[str, Any] | None, digits: int = 1) -> str:
+    return "" if not s else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+# -- an OTLP/HTTP sink that counts ------------------------------------------------------
+
+class CountingSink:
+    """OTLP/HTTP receiver that counts spans and hands each metrics request to ``on_metrics``
+    (under its lock); it keeps no request, so a long run does not grow it."""
+
+    def __init__(self, on_metrics: Callable[[Any], None] | None = None) -> None:
+        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as mpb
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
+
+        self.lock = threading.Lock()
+        self.spans = self.requests = 0
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/v1/traces":
+                    request = tpb.ExportTraceServiceRequest.FromString(body)
+                    with sink.lock:
+                        sink.spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                        sink.requests += 1
+                    payload = tpb.ExportTraceServiceResponse().SerializeToString()
+                elif self.path == "/v1/metrics":
+                    if on_metrics is not None:
+                        request = mpb.ExportMetricsServiceRequest.FromString(body)
+                        with sink.lock:
+                            on_metrics(request)
+                    payload = mpb.ExportMetricsServiceResponse().SerializeToString()
+                else:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class SpanCounter:
+    """A :class:`CountingSink` in a process of its own (this file run as a script), so that its
+    CPU is not the measured process's; :meth:`close` returns the spans it counted."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__))], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.endpoint = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
+
+    def close(self) -> int:
+        out, _ = self.proc.communicate(timeout=120)
+        return int(out.strip().splitlines()[-1])
+
+
+def _serve_counting_sink() -> None:
+    """:class:`SpanCounter`'s process: prints the endpoint, and the span count once stdin closes."""
+    sink = CountingSink()
+    print(sink.endpoint, flush=True)
+    sys.stdin.read()
+    time.sleep(0.2)  # a request still being answered
+    sink.stop()
+    print(sink.spans, flush=True)
+
+
+# -- report -----------------------------------------------------------------------------
 
 def machine(package: str, version: str, **versions: str) -> dict[str, Any]:
-    """What ran: ``package`` at ``version`` and this checkout's git revision, then
-    ``versions`` (other packages, in order), CPUs, Python, the OTel SDK, platform and CPU model."""
-    return {
-        package: f"{version} ({_git_revision()})",
-        **versions,
-        "cpus": os.cpu_count(),
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "opentelemetry_sdk": SDK_VERSION,
-        "platform": platform.platform(),
-        "processor": _cpu_model(),
-    }
+    """What ran: ``package`` at ``version`` and this checkout's git revision, other packages'
+    ``versions``, CPUs, Python, the OTel SDK, the platform and the CPU model."""
+    from opentelemetry.sdk.version import __version__ as sdk_version
 
-
-def _git_revision() -> str:
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True,
-                             check=True, timeout=10)
-        return out.stdout.strip()
+        revision = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True,
+                                  text=True, check=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown revision"
-
-
-def _cpu_model() -> str:
+        revision = "unknown revision"
+    model = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), model)
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return {package: f"{version} ({revision})", **versions, "cpus": os.cpu_count(),
+            "python": f"{platform.python_implementation()} {platform.python_version()}",
+            "opentelemetry_sdk": sdk_version, "platform": platform.platform(), "processor": model}
 
 
 def table(rows: Sequence[Sequence[str]], header: Sequence[str], left: int = 1) -> str:
@@ -312,3 +207,7 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str], left: int = 1) -
                          for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+if __name__ == "__main__":
+    _serve_counting_sink()

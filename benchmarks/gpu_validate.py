@@ -1,44 +1,20 @@
 """Validate otel-hicache's device timing on a real GPU, against independent measurements.
 
-Pinned host <-> device copies from 1 MiB to 1 GiB on a side stream, in both directions
-(``offload``: device -> pinned host, write-back; ``onboard``: pinned host -> device,
-load-back), each reported through a real ``TransferTelemetry`` (private SDK providers,
-spans at 100%, the real completion worker and wall-clock anchor). Checks:
-
-1. duration: each span's device duration (exported span end - start) against an
-   independent measurement of the same copy: a second, separately created event pair
-   bracketing the telemetry's events on the same stream, the device synchronized before
-   and after (the copy runs alone); and ``triton.testing.do_bench`` of the same copy
-   (repeated copies, median) when triton imports. Target: within 2% of the
-   event-bracketed reference for copies >= 16 MiB;
-2. bandwidth: span-derived GB/s per size against the best bandwidth measured
-   independently per direction (the link's measured peak); reported, no target;
-3. wall-clock anchor error: the span's start against the host clock read just before the
-   start event was recorded on an idle stream (synchronized copy). Target < 50 us,
-   median and max;
-4. caller overhead: ``submit()`` timed alone with real, recorded events while the
-   worker runs as in production, against an empty call. Target <= 5 us median (net);
-5. late ack: ops submitted with ``expect_ack=True`` and acked 50 ms after the copy
-   finished: duration unchanged against the independent measurement, the span shows
-   the ack;
-6. wiring: one span per op, ``hicache.timing_source=device_event``, placed through the
-   anchor, span durations equal to what the events themselves say, the duration
-   histogram and byte counter equal to the spans, results written.
-
-Without CUDA (or with ``--dry``) it runs in a dry mode: the same code path with a
-stand-in backend (real CPU torch copies, timing events on the host's monotonic clock).
-The targets are computed and printed but labelled "dry (not a GPU measurement)"; the exit
-status then reflects only the wiring rows and checks that raised.
-
-Usage::
+Pinned host <-> device copies (1 MiB to 1 GiB, both directions) on a side stream, each reported
+through a real ``TransferTelemetry`` (private SDK providers, spans at 100%), are checked against
+a second event pair bracketing the telemetry's and ``triton.testing.do_bench``; so are the
+wall-clock anchor, ``submit()``'s cost with real events, a late ack, and the wiring (one
+device-timed, anchored span per op; durations equal to the events'; metrics equal to the spans).
+Without CUDA, or with ``--dry``, the same code runs on a CPU stand-in backend (torch CPU copies,
+events on the host's monotonic clock): targets are printed but labelled, and only the wiring
+decides the exit status. docs/gpu-validation.md has the protocol, the checks and the results.
 
     python benchmarks/gpu_validate.py --out docs/gpu-results/<date>-<gpu>.json   # CUDA
     python benchmarks/gpu_validate.py --dry --out /tmp/r.json                     # CPU, seconds
 
-A short table is printed last; full per-copy results and the environment go to ``--out``
-(default ``gpu_validate_results.json``), rewritten after every phase so a run that dies
-half-way leaves what it measured. Exit status: 1 if a check fails (CUDA mode: wiring and
-targets; dry mode: wiring and checks that raised), 2 for usage errors.
+The table of checks is printed last; ``--out`` gets every op and the environment, rewritten
+after each phase. Exit status: 1 if a check fails (CUDA: wiring and targets; dry: wiring and
+checks that raised), 2 for usage errors.
 """
 
 from __future__ import annotations
@@ -64,26 +40,20 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # imported from elsewhere (tests): bench_common is a sibling
-    sys.path.insert(0, str(HERE))
+sys.path[:0] = [p for p in (str(HERE), str(HERE.parent)) if p not in sys.path]  # bench_common; a checkout
 
-try:
-    import otel_hicache
-except ImportError:  # a checkout that was not installed
-    sys.path.insert(0, str(HERE.parent))
-    import otel_hicache
+import torch  # noqa: E402
+from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
+from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON  # noqa: E402
 
-import torch
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-
-from otel_hicache import TransferTelemetry
-from otel_hicache import semconv as sc
-import bench_common  # noqa: E402  (this script's folder, see above)
+import bench_common  # noqa: E402
+import otel_hicache  # noqa: E402
+from otel_hicache import TransferTelemetry  # noqa: E402
+from otel_hicache import semconv as sc  # noqa: E402
 
 MIB = 1 << 20
 BYTES_PER_TOKEN = 114_688  # Qwen3-0.6B-like KV: 28 layers x 8 heads x 128 dims x 2 (K, V) x bf16
@@ -91,7 +61,6 @@ PAGE_SIZE = 64
 DIRECTIONS = ("offload", "onboard")  # device -> pinned host, pinned host -> device
 ATTR_ID = "gpu_validate.id"
 WORKER_THREAD = "otel-hicache-poller"
-
 CUDA_SIZES_MIB = (1, 4, 16, 64, 256, 1024)
 DRY_SIZES_MIB = (1, 4, 16)
 TARGET_RATIO = 0.02  # span duration within 2% of the independent measurement...
@@ -104,16 +73,12 @@ METRIC_SUM_TOLERANCE_S = 1e-6
 DRY_LABEL = "dry (not a GPU measurement)"
 
 
-# --------------------------------------------------------------------------------------
-# Backends: the only part that differs between a GPU run and the dry run
-# --------------------------------------------------------------------------------------
-
+# -- backends: the only part that differs between a GPU run and the dry run -------------
 
 class CudaBackend:
     """Real CUDA: side streams, ``torch.cuda.Event(enable_timing=True)``, pinned host buffers."""
 
-    name = "cuda"
-    dry = False
+    name, dry = "cuda", False
 
     def __init__(self) -> None:
         self._device: Any = None  # resolved on first use, inside the run's error handling
@@ -132,9 +97,9 @@ class CudaBackend:
         return torch.cuda.Event(enable_timing=True)
 
     def buffers(self, nbytes: int) -> tuple[Any, Any]:
-        """(device buffer, pinned host buffer) of ``nbytes``; the device is synchronized after."""
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        """(device buffer, pinned host buffer), the device synchronized after."""
+        dev, host = (torch.empty(nbytes, dtype=torch.uint8, device=self.device),
+                     torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
         torch.cuda.synchronize(self.device)
         return dev, host
 
@@ -146,11 +111,11 @@ class CudaBackend:
         torch.cuda.synchronize(self.device)
 
     def truth_ns(self, start: Any, finish: Any) -> int:
-        """What the two events say, read here after a device synchronize (both completed)."""
+        """What the two events say, read after a device synchronize (both completed)."""
         return int(round(start.elapsed_time(finish) * 1e6))
 
     def free(self) -> None:
-        """Give cached device and pinned host memory back between sizes (best effort)."""
+        """Cached device and pinned host memory back between sizes (best effort)."""
         torch.cuda.synchronize(self.device)
         try:
             torch.cuda.empty_cache()
@@ -174,29 +139,21 @@ class CudaBackend:
                 ms = do_bench(fn, warmup=25, rep=100)
                 method = "triton.testing.do_bench(warmup=25, rep=100) (mean)"
         torch.cuda.synchronize(self.device)
-        if isinstance(ms, (list, tuple)):
-            ms = ms[0]
-        return {"method": method, "ms": float(ms)}
+        return {"method": method, "ms": float(ms[0] if isinstance(ms, (list, tuple)) else ms)}
 
     def environment(self) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(self.device)
         env: dict[str, Any] = {
-            "backend": "cuda",
-            "device_name": torch.cuda.get_device_name(self.device),
-            "device_index": self.device.index,
-            "device_count": torch.cuda.device_count(),
+            "backend": "cuda", "device_name": torch.cuda.get_device_name(self.device),
+            "device_index": self.device.index, "device_count": torch.cuda.device_count(),
             "compute_capability": f"{props.major}.{props.minor}",
-            "device_memory_gib": round(props.total_memory / (1 << 30), 1),
-            "torch_cuda": torch.version.cuda,
-        }
+            "device_memory_gib": round(props.total_memory / (1 << 30), 1), "torch_cuda": torch.version.cuda}
         fields = ("name,driver_version,pci.bus_id,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,"
                   "pcie.link.width.max")
         try:
-            out = subprocess.run(
-                ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader", "-i", str(self.device.index)],
-                capture_output=True, text=True, timeout=20, check=True,
-            ).stdout.strip()
-            env["nvidia_smi"] = dict(zip(fields.split(","), (x.strip() for x in out.split(","))))
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader", "-i",
+                                  str(self.device.index)], capture_output=True, text=True, timeout=20, check=True)
+            env["nvidia_smi"] = dict(zip(fields.split(","), (x.strip() for x in out.stdout.strip().split(","))))
             env["driver_version"] = env["nvidia_smi"].get("driver_version")
         except (OSError, subprocess.SubprocessError) as exc:
             env["nvidia_smi"] = f"unavailable: {exc!r}"
@@ -204,11 +161,9 @@ class CudaBackend:
 
 
 class StandInEvent:
-    """Duck-typed like ``torch.cuda.Event(enable_timing=True)``, for the dry run.
-
-    Its "device clock" is the host's monotonic clock (``perf_counter_ns``), a different
-    clock from the wall clock, so otel-hicache's wall-clock anchor really maps one to the
-    other. CPU copies are synchronous, so an event is complete once recorded."""
+    """Duck-typed like ``torch.cuda.Event(enable_timing=True)`` for the dry run. Its "device
+    clock" is ``perf_counter_ns``, not the wall clock, so the wall-clock anchor really maps one
+    to the other; CPU copies are synchronous, so an event is complete once recorded."""
 
     def __init__(self) -> None:
         self.at_ns: int | None = None
@@ -240,8 +195,7 @@ def _stand_in_anchor() -> StandInEvent:
 class DryBackend:
     """CPU stand-in: real torch copies between two CPU buffers, :class:`StandInEvent` timing."""
 
-    name = "dry"
-    dry = True
+    name, dry = "dry", True
 
     def stream(self) -> Any:
         return None  # CPU copies are synchronous: no stream
@@ -266,7 +220,7 @@ class DryBackend:
         pass
 
     def bench(self, fn: Callable[[], Any], stream: Any) -> dict[str, Any]:
-        """Stand-in for do_bench (which needs a GPU): median of event-bracketed repeats."""
+        """Stand-in for do_bench (which needs a GPU): the median of event-bracketed repeats."""
         fn()
         times = []
         for _ in range(5):
@@ -274,38 +228,31 @@ class DryBackend:
             start.record(stream)
             fn()
             end.record(stream)
-            self.synchronize()
             times.append(start.elapsed_time(end))
         return {"method": "stand-in: median of 5 event-bracketed repeats (dry; do_bench needs a GPU)",
                 "ms": statistics.median(times)}
 
     def environment(self) -> dict[str, Any]:
-        return {"backend": "dry", "device_name": "none (CPU stand-in)",
-                "cuda_available": torch.cuda.is_available()}
+        return {"backend": "dry", "device_name": "none (CPU stand-in)", "cuda_available": torch.cuda.is_available()}
 
 
-# --------------------------------------------------------------------------------------
-# Report: rows of the final table, errors, exit status
-# --------------------------------------------------------------------------------------
-
+# -- the table of checks ----------------------------------------------------------------
 
 class Report:
-    """Check rows: ``wiring`` (always decide the exit), ``target`` (decide it on CUDA),
-    ``info`` (never). A check that raised is an ERROR row, which decides it in both modes."""
+    """Check rows: ``wiring`` (always decide the exit), ``target`` (decide it on CUDA), ``info``
+    (never). A check that raised is an ERROR row, which decides it in both modes."""
 
     def __init__(self, dry: bool) -> None:
         self.dry = dry
         self.rows: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
 
-    def add(self, check: str, kind: str, measured: str, target: str, ok: bool | None) -> None:
-        status = "INFO" if ok is None else ("PASS" if ok else "FAIL")
-        if self.dry and kind != "wiring":
+    def add(self, check: str, kind: str, measured: str, target: str, ok: bool | None | str) -> None:
+        """``ok``: True, False, None (no target) or "SKIP" (``measured`` says why)."""
+        status = ok if isinstance(ok, str) else "INFO" if ok is None else "PASS" if ok else "FAIL"
+        if self.dry and kind != "wiring" and status != "SKIP":
             status += f", {DRY_LABEL}"
         self.rows.append({"check": check, "kind": kind, "measured": measured, "target": target, "status": status})
-
-    def skip(self, check: str, kind: str, why: str, target: str = "") -> None:
-        self.rows.append({"check": check, "kind": kind, "measured": why, "target": target, "status": "SKIP"})
 
     def error(self, where: str, exc: BaseException, kind: str = "wiring", target: str = "") -> None:
         self.errors.append({"where": where, "error": repr(exc), "traceback": traceback.format_exc()})
@@ -314,7 +261,7 @@ class Report:
 
     @contextmanager
     def guard(self, where: str, kind: str = "wiring", target: str = "") -> Iterator[None]:
-        """Run a check; if it raises, record an ERROR row and carry on with the next one."""
+        """Run a check; if it raises, an ERROR row, and the next check still runs."""
         try:
             yield
         except Exception as exc:  # one failing check must not hide the others
@@ -322,19 +269,8 @@ class Report:
             self.error(where, exc, kind, target)
 
     def failures(self) -> list[dict[str, Any]]:
-        bad = []
-        for row in self.rows:
-            status = row["status"]
-            if status == "ERROR":
-                bad.append(row)
-            elif status.startswith("FAIL") and (row["kind"] == "wiring" or not self.dry):
-                bad.append(row)
-        return bad
-
-
-# --------------------------------------------------------------------------------------
-# Statistics helpers
-# --------------------------------------------------------------------------------------
+        return [r for r in self.rows if r["status"] == "ERROR"
+                or r["status"].startswith("FAIL") and (r["kind"] == "wiring" or not self.dry)]
 
 
 def _median(values: Sequence[float]) -> float:
@@ -353,44 +289,34 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // 1024} KiB"
 
 
-def _finite(value: Any) -> Any:
-    """JSON-safe: NaN/inf become None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+def _worst(ratios: Sequence[float]) -> float:
+    return max(ratios, key=lambda r: abs(r - 1.0))
 
 
 def _jsonable(obj: Any) -> Any:
+    """JSON-safe: NaN and infinities become None, other objects their repr."""
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     if isinstance(obj, float):
-        return _finite(obj)
-    if obj is None or isinstance(obj, (str, int, bool)):
-        return obj
-    return repr(obj)
+        return obj if math.isfinite(obj) else None
+    return obj if obj is None or isinstance(obj, (str, int, bool)) else repr(obj)
 
 
-# --------------------------------------------------------------------------------------
-# The run
-# --------------------------------------------------------------------------------------
-
+# -- the run ----------------------------------------------------------------------------
 
 class Validation:
     """One run: a telemetry instance on private SDK providers, the phases, the checks."""
 
     def __init__(self, backend: Any, args: argparse.Namespace, report: Report) -> None:
-        self.backend = backend
-        self.args = args
-        self.report = report
-        self.sizes = [int(m * MIB) for m in args.sizes]
+        self.backend, self.args, self.report, self.sizes = backend, args, report, [int(m * MIB) for m in args.sizes]
         self.ops: list[dict[str, Any]] = []  # every submit, by id
-        self._events: dict[int, tuple[Any, Any]] = {}
+        self._events: dict[int, tuple[Any, Any]] = {}  # an op's events until its own reading is taken
         self.bench: list[dict[str, Any]] = []
         self.overhead: dict[str, Any] = {}
         self.analysis: dict[str, Any] = {}
-        self.worker_seen = False
+        self.worker_seen, self.stray, self.span_count = False, 0, 0  # stray: spans of no op
         self.stream = backend.stream()  # first: if the device is unusable, nothing else was started
         self.exporter = InMemorySpanExporter()
         self.tracer_provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)
@@ -403,15 +329,12 @@ class Validation:
             self.tel = TransferTelemetry(self.tracer_provider, self.meter_provider,
                                          {"tp_rank": 0, "gpu_validate.backend": backend.name})
 
-    # -- helpers -----------------------------------------------------------------------
     def _check_worker(self) -> None:
-        if any(t.name == WORKER_THREAD and t.is_alive() for t in threading.enumerate()):
-            self.worker_seen = True
+        self.worker_seen |= any(t.name == WORKER_THREAD and t.is_alive() for t in threading.enumerate())
 
     def _register(self, phase: str, direction: str, nbytes: int, start: Any, finish: Any,
                   expect_ack: bool = False) -> dict[str, Any]:
-        op = {"id": len(self.ops), "phase": phase, "direction": direction, "bytes": nbytes,
-              "expect_ack": expect_ack}
+        op = {"id": len(self.ops), "phase": phase, "direction": direction, "bytes": nbytes, "expect_ack": expect_ack}
         self.ops.append(op)
         self._events[op["id"]] = (start, finish)
         return op
@@ -421,21 +344,14 @@ class Validation:
                                PAGE_SIZE, start, finish, True, "direct", {ATTR_ID: op["id"]},
                                expect_ack=op["expect_ack"])
 
-    def _read_truth(self) -> None:
-        """After a device synchronize: what each op's own events say (dry: the stand-in's timeline)."""
-        self.backend.synchronize()
-        for ident, (start, finish) in list(self._events.items()):
-            self.ops[ident]["events_ns"] = self.backend.truth_ns(start, finish)
-            del self._events[ident]
-
     def quiesce(self) -> None:
-        """Let the worker report what it has (so it is idle while a host stamp is taken)."""
+        """Let the worker report what it has, so it is idle while a host stamp is taken."""
         self.tel.force_flush(5.0)
 
     def _timed_copy(self, phase: str, direction: str, nbytes: int, dst: Any, src: Any,
                     expect_ack: bool = False) -> tuple[dict[str, Any], Any]:
-        """One copy alone on the side stream: independent events outside the telemetry's,
-        host stamps around it; the device synchronized before and after."""
+        """One copy alone on the side stream: independent events outside the telemetry's, host
+        stamps around it, the device synchronized before and after."""
         backend, stream = self.backend, self.stream
         ref0, ev0, ev1, ref1 = backend.event(), backend.event(), backend.event(), backend.event()
         self.quiesce()
@@ -457,33 +373,32 @@ class Validation:
         self._events.pop(op["id"], None)
         return op, handle
 
-    # -- phases ------------------------------------------------------------------------
-    def phase_copies(self) -> None:
-        backend, args = self.backend, self.args
-        for nbytes in self.sizes:
-            print(f"[gpu_validate] copies: {_mib(nbytes)} x {args.reps} per direction", flush=True)
-            with self.report.guard(f"phase: copies, {_mib(nbytes)}"):  # one size failing: the others still run
-                self._copies_of_size(nbytes)
-
-    def _copies_of_size(self, nbytes: int) -> None:
-        backend, args = self.backend, self.args
-        dev, host = backend.buffers(nbytes)
+    def _each_direction(self, nbytes: int, body: Callable[[str, Any, Any], None]) -> None:
+        """``body(direction, dst, src)`` over fresh buffers of ``nbytes``, freed after."""
+        dev, host = self.backend.buffers(nbytes)
         try:
             for direction in DIRECTIONS:
-                dst, src = (host, dev) if direction == "offload" else (dev, host)
-                for _ in range(2):  # warm-up, not reported
-                    backend.copy(dst, src, self.stream)
-                    backend.synchronize()
-                for rep in range(args.reps):
-                    op, _handle = self._timed_copy("copies", direction, nbytes, dst, src)
-                    op["rep"] = rep
-                    self._check_worker()
-                if not args.no_bench:
-                    self._bench(direction, nbytes, dst, src)
+                body(direction, *((host, dev) if direction == "offload" else (dev, host)))
         finally:
-            del dev, host
-            dst = src = None
-            backend.free()
+            del dev, host  # no reference left: free() can give the memory back
+            self.backend.free()
+
+    # -- phases --------------------------------------------------------------------------
+    def phase_copies(self) -> None:
+        for nbytes in self.sizes:
+            print(f"[gpu_validate] copies: {_mib(nbytes)} x {self.args.reps} per direction", flush=True)
+            with self.report.guard(f"phase: copies, {_mib(nbytes)}"):  # one size failing: the others still run
+                self._each_direction(nbytes, lambda d, dst, src: self._copies(d, nbytes, dst, src))
+
+    def _copies(self, direction: str, nbytes: int, dst: Any, src: Any) -> None:
+        for _ in range(2):  # warm-up, not reported
+            self.backend.copy(dst, src, self.stream)
+            self.backend.synchronize()
+        for rep in range(self.args.reps):
+            self._timed_copy("copies", direction, nbytes, dst, src)[0]["rep"] = rep
+            self._check_worker()
+        if not self.args.no_bench:
+            self._bench(direction, nbytes, dst, src)
 
     def _bench(self, direction: str, nbytes: int, dst: Any, src: Any) -> None:
         entry: dict[str, Any] = {"direction": direction, "bytes": nbytes}
@@ -501,93 +416,77 @@ class Validation:
         return min((s for s in big if s >= 64 * MIB), default=max(big or self.sizes))
 
     def phase_late_ack(self) -> None:
-        nbytes = self.late_ack_size()
-        delay_s = self.args.ack_delay_ms / 1e3
-        print(f"[gpu_validate] late ack: {_mib(nbytes)}, acked {self.args.ack_delay_ms:g} ms after the copy, "
-              f"x {self.args.ack_reps} per direction", flush=True)
-        dev, host = self.backend.buffers(nbytes)
-        try:
-            for direction in DIRECTIONS:
-                dst, src = (host, dev) if direction == "offload" else (dev, host)
-                self.backend.copy(dst, src, self.stream)  # warm-up
-                self.backend.synchronize()
-                for _ in range(self.args.ack_reps):
-                    op, handle = self._timed_copy("late_ack", direction, nbytes, dst, src, expect_ack=True)
-                    time.sleep(delay_s)  # the copy finished at host_after at the latest
-                    op["ack_host_ns"] = time.time_ns()
-                    self.tel.ack(handle)
-                    self._check_worker()
-        finally:
-            del dev, host
-            dst = src = None
-            self.backend.free()
+        nbytes, args = self.late_ack_size(), self.args
+        print(f"[gpu_validate] late ack: {_mib(nbytes)}, acked {args.ack_delay_ms:g} ms after the copy, "
+              f"x {args.ack_reps} per direction", flush=True)
+
+        def late_acks(direction: str, dst: Any, src: Any) -> None:
+            self.backend.copy(dst, src, self.stream)  # warm-up
+            self.backend.synchronize()
+            for _ in range(args.ack_reps):
+                op, handle = self._timed_copy("late_ack", direction, nbytes, dst, src, expect_ack=True)
+                time.sleep(args.ack_delay_ms / 1e3)  # the copy finished at host_after at the latest
+                op["ack_host_ns"] = time.time_ns()
+                self.tel.ack(handle)
+                self._check_worker()
+
+        self._each_direction(nbytes, late_acks)
 
     def phase_overhead(self) -> None:
-        """``submit()`` alone, timed with perf_counter_ns, with real recorded events and a small
-        copy in flight on the side stream, one op every ``--interval-us`` (the worker runs
-        between ops, as in production); against an empty call with the same arguments."""
-        backend, stream, tel = self.backend, self.stream, self.tel
-        n, nbytes = self.args.overhead_ops, 64 * 1024
-        print(f"[gpu_validate] caller overhead: {n} submit() calls, one every {self.args.interval_us} us", flush=True)
+        """``submit()`` alone, with real recorded events and a small copy in flight, one op every
+        ``--interval-us`` (the worker runs between ops, as in production), against an empty call
+        with the same arguments; which goes first alternates."""
+        backend, stream, args, perf = self.backend, self.stream, self.args, time.perf_counter_ns
+        n, nbytes, tokens = args.overhead_ops, 64 * 1024, {"kv": 1}
+        print(f"[gpu_validate] caller overhead: {n} submit() calls, one every {args.interval_us} us", flush=True)
         dev, host = backend.buffers(nbytes)
         events = [(backend.event(), backend.event()) for _ in range(n)]
-        tokens = {"kv": 1}
+        times: dict[str, list[int]] = {"submit": [], "empty": []}
 
         def empty(*_args: Any, **_kwargs: Any) -> None:
             return None
 
-        submit_ns: list[int] = []
-        empty_ns: list[int] = []
-        interval = int(self.args.interval_us * 1000)
-        perf = time.perf_counter_ns
+        def timed(name: str, fn: Callable[..., Any]) -> Any:
+            t0 = perf()
+            out = fn(direction, tokens, nbytes, PAGE_SIZE, ev0, ev1, True, "direct", attrs, expect_ack=False)
+            times[name].append(perf() - t0)
+            return out
+
         self.quiesce()
         deadline = perf()
         for i in range(n):
-            direction = DIRECTIONS[i % 2]
+            direction, (ev0, ev1) = DIRECTIONS[i % 2], events[i]
             dst, src = (host, dev) if direction == "offload" else (dev, host)
-            ev0, ev1 = events[i]
             op = self._register("overhead", direction, nbytes, ev0, ev1)
             attrs = {ATTR_ID: op["id"]}
-            deadline = bench_common.wait_until(deadline + interval, spin_ns=20_000)
+            deadline = bench_common.wait_until(deadline + int(args.interval_us * 1000), spin_ns=20_000)
             ev0.record(stream)
             backend.copy(dst, src, stream)
             ev1.record(stream)
-            if i % 2:  # alternate which call goes first
-                t0 = perf()
-                empty(direction, tokens, nbytes, PAGE_SIZE, ev0, ev1, True, "direct", attrs, expect_ack=False)
-                t1 = perf()
-                handle = tel.submit(direction, tokens, nbytes, PAGE_SIZE, ev0, ev1, True, "direct", attrs,
-                                    expect_ack=False)
-                t2 = perf()
-                empty_ns.append(t1 - t0)
-                submit_ns.append(t2 - t1)
-            else:
-                t0 = perf()
-                handle = tel.submit(direction, tokens, nbytes, PAGE_SIZE, ev0, ev1, True, "direct", attrs,
-                                    expect_ack=False)
-                t1 = perf()
-                empty(direction, tokens, nbytes, PAGE_SIZE, ev0, ev1, True, "direct", attrs, expect_ack=False)
-                t2 = perf()
-                submit_ns.append(t1 - t0)
-                empty_ns.append(t2 - t1)
-            op["submitted"] = handle is not None
+            if i % 2:
+                timed("empty", empty)
+            op["submitted"] = timed("submit", self.tel.submit) is not None
+            if not i % 2:
+                timed("empty", empty)
             if i % 256 == 0:
                 self._check_worker()
-        self._read_truth()
+        backend.synchronize()  # what each op's own events say
+        for ident, (start, finish) in list(self._events.items()):
+            self.ops[ident]["events_ns"] = backend.truth_ns(start, finish)
+            del self._events[ident]
         del dev, host
         backend.free()
-        self.overhead = {"ops": n, "copy_bytes": nbytes, "interval_us": self.args.interval_us,
-                         "submit_ns": submit_ns, "empty_call_ns": empty_ns}
+        self.overhead = {"ops": n, "copy_bytes": nbytes, "interval_us": args.interval_us,
+                         "submit_ns": times["submit"], "empty_call_ns": times["empty"]}
 
     def collect(self) -> list[Any]:
-        """Flush until every op's span is exported (or the deadline); the spans."""
+        """Flush until every op's span is exported (or 30 s passed); the spans."""
         deadline = time.monotonic() + 30.0
         want = {op["id"] for op in self.ops if op.get("submitted")}
         while True:
             self.tel.force_flush(10.0)
             spans = list(self.exporter.get_finished_spans())
-            have = {s.attributes.get(ATTR_ID) for s in spans}
-            if want <= have or time.monotonic() > deadline:
+            if want <= {s.attributes.get(ATTR_ID) for s in spans} or time.monotonic() > deadline:
                 return spans
             time.sleep(0.05)
 
@@ -608,196 +507,173 @@ class Validation:
             self.meter_provider.shutdown()
 
     # -- analysis and checks -------------------------------------------------------------
-    def attach_spans(self, spans: list[Any]) -> dict[str, Any]:
+    def attach_spans(self, spans: list[Any]) -> None:
+        """Each op's span (by ``gpu_validate.id``), and what follows from it."""
         by_id: dict[Any, list[Any]] = {}
         for span in spans:
             by_id.setdefault(span.attributes.get(ATTR_ID), []).append(span)
+        ids = {op["id"] for op in self.ops}
+        self.stray, self.span_count = sum(len(v) for k, v in by_id.items() if k not in ids), len(spans)
         for op in self.ops:
             found = by_id.get(op["id"], [])
             op["spans"] = len(found)
             if not found:
                 continue
-            span = found[0]
-            attrs = span.attributes
-            op["span_start_ns"] = span.start_time
-            op["span_end_ns"] = span.end_time
-            op["span_ns"] = span.end_time - span.start_time
-            op["timing_source"] = attrs.get(sc.TIMING_SOURCE)
-            op["origin"] = attrs.get(sc.ORIGIN)
-            op["anchored"] = sc.QUEUE_WAIT_US in attrs  # set only when the anchor placed the span
-            op["acked"] = attrs.get(sc.ACKED)
-            op["ack_delay_us"] = attrs.get(sc.ACK_DELAY_US)
-            op["error"] = attrs.get(sc.ERROR_TYPE)  # error spans are not in the transfer metrics
-            op["span_events"] = [e.name for e in span.events]
+            span, attrs = found[0], found[0].attributes
+            op.update(span_start_ns=span.start_time, span_end_ns=span.end_time,
+                      span_ns=span.end_time - span.start_time,
+                      timing_source=attrs.get(sc.TIMING_SOURCE), origin=attrs.get(sc.ORIGIN),
+                      anchored=sc.QUEUE_WAIT_US in attrs,  # set only when the anchor placed the span
+                      acked=attrs.get(sc.ACKED), ack_delay_us=attrs.get(sc.ACK_DELAY_US),
+                      error=attrs.get(sc.ERROR_TYPE),  # error spans are not in the transfer metrics
+                      span_events=[e.name for e in span.events])
             if op.get("events_ns"):
                 op["ratio_events"] = op["span_ns"] / op["events_ns"]
             if op.get("ref_ns"):
-                op["ratio_ref"] = op["span_ns"] / op["ref_ns"]
-                op["gbs_ref"] = _gbs(op["bytes"], op["ref_ns"])
+                op.update(ratio_ref=op["span_ns"] / op["ref_ns"], gbs_ref=_gbs(op["bytes"], op["ref_ns"]))
             if op["span_ns"] > 0:
                 op["gbs_span"] = _gbs(op["bytes"], op["span_ns"])
             if "host_before_ns" in op:
                 op["anchor_error_ns"] = op["span_start_ns"] - op["host_before_ns"]
-        return by_id
 
-    def check_spans(self, by_id: dict[Any, list[Any]], spans: list[Any]) -> None:
-        submitted = [op for op in self.ops if op.get("submitted")]
-        missing = [op["id"] for op in self.ops if op["spans"] == 0]
-        dupes = [op["id"] for op in self.ops if op["spans"] > 1]
-        stray = len([s for s in spans if s.attributes.get(ATTR_ID) not in {op["id"] for op in self.ops}])
-        seen = [op for op in self.ops if op["spans"]]
-        not_device = [op["id"] for op in seen if op.get("timing_source") != "device_event"]
-        not_anchored = [op["id"] for op in seen if not op.get("anchored")]
-        ok = (bool(self.ops) and len(submitted) == len(self.ops) and not missing and not dupes and not stray
-              and not not_device and not not_anchored)
-        self.report.add(
-            "spans: one per op, device_event, anchored", "wiring",
-            f"{len(seen)}/{len(self.ops)} ops; refused {len(self.ops) - len(submitted)}, dup {len(dupes)}, "
-            f"stray {stray}, not device_event {len(not_device)}, not anchored {len(not_anchored)}",
-            "one per op, all", ok)
-        self.analysis["spans"] = {"ops": len(self.ops), "spans": len(spans), "missing": missing[:50],
+    def _ids(self, pick: Callable[[dict[str, Any]], Any]) -> list[int]:
+        return [op["id"] for op in self.ops if pick(op)]
+
+    def check_spans(self) -> None:
+        refused, missing = self._ids(lambda op: not op.get("submitted")), self._ids(lambda op: op["spans"] == 0)
+        dupes = self._ids(lambda op: op["spans"] > 1)
+        not_device = self._ids(lambda op: op["spans"] and op.get("timing_source") != "device_event")
+        not_anchored = self._ids(lambda op: op["spans"] and not op.get("anchored"))
+        self.report.add("spans: one per op, device_event, anchored", "wiring",
+                        f"{len(self.ops) - len(missing)}/{len(self.ops)} ops; refused {len(refused)}, "
+                        f"dup {len(dupes)}, stray {self.stray}, not device_event {len(not_device)}, "
+                        f"not anchored {len(not_anchored)}", "one per op, all",
+                        bool(self.ops) and not (refused or missing or dupes or self.stray or not_device
+                                                or not_anchored))
+        self.analysis["spans"] = {"ops": len(self.ops), "spans": self.span_count, "missing": missing[:50],
                                   "duplicated": dupes[:50], "not_device_event": not_device[:50],
                                   "not_anchored": not_anchored[:50]}
 
     def check_truth(self) -> None:
         pairs = [op for op in self.ops if op["spans"] and op.get("events_ns") is not None]
-        diffs = [abs(op["span_ns"] - op["events_ns"]) for op in pairs]
-        worst = max(diffs, default=float("nan"))
-        what = "stand-in truth" if self.backend.dry else "its own events (read back)"
-        ok = bool(pairs) and len(pairs) == len(self.ops) and worst <= TRUTH_TOLERANCE_NS
-        self.report.add(f"span duration == {what}", "wiring",
-                        f"max |diff| {worst:.0f} ns over {len(pairs)}/{len(self.ops)} ops",
-                        f"<= {TRUTH_TOLERANCE_NS} ns, all ops", ok)
+        worst = max((abs(op["span_ns"] - op["events_ns"]) for op in pairs), default=float("nan"))
+        self.report.add(f"span duration == {'stand-in truth' if self.backend.dry else 'its own events (read back)'}",
+                        "wiring", f"max |diff| {worst:.0f} ns over {len(pairs)}/{len(self.ops)} ops",
+                        f"<= {TRUTH_TOLERANCE_NS} ns, all ops",
+                        bool(pairs) and len(pairs) == len(self.ops) and worst <= TRUTH_TOLERANCE_NS)
 
     def check_metrics(self) -> None:
+        """Per direction and timing source, the duration histogram's count and sum against the spans';
+        the byte counter against the ops' bytes."""
         points = self.metric_points()
+        good = [op for op in self.ops if op["spans"] and op.get("error") is None]
         spans: dict[tuple[Any, Any], list[int]] = {}
-        for op in self.ops:
-            if op["spans"] and op.get("error") is None:
-                spans.setdefault((op["direction"], op.get("timing_source")), []).append(op["span_ns"])
+        for op in good:
+            spans.setdefault((op["direction"], op.get("timing_source")), []).append(op["span_ns"])
         hist: dict[tuple[Any, Any], list[float]] = {}
         for p in points.get(sc.TRANSFER_DURATION[0], []):
-            key = (p.attributes.get(sc.DIRECTION), p.attributes.get(sc.TIMING_SOURCE))
-            acc = hist.setdefault(key, [0, 0.0])
-            acc[0] += p.count
-            acc[1] += p.sum
-        problems = []
-        for key in set(spans) | {k for k, v in hist.items() if v[0]}:
-            count, total = hist.get(key, [0, 0.0])
-            want = spans.get(key, [])
-            if count != len(want) or abs(total - sum(want) / 1e9) > METRIC_SUM_TOLERANCE_S:
-                problems.append(f"{key}: histogram {count} / {total:.6f} s vs spans {len(want)} / {sum(want) / 1e9:.6f} s")
+            acc = hist.setdefault((p.attributes.get(sc.DIRECTION), p.attributes.get(sc.TIMING_SOURCE)), [0, 0.0])
+            acc[0], acc[1] = acc[0] + p.count, acc[1] + p.sum
+        problems = [f"{key}: histogram {count} / {total:.6f} s vs spans {len(want)} / {sum(want) / 1e9:.6f} s"
+                    for key in set(spans) | {k for k, v in hist.items() if v[0]}
+                    for (count, total), want in [(hist.get(key, [0, 0.0]), spans.get(key, []))]
+                    if count != len(want) or abs(total - sum(want) / 1e9) > METRIC_SUM_TOLERANCE_S]
         bytes_by_dir: dict[Any, int] = {}
         for p in points.get(sc.TRANSFER_BYTES[0], []):
             d = p.attributes.get(sc.DIRECTION)
             bytes_by_dir[d] = bytes_by_dir.get(d, 0) + int(p.value)
         for d in DIRECTIONS:
-            want_bytes = sum(op["bytes"] for op in self.ops
-                             if op["spans"] and op.get("error") is None and op["direction"] == d)
+            want_bytes = sum(op["bytes"] for op in good if op["direction"] == d)
             if bytes_by_dir.get(d, 0) != want_bytes:
                 problems.append(f"{d}: bytes counter {bytes_by_dir.get(d, 0)} vs spans {want_bytes}")
-        n = sum(len(v) for v in spans.values())
         self.analysis["metrics"] = {"duration_histogram": {f"{k[0]}/{k[1]}": v for k, v in hist.items()},
                                     "bytes": bytes_by_dir, "problems": problems}
         self.report.add("metrics: duration histogram, bytes == spans", "wiring",
-                        f"{n} spans without error: " + ("count, sum and bytes equal" if not problems else
-                                                        f"{len(problems)} differ (JSON: analysis.metrics)"),
-                        "equal", bool(n) and not problems)
+                        f"{len(good)} spans without error: " + ("count, sum and bytes equal" if not problems else
+                                                                f"{len(problems)} differ (JSON: analysis.metrics)"),
+                        "equal", bool(good) and not problems)
 
     def _groups(self) -> dict[tuple[str, int], list[dict[str, Any]]]:
+        """The copies with a span and a reference, by (direction, bytes), sorted."""
         groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for op in self.ops:
             if op["phase"] == "copies" and op.get("ratio_ref") is not None:
                 groups.setdefault((op["direction"], op["bytes"]), []).append(op)
-        return groups
+        return dict(sorted(groups.items()))
 
     def check_durations(self) -> None:
         groups = self._groups()
-        per_size = []
-        for (direction, nbytes), ops in sorted(groups.items()):
-            ratios = [op["ratio_ref"] for op in ops]
-            per_size.append({"direction": direction, "bytes": nbytes, "n": len(ops),
-                             "ratio_ref_median": _median(ratios), "ratio_ref_min": min(ratios),
-                             "ratio_ref_max": max(ratios),
-                             "span_ms_median": _median([op["span_ns"] for op in ops]) / 1e6,
-                             "ref_ms_median": _median([op["ref_ns"] for op in ops]) / 1e6,
-                             "host_ms_median": _median([op["host_ns"] for op in ops]) / 1e6})
-        self.analysis["durations"] = per_size
+        self.analysis["durations"] = [
+            {"direction": d, "bytes": b, "n": len(ops), "ratio_ref_median": _median([op["ratio_ref"] for op in ops]),
+             "ratio_ref_min": min(op["ratio_ref"] for op in ops), "ratio_ref_max": max(op["ratio_ref"] for op in ops),
+             **{f"{k}_ms_median": _median([op[f"{k}_ns"] for op in ops]) / 1e6 for k in ("span", "ref", "host")}}
+            for (d, b), ops in groups.items()]
         target = f"within {TARGET_RATIO:.0%} (>= {TARGET_MIN_MIB} MiB)"
         for direction in DIRECTIONS:
-            big = [op["ratio_ref"] for (d, b), ops in groups.items() if d == direction and b >= TARGET_MIN_MIB * MIB
-                   for op in ops]
-            small = [op["ratio_ref"] for (d, b), ops in groups.items() if d == direction and b < TARGET_MIN_MIB * MIB
-                     for op in ops]
+            mine = [(b, op) for (d, b), ops in groups.items() if d == direction for op in ops]
+            big = [op["ratio_ref"] for b, op in mine if b >= TARGET_MIN_MIB * MIB]
+            small = [op["ratio_ref"] for b, op in mine if b < TARGET_MIN_MIB * MIB]
+            gaps = [(op["ref_ns"] - op["span_ns"]) / 1e3 for _, op in mine]
+            name = f"duration / independent, {direction}"
             if big:
-                worst = max(big, key=lambda r: abs(r - 1.0))
-                self.report.add(f"duration / independent, {direction}", "target",
-                                f"median {_median(big):.4f}, worst {worst:.4f} (n={len(big)})", target,
-                                all(abs(r - 1.0) <= TARGET_RATIO for r in big))
+                self.report.add(name, "target", f"median {_median(big):.4f}, worst {_worst(big):.4f} (n={len(big)})",
+                                target, all(abs(r - 1.0) <= TARGET_RATIO for r in big))
             else:
-                self.report.skip(f"duration / independent, {direction}", "target",
-                                 f"no copies >= {TARGET_MIN_MIB} MiB (--sizes)", target)
-            gaps = [(op["ref_ns"] - op["span_ns"]) / 1e3 for (d, _), ops in groups.items() if d == direction
-                    for op in ops]
+                self.report.add(name, "target", f"no copies >= {TARGET_MIN_MIB} MiB (--sizes)", target, "SKIP")
             if gaps:  # the bracket's own cost: constant over sizes, or the spans miss part of the copy
                 self.report.add(f"independent - span, {direction}, all sizes", "info",
-                                f"median {_median(gaps):.1f} us, max {max(gaps):.1f} us (n={len(gaps)})", "report", None)
+                                f"median {_median(gaps):.1f} us, max {max(gaps):.1f} us (n={len(gaps)})", "report",
+                                None)
             if small:
-                worst = max(small, key=lambda r: abs(r - 1.0))
-                self.report.add(f"duration / independent, {direction}, < {TARGET_MIN_MIB} MiB", "info",
-                                f"median {_median(small):.4f}, worst {worst:.4f} (n={len(small)})", "report", None)
+                self.report.add(f"{name}, < {TARGET_MIN_MIB} MiB", "info", f"median {_median(small):.4f}, "
+                                f"worst {_worst(small):.4f} (n={len(small)})", "report", None)
 
     def check_host_clock(self) -> None:
         groups = self._groups()
         smallest = min((b for _d, b in groups), default=None)
         if smallest is None:
             raise RuntimeError("no copies with a span")
-        parts = []
-        for direction in DIRECTIONS:
-            ops = groups.get((direction, smallest), [])
-            if ops:
-                parts.append(f"{direction} {_median([op['host_ns'] for op in ops]) / _median([op['ref_ns'] for op in ops]):.2f}x")
+        parts = [f"{d} {_median([op['host_ns'] for op in ops]) / _median([op['ref_ns'] for op in ops]):.2f}x"
+                 for d in DIRECTIONS for ops in [groups.get((d, smallest), [])] if ops]
         self.report.add(f"host clock around a synchronized copy / device, {_mib(smallest)}", "info",
                         ", ".join(parts), "report (why device events)", None)
 
     def check_bench_and_bandwidth(self) -> None:
-        groups = self._groups()
+        """Span-derived GB/s per size against the best measured independently (reference pairs and
+        do_bench, any size): the link's measured peak, per direction."""
         peak: dict[str, float] = {}
-        table = []
-        bench = {(b["direction"], b["bytes"]): b for b in self.bench}
-        for (direction, nbytes), ops in sorted(groups.items()):
-            row = {"direction": direction, "bytes": nbytes,
-                   "gbs_span": _gbs(nbytes, _median([op["span_ns"] for op in ops])),
+        rows = []
+        bench = {(b["direction"], b["bytes"]): b.get("ms") for b in self.bench}
+        for (direction, nbytes), ops in self._groups().items():
+            span_ns, bench_ms = _median([op["span_ns"] for op in ops]), bench.get((direction, nbytes))
+            row = {"direction": direction, "bytes": nbytes, "gbs_span": _gbs(nbytes, span_ns),
                    "gbs_ref": _gbs(nbytes, _median([op["ref_ns"] for op in ops]))}
-            b = bench.get((direction, nbytes))
-            if b and b.get("ms"):
-                row["gbs_bench"] = _gbs(nbytes, b["ms"] * 1e6)
-                row["span_over_bench"] = _median([op["span_ns"] for op in ops]) / (b["ms"] * 1e6)
-            for key in ("gbs_ref", "gbs_bench"):
-                if math.isfinite(row.get(key, float("nan"))):
-                    peak[direction] = max(peak.get(direction, 0.0), row[key])
-            table.append(row)
-        for row in table:
+            if bench_ms:
+                row.update(gbs_bench=_gbs(nbytes, bench_ms * 1e6), span_over_bench=span_ns / (bench_ms * 1e6))
+            for gbs in (row["gbs_ref"], row.get("gbs_bench", float("nan"))):
+                if math.isfinite(gbs):
+                    peak[direction] = max(peak.get(direction, 0.0), gbs)
+            rows.append(row)
+        for row in rows:
             if peak.get(row["direction"]):
                 row["span_of_peak"] = row["gbs_span"] / peak[row["direction"]]
-        self.analysis["bandwidth"] = {"peak_gbs": peak, "per_size": table}
+        self.analysis["bandwidth"] = {"peak_gbs": peak, "per_size": rows}
         for direction in DIRECTIONS:
-            rows = [r for r in table if r["direction"] == direction]
-            if not rows:
+            mine = [r for r in rows if r["direction"] == direction]
+            if not mine:
                 continue
-            last = rows[-1]
+            last, ratios = mine[-1], [r["span_over_bench"] for r in mine if "span_over_bench" in r]
             self.report.add(f"bandwidth {direction}, {_mib(last['bytes'])} (span)", "info",
                             f"{last['gbs_span']:.2f} GB/s = {last.get('span_of_peak', float('nan')):.1%} "
                             f"of measured peak {peak.get(direction, float('nan')):.2f} GB/s", "report", None)
-            ratios = [r["span_over_bench"] for r in rows if "span_over_bench" in r]
             benches = [b for b in self.bench if b["direction"] == direction]
             if ratios:
-                self.report.add(f"duration / do_bench, {direction}", "info",
-                                f"{ratios[-1]:.4f} at {_mib(rows[-1]['bytes'])}; "
-                                f"{min(ratios):.3f}..{max(ratios):.3f} over sizes", "report", None)
+                self.report.add(f"duration / do_bench, {direction}", "info", f"{ratios[-1]:.4f} at "
+                                f"{_mib(last['bytes'])}; {min(ratios):.3f}..{max(ratios):.3f} over sizes", "report",
+                                None)
             elif benches:
                 why = benches[0].get("skipped") or benches[0].get("error") or "no result"
-                self.report.skip(f"duration / do_bench, {direction}", "info", str(why)[:120], "report")
+                self.report.add(f"duration / do_bench, {direction}", "info", str(why)[:120], "report", "SKIP")
 
     def check_anchor(self) -> None:
         ops = [op for op in self.ops if op["phase"] == "copies" and op.get("anchor_error_ns") is not None]
@@ -805,31 +681,27 @@ class Validation:
             raise RuntimeError("no copies with a span")
         errors_us = [abs(op["anchor_error_ns"]) / 1e3 for op in ops]
         tol = TARGET_ANCHOR_US * 1e3
-        inside = [op for op in ops
-                  if op["host_before_ns"] - tol <= op["span_start_ns"] <= op["host_after_ns"]]
-        worst = max(ops, key=lambda op: abs(op["anchor_error_ns"]))
+        inside = sum(1 for op in ops if op["host_before_ns"] - tol <= op["span_start_ns"] <= op["host_after_ns"])
         launch_us = [(op["host_launch_ns"] - op["host_before_ns"]) / 1e3 for op in ops]
-        self.analysis["anchor"] = {
+        a = self.analysis["anchor"] = {
             "n": len(ops), "abs_error_us_median": _median(errors_us), "abs_error_us_p99": _pct(errors_us, 0.99),
             "abs_error_us_max": max(errors_us),
-            "signed_error_us_median": _median([op["anchor_error_ns"] / 1e3 for op in ops]),
-            "inside_bracket": len(inside), "worst_op": worst["id"],
-            "host_launch_us_median": _median(launch_us), "host_launch_us_max": max(launch_us),
-        }
+            "signed_error_us_median": _median([op["anchor_error_ns"] / 1e3 for op in ops]), "inside_bracket": inside,
+            "worst_op": max(ops, key=lambda op: abs(op["anchor_error_ns"]))["id"],
+            "host_launch_us_median": _median(launch_us), "host_launch_us_max": max(launch_us)}
         self.report.add("anchor error, median |span start - host before|", "target",
-                        f"{_median(errors_us):.2f} us (signed {self.analysis['anchor']['signed_error_us_median']:+.2f},"
-                        f" n={len(ops)})", f"< {TARGET_ANCHOR_US:g} us", _median(errors_us) < TARGET_ANCHOR_US)
+                        f"{a['abs_error_us_median']:.2f} us (signed {a['signed_error_us_median']:+.2f}, n={len(ops)})",
+                        f"< {TARGET_ANCHOR_US:g} us", a["abs_error_us_median"] < TARGET_ANCHOR_US)
         self.report.add("anchor error, max", "target",
-                        f"{max(errors_us):.2f} us (p99 {_pct(errors_us, 0.99):.2f}); {len(inside)}/{len(ops)} inside "
+                        f"{max(errors_us):.2f} us (p99 {a['abs_error_us_p99']:.2f}); {inside}/{len(ops)} inside "
                         f"[before - {TARGET_ANCHOR_US:g} us, after]", f"< {TARGET_ANCHOR_US:g} us, all inside",
-                        max(errors_us) < TARGET_ANCHOR_US and len(inside) == len(ops))
+                        max(errors_us) < TARGET_ANCHOR_US and inside == len(ops))
 
     def check_overhead(self) -> None:
         o = self.overhead
         if not o.get("submit_ns"):
             raise RuntimeError("the overhead phase did not run")
-        sub_us = [x / 1e3 for x in o["submit_ns"]]
-        emp_us = [x / 1e3 for x in o["empty_call_ns"]]
+        sub_us, emp_us = [x / 1e3 for x in o["submit_ns"]], [x / 1e3 for x in o["empty_call_ns"]]
         net = _median(sub_us) - _median(emp_us)
         o.update(submit_us_median=_median(sub_us), submit_us_p99=_pct(sub_us, 0.99),
                  empty_call_us_median=_median(emp_us), net_us_median=net,
@@ -847,32 +719,38 @@ class Validation:
         ops = [op for op in self.ops if op["phase"] == "late_ack"]
         if not ops:
             raise RuntimeError("the late-ack phase did not run")
-        delay_us = self.args.ack_delay_ms * 1e3
-        ok_ops = []
+        delay_ms, nan = self.args.ack_delay_ms, float("nan")
         for op in ops:
-            good = (op["spans"] == 1 and op.get("ratio_ref") is not None
-                    and abs(op["ratio_ref"] - 1.0) <= TARGET_RATIO and op.get("acked") is True
-                    and op.get("origin") == "merged_op" and "acked" in op.get("span_events", ())
-                    and op.get("ack_delay_us") is not None and op["ack_delay_us"] >= delay_us - TARGET_ANCHOR_US)
-            op["late_ack_ok"] = good
-            if good:
-                ok_ops.append(op)
+            op["late_ack_ok"] = (op["spans"] == 1 and op.get("ratio_ref") is not None
+                                 and abs(op["ratio_ref"] - 1.0) <= TARGET_RATIO and op.get("acked") is True
+                                 and op.get("origin") == "merged_op" and "acked" in op.get("span_events", ())
+                                 and op.get("ack_delay_us") is not None
+                                 and op["ack_delay_us"] >= delay_ms * 1e3 - TARGET_ANCHOR_US)
         ratios = [op["ratio_ref"] for op in ops if op.get("ratio_ref") is not None]
         delays = [op["ack_delay_us"] / 1e3 for op in ops if op.get("ack_delay_us") is not None]
-        span_ms = [op["span_ns"] / 1e6 for op in ops if op.get("span_ns") is not None]
-        measured = (f"{len(ok_ops)}/{len(ops)} ok; duration/independent "
-                    f"{min(ratios, default=float('nan')):.4f}..{max(ratios, default=float('nan')):.4f}, "
-                    f"span {_median(span_ms):.3f} ms, ack_delay {min(delays, default=float('nan')):.1f}.."
-                    f"{max(delays, default=float('nan')):.1f} ms")
-        self.report.add(f"late ack ({self.args.ack_delay_ms:g} ms, {_mib(ops[0]['bytes'])}): duration unchanged",
-                        "target", measured, f"within {TARGET_RATIO:.0%}, acked, delay >= {self.args.ack_delay_ms:g} ms",
-                        len(ok_ops) == len(ops))
+        ok = sum(1 for op in ops if op["late_ack_ok"])
+        self.report.add(f"late ack ({delay_ms:g} ms, {_mib(ops[0]['bytes'])}): duration unchanged", "target",
+                        f"{ok}/{len(ops)} ok; duration/independent {min(ratios, default=nan):.4f}.."
+                        f"{max(ratios, default=nan):.4f}, span "
+                        f"{_median([op['span_ns'] / 1e6 for op in ops if op.get('span_ns') is not None]):.3f} ms, "
+                        f"ack_delay {min(delays, default=nan):.1f}..{max(delays, default=nan):.1f} ms",
+                        f"within {TARGET_RATIO:.0%}, acked, delay >= {delay_ms:g} ms", ok == len(ops))
+
+    def checks(self) -> list[tuple[str, Callable[[], None], str, str]]:
+        """(name, check, kind, target) in the table's order."""
+        return [("check: spans", self.check_spans, "wiring", ""),
+                ("check: durations vs events", self.check_truth, "wiring", ""),
+                ("check: metrics", self.check_metrics, "wiring", ""),
+                ("check: duration vs independent", self.check_durations, "target", f"within {TARGET_RATIO:.0%}"),
+                ("check: host clock", self.check_host_clock, "info", ""),
+                ("check: do_bench, bandwidth", self.check_bench_and_bandwidth, "info", ""),
+                ("check: anchor error", self.check_anchor, "target", f"< {TARGET_ANCHOR_US:g} us"),
+                ("check: caller overhead", self.check_overhead, "target", f"<= {TARGET_OVERHEAD_US:g} us median"),
+                ("check: worker", self.check_worker, "wiring", ""),
+                ("check: late ack", self.check_late_ack, "target", f"within {TARGET_RATIO:.0%}")]
 
 
-# --------------------------------------------------------------------------------------
-# main
-# --------------------------------------------------------------------------------------
-
+# -- main -------------------------------------------------------------------------------
 
 def _sizes(text: str) -> list[float]:
     sizes = [float(x) for x in text.split(",") if x.strip()]
@@ -882,15 +760,13 @@ def _sizes(text: str) -> list[float]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry", action="store_true",
                         help="CPU stand-in backend (automatic when torch.cuda.is_available() is False)")
     parser.add_argument("--require-cuda", action="store_true",
                         help="exit 2 instead of falling back to the dry mode when CUDA is not available")
-    parser.add_argument("--sizes", type=_sizes, default=None,
-                        help=f"copy sizes in MiB (default {','.join(map(str, CUDA_SIZES_MIB))}; "
-                             f"dry {','.join(map(str, DRY_SIZES_MIB))})")
+    parser.add_argument("--sizes", type=_sizes, default=None, help=f"copy sizes in MiB (default "
+                        f"{','.join(map(str, CUDA_SIZES_MIB))}; dry {','.join(map(str, DRY_SIZES_MIB))})")
     parser.add_argument("--reps", type=int, default=None, help="copies per size and direction (default 20; dry 3)")
     parser.add_argument("--overhead-ops", type=int, default=None, help="submit() calls timed (default 2000; dry 400)")
     parser.add_argument("--interval-us", type=float, default=200.0, help="pacing of the overhead ops (default 200)")
@@ -902,21 +778,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="dump every thread's stack and exit if the run takes longer (0: off)")
     args = parser.parse_args(argv)
     for name in ("reps", "overhead_ops", "ack_reps"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
 
 
 def _defaults(args: argparse.Namespace, dry: bool) -> None:
-    if args.sizes is None:
-        args.sizes = list(DRY_SIZES_MIB if dry else CUDA_SIZES_MIB)
-    if args.reps is None:
-        args.reps = 3 if dry else 20
-    if args.overhead_ops is None:
-        args.overhead_ops = 400 if dry else 2000
-    if args.ack_reps is None:
-        args.ack_reps = 2 if dry else 3
+    for name, dry_value, cuda_value in (("sizes", list(DRY_SIZES_MIB), list(CUDA_SIZES_MIB)), ("reps", 3, 20),
+                                        ("overhead_ops", 400, 2000), ("ack_reps", 2, 3)):
+        if getattr(args, name) is None:
+            setattr(args, name, dry_value if dry else cuda_value)
 
 
 def environment(backend: Any) -> dict[str, Any]:
@@ -925,8 +796,7 @@ def environment(backend: Any) -> dict[str, Any]:
         triton_version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         triton_version = "not installed"
-    env = bench_common.machine("otel_hicache", otel_hicache.__version__, torch=torch.__version__,
-                               triton=triton_version)
+    env = bench_common.machine("otel_hicache", otel_hicache.__version__, torch=torch.__version__, triton=triton_version)
     env["timestamp_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     # OTEL_HICACHE_* values (they tune the pipeline); other OTEL_* names only (headers may hold secrets)
     env["otel_hicache_variables"] = {k: v for k, v in os.environ.items() if k.startswith("OTEL_HICACHE_")}
@@ -946,42 +816,68 @@ def _write(path: Path, results: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _backend(args: argparse.Namespace) -> tuple[Any, str]:
+    """CUDA when available, else the dry backend and why (None: --require-cuda without CUDA)."""
+    if args.dry:
+        return DryBackend(), "--dry"
+    if torch.cuda.is_available():
+        return CudaBackend(), ""
+    return (None, "") if args.require_cuda else (DryBackend(), "torch.cuda.is_available() is False")
+
+
+def run(v: Validation, report: Report, save: Callable[[], None]) -> None:
+    """The phases (the results saved after each), then the checks."""
+    for name, phase in (("phase: copies", v.phase_copies), ("phase: late ack", v.phase_late_ack),
+                        ("phase: caller overhead", v.phase_overhead)):
+        with report.guard(name):
+            phase()
+        save()
+    with report.guard("collect spans"):
+        v.attach_spans(v.collect())
+    for name, check, kind, target in v.checks():
+        with report.guard(name, kind, target):
+            check()
+
+
 def main(argv: Sequence[str] | None = None, backend: Any = None, started: float | None = None) -> int:
-    """Run everything; returns the exit status. ``backend``: a stand-in for tests (default:
-    CUDA if available, else the dry backend). ``started``: ``perf_counter()`` at process start."""
+    """Run everything; returns the exit status. ``backend``: a stand-in for tests (default: CUDA if
+    available, else the dry backend). ``started``: ``perf_counter()`` at process start."""
     args = parse_args(argv)
     began = time.perf_counter() if started is None else started
     note = ""
     if backend is None:
-        if args.dry:
-            backend, note = DryBackend(), "--dry"
-        elif torch.cuda.is_available():
-            backend = CudaBackend()
-        elif args.require_cuda:
+        backend, note = _backend(args)
+        if backend is None:
             print("gpu_validate: --require-cuda, but torch.cuda.is_available() is False", file=sys.stderr)
             return 2
-        else:
-            backend, note = DryBackend(), "torch.cuda.is_available() is False"
     _defaults(args, backend.dry)
     if args.watchdog_s > 0:
         faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     if backend.dry:
-        print(f"[gpu_validate] DRY MODE ({note or 'stand-in backend'}): stand-in events on the CPU; "
-              f"targets are printed but are not a GPU measurement; only the wiring decides the exit status",
-              flush=True)
-    report = Report(backend.dry)
-    out = Path(args.out)
+        print(f"[gpu_validate] DRY MODE ({note or 'stand-in backend'}): stand-in events on the CPU; targets are "
+              f"printed but are not a GPU measurement; only the wiring decides the exit status", flush=True)
+    report, out = Report(backend.dry), Path(args.out)
     results: dict[str, Any] = {
-        "tool": "benchmarks/gpu_validate.py",
-        "mode": "dry" if backend.dry else "cuda",
-        "dry_reason": note or None,
-        "complete": False,
-        "settings": {k: v for k, v in vars(args).items()},
+        "tool": "benchmarks/gpu_validate.py", "mode": "dry" if backend.dry else "cuda", "dry_reason": note or None,
+        "complete": False, "settings": dict(vars(args)),
         "targets": {"duration_ratio_within": TARGET_RATIO, "duration_ratio_min_bytes": TARGET_MIN_MIB * MIB,
                     "anchor_error_us": TARGET_ANCHOR_US, "caller_overhead_us_median": TARGET_OVERHEAD_US,
-                    "runtime_s": TARGET_RUNTIME_S},
-    }
+                    "runtime_s": TARGET_RUNTIME_S}}
     validation: Validation | None = None
+
+    def gather() -> None:
+        if validation is not None:
+            results.update(ops=validation.ops, do_bench=validation.bench, overhead=validation.overhead,
+                           analysis=validation.analysis)
+        results.update(checks=report.rows, errors=report.errors)
+
+    def save() -> None:
+        gather()
+        try:
+            _write(out, results)
+        except Exception as exc:  # the final write reports it in the table
+            print(f"[gpu_validate] cannot write {out}: {exc!r}", flush=True)
+
     try:
         with report.guard("environment", "info"):
             results["environment"] = environment(backend)
@@ -991,87 +887,51 @@ def main(argv: Sequence[str] | None = None, backend: Any = None, started: float 
         with report.guard("set-up"):
             validation = Validation(backend, args, report)
         if validation is not None:
-            v = validation
-
-            def save() -> None:
-                results.update(ops=v.ops, do_bench=v.bench, overhead=v.overhead, analysis=v.analysis,
-                               checks=report.rows, errors=report.errors)
-                try:
-                    _write(out, results)
-                except Exception as exc:  # the final write reports it in the table
-                    print(f"[gpu_validate] cannot write {out}: {exc!r}", flush=True)
-
-            for name, phase in (("phase: copies", v.phase_copies), ("phase: late ack", v.phase_late_ack),
-                                ("phase: caller overhead", v.phase_overhead)):
-                with report.guard(name):
-                    phase()
-                save()
-            spans: list[Any] = []
-            by_id: dict[Any, list[Any]] = {}
-            with report.guard("collect spans"):
-                spans = v.collect()
-                by_id = v.attach_spans(spans)
-            for name, check, kind, target in (
-                ("check: spans", lambda: v.check_spans(by_id, spans), "wiring", ""),
-                ("check: durations vs events", v.check_truth, "wiring", ""),
-                ("check: metrics", v.check_metrics, "wiring", ""),
-                ("check: duration vs independent", v.check_durations, "target", f"within {TARGET_RATIO:.0%}"),
-                ("check: host clock", v.check_host_clock, "info", ""),
-                ("check: do_bench, bandwidth", v.check_bench_and_bandwidth, "info", ""),
-                ("check: anchor error", v.check_anchor, "target", f"< {TARGET_ANCHOR_US:g} us"),
-                ("check: caller overhead", v.check_overhead, "target", f"<= {TARGET_OVERHEAD_US:g} us median"),
-                ("check: worker", v.check_worker, "wiring", ""),
-                ("check: late ack", v.check_late_ack, "target", f"within {TARGET_RATIO:.0%}"),
-            ):
-                with report.guard(name, kind, target):
-                    check()
+            run(validation, report, save)
             save()
     finally:
         if validation is not None:
             with report.guard("shutdown"):
                 validation.close()
-        runtime = time.perf_counter() - began
+        results["runtime_s"] = runtime = time.perf_counter() - began
         report.add("runtime", "target", f"{runtime:.1f} s", f"< {TARGET_RUNTIME_S:g} s", runtime < TARGET_RUNTIME_S)
-        results.update(runtime_s=runtime, checks=report.rows, errors=report.errors)
-        if validation is not None:
-            results.update(ops=validation.ops, do_bench=validation.bench, overhead=validation.overhead,
-                           analysis=validation.analysis)
-        # the results file: written, then read back
-        try:
-            _write(out, results)
-            back = json.loads(out.read_text(encoding="utf-8"))
-            n_ops = len(back.get("ops") or [])
-            report.add("results json", "wiring", f"{out} ({n_ops} ops), read back", "written", n_ops > 0)
-        except Exception as exc:  # pylint: disable=broad-except
-            report.error("results json", exc)
-        failures = report.failures()
-        decided = "wiring and checks that raised" if backend.dry else "wiring and targets"
-        report.rows.append({"check": "overall", "kind": "wiring",
-                            "measured": f"{len(failures)} failing ({decided})",
-                            "target": "none failing", "status": "FAIL" if failures else "PASS"})
-        results.update(complete=True, checks=report.rows, exit_status=1 if failures else 0)
-        try:
-            _write(out, results)
-        except Exception as exc:  # pylint: disable=broad-except
-            print(f"[gpu_validate] cannot write {out}: {exc!r}", flush=True)
+        gather()
+        finish(results, report, out)
+        save()
         if args.watchdog_s > 0:
             faulthandler.cancel_dump_traceback_later()
-        env = results.get("environment") or {}
-        print(flush=True)
-        print(f"== gpu_validate, {'DRY MODE, ' + DRY_LABEL if backend.dry else 'CUDA'}: "
-              f"{env.get('device_name', '?')}, torch {torch.__version__}, CUDA {env.get('torch_cuda', '-')}, "
-              f"driver {env.get('driver_version', '-')}, otel-hicache {otel_hicache.__version__}; "
-              f"full results: {out}", flush=True)
-        print(bench_common.table([[r["check"], r["measured"], r["target"], r["status"]] for r in report.rows],
-                                 ["check", "measured", "target", "result"], left=4), flush=True)
+        print_table(results, report, out)
     return results["exit_status"]
+
+
+def finish(results: dict[str, Any], report: Report, out: Path) -> None:
+    """The results written and read back, and the overall row: what decides the exit status."""
+    try:
+        _write(out, results)
+        n_ops = len(json.loads(out.read_text(encoding="utf-8")).get("ops") or [])
+        report.add("results json", "wiring", f"{out} ({n_ops} ops), read back", "written", n_ops > 0)
+    except Exception as exc:  # pylint: disable=broad-except
+        report.error("results json", exc)
+    failures = report.failures()
+    decided = "wiring and checks that raised" if report.dry else "wiring and targets"
+    report.rows.append({"check": "overall", "kind": "wiring", "measured": f"{len(failures)} failing ({decided})",
+                        "target": "none failing", "status": "FAIL" if failures else "PASS"})
+    results.update(complete=True, exit_status=1 if failures else 0)
+
+
+def print_table(results: dict[str, Any], report: Report, out: Path) -> None:
+    env = results.get("environment") or {}
+    print(f"\n== gpu_validate, {'DRY MODE, ' + DRY_LABEL if report.dry else 'CUDA'}: {env.get('device_name', '?')}, "
+          f"torch {torch.__version__}, CUDA {env.get('torch_cuda', '-')}, driver {env.get('driver_version', '-')}, "
+          f"otel-hicache {otel_hicache.__version__}; full results: {out}", flush=True)
+    print(bench_common.table([[r["check"], r["measured"], r["target"], r["status"]] for r in report.rows],
+                             ["check", "measured", "target", "result"], left=4), flush=True)
 
 
 if __name__ == "__main__":
     status = main(started=_STARTED)
-    # The table stays the last thing printed: leave without interpreter teardown, where
-    # extension modules (triton's nanobind) may print notices. Everything was shut down,
-    # flushed and written by now.
+    # The table stays the last thing printed: leave without interpreter teardown, where extension
+    # modules (triton's nanobind) may print notices. Everything was shut down, flushed and written.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

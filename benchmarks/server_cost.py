@@ -19,18 +19,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_common import process_cpu_s, spread_text  # this script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "e2e"), str(ROOT / "tests")]
 from otlp_receiver import GrpcReceiver  # noqa: E402
 from real_server import server as rs  # noqa: E402
 
-TICKS = 100.0  # clock ticks per second of /proc/<pid>/stat (Linux's USER_HZ)
-
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    """User + system CPU seconds of a process, all its threads (0 once it is gone)."""
+    return process_cpu_s(pid) or 0.0
 
 
 def poller_cpu_s(receiver: GrpcReceiver | None) -> float:
@@ -57,7 +56,7 @@ def batch(server: rs.Server, receiver: GrpcReceiver | None, rounds: int, seed: i
 
 
 def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+    return spread_text({"median": statistics.median(values), "min": min(values), "max": max(values)}, 3)
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """A bounded soak with the real Collector in the path.
 
-    paced workload --OTLP gRPC--> Collector (deploy/local/stack.sh) --OTLP/HTTP--> counting sink
+    tests/paced_workload.py --OTLP gRPC--> Collector (deploy/local/stack.sh) --OTLP/HTTP--> counting sink
 
 Default: 5 minutes at 1,500 merged ops/s (450k ops), every op a span (spans at 100%),
 metrics every 5 s, configured only by ``OTEL_*`` variables. The sink (in this process)
@@ -27,9 +27,7 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -37,68 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "e2e"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2  # noqa: E402
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
-
+from bench_common import CountingSink  # noqa: E402  (this script's folder)
 from collector_process import Collector  # noqa: E402
 from paced_runs import NewestPoints, run_workload  # noqa: E402
-
-
-class CountingSink:
-    """OTLP/HTTP receiver that keeps counts, not requests: spans per ``service.name`` and
-    the newest point of every transfer counter series."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.spans = 0
-        self.requests = 0
-        self.points = NewestPoints()
-        sink = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.path == "/v1/traces":
-                    request = trace_service_pb2.ExportTraceServiceRequest()
-                    request.ParseFromString(body)
-                    n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-                    with sink.lock:
-                        sink.spans += n
-                        sink.requests += 1
-                    payload = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-                elif self.path == "/v1/metrics":
-                    request = metrics_service_pb2.ExportMetricsServiceRequest()
-                    request.ParseFromString(body)
-                    sink._points(request)
-                    payload = metrics_service_pb2.ExportMetricsServiceResponse().SerializeToString()
-                else:
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def _points(self, request: Any) -> None:
-        with self.lock:
-            self.points.add(request)
-
-    def counters(self) -> dict[str, dict[str, int]]:
-        with self.lock:
-            return self.points.counters()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _window(samples: list[dict[str, Any]], start_s: float, end_s: float, key: str) -> list[float]:
@@ -108,16 +47,20 @@ def _window(samples: list[dict[str, Any]], start_s: float, end_s: float, key: st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=300.0)
-    # A soak checks stability (flat memory, queues and cost; exact delivery), not capacity
-    # (overhead.py's sustained ops/s does): it runs with headroom. On 2-core CI machines the
-    # completion worker's CPU per op at this load has ranged from 87 to 124 us between days
-    # for the same tree; at 3,400 ops/s the completion queue reached its cap on the slower ones.
+    # A soak checks stability (flat memory, queues and cost; exact delivery), not capacity: its
+    # rate leaves a 2-core machine headroom below the one at which the completion queue fills.
     parser.add_argument("--rate", type=float, default=1500.0, help="merged ops per second")
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="hicache-soak."))
-    sink = CountingSink()
+    points = NewestPoints()  # the newest point of every transfer counter series at the sink
+    sink = CountingSink(on_metrics=points.add)
+
+    def sink_counters() -> dict[str, dict[str, int]]:
+        with sink.lock:
+            return points.counters()
+
     collector = Collector(tmp, sink.endpoint)
     try:  # the Collector and the sink stop whatever happens (a crash here once left the Collector running)
         collector.start()
@@ -135,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run.result
         truth = result["truth"]
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (sink.counters() != truth or sink.spans < result["ops"]):
+        while time.monotonic() < deadline and (sink_counters() != truth or sink.spans < result["ops"]):
             time.sleep(0.2)
     finally:
         collector.stop()
@@ -148,28 +91,27 @@ def main(argv: list[str] | None = None) -> int:
     last = (end - (warm[1] - warm[0]), end + 1)
     rss_warm = statistics.median(_window(samples, *warm, "rss"))
     rss_last = statistics.median(_window(samples, *last, "rss"))
-    # The completion queue's depth by its median per window: on 2-core machines the worker
-    # falls behind for 10-20 s at times (the queue reaching 3,000-4,000 records, then
-    # draining), in either window, so a window's maximum is one episode, not a trend, and
-    # failed CI once (206 -> 3,032) as it passed another run (3,267 -> 1,241). Growth moves
-    # the median; nothing dropped is the exact counters' check. The maximum is printed.
+    # The completion queue by its median per window: on a shared 2-core machine the poller falls
+    # behind for seconds at times and drains again, in either window, so a window's maximum is one
+    # episode, not a trend. Growth moves the median; a dropped record breaks the exact counters.
     pipe_warm = statistics.median(_window(samples, *warm, "pipeline"))
     pipe_last = statistics.median(_window(samples, *last, "pipeline"))
     pipe_max = (max(_window(samples, *warm, "pipeline")), max(_window(samples, *last, "pipeline")))
     spanq_warm, spanq_last = max(_window(samples, *warm, "span_queue")), max(_window(samples, *last, "span_queue"))
+
     def worker_us_per_op(window: tuple[float, float]) -> float:
         inside = [x for x in samples if window[0] <= x["t"] < window[1]]
         ops = inside[-1]["ops"] - inside[0]["ops"]
         return (inside[-1]["worker_cpu_s"] - inside[0]["worker_cpu_s"]) / max(1, ops) * 1e6
 
     cpu_warm, cpu_last = worker_us_per_op(warm), worker_us_per_op(last)
-    delivery = result["final"]["delivery"]  # bench_common.sdk_delivery: the SDK's self-metrics
+    delivery = result["final"]["delivery"]  # tests/sdk_delivery.py: the SDK's self-metrics
     exported, export_failed = run.spans("exported"), run.spans("export_failed")
     queue_full, metric_failures = run.spans("queue_full"), run.metric_points("failed")
     submit = result["submit"]
     growth = rss_last - rss_warm
     checks = [
-        ("transfer counters at the sink = ground truth", sink.counters() == truth,
+        ("transfer counters at the sink = ground truth", sink_counters() == truth,
          f"{sum(t['ops'] for t in truth.values()):,} ops, {sum(t['bytes'] for t in truth.values()) / 1e9:,.1f} GB"),
         ("spans at the sink = ops (spans at 100%)", sink.spans == result["ops"],
          f"{sink.spans:,} of {result['ops']:,}"),
@@ -193,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_mib": [round(s["rss"] / 2**20, 1) for s in samples],
         "pipeline": [s["pipeline"] for s in samples], "span_queue": [s["span_queue"] for s in samples],
         "worker_cpu_s": [s["worker_cpu_s"] for s in samples],
-        "submit": submit, "delivery": delivery, "truth": truth, "sink_counters": sink.counters(),
+        "submit": submit, "delivery": delivery, "truth": truth, "sink_counters": sink_counters(),
         "checks": {name: ok for name, ok, _ in checks},
     }
     if args.json:

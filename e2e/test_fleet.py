@@ -143,9 +143,11 @@ def node_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "tests"))
 
     import otel_hicache
-    from bench_common import read_sdk_delivery, wait_until
+    from bench_common import wait_until
+    from sdk_delivery import read_sdk_delivery
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from otel_hicache import configuration

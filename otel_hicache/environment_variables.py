@@ -49,7 +49,7 @@ How often the poller polls ``finish_event.query()`` while records are pending
 (after 100 ms without work it backs off to 50 ms; ``submit()`` never wakes it).
 Device-timed durations do not depend on it; host-clock durations of records with a
 finish event but no timing (and no ``host_end_ns``) are rounded up to it. Each wake-up
-costs the serving process a fixed amount of CPU (``benchmarks/wait_cost.py``), which
+costs the serving process a fixed amount of CPU (``benchmarks/serving_cpu.py``: idle, 30 ops/s), which
 this interval spreads over the ops completed meanwhile.
 Default: ``10``
 """

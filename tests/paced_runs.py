@@ -1,4 +1,4 @@
-"""Runs ``benchmarks/paced_workload.py`` as a real process and reads what it measured.
+"""Runs ``paced_workload.py`` (this folder) as a real process and reads what it measured.
 
 Shared by the export fault tests here and the Collector fault tests under ``e2e/``.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOAD = ROOT / "benchmarks" / "paced_workload.py"
+WORKLOAD = Path(__file__).resolve().parent / "paced_workload.py"
 
 # What the SDK (1.45) logs, since otel-hicache leaves the reporting of the way out to it: a
 # failed export (gRPC: "... traces to <endpoint>, error code: ..."; HTTP: "... spans batch
@@ -42,7 +42,7 @@ class Run:
     def spans(self, key: str = "exported") -> int:
         """A span delivery count of the SDK's self-metrics after the final flush, summed over
         the span exporters: exported, export_failed, queue_full, queued, in_export
-        (``bench_common.sdk_delivery``)."""
+        (``sdk_delivery.py``)."""
         return self.result["final"]["delivery"]["spans"][key]
 
     def metric_points(self, key: str = "exported") -> int:

@@ -1,6 +1,6 @@
 """Export faults with real processes and real OTLP exporters (gRPC and HTTP/protobuf).
 
-Each case runs ``benchmarks/paced_workload.py`` as a host process configured only by
+Each case runs ``paced_workload.py`` (this folder) as a host process configured only by
 ``OTEL_*`` variables and asserts: the process never sees an exception, ``submit()``
 keeps its normal cost (compared with a run against a healthy receiver in the same
 test, never an absolute time), the transfer counters stay exact, and what could not be

@@ -137,6 +137,8 @@ def test_broken_wiring_fails(fault: str, tmp_path: Path, monkeypatch: pytest.Mon
 
     if fault == "queue_full":  # submit() refuses: ops without a span
         monkeypatch.setenv("OTEL_HICACHE_MAX_QUEUE_SIZE", "1")
+        # the poller waits out the overhead phase's ops (flushes still wake it): the queue fills
+        monkeypatch.setenv("OTEL_HICACHE_POLL_INTERVAL_MS", "1000")
     out = tmp_path / "r.json"
     rc = gv.main(["--dry", "--out", str(out), "--sizes", "1,16", "--reps", "2", "--ack-reps", "1",
                   "--overhead-ops", "100", "--ack-delay-ms", "5", "--watchdog-s", "0"], backend=Backend())

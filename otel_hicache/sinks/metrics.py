@@ -37,10 +37,7 @@ consumer's, which is no op's)."""
 
 
 class TransferInstruments:
-    """Every otel-hicache instrument on one meter, as ``semconv`` defines them.
-
-    Also what ``benchmarks/overhead.py`` uses for its naive in-thread baseline, so
-    both produce the same telemetry."""
+    """Every otel-hicache instrument on one meter, as ``semconv`` defines them."""
 
     def __init__(self, meter: Any) -> None:
         def counter(spec: tuple[str, str, str]) -> Any:

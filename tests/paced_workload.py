@@ -1,5 +1,5 @@
 """A paced stream of merged ops, configured only by ``OTEL_*`` variables: the load of the
-fault tests and of the soak (``soak.py``).
+fault tests and of the soak (``benchmarks/soak.py``), run as a script (``paced_runs.py``).
 
 Runs ``--rate`` ops per second for ``--seconds`` through ``otel_hicache.configure()`` and a
 ``TransferTelemetry`` (its exporters), alternating offload and onboard ops of a few pages
@@ -20,7 +20,7 @@ Measured in the process and written to ``--out`` (JSON):
   ``submit()`` call itself (ns), both as lists indexed by op;
 * ``samples``: once a second, RSS, the completion pipeline's size, the batch span
   processor's queue, the completion worker's CPU time and the delivery counts
-  (``bench_common.sdk_delivery``);
+  (``sdk_delivery.py``);
 * ``final``: the same after the final flush (before shutdown), the delivery counts read
   until two collections agree; and the seconds ``shutdown()`` took.
 
@@ -46,9 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 
 import otel_hicache  # noqa: E402
-from bench_common import (SDK_SELF_METRICS, read_sdk_delivery, sdk_delivery,  # noqa: E402  (this script's folder)
-                          wait_until)
 from otel_hicache import configuration  # noqa: E402
+from sdk_delivery import SDK_SELF_METRICS, read_sdk_delivery, sdk_delivery  # noqa: E402  (this script's folder)
 
 PAGE = 64
 BYTES_PER_TOKEN = 4096
@@ -58,6 +57,14 @@ DIRECTIONS = ("offload", "onboard")
 def rss_bytes() -> int:
     with open("/proc/self/statm", encoding="ascii") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def wait_until(deadline_ns: int) -> None:
+    """Sleep until ``deadline_ns`` (``perf_counter_ns``), releasing the GIL as a scheduler waiting
+    on its device does; a deadline already passed returns at once (no catch-up burst)."""
+    now = time.perf_counter_ns()
+    if now < deadline_ns:
+        time.sleep((deadline_ns - now) / 1e9)
 
 
 def _percentiles(costs: array) -> dict[str, int]:
