@@ -16,6 +16,8 @@ import pytest
 
 from otlp_receiver import GrpcReceiver, HttpReceiver, closed_port
 
+pytestmark = pytest.mark.slow  # processes, receivers, seconds each: CI's later step (pytest -m slow)
+
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTER_TESTS = ROOT / "instrumentation" / "otel-hicache-sglang" / "tests"
 SCRIPT = Path(sys.executable).parent / "otel-hicache"

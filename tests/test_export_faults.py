@@ -17,6 +17,8 @@ import pytest
 from otlp_receiver import GrpcReceiver, HttpReceiver, StallingServer, closed_port
 from paced_runs import EXPORT_FAILED_LOG, QUEUE_FULL_LOG, final_counters, otlp_env, quantile, run_workload
 
+pytestmark = pytest.mark.slow  # processes, receivers, seconds each: CI's later step (pytest -m slow)
+
 PROTOCOLS = {"grpc": GrpcReceiver, "http/protobuf": HttpReceiver}
 RATE, SECONDS = 400, 2.5
 SHUTDOWN_BOUND_S = 2.0

@@ -40,6 +40,8 @@ from otel_hicache import semconv as sc
 from otlp_receiver import HttpReceiver
 from otlp_receiver import attributes as otlp_attributes
 
+pytestmark = pytest.mark.slow  # processes, receivers, seconds each: CI's later step (pytest -m slow)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POOLS = {"kv": 64}  # one block per op at page size 64: the blocks counter counts ops
 OP_BYTES = 4096

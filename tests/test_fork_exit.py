@@ -21,7 +21,7 @@ import pytest
 
 from otlp_receiver import GrpcReceiver, HttpReceiver, attributes
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX-only")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX-only")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = 100

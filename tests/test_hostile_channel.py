@@ -17,7 +17,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from otlp_receiver import HttpReceiver, attributes
+
+pytestmark = pytest.mark.slow  # processes, receivers, seconds each: CI's later step (pytest -m slow)
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = 40

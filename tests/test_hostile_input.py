@@ -20,6 +20,8 @@ import pytest
 
 from otlp_receiver import GrpcReceiver, HttpReceiver, attributes
 
+pytestmark = pytest.mark.slow  # processes, receivers, seconds each: CI's later step (pytest -m slow)
+
 PROTOCOLS = {"grpc": GrpcReceiver, "http/protobuf": HttpReceiver}
 VALID_OPS, OP_BYTES, OP_TOKENS = 120, 1000, 10
 

@@ -29,7 +29,7 @@ PROTOCOLS = {"grpc": GrpcReceiver, "http/protobuf": HttpReceiver}
 LONGEST_RECORD = 1000  # characters of one formatted log record, traceback included
 BOUND_S = 20.0  # a hang fails the test instead of the suite
 
-pytestmark = pytest.mark.usefixtures("fresh_configuration", "embedded")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_configuration", "embedded")]
 
 OTLP_SUFFIXES = ("ENDPOINT", "HEADERS", "TIMEOUT", "COMPRESSION", "CERTIFICATE", "CLIENT_KEY",
                  "CLIENT_CERTIFICATE", "INSECURE", "PROTOCOL")

@@ -11,6 +11,8 @@ import pytest
 
 from otlp_receiver import GrpcReceiver, HttpReceiver, attributes
 
+pytestmark = pytest.mark.slow  # processes, receivers, seconds each: CI's later step (pytest -m slow)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

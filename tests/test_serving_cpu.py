@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # processes, receivers, seconds each: CI's later step (pytest -m slow)
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_cpu.py"
 
 

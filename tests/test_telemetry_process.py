@@ -23,6 +23,8 @@ import pytest
 
 from otlp_receiver import HttpReceiver, attributes
 
+pytestmark = pytest.mark.slow  # processes, receivers, seconds each: CI's later step (pytest -m slow)
+
 ROOT = Path(__file__).resolve().parents[1]
 BYTES = 4096
 

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from otlp_receiver import GrpcReceiver, attributes
 
+pytestmark = pytest.mark.slow  # processes, receivers, seconds each: CI's later step (pytest -m slow)
+
 HERE = Path(__file__).resolve().parent
 SPAWN_TIMEOUT_S = 180
 # (the decode-offload causes: only where its module is imported)

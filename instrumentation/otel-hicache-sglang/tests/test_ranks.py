@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from otlp_receiver import GrpcReceiver, attributes
 
+pytestmark = pytest.mark.slow  # processes, receivers, seconds each: CI's later step (pytest -m slow)
+
 SPAWN_TIMEOUT_S = 180
 TOKENS = {0: 12, 1: 16}  # per tp_rank: a sum over ranks (28) matches neither
 
