@@ -121,3 +121,16 @@ def test_records_and_submissions_follow_the_declared_layout():
         submission("offload", pagesize=64)
     with pytest.raises(TypeError, match="direction"):
         submission("offload", direction="onboard")
+
+
+def test_a_record_copies_every_submitted_field_from_its_place_in_the_handle():
+    """TransferRecord.__init__ spells SUBMISSION_FIELDS out as one unpacking: each name in its place."""
+    from otel_hicache.capture.records import S_ACK_NS, SUBMISSION_FIELDS, TransferRecord
+
+    handle = [f"<{name}>" for name in SUBMISSION_FIELDS]
+    record = TransferRecord(handle)
+    assert record.handle is handle
+    for index, name in enumerate(SUBMISSION_FIELDS):
+        assert getattr(record, name) == handle[index], name
+    handle[S_ACK_NS] = 123  # read live: ack() stamps the handle after the record is built
+    assert record.ack_ns == 123

@@ -68,19 +68,6 @@ _COPIED_FIELDS = SUBMISSION_FIELDS[:S_ACK_NS] + SUBMISSION_FIELDS[S_ACK_NS + 1:]
 from the handle (``ack()`` may stamp it after the record is built)."""
 
 
-def _init_from_handle() -> Any:
-    """``TransferRecord.__init__``: keeps the handle and copies ``_COPIED_FIELDS`` to
-    their slots in one unpacking assignment, generated from ``SUBMISSION_FIELDS`` (as
-    fast as spelling it out; a setattr loop costs the poller more per record)."""
-    targets = [f"self.{name}" for name in SUBMISSION_FIELDS]
-    targets[S_ACK_NS] = "_"
-    namespace: dict[str, Any] = {}
-    exec(f"def __init__(self, handle):\n    self.handle = handle\n    {', '.join(targets)} = handle\n", namespace)
-    init = namespace["__init__"]
-    init.__qualname__ = "TransferRecord.__init__"
-    return init
-
-
 class TransferRecord:
     """One merged op (or one direct copy), from submit to its emitted span.
 
@@ -112,7 +99,12 @@ class TransferRecord:
         "seq",
     )
 
-    __init__ = _init_from_handle()
+    def __init__(self, handle: list[Any]) -> None:
+        # one unpacking assignment, in SUBMISSION_FIELDS' order (ack_ns is read live from the handle)
+        self.handle = handle
+        (self.direction, self.tokens_by_pool, self.num_bytes, self.page_size, self.start_event, self.finish_event,
+         self.timing_enabled, self.io_backend, self.attributes, self.expect_ack, self.submit_ns, self.parent_context,
+         self.host_start_ns, self.host_end_ns, self.ack_watch, self.cause, self.host_slots, self.requests, _) = handle
 
     @property
     def ack_ns(self) -> int | None:

@@ -7,7 +7,7 @@ from the pool: the submit time of the offload that last wrote it (0: not written
 tracking began), that offload's cause, its bytes per page, the span that offload made
 (for span links), and whether the page was loaded back since. Every update runs on the
 sinks, in submission order (ops and frees go through the same queue,
-:class:`HostFree`): the order in which the host application handed pages out and took
+the capture's ``HostFree``): the order in which the host application handed pages out and took
 them back. The scheduler thread only passes a reference to its host indices.
 
 An op of up to :data:`SMALL_OP_PAGES` pages (most of SGLang's: a node's pages, a few
@@ -46,13 +46,6 @@ plain-Python path; larger ones NumPy. Both give the same results (``tests/test_h
 On a 2-core VM, Python costs a few microseconds an event plus ~1 us a page, NumPy 25 to 70 us
 an event whatever its size: they cross between 32 and 64 pages, or past 1,024 slots
 (``docs/performance.md``, "Host residence")."""
-
-
-class HostFree(NamedTuple):
-    """A queue item: the host application freed ``slots`` of ``pool`` (``TransferTelemetry.host_freed``)."""
-
-    pool: "HostPool"
-    slots: Any
 
 
 class Waste(NamedTuple):
