@@ -1,7 +1,6 @@
-"""Fixtures of the e2e tests: the real Collector, Jaeger and Prometheus from the shipped configs
-(deploy/local/stack.sh, its state in a temp dir), the workloads that send into them with their
-ground truth, clients of the APIs the UIs use, and child processes stopped by pid at the end.
-Run `bash deploy/local/stack.sh install` first."""
+"""Fixtures of the e2e tests (after `bash deploy/local/stack.sh install`): the real Collector,
+Jaeger and Prometheus from the shipped configs, the workloads sending into them with their ground
+truth, API clients, child processes stopped by pid at the end."""
 from __future__ import annotations
 
 import json
@@ -10,24 +9,22 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, SERVICES, STACK, Jaeger, Proc, Prom, clean_env
+from helpers import SERVICES, STACK, Jaeger, Proc, Prom, clean_env
 
 
 @pytest.fixture(scope="session")
 def stack(request, tmp_path_factory):
-    """The stack up (waited until Prometheus scrapes the Collector), down -v after; its logs
-    printed when a test failed."""
-    state = tmp_path_factory.mktemp("stack")
-    env = {**os.environ, "HICACHE_STACK_STATE": str(state)}
-    up = subprocess.run(["bash", str(STACK), "up"], env=env, capture_output=True, text=True)
+    """stack.sh up (it waits until Prometheus scrapes the Collector), its state in a temp dir;
+    down -v after, the logs' ends printed when a test failed."""
+    env = {**os.environ, "HICACHE_STACK_STATE": str(state := tmp_path_factory.mktemp("stack"))}
+    up = subprocess.run(["bash", STACK, "up"], env=env, capture_output=True, text=True)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         yield state
     finally:
-        subprocess.run(["bash", str(STACK), "down", "-v"], env=env, capture_output=True)
-        if request.session.testsfailed:
-            for log in sorted(state.glob("*.log")):
-                print(f"---- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-20:]))
+        subprocess.run(["bash", STACK, "down", "-v"], env=env, capture_output=True)
+        for log in sorted(state.glob("*.log")) if request.session.testsfailed else []:
+            print(f"---- {log}\n{log.read_text(errors='replace')[-2000:]}")
 
 
 @pytest.fixture(scope="session")
@@ -42,10 +39,10 @@ def jaeger(stack) -> Jaeger:
 
 @pytest.fixture
 def spawn(tmp_path):
-    """spawn(name, cmd, env, health) -> a Proc, not yet started; every one stopped at the end."""
+    """spawn(name, cmd, env, health) -> a Proc, to start; each one stopped at the end."""
     procs: list[Proc] = []
 
-    def make(name: str, cmd: list[str], env: dict[str, str], health: str = "") -> Proc:
+    def make(name: str, cmd: list[str], env: dict, health: str = "") -> Proc:
         procs.append(Proc(name, cmd, env, tmp_path, health))
         return procs[-1]
 
@@ -56,19 +53,15 @@ def spawn(tmp_path):
 
 @pytest.fixture(scope="session")
 def truth(stack, tmp_path_factory) -> dict[str, dict]:
-    """The example workload (600 ops at 40/s: rate() gets several scrapes) and the real SGLang
-    HiCache code on CPU, at once, configured only by OTEL_*; each one's ground truth."""
+    """The example workload (600 ops at 40/s: rate() sees several scrapes) and the real SGLang
+    HiCache code on CPU, side by side, configured only by OTEL_*: each one's ground truth."""
     out = tmp_path_factory.mktemp("workloads")
-    commands = {
-        "example": [str(ROOT / "examples/hicache_workload.py"), "--ops", "600", "--rate", "40", "--layers", "2",
-                    "--pool-tokens", "2048"],
-        "sglang": [str(ROOT / "e2e/sglang_workload.py")],
-    }
-    procs = [Proc(name, [sys.executable, *cmd, "--truth-json", str(out / f"{name}.json")],
-                  clean_env(OTEL_SERVICE_NAME=SERVICES[name], OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4317",
-                            # every second: the final values reach Prometheus within a scrape or two
-                            OTEL_METRIC_EXPORT_INTERVAL="1000", OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED="true"),
-                  out) for name, cmd in commands.items()]
+    cmds = {"example": ["examples/hicache_workload.py", "--ops", "600", "--rate", "40", "--layers", "2",
+                        "--pool-tokens", "2048"], "sglang": ["e2e/sglang_workload.py"]}
+    procs = [Proc(name, [sys.executable, *cmd, "--truth-json", str(out / name)], clean_env(
+        OTEL_SERVICE_NAME=SERVICES[name], OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4317",
+        OTEL_METRIC_EXPORT_INTERVAL="1000", OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED="true"), out)
+        for name, cmd in cmds.items()]
     try:
         for proc in procs:
             proc.start()
@@ -77,4 +70,4 @@ def truth(stack, tmp_path_factory) -> dict[str, dict]:
     finally:
         for proc in procs:
             proc.stop()
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in commands}
+    return {name: json.loads((out / name).read_text()) for name in cmds}

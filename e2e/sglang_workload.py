@@ -1,9 +1,8 @@
-"""The real SGLang HiCache code on CPU sending into a running stack, as a scheduler process does:
-SGLang's own load_plugins() loads otel-hicache through its entry point, configured only by
-OTEL_*; write-through round trips (a merged offload and onboard each), traced ones with SGLang's
-request tracing on (its process_tracing_init, as --enable-trace runs it), and a decode
-retraction (two direct copies), through the adapter tests' CPU harness. Writes what it did,
-the traced requests and SGLang's own counter deltas to --truth-json (e2e/conftest.py)."""
+"""The real SGLang HiCache code on CPU sending into the stack, as a scheduler process does: SGLang's
+load_plugins() loads otel-hicache, configured only by OTEL_*; write-through round trips (a merged
+offload and onboard each), traced ones with SGLang's request tracing on (process_tracing_init, as
+--enable-trace runs it), a decode retraction (two direct copies), through the adapter tests' CPU
+harness. Writes its ground truth, the traced requests and SGLang's counter deltas to --truth-json."""
 from __future__ import annotations
 
 import argparse
@@ -16,14 +15,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instrumentation/ot
 import sglang_cpu  # noqa: E402  (the adapter tests' CPU harness)
 
 REQUEST_SERVICE = "sglang-e2e-requests"  # SGLang's own request spans (its --otlp-service-name)
+ROUND_TRIPS, TRACED = 20, 2
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--round-trips", type=int, default=20)
-    parser.add_argument("--traced-round-trips", type=int, default=2)
+    parser = argparse.ArgumentParser(description=__doc__.split(":")[0])
     parser.add_argument("--truth-json", required=True)
-    args = parser.parse_args()
+    out = parser.parse_args().truth_json
     sglang_cpu.install_cpu_support()
     from sglang.srt.plugins import load_plugins
 
@@ -38,10 +36,10 @@ def main() -> int:
     process_tracing_init(os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"], REQUEST_SERVICE)
     merged = {d: {"ops": 0, "bytes": 0, "tokens": 0} for d in ("offload", "onboard")}
     requests = []
-    for i in range(args.round_trips + args.traced_round_trips):
+    for i in range(ROUND_TRIPS + TRACED):
         # a fresh cache each time: on one cache the next eviction takes an older, loaded-back node
         cache = sglang_cpu.build_stack("write_through")
-        traced = i >= args.round_trips
+        traced = i >= ROUND_TRIPS
         run = (sglang_cpu.traced_round_trip if traced else sglang_cpu.write_through_round_trip)(cache, start=100 + 50 * i)
         for d, row in merged.items():
             row["ops"] += run[f"merged_{d}s"]
@@ -54,7 +52,7 @@ def main() -> int:
     after = sglang_cpu.sglang_counter_values()
     counters = [[name, dict(labels), value - before.get((name, labels), 0.0)]
                 for (name, labels), value in after.items() if value != before.get((name, labels), 0.0)]
-    Path(args.truth_json).write_text(json.dumps({"merged": merged, "direct": direct, "requests": requests,
+    Path(out).write_text(json.dumps({"merged": merged, "direct": direct, "requests": requests,
                                                  "request_service": REQUEST_SERVICE, "sglang": counters}))
     return 0  # otel-hicache's exit hooks flush and export
 

@@ -1,15 +1,10 @@
-"""CPU stand-ins for a real SGLang server in tests (never part of the product).
-
-Python imports this file at start-up when this directory is on PYTHONPATH, so the
-scheduler processes SGLang spawns get it too. SGLang's files are not edited: two
-functions are replaced when their module is imported, and ``sgl_kernel/`` beside this
-file stands in for the two CPU ops SGLang imports (the real ones are not on PyPI).
-  host pool  pool_host.common.ALLOC_MEMORY_FUNCS["cpu"] allocates unpinned (the default
-             registers the memory with CUDA)
+"""CPU stand-ins for a real SGLang server in tests, imported at start-up by every process of it
+(this directory is first on its PYTHONPATH). SGLang's files stay as they are: two functions are
+replaced when their module is imported, and sgl_kernel/ here stands in for two CPU ops.
+  host pool  pool_host.common.ALLOC_MEMORY_FUNCS["cpu"] allocates unpinned (not registered with CUDA)
   KV copy    pool_host.mha.transfer_kv_direct in torch (the real one is a CUDA op), hence
              --hicache-io-backend direct --hicache-mem-layout layer_first
-They are written against the releases in TESTED; any other release stops the process here
-rather than run unpatched.
+Written against the releases in TESTED: another one stops the process rather than run unpatched.
 """
 import os
 import sys
