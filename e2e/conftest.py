@@ -1,6 +1,5 @@
-"""Fixtures of the e2e tests (after `bash deploy/local/stack.sh install`): the real Collector,
-Jaeger and Prometheus from the shipped configs, the workloads sending into them with their ground
-truth, API clients, child processes stopped by pid at the end."""
+"""The real Collector, Jaeger and Prometheus from the shipped configs (after `bash deploy/local/
+stack.sh install`), their API clients, and a workload sending into them with its ground truth."""
 from __future__ import annotations
 
 import json
@@ -9,13 +8,14 @@ import subprocess
 import sys
 
 import pytest
-from helpers import SERVICES, STACK, Jaeger, Proc, Prom, clean_env
+from helpers import ROOT, SERVICE, STACK, Jaeger, Proc, Prom, clean_env
+
+sys.path.insert(0, str(ROOT / "tests"))  # the helpers shared with tests/ (otlp_receiver...)
 
 
 @pytest.fixture(scope="session")
 def stack(request, tmp_path_factory):
-    """stack.sh up (it waits until Prometheus scrapes the Collector), its state in a temp dir;
-    down -v after, the logs' ends printed when a test failed."""
+    """stack.sh up in a temp dir (waits until Prometheus scrapes); down -v after, logs shown on failure."""
     env = {**os.environ, "HICACHE_STACK_STATE": str(state := tmp_path_factory.mktemp("stack"))}
     up = subprocess.run(["bash", STACK, "up"], env=env, capture_output=True, text=True)
     try:
@@ -37,37 +37,17 @@ def jaeger(stack) -> Jaeger:
     return Jaeger()
 
 
-@pytest.fixture
-def spawn(tmp_path):
-    """spawn(name, cmd, env, health) -> a Proc, to start; each one stopped at the end."""
-    procs: list[Proc] = []
-
-    def make(name: str, cmd: list[str], env: dict, health: str = "") -> Proc:
-        procs.append(Proc(name, cmd, env, tmp_path, health))
-        return procs[-1]
-
-    yield make
-    for proc in reversed(procs):
-        proc.stop()
-
-
 @pytest.fixture(scope="session")
-def truth(stack, tmp_path_factory) -> dict[str, dict]:
-    """The example workload (600 ops at 40/s: rate() sees several scrapes) and the real SGLang
-    HiCache code on CPU, side by side, configured only by OTEL_*: each one's ground truth."""
-    out = tmp_path_factory.mktemp("workloads")
-    cmds = {"example": ["examples/hicache_workload.py", "--ops", "600", "--rate", "40", "--layers", "2",
-                        "--pool-tokens", "2048"], "sglang": ["e2e/sglang_workload.py"]}
-    procs = [Proc(name, [sys.executable, *cmd, "--truth-json", str(out / name)], clean_env(
-        OTEL_SERVICE_NAME=SERVICES[name], OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4317",
+def truth(stack, tmp_path_factory) -> dict:
+    """The example workload's ground truth: 600 ops at 40/s, so rate() sees several scrapes."""
+    out = tmp_path_factory.mktemp("workload")
+    args = "--ops 600 --rate 40 --layers 2 --pool-tokens 2048 --truth-json".split()
+    workload = Proc("workload", [sys.executable, "examples/hicache_workload.py", *args, str(out / "truth")], clean_env(
+        OTEL_SERVICE_NAME=SERVICE, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4317",
         OTEL_METRIC_EXPORT_INTERVAL="1000", OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED="true"), out)
-        for name, cmd in cmds.items()]
     try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.wait(300, tuple(procs))
+        workload.start()
+        workload.wait(300)
     finally:
-        for proc in procs:
-            proc.stop()
-    return {name: json.loads((out / name).read_text()) for name in cmds}
+        workload.stop()
+    return json.loads((out / "truth").read_text())

@@ -16,8 +16,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 STACK = ROOT / "deploy/local/stack.sh"
 DIRECTIONS = ("offload", "onboard")
-SPAN_NAMES = {"offload": "hicache.offload", "onboard": "hicache.onboard"}
-SERVICES = {"example": "hicache-e2e", "sglang": "hicache-e2e-sglang"}  # conftest.truth's workloads
+SPAN_NAMES = {d: f"hicache.{d}" for d in DIRECTIONS}
+SERVICE = "hicache-e2e"  # of conftest.truth's workload
 # series only a GPU run has: NVML's link capacity, the queue wait of device-timed ops
 GPU_ONLY = ("hicache_link_nominal_bandwidth_bytes_per_second", "hicache_transfer_queue_wait_seconds")
 
@@ -50,8 +50,7 @@ def get(url: str, **params: Any) -> Any:
 
 def settle(fetch: Callable[[], Any], done: Callable[[Any], bool], timeout: float, procs: tuple = (),
            every: float = 0.5) -> Any:
-    """fetch() until done(value) or timeout: the last value, to assert on; a dead process of procs
-    fails at once."""
+    """fetch() until done(value) or timeout: the last value, to assert on. A dead one of procs fails."""
     deadline = time.monotonic() + timeout
     while not done(value := fetch()) and time.monotonic() < deadline:
         for proc in procs:
@@ -92,8 +91,7 @@ class Jaeger:
         return body["data"]
 
     def spans(self, service: str, operation: str | None = None, **params: Any) -> list[dict]:
-        """The spans named operation (or hicache.*) of the service, once each, with their "attrs",
-        "service" and "parent" (its name)."""
+        """The service's spans named operation (or hicache.*) with "attrs", "service" and "parent"."""
         found = {}
         for trace in self.traces(service, **params, **{"operation": operation} if operation else {}):
             names = {s["spanID"]: s["operationName"] for s in trace["spans"]}
@@ -105,7 +103,7 @@ class Jaeger:
         return list(found.values())
 
     def trace(self, trace_id: str) -> dict[str, dict]:
-        """spanID -> span of one trace, with its "service"; {} when Jaeger has no such trace."""
+        """spanID -> span (with its "service") of a trace; {} when Jaeger has none."""
         trace = (get(f"{self.url}/api/traces/{trace_id}").get("data") or [{}])[0]
         return {s["spanID"]: s | {"service": _service(trace, s)} for s in trace.get("spans", [])}
 
@@ -120,8 +118,7 @@ def refs(span: dict, kind: str = "FOLLOWS_FROM") -> list[tuple[str, str]]:
 
 
 def shipped_queries() -> list[tuple[str, str, str]]:
-    """(kind, name, PromQL) of each shipped rule and dashboard query; a Grafana variable becomes a
-    regex matching anything, $__rate_interval 1m."""
+    """(kind, name, PromQL) of each shipped rule and panel; Grafana variables match anything."""
     import yaml
 
     def panels(items: list) -> list:
@@ -130,14 +127,14 @@ def shipped_queries() -> list[tuple[str, str, str]]:
     return [("alert" if "alert" in r else "record", r.get("alert") or r["record"], r["expr"])
             for path in ROOT.glob("deploy/prometheus/rules/*.yml")
             for group in yaml.safe_load(path.read_text())["groups"] for r in group["rules"]] + [
-        ("panel", f"{p['title']} {t['refId']}", re.sub(r"\$[A-Za-z_]\w*", ".*", t["expr"].replace("$__rate_interval", "1m")))
+        ("panel", f"{p['title']} {t['refId']}",
+         re.sub(r"\$[a-z_]\w*", ".*", t["expr"].replace("$__rate_interval", "1m")))
         for path in ROOT.glob("deploy/grafana/dashboards/*.json")
         for p in panels(json.loads(path.read_text())["panels"]) for t in p.get("targets", []) if "expr" in t]
 
 
 class Proc:
-    """A child process, started and waited healthy; check() fails at once when it ended unasked (a
-    server at all, a run with an error)."""
+    """A child process, started (and healthy); check() fails when it ended unasked: a server at all."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, logs: Path, health: str = "") -> None:
         self.name, self.cmd, self.env, self.logs, self.health, self.process = name, cmd, env, logs, health, None
@@ -152,7 +149,7 @@ class Proc:
         assert code is None or code == 0 and not self.health, f"{self.name} ended ({code}):\n{self.log()}"
 
     def wait(self, timeout: float, procs: tuple = ()) -> None:
-        """Until it ends, with 0; one of procs dying first fails at once."""
+        """Until it ends, with 0 (a dead one of procs fails first)."""
         settle(lambda: self.process.poll() is not None, bool, timeout, procs)
         assert self.process.poll() == 0, f"{self.name} ended ({self.process.poll()}):\n{self.log()}"
 
@@ -164,8 +161,7 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.process.kill()
 
-    def log(self, tail: int = 3000) -> str:
-        """The end of each of its logs (tail=0: all)."""
+    def log(self, tail: int = 3000) -> str:  # tail=0: all of each log
         return "\n".join(p.read_text(errors="replace")[-tail:] for p in sorted(self.logs.glob(f"{self.name}-*.log")))
 
 

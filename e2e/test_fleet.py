@@ -1,8 +1,5 @@
-"""The fleet of deploy/fleet.md from the shipped files: two nodes, each a workload into its agent,
-two gateways (tail sampling, TLS and a token), Jaeger and Prometheus (fleet.yml), each on a
-loopback address of its own. Only TLS with the token gets through a gateway; one killed mid-run
-loses no metric and only the traces it held undecided. A node alone: `python e2e/test_fleet.py OUT
-[RATE SECONDS]`."""
+"""The fleet of deploy/fleet.md from the shipped files, each part on a loopback address of its own.
+A node alone: `python e2e/test_fleet.py OUT [RATE SECONDS]`."""
 from __future__ import annotations
 
 import json
@@ -20,13 +17,13 @@ from types import SimpleNamespace
 from helpers import DIRECTIONS, ROOT, Jaeger, Proc, Prom, binary, clean_env, settle
 
 SERVICE, PAGE, DECISION_WAIT_S = "hicache-fleet-test", 64, 5  # decision_wait: 10 s shipped, 5 s here
-RATE, SECONDS, KILL_AT_S, DOWN_S = 200, 36.0, 18.0, 4.0  # per node; the kill from the workloads' start
+RATE, SECONDS, KILL_AT_S, DOWN_S = 200, 36.0, 18.0, 4.0  # per node; the kill after the nodes' start
 SERIES = {"ops": "duration_seconds_count", "bytes": "bytes_total", "blocks": "blocks_total", "tokens": "tokens_total"}
 
 
 def node(out: str, rate: str = RATE, seconds: str = SECONDS) -> None:
-    """Paced ops, a trace each (a step span, its transfer span); 1% fail, 1% are slower than the
-    gateways' 50 ms. Writes the ground truth and each op's (trace id, kind, end) to out."""
+    """Paced ops, a trace each (a step span, a transfer span); 1% fail, 1% slower than the gateways'
+    50 ms. Writes the ground truth and each op's (trace id, kind, end)."""
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
     import otel_hicache
     from bench_common import read_sdk_delivery, wait_until
@@ -43,7 +40,7 @@ def node(out: str, rate: str = RATE, seconds: str = SECONDS) -> None:
         begin = end - (int(rng.uniform(60e6, 150e6)) if kind == "slow" else 20_000 * pages)
         with tracer.start_as_current_span("example.scheduler_step", start_time=begin) as step:
             op = (d, {"kv": pages * PAGE}, pages * PAGE * 4096, PAGE)
-            if kind == "error":  # its finish event raises, as after a device fault: an error span
+            if kind == "error":  # its finish event raises, as after a device fault
                 tel.submit(*op, finish_event=SimpleNamespace(query=lambda: 1 / 0), host_start_ns=begin)
             else:
                 tel.ack(last)  # the consumer takes the previous op's ack
@@ -51,7 +48,7 @@ def node(out: str, rate: str = RATE, seconds: str = SECONDS) -> None:
                 truth.update({f"{k} {d}": n for k, n in zip(SERIES, (1, op[2], pages, pages * PAGE))})
         ops.append((f"{step.get_span_context().trace_id:032x}", kind, end))
     tel.ack(last)
-    tel._pipeline.flush(10.0)  # pylint: disable=protected-access  # every op's span to the SDK
+    tel._pipeline.flush(10.0)  # every op's span to the SDK
     tel.force_flush(10.0)
     config.tracer_provider.force_flush(10_000)
     exported = read_sdk_delivery(reader)["spans"]["exported"]
@@ -67,10 +64,11 @@ import pytest  # noqa: E402
 
 pytestmark = pytest.mark.fleet
 NAMES = ("gateway-1", "gateway-2", "jaeger", "agent-node-a", "agent-node-b", "prometheus")
+HELD = "otelcol_processor_tail_sampling_sampling_traces_on_memory"  # a gateway's undecided traces
 
 
 def export(host: str, auth: str | None, ca: str | None) -> str:
-    """An empty OTLP/gRPC traces export to host, plaintext without ca: what it answered."""
+    """What an empty OTLP/gRPC traces export to host gets (plaintext without ca)."""
     with grpc.secure_channel(f"{host}:4317", grpc.ssl_channel_credentials(Path(ca).read_bytes())) if ca \
             else grpc.insecure_channel(f"{host}:4317") as channel:
         try:
@@ -84,7 +82,8 @@ def export(host: str, auth: str | None, ca: str | None) -> str:
 def scrape(host: str, port: int = 8888) -> dict[str, float]:
     """A Collector's metrics: {name{labels}: value}, without _total (Jaeger's Collector adds it)."""
     text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
-    return {m[1].removesuffix("_total") + (m[2] or ""): float(m[3]) for m in re.finditer(r"^(\w+)(\{.*\})? (\S+)$", text, re.M)}
+    samples = re.finditer(r"^(\w+)(\{.*\})? (\S+)$", text, re.M)
+    return {m[1].removesuffix("_total") + (m[2] or ""): float(m[3]) for m in samples}
 
 
 def total(metrics: list[dict[str, float]], name: str, having: str = "") -> float:
@@ -102,8 +101,7 @@ def in_namespace(hosts_file: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> dict:
-    """The address of each part (NAMES), started and healthy, stopped after; its "procs"."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    """The address of each part (NAMES), started and healthy; their "procs"."""
     from otlp_receiver import make_certificates
 
     tmp, net = tmp_path_factory.mktemp("fleet"), f"127.{random.randrange(64, 250)}.{random.randrange(250)}."
@@ -114,17 +112,22 @@ def fleet(tmp_path_factory) -> dict:
     (tmp / "hosts").write_text("".join(f"{a} {name}\n" for name, a in {"localhost": "127.0.0.1", **at}.items()))
     env = clean_env(HICACHE_FLEET_TOKEN_FILE=str(tmp / "token"), HICACHE_FLEET_CA_FILE=tls["ca"],
                     HICACHE_FLEET_TLS_CERT=tls["cert"], HICACHE_FLEET_TLS_KEY=tls["key"], JAEGER_HOST=at["jaeger"],
-                    HICACHE_TAIL_DECISION_WAIT=f"{DECISION_WAIT_S}s", HICACHE_GATEWAYS=f"{at['gateway-1']}:4317,{at['gateway-2']}:4317")
+                    HICACHE_TAIL_DECISION_WAIT=f"{DECISION_WAIT_S}s",
+                    HICACHE_GATEWAYS=f"{at['gateway-1']}:4317,{at['gateway-2']}:4317")
     cmds = {"jaeger": [binary("jaeger"), f"--config={ROOT}/deploy/jaeger/config.yaml"], "prometheus": [
         *in_namespace(tmp / "hosts"), binary("prometheus"), f"--config.file={ROOT}/deploy/prometheus/fleet.yml",
         f"--storage.tsdb.path={tmp}/tsdb", f"--web.listen-address={at['prometheus']}:9090"]}
     health = {"jaeger": "13133/status", "prometheus": "9090/-/ready"}
-    procs = {name: Proc(name, cmds.get(name, [binary("otelcol"), f"--config={ROOT}/deploy/otel-collector/{name.split('-')[0]}.yaml"]),
-                        env | {"JAEGER_LISTEN_HOST": a, "OTELCOL_LISTEN_HOST": a, "OTELCOL_OTLP_LISTEN_HOST": a},
-                        tmp, f"http://{a}:{health.get(name, '13133/')}") for name, a in at.items()}
+    otelcol, conf = binary("otelcol"), f"--config={ROOT}/deploy/otel-collector/"  # agent.yaml, gateway.yaml
+    cmds |= {n: [otelcol, conf + n.split("-")[0] + ".yaml"] for n in NAMES if n not in cmds}
+    listen = ("JAEGER_LISTEN_HOST", "OTELCOL_LISTEN_HOST", "OTELCOL_OTLP_LISTEN_HOST")  # all on its address
+    procs = {n: Proc(n, cmds[n], env | dict.fromkeys(listen, a), tmp, f"http://{a}:{health.get(n, '13133/')}")
+             for n, a in at.items()}
     try:
         for proc in procs.values():
             proc.start()
+        prom = Prom(f"http://{at['prometheus']}:9090")
+        assert len(settle(lambda: prom.by('up{job="otel-gateway"}', "instance"), lambda up: len(up) == 2, 30)) == 2
         yield at | {"procs": procs, "token": token, "ca": tls["ca"]}
     finally:
         for proc in procs.values():
@@ -132,65 +135,84 @@ def fleet(tmp_path_factory) -> dict:
 
 
 def test_gateways_take_only_tls_with_the_token(fleet):
-    right, wrong = f"Bearer {fleet['token']}", f"Bearer {fleet['token'][::-1]}"
-    for gateway in ("gateway-1", "gateway-2"):
-        answers = [export(fleet[gateway], auth, ca) for auth, ca in (
-            (right, fleet["ca"]), (None, fleet["ca"]), (wrong, fleet["ca"]), (fleet["token"], fleet["ca"]), (right, None))]
+    token, ca = fleet["token"], fleet["ca"]
+    for gateway in NAMES[:2]:
+        answers = [export(fleet[gateway], auth, tls) for auth, tls in [
+            (f"Bearer {token}", ca), (None, ca), (f"Bearer {token[::-1]}", ca), (token, ca), (f"Bearer {token}", None)]]
         assert answers == ["OK"] + ["UNAUTHENTICATED"] * 3 + ["UNAVAILABLE"], gateway  # the last: plaintext
 
 
-def test_a_gateway_killed_mid_run(fleet, tmp_path, spawn):
-    procs, prom, jaeger = fleet["procs"], Prom(f"http://{fleet['prometheus']}:9090"), Jaeger(f"http://{fleet['jaeger']}:16686")
-    assert len(settle(lambda: prom.by('up{job="otel-gateway"}', "instance"), lambda up: len(up) == 2, 30)) == 2
-    nodes = [spawn(n, [sys.executable, __file__, str(tmp_path / n)], clean_env(
+@pytest.fixture(scope="module")
+def run(fleet, tmp_path_factory) -> SimpleNamespace:
+    """The nodes' workloads; the gateway carrying node-a's metrics killed mid-run and restarted."""
+    tmp, procs = tmp_path_factory.mktemp("nodes"), fleet["procs"]
+    nodes = [Proc(n, [sys.executable, __file__, str(tmp / n)], clean_env(
         OTEL_SERVICE_NAME=SERVICE, OTEL_RESOURCE_ATTRIBUTES=f"host.name={n}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://{fleet['agent-' + n]}:4317", OTEL_METRIC_EXPORT_INTERVAL="1000",
-        OTEL_BSP_SCHEDULE_DELAY="200", OTEL_HICACHE_SHUTDOWN_TIMEOUT_S="10", OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED="true"))
-        for n in ("node-a", "node-b")]  # the SDK's self-metrics count the spans it exported
-    t0, every = time.time_ns(), (*procs.values(), *nodes)
-    for proc in nodes:
-        proc.start()
-    victim = settle(lambda: [g for g in NAMES[:2] if 'host_name="node-a"' in str(scrape(fleet[g], 8889))], bool, 20, every)[0]
-    settle(lambda: time.time_ns() - t0 >= KILL_AT_S * 1e9, bool, KILL_AT_S + 5, every)  # the fault, mid-run
-    before, t_kill = scrape(fleet[victim]), time.time_ns()
-    procs[victim].process.kill()
-    procs[victim].process.wait()
-    settle(lambda: time.time_ns() - t_kill >= DOWN_S * 1e9, bool, DOWN_S + 5, [p for p in every if p is not procs[victim]])
-    procs[victim].start()
-    for proc in nodes:
-        proc.wait(SECONDS + 60, every)
-    runs = [json.loads((tmp_path / n).read_text()) for n in ("node-a", "node-b")]
+        OTEL_BSP_SCHEDULE_DELAY="200", OTEL_HICACHE_SHUTDOWN_TIMEOUT_S="10",
+        OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED="true"),
+        tmp) for n in ("node-a", "node-b")]  # the SDK's self-metrics count spans exported
+    every = (*procs.values(), *nodes)
+    try:
+        t0 = time.time_ns()
+        for proc in nodes:
+            proc.start()
+        carriers = lambda: [g for g in NAMES[:2] if 'host_name="node-a"' in str(scrape(fleet[g], 8889))]  # noqa: E731
+        victim = settle(carriers, bool, 20, every)[0]
+        settle(lambda: time.time_ns() - t0 >= KILL_AT_S * 1e9, bool, KILL_AT_S + 5, every)  # mid-run
+        before, t_kill = scrape(fleet[victim]), time.time_ns()
+        procs[victim].process.kill()
+        procs[victim].process.wait()
+        others = [p for p in every if p is not procs[victim]]
+        settle(lambda: time.time_ns() - t_kill >= DOWN_S * 1e9, bool, DOWN_S + 5, others)  # the outage
+        procs[victim].start()
+        for proc in nodes:
+            proc.wait(SECONDS + 60, every)
+    finally:
+        for proc in nodes:
+            proc.stop()
+    return SimpleNamespace(nodes=[json.loads((tmp / n).read_text()) for n in ("node-a", "node-b")], victim=victim,
+                           t_kill=t_kill, before=before, every=every)
 
-    # metrics lose nothing: the agents queue and retry per gateway
-    want = sum((Counter(r["truth"]) for r in runs), Counter(failed=sum(k == "error" for r in runs for _, k, _ in r["ops"])))
-    sel = f'service_name="{SERVICE}"'
+
+def test_metrics_lose_nothing(fleet, run):
+    """The agents queue and retry per gateway: the counters equal the nodes' ground truth."""
+    prom, sel = Prom(f"http://{fleet['prometheus']}:9090"), f'service_name="{SERVICE}"'
+    failed = Counter(failed=sum(k == "error" for r in run.nodes for _, k, _ in r["ops"]))
+    want = sum((Counter(r["truth"]) for r in run.nodes), failed)
     got = lambda: {f"{k} {d}": v for k, s in SERIES.items() for (d,), v in prom.by(  # noqa: E731
         f"sum by (hicache_direction) (hicache_transfer_{s}{{{sel}}})", "hicache_direction").items()} | {
         "failed": prom.by(f'sum(otel_hicache_records_failed_total{{{sel}, reason="event_error"}})').get((), 0)}
-    assert settle(got, lambda g: g == want, 45, every) == want
+    assert settle(got, lambda g: g == want, 45, run.every) == want
 
-    # traces, once the gateways decided each one and Jaeger stored all it accepted
-    def state() -> tuple:
-        return ([scrape(fleet[g]) for g in NAMES[:2]], scrape(fleet["jaeger"]),
-                {int(t["traceID"], 16): len(t["spans"]) for t in jaeger.traces(SERVICE, limit=15000)})
-    gws, jaeger_m, stored = settle(state, lambda s: total(s[0], "otelcol_processor_tail_sampling_sampling_traces_on_memory")
-                                   == 0 and total([s[1]], "otelcol_receiver_accepted_spans") == sum(s[2].values()), 60, every, 2)
-    assert total([jaeger_m], "otelcol_receiver_accepted_spans") == sum(stored.values())
-    # in flight at the kill: sent, not yet decided (decision_wait, a 1 s tick) nor sent on (1 s batches)
-    ops = [(int(tid, 16), kind, t_kill - (DECISION_WAIT_S + 7) * 1e9 <= end <= t_kill + 5e8)
-           for r in runs for tid, kind, end in r["ops"]]
+
+def test_the_traces_the_policy_keeps(fleet, run):
+    """Every error and slow trace is in Jaeger, whole, but those the dead gateway held undecided; the
+    base rate holds."""
+    def state() -> tuple:  # once the gateways decided every trace and Jaeger stored all it took
+        traces = Jaeger(f"http://{fleet['jaeger']}:16686").traces(SERVICE, limit=15000)
+        stored = {int(t["traceID"], 16): len(t["spans"]) for t in traces}
+        return [scrape(fleet[g]) for g in NAMES[:2]], scrape(fleet["jaeger"]), stored
+    gateways, jaeger, stored = settle(state, lambda s: total(s[0], HELD) == 0 and total(
+        [s[1]], "otelcol_receiver_accepted_spans") == sum(s[2].values()), 60, run.every, 2)
+    assert total([jaeger], "otelcol_receiver_accepted_spans") == sum(stored.values())
+    ops = [(int(tid, 16), kind, run.t_kill - (DECISION_WAIT_S + 7) * 1e9 <= end <= run.t_kill + 5e8)
+           for r in run.nodes for tid, kind, end in r["ops"]]
     assert [tid for tid, kind, inside in ops if kind != "plain" and not inside and stored.get(tid) != 2] == []
     assert min(Counter(kind for _, kind, inside in ops if not inside)[k] for k in ("error", "slow")) >= 20
     plain = [tid in stored for tid, kind, inside in ops if kind == "plain" and not inside]
     assert abs(sum(plain) - len(plain) / 100) <= 5 * (len(plain) / 100) ** 0.5 + 5  # the base rate, 1%
     lost = sum(kind != "plain" and inside and tid not in stored for tid, kind, inside in ops)
-    assert lost <= total([before], "otelcol_processor_tail_sampling_sampling_traces_on_memory")
+    assert lost <= total([run.before], HELD)
+    assert total(gateways, "otelcol_exporter_send_failed_spans") == 0
 
-    # the Collectors' own metrics account for every span: the agents took and passed on each one
+
+def test_the_agents_passed_every_span_on(fleet, run):
+    """By their own metrics, to the gateways that were up, retrying the dead one."""
     agents = [scrape(fleet["agent-" + n]) for n in ("node-a", "node-b")]
     sent = total(agents, "otelcol_exporter_sent_spans", "load_balancing/traces")
-    assert sum(r["exported"] for r in runs) == 2 * len(ops) == total(agents, "otelcol_receiver_accepted_spans") == sent
-    assert total(agents, "otelcol_exporter_send_failed_spans") + total(gws, "otelcol_exporter_send_failed_spans") == 0
+    assert sum(r["exported"] for r in run.nodes) == sum(2 * len(r["ops"]) for r in run.nodes) == sent
+    assert total(agents, "otelcol_receiver_accepted_spans") == sent
+    assert total(agents, "otelcol_exporter_send_failed_spans") == 0
     assert total(agents, "otelcol_loadbalancer_backend_outcome", 'success="false"') == 0
-    assert re.search(rf"Exporting failed\. Will retry.*{fleet[victim]}", procs["agent-node-a"].log(0))
-    print(f"\nfleet: {lost} kept traces lost with the killed gateway; base rate {sum(plain)}/{len(plain)}")
+    assert re.search(rf"Exporting failed\. Will retry.*{fleet[run.victim]}", fleet["procs"]["agent-node-a"].log(0))

@@ -1,9 +1,5 @@
-"""otel-hicache on a real SGLang server, the way its users run it: `python -m sglang.launch_server
---enable-hierarchical-cache` on CPU (real_server/), the plugin loaded by SGLang itself in each
-scheduler process, configured only by OTEL_*, into the stack of e2e/conftest.py. Requests force
-offload and load-back; what reaches Jaeger and Prometheus equals SGLang's own counters."""
-from __future__ import annotations
-
+"""A real SGLang server on CPU (real_server/) into the stack: what reaches Jaeger and Prometheus
+equals SGLang's own counters."""
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +8,7 @@ from real_server import server as rs
 
 pytestmark = pytest.mark.real_server
 CASES = {  # policy, page size, tensor parallelism, SGLang's request tracing, shared prefix
-    "write_through": ("write_through", 1, 1, True, 400),  # the links to SGLang's request spans
+    "write_through": ("write_through", 1, 1, True, 400),  # links to SGLang's request spans
     "write_back-page16": ("write_back", 16, 1, False, 410),  # a prefix not a multiple of the page
     "tp2": ("write_through", 1, 2, False, 400),  # two schedulers, two telemetry processes
 }
@@ -45,12 +41,13 @@ def test_spans_equal_sglang_counters(run):
     assert rs.span_sums(run.spans) == run.sglang
 
 
-def test_causes_and_pages(run):
+def test_causes_pages_and_ranks(run):
     assert {s["attrs"]["hicache.cause"] for s in run.spans["offload"]} == {run.policy}
     assert {s["attrs"]["hicache.cause"] for s in run.spans["onboard"]} == {"prefix_hit"}
     attrs = [s["attrs"] for d in DIRECTIONS for s in run.spans[d]]
     assert {a["hicache.page_size"] for a in attrs} == {run.page}
     assert [a for a in attrs if a["hicache.blocks"] != -(-a["hicache.tokens"] // run.page)] == []
+    assert [a for a in attrs if not {"tp_rank", "pp_rank", "dp_rank"} <= set(a)] == []
 
 
 def test_prometheus_series_equal_spans(run, prom):
@@ -72,9 +69,8 @@ def test_telemetry_process_per_scheduler(run):
 
 
 def test_request_links(run, jaeger):
-    """With SGLang's request tracing on, every hicache span links to an SGLang request span that
-    opens in Jaeger; without it none does (a load-back's links to the offloads that wrote its
-    pages open hicache spans)."""
+    """With SGLang's request tracing on, every hicache span links to an SGLang request span; without,
+    to none (a load-back's links to the offloads that wrote its pages open hicache spans)."""
     spans = [s for d in DIRECTIONS for s in run.spans[d]]
     names = {(tid, sid): s["operationName"] for tid in {r["traceID"] for s in spans for r in s["references"]}
              for sid, s in jaeger.trace(tid).items()}
@@ -83,13 +79,12 @@ def test_request_links(run, jaeger):
 
 
 def test_dashboard_and_alerts_evaluate(run, prom):
-    """Every shipped dashboard query and rule evaluates without error; the transfer panels have
-    data for this run's service once rate() has two scrapes of it (GPU-only ones aside)."""
+    """Every query evaluates on this data; the transfer panels have data for this server (not GPU-only)."""
     queries = shipped_queries()
     for _, _, expr in queries:
         prom.query(expr)
     transfer = [expr for kind, _, expr in queries if kind == "panel" and not any(g in expr for g in GPU_ONLY)
                 and ("hicache_transfer_bytes" in expr or "hicache_transfer_duration" in expr)]
-    empty = settle(lambda: [e for e in transfer if run.service not in {s["metric"].get("job", run.service)
-                                                                       for s in prom.query(e)}], lambda e: not e, 90, every=2)
+    jobs = lambda e: {s["metric"].get("job", run.service) for s in prom.query(e)}  # noqa: E731
+    empty = settle(lambda: [e for e in transfer if run.service not in jobs(e)], lambda e: not e, 90, every=2)
     assert transfer and empty == []

@@ -1,8 +1,4 @@
-"""The shipped Prometheus rules and Grafana dashboard against real data: promtool accepts the
-config and passes the rules' unit tests, Prometheus loads every rule healthy, and every rule
-and dashboard query evaluates, reading series that exist, with data where a user expects it."""
-from __future__ import annotations
-
+"""The shipped rules and dashboard on real data: promtool, rules loaded healthy, every query evaluates."""
 import re
 import subprocess
 
@@ -31,8 +27,7 @@ def test_every_rule_loaded_and_healthy(prom, truth):
 
 
 def test_every_query_evaluates_on_series_that_exist(prom, truth):
-    """Without error; every series name it reads exists (a typo in an alert gives no error, only
-    nothing), but those of a GPU run when this one had none."""
+    """Without error, on series that exist (a typo gives no error, only nothing), GPU-only ones aside."""
     absent = tuple(name for name in GPU_ONLY if not prom.query(f'count({{__name__=~"{name}.*"}})'))
     names = set(prom.api("/api/v1/label/__name__/values"))
     for kind, name, expr in QUERIES:
@@ -44,8 +39,7 @@ def test_every_query_evaluates_on_series_that_exist(prom, truth):
 
 
 def test_panels_and_recorded_series_have_data(prom, truth):
-    """Every panel and recording rule returns data, and the recorded series exist, once the rules'
-    group ran over the workloads' data; GPU-only ones excepted when this run had no GPU."""
+    """Every panel, recording rule and recorded series has data once the rules ran (not GPU-only)."""
     absent = [name for name in GPU_ONLY if not prom.query(f'count({{__name__=~"{name}.*"}})')]
     wanted = [(name, expr) for kind, name, expr in QUERIES if kind != "alert" and not any(a in expr for a in absent)]
     wanted += [(name, name) for kind, name, expr in QUERIES if kind == "record" and not any(a in expr for a in absent)]

@@ -1,7 +1,5 @@
-"""otel-hicache on a real SGLang server on CPU (scripts/demo-server.sh): the telemetry stack, the
-server with HiCache and SGLang's request tracing, requests forcing offload and load-back; prints
-the spans' tokens and bytes per direction and cause beside SGLang's own counters, and where to
-look; stops all it started (after Enter, in a terminal)."""
+"""otel-hicache on a real SGLang server on CPU (scripts/demo-server.sh): the stack, the server,
+requests forcing offload and load-back; what the spans say beside SGLang's counters, where to look."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +18,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split(" (")[0])
     parser.add_argument("--policy", default="write_through", choices=("write_through", "write_back"))
     parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=2, help="prefix, fillers, prefix again (default 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="prefix, fillers, prefix again")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hicache-demo-server."))
     env = os.environ | {"HICACHE_STACK_STATE": str(work / "stack")}
@@ -31,23 +29,27 @@ def main() -> int:
                        page_size=args.page_size, trace=True, service="sglang-demo") as server:
             print(f"demo-server: {len(rs.workload(server, rounds=args.rounds))} requests", flush=True)
             sglang = server.settled_counters()
-        print(f"demo-server: the server and its telemetry process stopped; left running: {server.alive() or 'none'}")
         spans = rs.transfer_spans(Jaeger(), "sglang-demo", sglang)
-        by_cause, by_rank = rs.span_sums(spans, by="hicache.cause"), rs.span_sums(spans)
-        print(f"{'direction':9} {'cause':14} {'spans':>5} {'tokens':>8} {'bytes':>11}")
-        for d, _, cause in sorted(k for k in by_cause if k[1] == "tokens"):
-            n = sum(s["attrs"]["hicache.cause"] == cause for s in spans[d])
-            print(f"{d:9} {cause:14} {n:5} {by_cause[d, 'tokens', cause]:8.0f} {by_cause[d, 'bytes', cause]:11,.0f}")
-        for d, what, rank in sorted(sglang):
-            print(f"{d:9} {what} of tp_rank {rank}: {sglang[d, what, rank]:,.0f} by SGLang's counters, "
-                  f"{by_rank.get((d, what, rank), 0):,.0f} in the spans")
-        print("where to look: Jaeger http://127.0.0.1:16686 (service sglang-demo), Prometheus http://127.0.0.1:9090:"
-              ' sum by (hicache_direction, hicache_cause) (hicache_transfer_bytes_total{job="sglang-demo"})')
+        equal = report(spans, sglang)
         if sys.stdin.isatty():
             input("demo-server: press Enter to stop the stack ")
-        return 0 if by_rank == sglang else 1
+        return 0 if equal else 1
     finally:
         subprocess.run(["bash", STACK, "down", "-v"], env=env, check=False, stdout=subprocess.DEVNULL)
+
+
+def report(spans: dict, sglang: dict) -> bool:
+    """Prints the spans per direction and cause, whether they equal SGLang's counters, where to look."""
+    by_cause = rs.span_sums(spans, by="hicache.cause")
+    print(f"{'direction':9} {'cause':14} {'spans':>5} {'tokens':>8} {'bytes':>11}")
+    for d, _, cause in sorted(k for k in by_cause if k[1] == "tokens"):
+        n = sum(s["attrs"]["hicache.cause"] == cause for s in spans[d])
+        print(f"{d:9} {cause:14} {n:5} {by_cause[d, 'tokens', cause]:8.0f} {by_cause[d, 'bytes', cause]:11,.0f}")
+    equal = rs.span_sums(spans) == sglang
+    print(f"tokens and bytes per direction and rank equal SGLang's own counters: {'yes' if equal else f'NO {sglang}'}")
+    print("where to look: Jaeger http://127.0.0.1:16686 (service sglang-demo), Prometheus http://127.0.0.1:9090:"
+          ' sum by (hicache_direction, hicache_cause) (hicache_transfer_bytes_total{job="sglang-demo"})')
+    return equal
 
 
 if __name__ == "__main__":

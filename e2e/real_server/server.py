@@ -1,6 +1,5 @@
-"""A real SGLang server on CPU with HiCache (for the real-server test, the demo, the cost benchmark):
-`python -m sglang.launch_server` as users start it, otel-hicache's plugin loaded by SGLang in each
-scheduler, configured only by OTEL_*; a tiny local model and the stand-ins of cpu/ make it run."""
+"""`python -m sglang.launch_server` with HiCache on CPU, as users start it (a tiny local model, the
+stand-ins of cpu/): otel-hicache's plugin loaded by SGLang in each scheduler, configured by OTEL_*."""
 from __future__ import annotations
 
 import contextlib
@@ -17,16 +16,17 @@ import psutil
 from helpers import DIRECTIONS, SPAN_NAMES, Jaeger, free_port, settle
 
 HERE = Path(__file__).resolve().parent
+FLAGS = ("--device cpu --attention-backend torch_native --sampling-backend pytorch --dtype bfloat16 --max-total-tokens"
+         " 1024 --max-running-requests 4 --chunked-prefill-size 512 --disable-cuda-graph --enable-hierarchical-cache"
+         " --hicache-ratio 4 --hicache-io-backend direct --hicache-mem-layout layer_first --enable-metrics"
+         " --log-level warning --skip-server-warmup")
 # SGLang's own counters (its /metrics) of what HiCache moved
-SGLANG_COUNTERS = {"sglang:hicache_backup_tokens_total": ("offload", "tokens"),
-                   "sglang:hicache_backup_bytes_total": ("offload", "bytes"),
-                   "sglang:load_back_tokens_total": ("onboard", "tokens"),
-                   "sglang:load_back_bytes_total": ("onboard", "bytes")}
+SGLANG_COUNTERS = {f"sglang:{name}_{what}_total": (d, what) for d, name in (
+    ("offload", "hicache_backup"), ("onboard", "load_back")) for what in ("tokens", "bytes")}
 
 
 def make_model(out: Path) -> Path:
-    """A random-weight Llama (hidden 64, 2 layers) and a BPE tokenizer trained on the standard
-    library's sources: no download. Reused when there."""
+    """A random-weight Llama and a BPE tokenizer trained on the stdlib's sources: no download."""
     if not (out / "tokenizer.json").exists():
         import torch
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -41,16 +41,15 @@ def make_model(out: Path) -> Path:
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(
             hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-            vocab_size=len(fast), max_position_embeddings=4096, bos_token_id=fast.bos_token_id, tie_word_embeddings=False,
-            eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, torch_dtype="bfloat16",
+            vocab_size=len(fast), max_position_embeddings=4096, bos_token_id=fast.bos_token_id, torch_dtype="bfloat16",
+            eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
         )).to(torch.bfloat16).save_pretrained(out)
         fast.save_pretrained(out)
     return out
 
 
 class Server:
-    """One sglang.launch_server on CPU: `with Server(...)` starts it and waits until it answers,
-    then stops its whole process tree (alive() lists what is left: nothing)."""
+    """`with Server(...)` starts it, waits until it answers, stops its whole process tree after."""
 
     def __init__(self, model: Path, log: Path, *, policy: str = "write_through", page_size: int = 1, tp: int = 1,
                  trace: bool = False, plugin: bool = True, service: str = "sglang-cpu",
@@ -58,13 +57,9 @@ class Server:
         self.port, self.log, self.tp, self.proc = free_port(), log, tp, None
         self.url = f"http://127.0.0.1:{self.port}"
         self.tree: set[psutil.Process] = set()  # every process of it seen while it ran
-        self.args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--device", "cpu",
-                     "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--dtype", "bfloat16",
-                     "--port", str(self.port), "--tp", str(tp), "--max-total-tokens", "1024", "--page-size",
-                     str(page_size), "--max-running-requests", "4", "--chunked-prefill-size", "512",
-                     "--disable-cuda-graph", "--enable-hierarchical-cache", "--hicache-ratio", "4",
-                     "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", "--hicache-write-policy",
-                     policy, "--enable-metrics", "--log-level", "warning", "--skip-server-warmup"]
+        self.args = [sys.executable, "-m", "sglang.launch_server", *FLAGS.split(), "--model-path", str(model),
+                     "--port", str(self.port), "--tp", str(tp), "--page-size", str(page_size),
+                     "--hicache-write-policy", policy]
         self.args += ["--enable-trace", "--otlp-traces-endpoint", otlp_endpoint.split("://")[-1]] * trace
         base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         self.env = base | {
@@ -84,7 +79,7 @@ class Server:
         self.stop()
 
     def start(self) -> None:
-        with open(self.log, "ab") as log:  # a session of its own: a terminal's ^C reaches it by stop()
+        with open(self.log, "ab") as log:  # its own session: a terminal's ^C stops it through stop()
             self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         try:  # a cold start on 2 busy cores, tensor parallelism 2 included
@@ -110,8 +105,7 @@ class Server:
             if not settle(self.alive, lambda left: not left, 10 if kill else 30):
                 break
 
-    def alive(self) -> list[int]:
-        """Pids of the tree still running (a zombie has ended)."""
+    def alive(self) -> list[int]:  # the tree's pids still running (a zombie has ended)
         if self.proc:
             self.proc.poll()  # reaps the server itself
         return sorted(p.pid for p in self.tree if _is(p, "status") not in ("", psutil.STATUS_ZOMBIE))
@@ -121,16 +115,14 @@ class Server:
             return [root := psutil.Process(self.proc.pid), *root.children(recursive=True)]
         return []
 
-    def schedulers(self) -> dict[int, str]:
-        """{pid: process title} of the scheduler processes (sglang::scheduler_TP0 ...)."""
+    def schedulers(self) -> dict[int, str]:  # {pid: its title, sglang::scheduler_TP0 ...}
         return {p.pid: _is(p, "cmdline") for p in self.processes() if "scheduler" in _is(p, "cmdline")}
 
-    def telemetry_processes(self) -> dict[int, int]:
-        """{pid: parent pid} of otel-hicache's telemetry processes in the tree."""
+    def telemetry_processes(self) -> dict[int, int]:  # {pid: parent pid}
         return {p.pid: p.ppid() for p in self.processes() if "otel_hicache.sinks.process" in _is(p, "cmdline")}
 
     def generate(self, ids: list[int], new: int = 4) -> dict[str, float]:
-        """One streamed request: its time to first token and per output token (s)."""
+        """A streamed request: its time to first token and per output token (s)."""
         body = {"input_ids": ids, "stream": True, "sampling_params": {
             "max_new_tokens": new, "min_new_tokens": new, "temperature": 0}}
         started = time.perf_counter()
@@ -144,8 +136,8 @@ class Server:
         """{(direction, "tokens"|"bytes", tp_rank): value} of SGLang's own counters."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        out: dict = {}
-        for family in text_string_to_metric_families(urllib.request.urlopen(self.url + "/metrics", timeout=30).read().decode()):
+        out, text = {}, urllib.request.urlopen(self.url + "/metrics", timeout=30).read().decode()
+        for family in text_string_to_metric_families(text):
             for s in (s for s in family.samples if s.name in SGLANG_COUNTERS):
                 key = (*SGLANG_COUNTERS[s.name], s.labels.get("tp_rank", "0"))
                 out[key] = out.get(key, 0.0) + s.value
@@ -154,25 +146,25 @@ class Server:
     def settled_counters(self) -> dict[tuple[str, str, str], float]:
         """hicache_counters() once two reads a second apart agree: the last acks are counted."""
         seen: list = []
-        return settle(lambda: seen.append(self.hicache_counters()) or seen[-1], lambda c: seen[-2:-1] == [c], 30, every=1)
+        read = lambda: seen.append(self.hicache_counters()) or seen[-1]  # noqa: E731
+        return settle(read, lambda now: seen[-2:-1] == [now], 30, every=1)
 
 
-def _is(p: psutil.Process, what: str) -> str:
-    """A process' status or command line; "" once it is gone."""
+def _is(p: psutil.Process, what: str) -> str:  # its status or command line, "" once gone
     with contextlib.suppress(psutil.Error):
         return p.status() if what == "status" else " ".join(p.cmdline())
     return ""
 
 
 def workload(server: Server, prefix: int = 400, fillers: int = 3, rounds: int = 2, seed: int = 0) -> list[dict]:
-    """Offload and load-back: a request with a prefix (on the device, backed up to the host), fillers
-    evicting it from the device pool, the prefix again (a host hit). Each request's timings."""
+    """A prefix (backed up to the host), fillers evicting it from the device, the prefix again (a load-
+    back), rounds times. Each request's timings."""
     rng = random.Random(seed)
     tokens = lambda n: [rng.randrange(3, 2000) for _ in range(n)]  # noqa: E731
     timings = []
     for shared in (tokens(prefix) for _ in range(rounds)):
         timings.append(server.generate(shared + tokens(8)))
-        timings += [server.generate(tokens(prefix)) for _ in range(fillers * server.tp)]  # a pool per rank
+        timings += [server.generate(tokens(prefix)) for _ in range(fillers * server.tp)]  # a pool a rank
         timings.append(server.generate(shared + tokens(8)))
     return timings
 

@@ -22,15 +22,7 @@ if _release is not None and _release not in TESTED:
     os._exit(3)  # loud: an exception here would only be printed, and SGLang would run unpatched
 
 
-def _require(owner, name):
-    if not hasattr(owner, name):
-        sys.stderr.write(f"real_server/cpu: {owner.__name__}.{name} is gone; update the stand-ins\n")
-        os._exit(3)
-
-
 def _unpinned_host_pool(module):
-    _require(module, "ALLOC_MEMORY_FUNCS")
-
     def alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
         return allocator.allocate(dims, dtype=dtype, device=device)
 
@@ -38,11 +30,6 @@ def _unpinned_host_pool(module):
 
 
 def _torch_kv_copy(module):
-    # on CPU the name is never imported (it comes from a CUDA-only module): check its caller instead
-    caller = getattr(getattr(module, "MHATokenToKVPoolHost", None), "load_to_device_per_layer", None)
-    if "transfer_kv_direct" not in getattr(getattr(caller, "__code__", None), "co_names", ()):
-        sys.stderr.write("real_server/cpu: MHATokenToKVPoolHost no longer calls transfer_kv_direct\n")
-        os._exit(3)
     import torch
 
     def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
