@@ -1,322 +1,185 @@
-"""A real SGLang server on CPU with HiCache on, for the real-server test, the demo and the
-cost benchmark: ``python -m sglang.launch_server`` as a user starts it, otel-hicache's plugin
-loaded by SGLang itself in each scheduler process, configured only by ``OTEL_*``.
-
-On CPU it needs a tiny local model (``make_model``: random weights, a tokenizer trained
-here, no hub) and the stand-ins in ``cpu/`` (put first on the server's PYTHONPATH).
-"""
+"""`python -m sglang.launch_server` with HiCache on CPU, as users start it (a tiny local model, the
+stand-ins of cpu/): otel-hicache's plugin loaded by SGLang in each scheduler, configured by OTEL_*."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
-import check_pipeline as cp  # (e2e/ is on the path of every caller) the Jaeger API's span helpers
+import psutil
+from helpers import DIRECTIONS, SPAN_NAMES, Jaeger, free_port, settle
 
 HERE = Path(__file__).resolve().parent
-CPU_SUPPORT = HERE / "cpu"
-START_TIMEOUT_S = 420.0  # a cold start on 2 busy cores, tensor parallelism 2 included
-TELEMETRY_PROCESS = "otel_hicache.sinks.process"  # its command line in the process table
-# SGLang's own counters of what HiCache moved, by direction (its /metrics)
-SGLANG_COUNTERS = {
-    "offload": ("sglang:hicache_backup_tokens_total", "sglang:hicache_backup_bytes_total"),
-    "onboard": ("sglang:load_back_tokens_total", "sglang:load_back_bytes_total"),
-}
+FLAGS = ("--device cpu --attention-backend torch_native --sampling-backend pytorch --dtype bfloat16 --max-total-tokens"
+         " 1024 --max-running-requests 4 --chunked-prefill-size 512 --disable-cuda-graph --enable-hierarchical-cache"
+         " --hicache-ratio 4 --hicache-io-backend direct --hicache-mem-layout layer_first --enable-metrics"
+         " --log-level warning --skip-server-warmup")
+# SGLang's own counters (its /metrics) of what HiCache moved
+SGLANG_COUNTERS = {f"sglang:{name}_{what}_total": (d, what) for d, name in (
+    ("offload", "hicache_backup"), ("onboard", "load_back")) for what in ("tokens", "bytes")}
 
 
 def make_model(out: Path) -> Path:
-    """A random-weight Llama (hidden 64, 2 layers, 2 KV heads, bf16) and a byte-level BPE
-    tokenizer trained on the standard library's sources; reused when already there."""
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return out
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from transformers.utils import logging as hf_logging
+    """A random-weight Llama and a BPE tokenizer trained on the stdlib's sources: no download."""
+    if not (out / "tokenizer.json").exists():
+        import torch
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    hf_logging.disable_progress_bar()
-
-    out.mkdir(parents=True, exist_ok=True)
-    sources = sorted(str(p) for p in Path(os.__file__).parent.glob("*.py"))[:60]
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train(sources, trainers.BpeTrainer(vocab_size=2048, special_tokens=["<s>", "</s>", "<pad>"],
-                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                           show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=len(fast), max_position_embeddings=4096,
-                      bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                      pad_token_id=fast.pad_token_id, torch_dtype="bfloat16", tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+        tok = Tokenizer(models.BPE(unk_token=None))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        tok.train(sorted(str(p) for p in Path(os.__file__).parent.glob("*.py"))[:60], trainers.BpeTrainer(
+            vocab_size=2048, special_tokens=["<s>", "</s>", "<pad>"], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=len(fast), max_position_embeddings=4096, bos_token_id=fast.bos_token_id, torch_dtype="bfloat16",
+            eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
+        )).to(torch.bfloat16).save_pretrained(out)
+        fast.save_pretrained(out)
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def descendants(root: int) -> dict[int, int]:
-    """``{pid: parent pid}`` of every process under ``root``."""
-    parents = {int(p.name): _ppid(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()}
-    found: dict[int, int] = {}
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent and pid not in found:
-                found[pid] = parent
-                frontier.append(pid)
-    return found
-
-
 class Server:
-    """One ``sglang.launch_server`` on CPU; ``with Server(...) as s:`` starts it, waits until it
-    answers, and at the end stops its whole process tree and checks that nothing is left."""
+    """`with Server(...)` starts it, waits until it answers, stops its whole process tree after."""
 
-    def __init__(self, model: Path, log: Path, *, policy: str = "write_through", page_size: int = 1,
-                 tp: int = 1, trace: bool = False, plugin: bool = True, service: str = "sglang-cpu",
-                 otlp_endpoint: str = "http://127.0.0.1:4317", max_total_tokens: int = 1024,
-                 env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, model: Path, log: Path, *, policy: str = "write_through", page_size: int = 1, tp: int = 1,
+                 trace: bool = False, plugin: bool = True, service: str = "sglang-cpu",
+                 otlp_endpoint: str = "http://127.0.0.1:4317") -> None:
+        self.port, self.log, self.tp, self.proc = free_port(), log, tp, None
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.tp = tp
-        self.page_size = page_size
-        self.proc: subprocess.Popen | None = None
-        self.seen: set[int] = set()  # every process of the tree seen while it ran
-        self.args = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
-            "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(self.port), "--tp", str(tp),
-            "--max-total-tokens", str(max_total_tokens), "--page-size", str(page_size),
-            "--max-running-requests", "4", "--chunked-prefill-size", "512", "--disable-cuda-graph",
-            "--enable-hierarchical-cache", "--hicache-ratio", "4", "--hicache-io-backend", "direct",
-            "--hicache-mem-layout", "layer_first", "--hicache-write-policy", policy,
-            "--enable-metrics", "--log-level", "warning", "--skip-server-warmup",
-        ]
-        if trace:  # SGLang's own request spans: the parents otel-hicache's spans link to
-            self.args += ["--enable-trace", "--otlp-traces-endpoint", otlp_endpoint.split("://")[-1]]
+        self.tree: set[psutil.Process] = set()  # every process of it seen while it ran
+        self.args = [sys.executable, "-m", "sglang.launch_server", *FLAGS.split(), "--model-path", str(model),
+                     "--port", str(self.port), "--tp", str(tp), "--page-size", str(page_size),
+                     "--hicache-write-policy", policy]
+        self.args += ["--enable-trace", "--otlp-traces-endpoint", otlp_endpoint.split("://")[-1]] * trace
         base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        self.env = {
-            **base,
-            "PYTHONPATH": os.pathsep.join([str(CPU_SUPPORT)] + [p for p in [base.get("PYTHONPATH")] if p]),
-            "SGLANG_USE_CPU_ENGINE": "1",
-            # no NCCL on a CPU device: SGLang then all-reduces over gloo (tensor parallelism)
-            "SGLANG_NCCL_SO_PATH": str(HERE / "no-nccl.so"),
-            # one core set per rank (SGLang refuses more ranks than NUMA nodes otherwise)
+        self.env = base | {
+            "PYTHONPATH": os.pathsep.join([str(HERE / "cpu"), *filter(None, [base.get("PYTHONPATH")])]),
+            "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_NCCL_SO_PATH": str(HERE / "none.so"),  # gloo, not NCCL
+            # a core set per rank (SGLang refuses more ranks than NUMA nodes otherwise)
             "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)),
-            "OTEL_SERVICE_NAME": service,
-            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
-            "OTEL_METRIC_EXPORT_INTERVAL": "1000",
-            "OTEL_BSP_SCHEDULE_DELAY": "500",
-            **({} if plugin else {"SGLANG_PLUGINS": "none"}),  # SGLang loads only the plugins named
-            **(env or {}),
-        }
+            "OTEL_SERVICE_NAME": service, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
+            "OTEL_METRIC_EXPORT_INTERVAL": "1000", "OTEL_BSP_SCHEDULE_DELAY": "500",
+        } | ({} if plugin else {"SGLANG_PLUGINS": "none"})  # SGLang loads only the plugins named
 
-    # -- life cycle -------------------------------------------------------------------------
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         self.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def start(self) -> None:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as log:
-            # a session of its own: the whole tree can be signalled at once
+        with open(self.log, "ab") as log:  # its own session: a terminal's ^C stops it through stop()
             self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            self._wait_ready()
+        try:  # a cold start on 2 busy cores, tensor parallelism 2 included
+            assert settle(self._answers, bool, 420, every=1), f"no answer (log {self.log})"
         except BaseException:
             self.stop()
             raise
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} while starting:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/get_model_info", timeout=5) as r:
-                    if r.status == 200:
-                        self.seen.update(self.processes())
-                        return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"the server did not answer within {START_TIMEOUT_S:.0f} s:\n{self.tail()}")
+    def _answers(self) -> bool:
+        assert self.proc.poll() is None, f"the server exited ({self.proc.returncode}); log {self.log}"
+        with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/get_model_info", timeout=5):
+            self.tree |= set(self.processes())
+            return True
+        return False
 
-    def processes(self) -> dict[int, int]:
-        return descendants(self.proc.pid) if self.proc else {}
-
-    def stop(self) -> list[int]:
-        """Stop the whole tree (SIGTERM, then SIGKILL) and return the pids still alive (none)."""
-        if self.proc is None:
-            return []
-        self.seen.update(self.processes())
-        self.seen.add(self.proc.pid)
-        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
-            for pid in self.seen:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            try:
-                self.proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                pass
-            deadline = time.monotonic() + wait_s
-            while self.alive() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if not self.alive():
+    def stop(self) -> None:
+        """SIGTERM to every process of the tree, then SIGKILL to what is left."""
+        self.tree |= set(self.processes())
+        for kill in (False, True):
+            for p in self.tree:
+                with contextlib.suppress(psutil.Error):
+                    p.kill() if kill else p.terminate()
+            if not settle(self.alive, lambda left: not left, 10 if kill else 30):
                 break
-        return self.alive()
 
-    def alive(self) -> list[int]:
-        """Pids of the tree still running (a zombie has ended)."""
-        out = []
-        for pid in sorted(self.seen):
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z":
-                out.append(pid)
-        return out
+    def alive(self) -> list[int]:  # the tree's pids still running (a zombie has ended)
+        if self.proc:
+            self.proc.poll()  # reaps the server itself
+        return sorted(p.pid for p in self.tree if _is(p, "status") not in ("", psutil.STATUS_ZOMBIE))
 
-    def tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+    def processes(self) -> list[psutil.Process]:
+        with contextlib.suppress(psutil.Error, AttributeError):
+            return [root := psutil.Process(self.proc.pid), *root.children(recursive=True)]
+        return []
 
-    def schedulers(self) -> dict[int, str]:
-        """``{pid: process title}`` of the scheduler processes (``sglang::scheduler_TP0`` ...)."""
-        return {pid: _cmdline(pid).strip() for pid in self.processes() if "scheduler" in _cmdline(pid)}
+    def schedulers(self) -> dict[int, str]:  # {pid: its title, sglang::scheduler_TP0 ...}
+        return {p.pid: _is(p, "cmdline") for p in self.processes() if "scheduler" in _is(p, "cmdline")}
 
-    def telemetry_processes(self) -> dict[int, int]:
-        """``{pid: parent pid}`` of otel-hicache's telemetry processes in the tree."""
-        return {pid: ppid for pid, ppid in self.processes().items() if TELEMETRY_PROCESS in _cmdline(pid)}
+    def telemetry_processes(self) -> dict[int, int]:  # {pid: parent pid}
+        return {p.pid: p.ppid() for p in self.processes() if "otel_hicache.sinks.process" in _is(p, "cmdline")}
 
-    # -- requests and SGLang's own counters ---------------------------------------------------
-    def generate(self, ids: list[int], max_new_tokens: int = 4) -> dict[str, float]:
-        """One streamed request: its time to first token and time per output token (s)."""
-        body = {"input_ids": ids, "stream": True,
-                "sampling_params": {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens,
-                                    "temperature": 0}}
-        req = urllib.request.Request(self.url + "/generate", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    def generate(self, ids: list[int], new: int = 4) -> dict[str, float]:
+        """A streamed request: its time to first token and per output token (s)."""
+        body = {"input_ids": ids, "stream": True, "sampling_params": {
+            "max_new_tokens": new, "min_new_tokens": new, "temperature": 0}}
         started = time.perf_counter()
-        first = last = None
-        with urllib.request.urlopen(req, timeout=300) as r:
-            for line in r:
-                if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
-                    last = time.perf_counter()
-                    first = first or last
-        if first is None:
-            raise RuntimeError("the server streamed no token")
-        return {"ttft": first - started, "tpot": (last - first) / max(1, max_new_tokens - 1)}
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """SGLang's /metrics: ``{(sample name, sorted labels): value}``."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
-            text = r.read().decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        with urllib.request.urlopen(urllib.request.Request(self.url + "/generate", json.dumps(body).encode(), {
+                "Content-Type": "application/json"}), timeout=300) as r:
+            times = [time.perf_counter() for line in r if line.startswith(b"data:") and b"[DONE]" not in line]
+        assert times, "the server streamed no token"
+        return {"ttft": times[0] - started, "tpot": (times[-1] - times[0]) / max(1, new - 1)}
 
     def hicache_counters(self) -> dict[tuple[str, str, str], float]:
-        """``{(direction, "tokens"|"bytes", tp_rank): value}`` from SGLang's own counters."""
-        got = self.metrics()
-        out: dict[tuple[str, str, str], float] = {}
-        for direction, names in SGLANG_COUNTERS.items():
-            for what, name in zip(("tokens", "bytes"), names):
-                for (sample, labels), value in got.items():
-                    if sample == name:
-                        rank = dict(labels).get("tp_rank", "0")
-                        out[(direction, what, rank)] = out.get((direction, what, rank), 0.0) + value
+        """{(direction, "tokens"|"bytes", tp_rank): value} of SGLang's own counters."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out, text = {}, urllib.request.urlopen(self.url + "/metrics", timeout=30).read().decode()
+        for family in text_string_to_metric_families(text):
+            for s in (s for s in family.samples if s.name in SGLANG_COUNTERS):
+                key = (*SGLANG_COUNTERS[s.name], s.labels.get("tp_rank", "0"))
+                out[key] = out.get(key, 0.0) + s.value
         return out
 
+    def settled_counters(self) -> dict[tuple[str, str, str], float]:
+        """hicache_counters() once two reads a second apart agree: the last acks are counted."""
+        seen: list = []
+        read = lambda: seen.append(self.hicache_counters()) or seen[-1]  # noqa: E731
+        return settle(read, lambda now: seen[-2:-1] == [now], 30, every=1)
 
-def workload(server: Server, prefix: int = 400, fillers: int = 3, rounds: int = 2, seed: int = 0
-             ) -> list[dict[str, float]]:
-    """Force offload and load-back: a request with a prefix (cached on the device, backed up
-    to the host), enough distinct fillers to evict it from the device pool (it stays on the
-    host), then the prefix again (a host hit: a load-back). Returns each request's timings."""
+
+def _is(p: psutil.Process, what: str) -> str:  # its status or command line, "" once gone
+    with contextlib.suppress(psutil.Error):
+        return p.status() if what == "status" else " ".join(p.cmdline())
+    return ""
+
+
+def workload(server: Server, prefix: int = 400, fillers: int = 3, rounds: int = 2, seed: int = 0) -> list[dict]:
+    """A prefix (backed up to the host), fillers evicting it from the device, the prefix again (a load-
+    back), rounds times. Each request's timings."""
     rng = random.Random(seed)
     tokens = lambda n: [rng.randrange(3, 2000) for _ in range(n)]  # noqa: E731
     timings = []
-    for _ in range(rounds):
-        shared = tokens(prefix)
+    for shared in (tokens(prefix) for _ in range(rounds)):
         timings.append(server.generate(shared + tokens(8)))
-        for _ in range(fillers * server.tp):  # the device pool is per rank
-            timings.append(server.generate(tokens(prefix)))
+        timings += [server.generate(tokens(prefix)) for _ in range(fillers * server.tp)]  # a pool a rank
         timings.append(server.generate(shared + tokens(8)))
     return timings
 
 
-# -- what reached Jaeger, keyed like SGLang's counters -------------------------------------------
-SPAN_NAMES = {"offload": "hicache.offload", "onboard": "hicache.onboard"}
+def transfer_spans(jaeger: Jaeger, service: str, sglang: dict) -> dict[str, list[dict]]:
+    """Each direction's hicache spans in Jaeger, once their tokens reach SGLang's count (or 90 s)."""
+    want = {d: sum(v for k, v in sglang.items() if k[:2] == (d, "tokens")) for d in DIRECTIONS}
+    return settle(lambda: {d: jaeger.spans(service, op, limit=1000) for d, op in SPAN_NAMES.items()}, lambda got: all(
+        sum(s["attrs"]["hicache.tokens"] for s in got[d]) >= want[d] for d in DIRECTIONS), 90, every=2)
 
 
-def transfer_spans(jaeger: Any, service: str, sglang: dict[tuple[str, str, str], float],
-                   wait_s: float = 90.0) -> dict[str, list[dict[str, Any]]]:
-    """Each direction's hicache spans in Jaeger (their tags, ``_trace``, ``_references``), waited
-    for until their tokens reach SGLang's count or ``wait_s`` passes (a comparison then shows
-    what is missing). ``jaeger`` is a ``check_pipeline.Jaeger``."""
-    want = {d: sum(v for (dd, what, _), v in sglang.items() if dd == d and what == "tokens") for d in SPAN_NAMES}
-    found: dict[str, list[dict[str, Any]]] = {}
-    deadline = time.monotonic() + wait_s
-    while True:
-        for d, op in SPAN_NAMES.items():
-            traces, _ = jaeger.traces(service, op, 1000)
-            found[d] = [{**cp._tags(s), "_trace": s["traceID"], "_references": s.get("references") or []}
-                        for _, s in cp._spans(traces, op)]
-        if all(sum(int(t.get("hicache.tokens", 0)) for t in found[d]) >= want[d] for d in SPAN_NAMES) \
-                or time.monotonic() > deadline:
-            return found
-        time.sleep(2.0)
-
-
-def span_sums(spans: dict[str, list[dict[str, Any]]], by: str | None = "tp_rank"
-              ) -> dict[tuple[str, str, str], float]:
-    """``{(direction, "tokens"|"bytes", the value of attribute by, or "0" for by=None): sum}``."""
-    out: dict[tuple[str, str, str], float] = {}
-    for d, tags in spans.items():
-        for t in tags:
-            key = str(t.get(by, "0")) if by else "0"
-            for what in ("tokens", "bytes"):
-                out[(d, what, key)] = out.get((d, what, key), 0.0) + int(t[f"hicache.{what}"])
+def span_sums(spans: dict[str, list[dict]], by: str | None = "tp_rank") -> dict[tuple[str, str, str], float]:
+    """{(direction, "tokens"|"bytes", attribute by's value, "0" for None): sum}."""
+    out: dict = {}
+    for d, s, what in ((d, s, what) for d in spans for s in spans[d] for what in ("tokens", "bytes")):
+        key = (d, what, str(s["attrs"].get(by, "0")) if by else "0")
+        out[key] = out.get(key, 0.0) + s["attrs"][f"hicache.{what}"]
     return out

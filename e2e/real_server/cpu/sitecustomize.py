@@ -1,15 +1,10 @@
-"""CPU stand-ins for a real SGLang server in tests (never part of the product).
-
-Python imports this file at start-up when this directory is on PYTHONPATH, so the
-scheduler processes SGLang spawns get it too. SGLang's files are not edited: two
-functions are replaced when their module is imported, and ``sgl_kernel/`` beside this
-file stands in for the two CPU ops SGLang imports (the real ones are not on PyPI).
-  host pool  pool_host.common.ALLOC_MEMORY_FUNCS["cpu"] allocates unpinned (the default
-             registers the memory with CUDA)
+"""CPU stand-ins for a real SGLang server in tests, imported at start-up by every process of it
+(this directory is first on its PYTHONPATH). SGLang's files stay as they are: two functions are
+replaced when their module is imported, and sgl_kernel/ here stands in for two CPU ops.
+  host pool  pool_host.common.ALLOC_MEMORY_FUNCS["cpu"] allocates unpinned (not registered with CUDA)
   KV copy    pool_host.mha.transfer_kv_direct in torch (the real one is a CUDA op), hence
              --hicache-io-backend direct --hicache-mem-layout layer_first
-They are written against the releases in TESTED; any other release stops the process here
-rather than run unpatched.
+Written against the releases in TESTED: another one stops the process rather than run unpatched.
 """
 import os
 import sys
@@ -27,15 +22,7 @@ if _release is not None and _release not in TESTED:
     os._exit(3)  # loud: an exception here would only be printed, and SGLang would run unpatched
 
 
-def _require(owner, name):
-    if not hasattr(owner, name):
-        sys.stderr.write(f"real_server/cpu: {owner.__name__}.{name} is gone; update the stand-ins\n")
-        os._exit(3)
-
-
 def _unpinned_host_pool(module):
-    _require(module, "ALLOC_MEMORY_FUNCS")
-
     def alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
         return allocator.allocate(dims, dtype=dtype, device=device)
 
@@ -43,11 +30,6 @@ def _unpinned_host_pool(module):
 
 
 def _torch_kv_copy(module):
-    # on CPU the name is never imported (it comes from a CUDA-only module): check its caller instead
-    caller = getattr(getattr(module, "MHATokenToKVPoolHost", None), "load_to_device_per_layer", None)
-    if "transfer_kv_direct" not in getattr(getattr(caller, "__code__", None), "co_names", ()):
-        sys.stderr.write("real_server/cpu: MHATokenToKVPoolHost no longer calls transfer_kv_direct\n")
-        os._exit(3)
     import torch
 
     def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):

@@ -1,8 +1,6 @@
-"""Stand-in for the two sgl_kernel CPU ops SGLang imports at module level under
-SGLANG_USE_CPU_ENGINE=1 for a dense model (tests only). Any other name imports as a
-function that raises when called. torch.ops.sgl_kernel stays unregistered, so SGLang's AMX
-probe is False and its torch-native layers run.
-"""
+"""Stand-in for the two sgl_kernel CPU ops SGLang imports under SGLANG_USE_CPU_ENGINE=1 for a dense
+model; any other name is a function that raises. torch.ops.sgl_kernel stays unregistered, so
+SGLang's AMX probe is False and its torch-native layers run."""
 import ctypes
 
 __version__ = "0.0.0+cpu-stand-in"

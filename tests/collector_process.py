@@ -1,6 +1,7 @@
 """The real OpenTelemetry Collector (the binary deploy/local/stack.sh installs) as a
 process that can be started, killed and restarted by PID, forwarding everything over
-OTLP/HTTP to a sink. Used by e2e/test_collector_faults.py and benchmarks/soak.py."""
+OTLP/HTTP to a sink. Used by e2e/test_collector_faults.py and benchmarks/soak.py (beside
+otlp_receiver.py and paced_runs.py, the other helpers those share)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class Collector:
         if self.tls:
             tls = f', tls: {{cert_file: "{self.tls["cert"]}", key_file: "{self.tls["key"]}"}}'
         config = self.tmp / "otelcol.yaml"
-        config.write_text(f"""# test-only configuration (e2e/test_collector_faults.py)
+        config.write_text(f"""# test-only configuration (tests/collector_process.py)
 receivers:
   otlp:
     protocols:
