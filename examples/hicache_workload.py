@@ -1,29 +1,17 @@
 """A HiCache-shaped KV-cache workload on real torch tensors, reported by otel-hicache.
 
-SGLang's hierarchical cache (HiCache) keeps KV-cache pages in L1 (GPU memory, the device pool)
-and L2 (pinned host DRAM, the host pool) and moves *merged ops* of whole pages between them:
-offload (device to host) and onboard (load-back, host to device). Here both tiers are real uint8
-tensors ``[pages, page_size, bytes_per_token]`` shaped like Qwen3-0.6B (28 layers x 8 KV heads x
-head dim 128, bf16), and three pools move in every op: ``kv`` (the anchor pool), ``swa`` (a
-sliding-window pool that keeps only an op's last window) and ``draft`` (a draft model's KV,
-counted in bytes only, as SGLang's ``HiCacheAck.num_bytes`` counts it). Op sizes and directions
-come from a seeded RNG; every copy is a real ``copy_`` of page runs (SGLang's ``direct`` backend),
-and a tag the simulated forward pass writes into each page is checked in both tiers at the end.
-Write-throughs and prefix hits each serve one request: the op's span links to that request's
-span (``example.request``, a trace of its own, as SGLang's request tracing makes them).
+SGLang's HiCache moves *merged ops* of KV pages between L1 (device memory) and L2 (pinned host
+memory): offload and onboard (load-back). Here both tiers are real tensors shaped like Qwen3-0.6B
+(28 layers x 8 KV heads x head dim 128, bf16) for three pools: ``kv`` (the anchor), ``swa`` (a
+sliding window) and ``draft`` (bytes only). Every copy is a real ``copy_``, checked by tags in both
+tiers at the end; write-throughs and prefix hits link to the ``example.request`` span they served.
+On CUDA ops are timed by device events on a stream per direction, on CPU by the host clock; every
+fourth op takes the other API (``tel.transfer()`` or ``submit()`` + ``ack()``).
 
-On CUDA each direction has its own stream and ops are timed by device events: ``submit()``,
-acked once the finish event completed, every fourth op ``with tel.transfer(..., stream=...)``.
-On CPU the copies are synchronous and timed on the host clock: ``with tel.transfer(...)``, every
-fourth op ``submit()`` with the host times of its copy, acked from the same queue.
+    python examples/hicache_workload.py [--ops 1000] [--device cuda]
 
-    python examples/hicache_workload.py            # or: bash scripts/demo.sh (sets up a venv first)
-    python examples/hicache_workload.py --ops 1000 --device cuda
-
-With no OTEL_* exporter configured, spans and metrics stay in an in-memory SDK pipeline and the
-summary is printed from what was *exported*, then checked against the workload's own totals. With
-``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_TRACES_EXPORTER``/``OTEL_METRICS_EXPORTER``) set they
-are exported there and the workload prints its own totals.
+With no OTEL_* exporter configured the telemetry stays in memory, and the summary is printed from
+what was exported and checked against the workload's own totals; with one, it is exported there.
 """
 
 from __future__ import annotations
@@ -63,32 +51,25 @@ from otel_hicache.sinks.providers import build as build_providers
 STEP_SPAN = "example.scheduler_step"  # each op runs under one, standing in for a scheduler step
 REQUEST_SPAN = "example.request"  # the root span of the request an op serves
 REQUEST_CAUSES = frozenset((sc.CAUSE_WRITE_THROUGH, sc.CAUSE_PREFIX_HIT))  # an op of these serves one request
-SERVICE_NAME = "otel-hicache-demo"  # unless OTEL_SERVICE_NAME names one
 IO_BACKEND = "direct"
-TRANSFER_EVERY = 4  # every fourth op takes the other reporting path (see above)
+TRANSFER_EVERY = 4  # every fourth op takes the other reporting path
 PAGE_SIZE = 64  # tokens per page
 KV_HEADS, HEAD_DIM, DTYPE_BYTES = 8, 128, 2  # Qwen3-0.6B's, in bf16
 HOST_RATIO = 2  # L2 pages per L1 page
 SWA_WINDOW = 256  # the tokens of an op the sliding-window pool keeps
-OTLP_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
-EXPORTER_VARS = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER")
+EXPORT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+               "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER")
 TRUTH_JSON = ("ops", "tokens", "blocks", "bytes", "bytes_by_cause", "host_bytes", "residence_count", "request_links")
-COMPARED = (("ops", "ops"), ("blocks", "blocks"), ("bytes", "bytes"), ("tokens", "tokens by pool"),
-            ("bytes_by_cause", "bytes by cause"), ("host_bytes", "host bytes"),
-            ("residence_count", "host residence values"))
+COMPARED = {"ops": "ops", "blocks": "blocks", "bytes": "bytes", "tokens": "tokens by pool",
+            "bytes_by_cause": "bytes by cause", "host_bytes": "host bytes", "residence_count": "host residence values"}
 
 
 def _add(counts: dict[str, Any], key: str, n: Any) -> None:
     counts[key] = counts.get(key, 0) + n
 
 
-# --------------------------------------------------------------------------------------
-# the summary, built from exported metrics
-# --------------------------------------------------------------------------------------
 def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float:
-    """The q-quantile of an explicit-bucket histogram as Prometheus' ``histogram_quantile``:
-    linear interpolation in the bucket holding rank ``q * count``, the first bucket starting at 0;
-    a rank in the +Inf bucket gives the largest finite bound, an empty histogram NaN."""
+    """Prometheus' ``histogram_quantile``: linear in the bucket holding rank ``q * count``."""
     total = sum(counts)
     if total == 0:
         return math.nan
@@ -111,7 +92,7 @@ class DirectionSummary:
     blocks: int = 0
     bytes: int = 0
     bytes_by_cause: dict[str, int] = field(default_factory=dict)
-    host_bytes: int = 0  # offload: written to L2 and overwritten unread; onboard: read back
+    host_bytes: int = 0  # offload: overwritten in L2 unread; onboard: read back from L2
     residence_count: int = 0  # onboard: load-back x writing-offload pairs
     request_links: int = 0  # spans that link to the request they served
     busy_s: float = 0.0
@@ -129,32 +110,28 @@ class DirectionSummary:
 class MetricsSummary:
     directions: dict[str, DirectionSummary]
     dropped: dict[str, int] = field(default_factory=dict)  # records dropped or failed, by reason
-    residence_p50_s: float | None = None
-    residence_p99_s: float | None = None
+    residence_s: tuple[float, float] | None = None  # host residence p50 and p99
 
 
 def summarize(metrics_data: Any) -> MetricsSummary:
-    """Per-direction totals from cumulative OTel ``MetricsData``, as a backend computes them
-    from what otel-hicache exported."""
+    """Per-direction totals from what otel-hicache exported, as a backend computes them."""
     summary = MetricsSummary({d: DirectionSummary(d) for d in DIRECTIONS})
     buckets: dict[str, tuple[Sequence[float], list[float]]] = {}
     for resource_metrics in metrics_data.resource_metrics:
         for scope_metrics in resource_metrics.scope_metrics:
-            if scope_metrics.scope.name == sc.SCOPE_NAME:
-                for metric in scope_metrics.metrics:
-                    for point in metric.data.data_points:
-                        _add_point(summary, buckets, metric.name, point)
+            for metric in scope_metrics.metrics if scope_metrics.scope.name == sc.SCOPE_NAME else ():
+                for point in metric.data.data_points:
+                    _add_point(summary, buckets, metric.name, point)
     for key, (bounds, counts) in buckets.items():
         quantiles = histogram_quantile(0.50, bounds, counts), histogram_quantile(0.99, bounds, counts)
         if key == "residence":
-            summary.residence_p50_s, summary.residence_p99_s = quantiles
+            summary.residence_s = quantiles
         else:
             summary.directions[key].p50_s, summary.directions[key].p99_s = quantiles
     return summary
 
 
 def _add_point(summary: MetricsSummary, buckets: dict[str, Any], name: str, point: Any) -> None:
-    """Add one exported data point to the summary (histograms' buckets summed by ``key``)."""
     attrs = point.attributes or {}
     row = summary.directions.get(attrs.get(sc.DIRECTION))
     if name in (sc.RECORDS_DROPPED[0], sc.RECORDS_FAILED[0]):
@@ -183,31 +160,25 @@ def _add_point(summary: MetricsSummary, buckets: dict[str, Any], name: str, poin
 
 
 def _add_buckets(buckets: dict[str, Any], key: str, point: Any) -> None:
-    """Sum a histogram's points across series (io_backend, timing_source, cause): one view, one set of bounds."""
+    """Sum a histogram's series: one view, so one set of bounds."""
     _, counts = buckets.setdefault(key, (tuple(point.explicit_bounds), [0.0] * len(point.bucket_counts)))
     for i, count in enumerate(point.bucket_counts):
         counts[i] += count
 
 
-def _nonzero(value: Any) -> Any:
-    return {k: v for k, v in value.items() if v} if isinstance(value, dict) else value
-
-
 def compare(summary: MetricsSummary, truth: Mapping[str, DirectionSummary]) -> list[str]:
     """How the exported counters differ from the workload's ground truth (empty: they match)."""
-    problems = []
-    for direction in DIRECTIONS:
-        for attr, what in COMPARED:
-            got = _nonzero(getattr(summary.directions[direction], attr))
-            want = _nonzero(getattr(truth[direction], attr))
-            if got != want:
-                problems.append(f"{direction} {what}: metrics {got} != workload {want}")
+    def value(row: DirectionSummary, attr: str) -> Any:
+        got = getattr(row, attr)
+        return {k: v for k, v in got.items() if v} if isinstance(got, dict) else got
+
+    problems = [f"{d} {what}: metrics {got} != workload {want}" for d in DIRECTIONS for attr, what in COMPARED.items()
+                if (got := value(summary.directions[d], attr)) != (want := value(truth[d], attr))]
     return problems + [f"{n:,} records dropped/failed ({reason})" for reason, n in sorted(summary.dropped.items()) if n]
 
 
 def request_links(spans: Sequence[Any]) -> tuple[dict[str, int], int]:
-    """Per direction, the transfer spans that link to a request (``hicache.link_to=request``),
-    and how many of those links point at no exported ``example.request`` span."""
+    """Per direction, the spans linked to a request, and the links to no exported request span."""
     requests = {(s.context.trace_id, s.context.span_id) for s in spans if s.name == REQUEST_SPAN}
     linked, dangling = dict.fromkeys(DIRECTIONS, 0), 0
     for span in spans:
@@ -223,8 +194,7 @@ def _ms(seconds: float | None) -> str:
 
 
 def format_table(rows: Sequence[DirectionSummary], timing: bool = True) -> str:
-    """One fixed-width row per direction; without timing (ground truth has none) no duration,
-    busy-time or bandwidth columns."""
+    """One fixed-width row per direction; the ground truth has no timing."""
     pools = list(dict.fromkeys(["kv", *(pool for row in rows for pool in row.tokens)]))
     lines = [["direction", "ops", *(f"tokens {p}" for p in pools), "blocks", "GB"]
              + (["p50 ms", "p99 ms", "busy ms", "GB/s", "timing"] if timing else [])]
@@ -233,8 +203,7 @@ def format_table(rows: Sequence[DirectionSummary], timing: bool = True) -> str:
                       f"{row.blocks:,}", f"{row.bytes / 1e9:.3f}"])
         if timing:
             lines[-1] += [_ms(row.p50_s), _ms(row.p99_s), f"{row.busy_s * 1e3:.1f}",
-                          f"{row.bandwidth / 1e9:.2f}" if row.bandwidth else "-",
-                          "/".join(sorted(row.timing_sources)) or "-"]
+                          f"{row.bandwidth / 1e9:.2f}" if row.bandwidth else "-", "/".join(row.timing_sources) or "-"]
     widths = [max(len(cell) for cell in column) for column in zip(*lines)]
     left = {0, len(widths) - 1} if timing else {0}  # the direction and timing columns
     return "\n".join("  ".join(cell.ljust(w) if i in left else cell.rjust(w)
@@ -242,19 +211,20 @@ def format_table(rows: Sequence[DirectionSummary], timing: bool = True) -> str:
 
 
 def print_summary(summary: MetricsSummary, spans: Sequence[Any], linked: Mapping[str, int], dangling: int) -> None:
-    """The per-direction table, bytes by cause, host residence, request links and span counts."""
     rows = [summary.directions[d] for d in DIRECTIONS]
-    offload, onboard = summary.directions[OFFLOAD], summary.directions[ONBOARD]
+    offload, onboard = rows
     print("from the exported OTel metrics (p50/p99 interpolated in histogram buckets, GB/s = bytes / busy time):")
     print(format_table(rows))
     print("bytes by cause (hicache.cause):")
     for row in rows:
         causes = sorted(row.bytes_by_cause.items(), key=lambda kv: -kv[1])
-        print(f"  {row.direction}: " + (", ".join(f"{c} {n / 1e9:.3f} GB ({n / row.bytes:.0%})" for c, n in causes) or "-"))
+        print(f"  {row.direction}: " + (", ".join(f"{c} {n / 1e9:.3f} GB ({n / row.bytes:.0%})" for c, n in causes)
+                                        or "-"))
+    p50, p99 = summary.residence_s or (None, None)
     print("host residence (hicache.host.*):")
-    print(f"  {onboard.residence_count:,} load-back x writing-offload pairs, residence p50 "
-          f"{_ms(summary.residence_p50_s)} ms, p99 {_ms(summary.residence_p99_s)} ms; reloaded "
-          f"{onboard.host_bytes / 1e9:.3f} GB, wasted (overwritten before any load-back) {offload.host_bytes / 1e9:.3f} GB")
+    print(f"  {onboard.residence_count:,} load-back x writing-offload pairs, residence p50 {_ms(p50)} ms, p99 "
+          f"{_ms(p99)} ms; reloaded {onboard.host_bytes / 1e9:.3f} GB, wasted (overwritten before any load-back) "
+          f"{offload.host_bytes / 1e9:.3f} GB")
     print("links to requests (hicache.link_to=request):")
     print(f"  {linked[OFFLOAD]:,} offload and {linked[ONBOARD]:,} load-back spans link to the request they served; "
           f"every link to an exported {REQUEST_SPAN} span: {'yes' if not dangling else f'NO ({dangling:,} not)'}")
@@ -262,23 +232,19 @@ def print_summary(summary: MetricsSummary, spans: Sequence[Any], linked: Mapping
     print(f"spans exported: {len(spans):,} (" + ", ".join(f"{name} {n:,}" for name, n in names) + ")")
 
 
-# --------------------------------------------------------------------------------------
-# telemetry pipelines
-# --------------------------------------------------------------------------------------
 def export_requested(environ: Mapping[str, str] = os.environ) -> bool:
-    """True when the standard OTEL_* variables name an OTLP endpoint or an exporter."""
-    return any(environ.get(name, "").strip() for name in OTLP_VARS + EXPORTER_VARS)
+    """True when the OTEL_* variables name an OTLP endpoint or an exporter."""
+    return any(environ.get(name, "").strip() for name in EXPORT_VARS)
 
 
 class EmbeddedPipeline:
-    """OTel SDK providers that keep spans and metrics in memory: no collector needed."""
+    """SDK providers that keep spans and metrics in memory: no collector needed."""
 
     def __init__(self) -> None:
         resource = Resource.create()
-        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
-            resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
-        self.span_exporter = InMemorySpanExporter()
-        self.metric_reader = InMemoryMetricReader()
+        if str(resource.attributes.get("service.name")).startswith("unknown_service"):  # no OTEL_SERVICE_NAME
+            resource = resource.merge(Resource({"service.name": "otel-hicache-demo"}))
+        self.span_exporter, self.metric_reader = InMemorySpanExporter(), InMemoryMetricReader()
         self.tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.span_exporter))
         self.meter_provider = MeterProvider([self.metric_reader], resource=resource, shutdown_on_exit=False)
@@ -294,21 +260,6 @@ class EmbeddedPipeline:
         self.meter_provider.shutdown()
 
 
-# --------------------------------------------------------------------------------------
-# the workload
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PoolSpec:
-    name: str
-    layers: int
-    window_tokens: int = 0  # > 0: a sliding window; an op moves only the pages of its last window
-    in_tokens: bool = True  # False: draft bytes, in num_bytes but not in tokens_by_pool
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.layers * KV_HEADS * HEAD_DIM * DTYPE_BYTES  # K and V
-
-
 @dataclass
 class WorkloadConfig:
     ops: int = 200
@@ -317,11 +268,6 @@ class WorkloadConfig:
     pool_tokens: int = 2048  # the L1 pool's; L2 holds HOST_RATIO times as many
     max_op_pages: int = 12  # op sizes are uniform in [1, this] pages
     rate: float = 0.0  # ops per second; 0: as fast as the copies go
-
-    def pools(self) -> list[PoolSpec]:
-        """The full-attention pool, a sliding-window pool of a quarter of its layers, a 1-layer draft model."""
-        return [PoolSpec("kv", self.layers), PoolSpec("swa", max(1, self.layers // 4), SWA_WINDOW),
-                PoolSpec("draft", 1, in_tokens=False)]
 
     @property
     def device_pages(self) -> int:
@@ -335,39 +281,38 @@ class WorkloadConfig:
 class Pool:
     """One KV pool in both tiers, and the tag each page is expected to hold."""
 
-    def __init__(self, spec: PoolSpec, cfg: WorkloadConfig, device: Any) -> None:
-        self.spec, self.page_bytes = spec, PAGE_SIZE * spec.bytes_per_token
-        shape = (PAGE_SIZE, spec.bytes_per_token)
+    def __init__(self, name: str, layers: int, cfg: WorkloadConfig, device: Any, window_tokens: int = 0) -> None:
+        self.name, self.layers, self.in_tokens = name, layers, name != "draft"  # draft KV: in bytes only
+        self.bytes_per_token = 2 * layers * KV_HEADS * HEAD_DIM * DTYPE_BYTES  # K and V
+        self.page_bytes = PAGE_SIZE * self.bytes_per_token
+        self.window_pages = -(-window_tokens // PAGE_SIZE)  # > 0: an op moves only its last window
+        shape = (PAGE_SIZE, self.bytes_per_token)
         # real data in L1: copies from untouched memory would flatter the CPU
         self.device = torch.full((cfg.device_pages, *shape), 0x5A, dtype=torch.uint8, device=device)
         # written once, so no first-touch page fault lands in a timed copy (pinned memory is resident)
         self.host = torch.zeros((cfg.host_pages, *shape), dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.device_tags: list[int | None] = [None] * cfg.device_pages
         self.host_tags: list[int | None] = [None] * cfg.host_pages
-        self.window_pages = -(-spec.window_tokens // PAGE_SIZE)
 
     def kept(self, pages: Sequence[int]) -> Sequence[int]:
-        """The pages of an op this pool moves: a sliding window keeps the last ones."""
-        return pages[-self.window_pages:] if self.window_pages else pages
+            return pages[-self.window_pages:] if self.window_pages else pages
 
 
 def write_tags(tensor: Any, pages: Sequence[int], tags: Sequence[int]) -> None:
-    """Stamp each page's first and last 8 bytes (the simulated forward pass writing KV)."""
+    """Stamp each page's first and last 8 bytes, as a forward pass writes KV."""
     index = torch.tensor(list(pages), dtype=torch.long, device=tensor.device)
     values = torch.tensor(list(tags), dtype=torch.int64).view(torch.uint8).view(len(tags), 8).to(tensor.device)
     tensor[index, 0, :8] = values
     tensor[index, -1, -8:] = values
 
 
-def read_tags(tensor: Any) -> tuple[list[int], list[int]]:
+def read_tags(tensor: Any) -> list[tuple[int, int]]:
     first = tensor[:, 0, :8].contiguous().view(torch.int64).view(-1).tolist()
-    last = tensor[:, -1, -8:].contiguous().view(torch.int64).view(-1).tolist()
-    return first, last
+    return list(zip(first, tensor[:, -1, -8:].contiguous().view(torch.int64).view(-1).tolist()))
 
 
 def copy_pages(dst: Any, dst_pages: Sequence[int], src: Any, src_pages: Sequence[int], non_blocking: bool) -> int:
-    """Copy ``src[src_pages[i]]`` to ``dst[dst_pages[i]]``, one ``copy_`` per run of consecutive
-    pages (SGLang's ``direct`` backend). Returns the bytes copied."""
+    """Pages to pages, one ``copy_`` per run of consecutive ones (SGLang's ``direct`` backend)."""
     pairs = sorted(zip(src_pages, dst_pages))
     moved = i = 0
     while i < len(pairs):
@@ -381,23 +326,10 @@ def copy_pages(dst: Any, dst_pages: Sequence[int], src: Any, src_pages: Sequence
 
 
 def _cause(direction: str, index: int) -> str:
-    """The ``hicache.cause`` of op ``index``, varied as a server's: offloads are write-through backups,
-    every fifth a write-back before an eviction; load-backs are prefix hits, every seventh a prefix
-    prefetched from storage (L3) through its host staging pages."""
+    """Op ``index``'s ``hicache.cause``, mixed as a server's might be."""
     if direction == OFFLOAD:
         return sc.CAUSE_WRITE_BACK if index % 5 == 0 else sc.CAUSE_WRITE_THROUGH
     return sc.CAUSE_STORAGE_PREFETCH if index % 7 == 0 else sc.CAUSE_PREFIX_HIT
-
-
-@dataclass(eq=False)
-class InFlight:
-    """An op until its ack: the handle to ack (None: tel.transfer() reported it), the event its
-    copies complete with (None: synchronous copies) and the pages it holds until then."""
-
-    handle: Any
-    done: Any
-    device_pages: Sequence[int]
-    host_pages: Sequence[int]
 
 
 class HiCacheWorkload:
@@ -406,25 +338,20 @@ class HiCacheWorkload:
     def __init__(self, cfg: WorkloadConfig, device: Any) -> None:
         self.cfg, self.device, self.cuda = cfg, device, device.type == "cuda"
         self.rng = random.Random(cfg.seed)
-        self.pools = [Pool(spec, cfg, device) for spec in cfg.pools()]
-        self.host_free: deque[int] = deque(range(cfg.host_pages))
+        # the full-attention pool, a sliding window of a quarter of its layers, a 1-layer draft model
+        self.pools = [Pool("kv", cfg.layers, cfg, device), Pool("swa", max(1, cfg.layers // 4), cfg, device,
+                                                                 SWA_WINDOW), Pool("draft", 1, cfg, device)]
+        self.host_free = deque(range(cfg.host_pages))
         self.host_valid: dict[int, None] = {}  # L2 pages holding data, least recently used first
-        self.busy_device: set[int] = set()
-        self.busy_host: set[int] = set()
-        self.pending: list[InFlight] = []
+        self.pending: deque[tuple[Any, Any]] = deque()  # the ack queue: (handle, event the copies end with)
         self.next_tag, self.acked, self.offloads = 1, 0, 0
         self.truth = {d: DirectionSummary(d) for d in DIRECTIONS}
-        self.page_state: dict[int, list[int]] = {}  # L2 page -> [bytes its last offload put there, reads, which offload]
+        self.page_state: dict[int, list[int]] = {}  # L2 page -> [bytes its offload put there, reads, that offload]
         self.tracer = self.host_pool = None  # run()'s
         if self.cuda:
             self.streams = {d: torch.cuda.Stream(device=device) for d in DIRECTIONS}
         for pool in self.pools:  # a forward pass filled L1 once
             self._stamp(pool, range(cfg.device_pages))
-        self._sync()
-
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
 
     def _stamp(self, pool: Pool, pages: Sequence[int]) -> None:
         tags = list(range(self.next_tag, self.next_tag + len(pages)))
@@ -433,46 +360,26 @@ class HiCacheWorkload:
         for page, tag in zip(pages, tags):
             pool.device_tags[page] = tag
 
-    # -- the ack queue's consumer ---------------------------------------------------------
-    def poll(self, tel: TransferTelemetry) -> None:
-        """Ack every op whose copies completed and free its pages."""
-        ready = [op for op in self.pending if op.done is None or op.done.query()]
-        self.pending = [op for op in self.pending if op not in ready]
-        for op in ready:
-            if op.handle is not None:
-                tel.ack(op.handle)
+    def poll(self, tel: TransferTelemetry, wait: bool = False) -> None:
+        """The ack queue's consumer: ack the ops whose copies completed (with ``wait``, all)."""
+        while self.pending and (wait or self.pending[0][1] is None or self.pending[0][1].query()):
+            handle, done = self.pending.popleft()
+            if done is not None:
+                done.synchronize()
+            if handle is not None:
+                tel.ack(handle)
                 self.acked += 1
-            self.busy_device.difference_update(op.device_pages)
-            self.busy_host.difference_update(op.host_pages)
-
-    def wait_oldest(self, tel: TransferTelemetry) -> bool:
-        """Wait for the oldest op in flight, then poll; False when none is in flight."""
-        if not self.pending:
-            return False
-        if self.pending[0].done is not None:
-            self.pending[0].done.synchronize()
-        self.poll(tel)
-        return True
-
-    # -- page choice ----------------------------------------------------------------------
-    def _free_device(self) -> list[int]:
-        return [p for p in range(self.cfg.device_pages) if p not in self.busy_device]
-
-    def _readable_host(self) -> list[int]:
-        return [p for p in self.host_valid if p not in self.busy_host]
 
     def _alloc_host(self, n: int) -> list[int]:
-        """``n`` L2 pages: free ones first, then the least recently used that no op holds."""
+        """Free L2 pages first, then the least recently used."""
         pages = [self.host_free.popleft() for _ in range(min(n, len(self.host_free)))]
-        for page in self._readable_host()[:n - len(pages)]:
+        for page in list(self.host_valid)[:n - len(pages)]:
             del self.host_valid[page]
             pages.append(page)
         return pages
 
-    # -- ops ------------------------------------------------------------------------------
     def run(self, tel: TransferTelemetry, tracer: Any = None) -> dict[str, DirectionSummary]:
-        """Every op (with ``tracer``, each under an ``example.scheduler_step`` span, the transfer
-        spans its children), then wait for all; returns the ground truth."""
+        """Every op, each under a scheduler-step span with a tracer; returns the ground truth."""
         started = time.monotonic()
         self.tracer = tracer
         self.host_pool = tel.host_pool(self.cfg.host_pages * PAGE_SIZE, PAGE_SIZE)
@@ -481,33 +388,22 @@ class HiCacheWorkload:
                 time.sleep(max(0.0, started + i / self.cfg.rate - time.monotonic()))
             step = tracer.start_as_current_span(STEP_SPAN, attributes={"example.step": i}) if tracer else None
             with step or contextlib.nullcontext():
+                self.poll(tel)
                 self._step(tel, i)
-        while self.wait_oldest(tel):
-            pass
-        self._sync()
+        self.poll(tel, wait=True)
         return self.truth
 
     def _step(self, tel: TransferTelemetry, i: int) -> None:
-        """One scheduler step: poll the acks, then one merged op, waiting for room if need be."""
-        self.poll(tel)
-        want = self.rng.randint(1, self.cfg.max_op_pages)
-        direction = OFFLOAD if self.rng.random() < 0.5 or not self.host_valid else ONBOARD
-        while True:
-            free_device, readable = self._free_device(), len(self._readable_host())
-            writable = len(self.host_free) + readable
-            room = min(len(free_device), writable if direction == OFFLOAD else readable)
-            if room >= want or not self.wait_oldest(tel):
-                break
-        n = min(want, room)
-        if n == 0:  # everything readable in L2 is in flight: write back instead
-            direction, n = OFFLOAD, min(want, len(free_device), writable)
-        if direction == OFFLOAD:
-            device_pages, host_pages = self.rng.sample(free_device, n), self._alloc_host(n)
+        """One merged op: a forward pass's pages to L2, or L2 pages a prefix hit back to L1."""
+        n = self.rng.randint(1, self.cfg.max_op_pages)
+        if self.rng.random() < 0.5 or not self.host_valid:
+            direction, device_pages = OFFLOAD, self.rng.sample(range(self.cfg.device_pages), n)
+            host_pages = self._alloc_host(n)
             for pool in self.pools:  # a forward pass just filled these pages
                 self._stamp(pool, device_pages)
         else:
-            host_pages = self.rng.sample(self._readable_host(), n)
-            device_pages = self.rng.sample(free_device, n)
+            direction, host_pages = ONBOARD, self.rng.sample(list(self.host_valid), min(n, len(self.host_valid)))
+            device_pages = self.rng.sample(range(self.cfg.device_pages), len(host_pages))
         self._transfer(tel, i, direction, device_pages, host_pages)
         for page in host_pages:  # now the most recently used
             self.host_valid.pop(page, None)
@@ -515,56 +411,53 @@ class HiCacheWorkload:
 
     def _transfer(self, tel: TransferTelemetry, index: int, direction: str,
                   device_pages: list[int], host_pages: list[int]) -> None:
-        """Copy one op's pages of every pool, report it, and count it in the ground truth."""
         plan = [(pool, pool.kept(device_pages), pool.kept(host_pages)) for pool in self.pools]
-        tokens = {pool.spec.name: len(dev) * PAGE_SIZE for pool, dev, _ in plan if pool.spec.in_tokens}
+        tokens = {pool.name: len(dev) * PAGE_SIZE for pool, dev, _ in plan if pool.in_tokens}
         num_bytes = sum(len(dev) * pool.page_bytes for pool, dev, _ in plan)
         cause = _cause(direction, index)
-        self.busy_device.update(device_pages)
-        self.busy_host.update(host_pages)
         request = self._request(direction, index, cause)
         report = dict(tokens_by_pool=tokens, num_bytes=num_bytes, page_size=PAGE_SIZE, io_backend=IO_BACKEND,
                       cause=cause, host_slots=self._host_slots(direction, host_pages, num_bytes),
                       requests=None if request is None else [request.get_span_context()])
         other_path = index % TRANSFER_EVERY == TRANSFER_EVERY - 1
-        handle = done = None
         if self.cuda:
-            handle, done = self._on_stream(tel, direction, plan, report, other_path)
+            self.pending.append(self._on_stream(tel, direction, plan, report, other_path))
         elif other_path:  # synchronous copies with their host times: submit now, ack from the queue
             start = time.time_ns()
             self._copy(plan, direction, non_blocking=False)
-            handle = tel.submit(direction, host_start_ns=start, host_end_ns=time.time_ns(), **report)
+            self.pending.append((tel.submit(direction, host_start_ns=start, host_end_ns=time.time_ns(), **report),
+                                 None))
         else:
             with tel.transfer(direction, **report):
                 self._copy(plan, direction, non_blocking=False)
-        self.pending.append(InFlight(handle, done, device_pages, host_pages))
         if request is not None:
             request.end()
         self._count(direction, tokens, num_bytes, cause)
 
     def _on_stream(self, tel: TransferTelemetry, direction: str, plan: list, report: dict,
                    other_path: bool) -> tuple[Any, Any]:
-        """CUDA: the copies on the direction's stream, timed by device events. Returns the handle
-        to ack (None: tel.transfer() reported it) and the event they complete with."""
-        stream = self.streams[direction]
-        if direction == OFFLOAD:  # the forward pass wrote the KV on the compute stream
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+        """Copies on the direction's stream, timed by events: the handle to ack and the last event."""
+        stream, compute = self.streams[direction], torch.cuda.current_stream(self.device)
+        # the compute stream waits for every op's copies, and each op for it: pages are written in
+        # issue order, so no op reads or overwrites a page another still moves
+        stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             if other_path:
                 with tel.transfer(direction, stream=stream, **report):
                     self._copy(plan, direction, non_blocking=True)
-                done = torch.cuda.Event()
+                handle, done = None, torch.cuda.Event()
                 done.record(stream)
-                return None, done
-            start, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            self._copy(plan, direction, non_blocking=True)
-            finish.record(stream)
-        return tel.submit(direction, start_event=start, finish_event=finish, timing_enabled=True, **report), finish
+            else:
+                start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                self._copy(plan, direction, non_blocking=True)
+                done.record(stream)
+                handle = tel.submit(direction, start_event=start, finish_event=done, timing_enabled=True, **report)
+        compute.wait_stream(stream)
+        return handle, done
 
     @staticmethod
     def _copy(plan: list, direction: str, non_blocking: bool) -> None:
-        """Every pool's pages to the other tier, their expected tags with them."""
         for pool, dev, host in plan:
             tiers = [(pool.device, pool.device_tags, dev), (pool.host, pool.host_tags, host)]
             (src, src_tags, src_pages), (dst, dst_tags, dst_pages) = tiers if direction == OFFLOAD else tiers[::-1]
@@ -582,20 +475,16 @@ class HiCacheWorkload:
         _add(truth.bytes_by_cause, cause, num_bytes)
 
     def _request(self, direction: str, index: int, cause: str) -> Any:
-        """The span of the request op ``index`` serves (a new trace), or None: only for the causes
-        of one request, and only with a tracer. A sampled one is a link the op's span must carry."""
+        """The span of the request the op serves, the root of a trace of its own (or None)."""
         if self.tracer is None or cause not in REQUEST_CAUSES:
             return None
         span = self.tracer.start_span(REQUEST_SPAN, context=otel_context.Context(), attributes={"example.step": index})
-        if span.get_span_context().trace_flags.sampled:
-            self.truth[direction].request_links += 1
+        self.truth[direction].request_links += span.get_span_context().trace_flags.sampled
         return span
 
     def _host_slots(self, direction: str, host_pages: list[int], num_bytes: int) -> Any:
-        """The op's L2 token slots for host residence, and its ground truth: an offload spreads
-        ``num_bytes`` over its pages (the remainder on the lowest, as otel-hicache does) and wastes
-        what it overwrites unread; a load-back reloads what its pages hold."""
-        if self.host_pool is None:  # host residence off (or otel-hicache disabled)
+        """The op's L2 slots for host residence, and its truth, computed as otel-hicache does."""
+        if self.host_pool is None:  # host residence off, or otel-hicache disabled
             return None
         truth, pages = self.truth[direction], sorted(host_pages)
         if direction == OFFLOAD:
@@ -613,73 +502,54 @@ class HiCacheWorkload:
         return self.host_pool, (torch.tensor(pages)[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
 
     def verify(self) -> tuple[int, list[str]]:
-        """Check every page's tags in both tiers against the expected ones (after run())."""
+        """Check every page's tags in both tiers."""
         checked, problems = 0, []
         for pool in self.pools:
             for tier, tensor, expected in (("L1", pool.device, pool.device_tags), ("L2", pool.host, pool.host_tags)):
-                first, last = read_tags(tensor.cpu())
-                for page, tag in enumerate(expected):
-                    if tag is None:
-                        continue
-                    checked += 1
-                    if (first[page], last[page]) != (tag, tag):
-                        problems.append(f"{pool.spec.name} {tier} page {page}: tag {first[page]}/{last[page]} != {tag}")
+                for page, (tags, tag) in enumerate(zip(read_tags(tensor.cpu()), expected)):
+                    checked += tag is not None
+                    if tag is not None and tags != (tag, tag):
+                        problems.append(f"{pool.name} {tier} page {page}: tags {tags} != {tag}")
         return checked, problems
-
-
-# --------------------------------------------------------------------------------------
-# command line
-# --------------------------------------------------------------------------------------
-def _positive(text: str) -> int:
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return int(text)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = WorkloadConfig()
-    parser = argparse.ArgumentParser(
-        prog="hicache_workload.py",
-        description="HiCache-shaped L1 (device) <-> L2 (host) KV-cache transfers on real tensors, "
-        "reported as OpenTelemetry spans and metrics by otel-hicache.",
-        epilog="With OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_TRACES_EXPORTER/OTEL_METRICS_EXPORTER) set, "
-        "telemetry is exported per those variables; otherwise it stays in memory and is summarized here.")
-    parser.add_argument("--ops", type=_positive, default=defaults.ops, help="merged ops to run (default %(default)s)")
+    parser = argparse.ArgumentParser(prog="hicache_workload.py", description=__doc__.split("\n\n")[0],
+                                     epilog="With OTEL_EXPORTER_OTLP_ENDPOINT set, telemetry is exported there.")
+    parser.add_argument("--ops", type=int, default=defaults.ops, help="merged ops (default %(default)s)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="RNG seed (default %(default)s)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="where L1 lives; auto: cuda if available (default %(default)s)")
-    parser.add_argument("--layers", type=_positive, default=defaults.layers,
-                        help="layers of the kv pool (default %(default)s: Qwen3-0.6B)")
-    parser.add_argument("--pool-tokens", type=_positive, default=defaults.pool_tokens,
-                        help=f"L1 pool size in tokens, L2 {HOST_RATIO} times that (default %(default)s)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where L1 lives; "
+                        "auto: cuda if available")
+    parser.add_argument("--layers", type=int, default=defaults.layers, help="layers of the kv pool "
+                        "(default %(default)s: Qwen3-0.6B)")
+    parser.add_argument("--pool-tokens", type=int, default=defaults.pool_tokens, help=f"L1 pool size in "
+                        f"tokens, L2 {HOST_RATIO} times that (default %(default)s)")
     parser.add_argument("--rate", type=float, default=defaults.rate, metavar="OPS_PER_S",
-                        help="pace the ops at this many per second (default: unpaced), e.g. to watch a collector")
+                        help="pace the ops at this many per second (default: unpaced)")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
-    parser.add_argument("--truth-json", metavar="PATH",
-                        help="also write the workload's ground truth per direction as JSON, for checks downstream")
+    parser.add_argument("--truth-json", metavar="PATH", help="also write the workload's ground truth there")
     args = parser.parse_args(argv)
-    if args.pool_tokens < 2 * PAGE_SIZE:
-        parser.error(f"--pool-tokens must hold at least 2 pages of {PAGE_SIZE} tokens")
+    if min(args.ops, args.layers, args.pool_tokens // PAGE_SIZE // 2) < 1:
+        parser.error(f"--ops and --layers must be >= 1, --pool-tokens >= {2 * PAGE_SIZE}")
     return args
 
 
 def telemetry(attributes: dict[str, Any]) -> tuple[TransferTelemetry, Any, EmbeddedPipeline | None, list]:
-    """otel-hicache per the OTEL_* variables when they name an exporter, else on an embedded
-    pipeline; returns it, a tracer for the example's own spans, the pipeline and what to shut down."""
+    """otel-hicache per OTEL_* or embedded, a tracer, the embedded pipeline, what to shut down."""
     if not export_requested():
         embedded = EmbeddedPipeline()
         tel = TransferTelemetry(tracer_provider=embedded.tracer_provider, meter_provider=embedded.meter_provider,
                                 attributes=attributes)
-        return tel, embedded.tracer_provider.get_tracer("hicache_workload"), embedded, [tel.shutdown, embedded.shutdown]
+        return tel, embedded.tracer_provider.get_tracer(__name__), embedded, [tel.shutdown, embedded.shutdown]
     conf = otel_hicache.configure()
     tel = TransferTelemetry(attributes=attributes)
-    closing = [tel.shutdown, otel_hicache.shutdown]
-    tracer_provider = conf.tracer_provider
-    if tracer_provider is None:  # a telemetry process exports otel-hicache's spans: the request spans need ours
+    closing, tracer_provider = [tel.shutdown, otel_hicache.shutdown], conf.tracer_provider
+    if tracer_provider is None:  # a telemetry process exports otel-hicache's spans: ours need a provider
         application = build_providers(conf.resource)
         tracer_provider = application.tracer_provider
         closing.append(lambda: application.shutdown(5.0))
-    return tel, tracer_provider.get_tracer("hicache_workload"), None, closing
+    return tel, tracer_provider.get_tracer(__name__), None, closing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -690,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    cfg = WorkloadConfig(ops=args.ops, seed=args.seed, layers=args.layers, pool_tokens=args.pool_tokens, rate=args.rate,
+    cfg = WorkloadConfig(args.ops, args.seed, args.layers, args.pool_tokens, rate=args.rate,
                          max_op_pages=min(WorkloadConfig.max_op_pages, args.pool_tokens // PAGE_SIZE // 2))
     tel, tracer, embedded, closing = telemetry({"tp_rank": 0, "model": f"qwen3-like-{cfg.layers}L"})
     threads = torch.get_num_threads()
@@ -706,16 +576,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, tracer: Any, embedded: EmbeddedPipeline | None,
         args: argparse.Namespace) -> int:
-    """Run the workload, verify its copies and report: the exit status."""
     say = (lambda *_: None) if args.quiet else print
     workload = HiCacheWorkload(cfg, device)
-    pools = ", ".join(f"{p.spec.name} {p.spec.layers}L {p.spec.bytes_per_token:,} B/token" for p in workload.pools)
-    say(f"hicache_workload: {cfg.ops} merged ops of 1-{cfg.max_op_pages} pages of {PAGE_SIZE} tokens (seed {cfg.seed}), "
-        f"L1 {device} <-> L2 host ({cfg.device_pages}/{cfg.host_pages} pages; pools {pools}), torch {torch.__version__}")
+    pools = ", ".join(f"{p.name} {p.layers}L {p.bytes_per_token:,} B/token" for p in workload.pools)
+    say(f"hicache_workload: {cfg.ops} ops of 1-{cfg.max_op_pages} pages of {PAGE_SIZE} tokens (seed {cfg.seed}), "
+        f"L1 {device} <-> L2 host, {cfg.device_pages}/{cfg.host_pages} pages of {pools}; torch {torch.__version__}")
     started = time.perf_counter()
     truth = workload.run(tel, tracer=tracer)
-    say(f"ran {cfg.ops} ops, {sum(t.bytes for t in truth.values()) / 1e9:.2f} GB in {time.perf_counter() - started:.2f} s; "
-        f"{workload.acked} acked through the ack queue")
+    say(f"ran {cfg.ops} ops, {sum(t.bytes for t in truth.values()) / 1e9:.2f} GB in "
+        f"{time.perf_counter() - started:.2f} s; {workload.acked} acked through the ack queue")
     checked, copy_problems = workload.verify()
     if args.truth_json:
         with open(args.truth_json, "w", encoding="utf-8") as out:
@@ -725,7 +594,10 @@ def run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, tracer: Any, e
     for problem in copy_problems[:5]:
         print(f"  {problem}")
     if embedded is None or not tel.enabled:
-        print(f"{destination(tel, flushed)}; workload ground truth:")
+        where = ", ".join(f"{v}={os.environ[v]}" for v in EXPORT_VARS if os.environ.get(v, "").strip())
+        print(("otel-hicache is disabled (OTEL_SDK_DISABLED / OTEL_HICACHE_ENABLED)" if not tel.enabled else
+               f"spans and metrics went to {where}" + ("" if flushed else " (flush incomplete: collector down?)"))
+              + "; workload ground truth:")
         print(format_table([truth[d] for d in DIRECTIONS], timing=False))
         return 1 if copy_problems else 0
     problems = check_exported(embedded, truth, cfg.ops, flushed)
@@ -735,18 +607,9 @@ def run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, tracer: Any, e
     return 1 if problems or copy_problems else 0
 
 
-def destination(tel: TransferTelemetry, flushed: bool) -> str:
-    """Where the telemetry went, when not to the embedded pipeline."""
-    if not tel.enabled:
-        return "otel-hicache is disabled (OTEL_SDK_DISABLED / OTEL_HICACHE_ENABLED)"
-    endpoint = next((os.environ[v] for v in OTLP_VARS if os.environ.get(v, "").strip()), None)
-    where = f"OTLP endpoint {endpoint}" if endpoint else "the exporters named by OTEL_TRACES_EXPORTER/OTEL_METRICS_EXPORTER"
-    return f"spans and metrics went to {where}" + ("" if flushed else " (flush did not complete: collector unreachable?)")
-
-
 def check_exported(embedded: EmbeddedPipeline, truth: Mapping[str, DirectionSummary], ops: int,
                    flushed: bool) -> list[str]:
-    """Print the summary of what the embedded pipeline received; returns how it differs from the truth."""
+    """Print what the embedded pipeline received; returns how it differs from the truth."""
     summary = summarize(embedded.metrics_data())
     exported = embedded.spans()
     spans = [span for span in exported if span.name not in (STEP_SPAN, REQUEST_SPAN)]
