@@ -1,17 +1,14 @@
 """A HiCache-shaped KV-cache workload on real torch tensors, reported by otel-hicache.
 
-SGLang's HiCache moves *merged ops* of KV pages between L1 (device memory) and L2 (pinned host
-memory): offload and onboard (load-back). Here both tiers are real tensors shaped like Qwen3-0.6B
-(28 layers x 8 KV heads x head dim 128, bf16) for three pools: ``kv`` (the anchor), ``swa`` (a
-sliding window) and ``draft`` (bytes only). Every copy is a real ``copy_``, checked by tags in both
-tiers at the end; write-throughs and prefix hits link to the ``example.request`` span they served.
-On CUDA ops are timed by device events on a stream per direction, on CPU by the host clock; every
-fourth op takes the other API (``tel.transfer()`` or ``submit()`` + ``ack()``).
+Merged ops of KV pages move between L1 (device) and L2 (host) tensors shaped like Qwen3-0.6B's
+pools: ``kv``, ``swa`` (a sliding window) and ``draft`` (bytes only). Every copy is a real
+``copy_``, checked by page tags at the end; write-throughs and prefix hits link to the request
+span they served. CUDA ops are timed by device events, CPU ones by the host clock.
 
     python examples/hicache_workload.py [--ops 1000] [--device cuda]
 
-With no OTEL_* exporter configured the telemetry stays in memory, and the summary is printed from
-what was exported and checked against the workload's own totals; with one, it is exported there.
+With no OTEL_* exporter configured, the summary is printed from what an in-memory pipeline
+received and checked against the workload's own totals; with one, it is exported there.
 """
 
 from __future__ import annotations
@@ -35,11 +32,9 @@ except ImportError:  # run as a script from a checkout where the package is not 
     import otel_hicache
 import torch
 from opentelemetry import context as otel_context
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics import MeterProvider, export as metrics_export
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import TracerProvider, export as trace_export
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_hicache import TransferTelemetry
@@ -59,12 +54,10 @@ HOST_RATIO = 2  # L2 pages per L1 page
 SWA_WINDOW = 256  # the tokens of an op the sliding-window pool keeps
 EXPORT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
                "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER")
-TRUTH_JSON = ("ops", "tokens", "blocks", "bytes", "bytes_by_cause", "host_bytes", "residence_count", "request_links")
-COMPARED = {"ops": "ops", "blocks": "blocks", "bytes": "bytes", "tokens": "tokens by pool",
-            "bytes_by_cause": "bytes by cause", "host_bytes": "host bytes", "residence_count": "host residence values"}
+TRUTH = ("ops", "tokens", "blocks", "bytes", "bytes_by_cause", "host_bytes", "residence_count", "request_links")
 
 
-def _add(counts: dict[str, Any], key: str, n: Any) -> None:
+def _add(counts, key, n):
     counts[key] = counts.get(key, 0) + n
 
 
@@ -131,7 +124,7 @@ def summarize(metrics_data: Any) -> MetricsSummary:
     return summary
 
 
-def _add_point(summary: MetricsSummary, buckets: dict[str, Any], name: str, point: Any) -> None:
+def _add_point(summary, buckets, name, point):
     attrs = point.attributes or {}
     row = summary.directions.get(attrs.get(sc.DIRECTION))
     if name in (sc.RECORDS_DROPPED[0], sc.RECORDS_FAILED[0]):
@@ -159,7 +152,7 @@ def _add_point(summary: MetricsSummary, buckets: dict[str, Any], name: str, poin
         row.busy_s += float(point.value)
 
 
-def _add_buckets(buckets: dict[str, Any], key: str, point: Any) -> None:
+def _add_buckets(buckets, key, point):
     """Sum a histogram's series: one view, so one set of bounds."""
     _, counts = buckets.setdefault(key, (tuple(point.explicit_bounds), [0.0] * len(point.bucket_counts)))
     for i, count in enumerate(point.bucket_counts):
@@ -168,11 +161,12 @@ def _add_buckets(buckets: dict[str, Any], key: str, point: Any) -> None:
 
 def compare(summary: MetricsSummary, truth: Mapping[str, DirectionSummary]) -> list[str]:
     """How the exported counters differ from the workload's ground truth (empty: they match)."""
-    def value(row: DirectionSummary, attr: str) -> Any:
+    def value(row, attr):
         got = getattr(row, attr)
         return {k: v for k, v in got.items() if v} if isinstance(got, dict) else got
 
-    problems = [f"{d} {what}: metrics {got} != workload {want}" for d in DIRECTIONS for attr, what in COMPARED.items()
+    problems = [f"{d} {attr.replace('_', ' ').replace('tokens', 'tokens by pool')}: metrics {got} != workload {want}"
+                for d in DIRECTIONS for attr in TRUTH[:-1]  # request links: checked on the spans
                 if (got := value(summary.directions[d], attr)) != (want := value(truth[d], attr))]
     return problems + [f"{n:,} records dropped/failed ({reason})" for reason, n in sorted(summary.dropped.items()) if n]
 
@@ -189,7 +183,7 @@ def request_links(spans: Sequence[Any]) -> tuple[dict[str, int], int]:
     return linked, dangling
 
 
-def _ms(seconds: float | None) -> str:
+def _ms(seconds):
     return "-" if seconds is None or math.isnan(seconds) else f"{seconds * 1e3:.3f}"
 
 
@@ -210,7 +204,7 @@ def format_table(rows: Sequence[DirectionSummary], timing: bool = True) -> str:
                                for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in lines)
 
 
-def print_summary(summary: MetricsSummary, spans: Sequence[Any], linked: Mapping[str, int], dangling: int) -> None:
+def print_summary(summary, spans, linked, dangling):
     rows = [summary.directions[d] for d in DIRECTIONS]
     offload, onboard = rows
     print("from the exported OTel metrics (p50/p99 interpolated in histogram buckets, GB/s = bytes / busy time):")
@@ -240,22 +234,22 @@ def export_requested(environ: Mapping[str, str] = os.environ) -> bool:
 class EmbeddedPipeline:
     """SDK providers that keep spans and metrics in memory: no collector needed."""
 
-    def __init__(self) -> None:
+    def __init__(self):
         resource = Resource.create()
         if str(resource.attributes.get("service.name")).startswith("unknown_service"):  # no OTEL_SERVICE_NAME
             resource = resource.merge(Resource({"service.name": "otel-hicache-demo"}))
-        self.span_exporter, self.metric_reader = InMemorySpanExporter(), InMemoryMetricReader()
+        self.span_exporter, self.metric_reader = InMemorySpanExporter(), metrics_export.InMemoryMetricReader()
         self.tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.span_exporter))
+        self.tracer_provider.add_span_processor(trace_export.SimpleSpanProcessor(self.span_exporter))
         self.meter_provider = MeterProvider([self.metric_reader], resource=resource, shutdown_on_exit=False)
 
-    def metrics_data(self) -> Any:
+    def metrics_data(self):
         return self.metric_reader.get_metrics_data()
 
-    def spans(self) -> Sequence[Any]:
+    def spans(self):
         return self.span_exporter.get_finished_spans()
 
-    def shutdown(self) -> None:
+    def shutdown(self):
         self.tracer_provider.shutdown()
         self.meter_provider.shutdown()
 
@@ -270,18 +264,18 @@ class WorkloadConfig:
     rate: float = 0.0  # ops per second; 0: as fast as the copies go
 
     @property
-    def device_pages(self) -> int:
+    def device_pages(self):
         return self.pool_tokens // PAGE_SIZE
 
     @property
-    def host_pages(self) -> int:
+    def host_pages(self):
         return self.device_pages * HOST_RATIO
 
 
 class Pool:
     """One KV pool in both tiers, and the tag each page is expected to hold."""
 
-    def __init__(self, name: str, layers: int, cfg: WorkloadConfig, device: Any, window_tokens: int = 0) -> None:
+    def __init__(self, name, layers, cfg, device, window_tokens=0):
         self.name, self.layers, self.in_tokens = name, layers, name != "draft"  # draft KV: in bytes only
         self.bytes_per_token = 2 * layers * KV_HEADS * HEAD_DIM * DTYPE_BYTES  # K and V
         self.page_bytes = PAGE_SIZE * self.bytes_per_token
@@ -294,11 +288,11 @@ class Pool:
         self.device_tags: list[int | None] = [None] * cfg.device_pages
         self.host_tags: list[int | None] = [None] * cfg.host_pages
 
-    def kept(self, pages: Sequence[int]) -> Sequence[int]:
-            return pages[-self.window_pages:] if self.window_pages else pages
+    def kept(self, pages):  # a sliding window moves only the last pages of an op
+        return pages[-self.window_pages:] if self.window_pages else pages
 
 
-def write_tags(tensor: Any, pages: Sequence[int], tags: Sequence[int]) -> None:
+def write_tags(tensor, pages, tags):
     """Stamp each page's first and last 8 bytes, as a forward pass writes KV."""
     index = torch.tensor(list(pages), dtype=torch.long, device=tensor.device)
     values = torch.tensor(list(tags), dtype=torch.int64).view(torch.uint8).view(len(tags), 8).to(tensor.device)
@@ -306,7 +300,7 @@ def write_tags(tensor: Any, pages: Sequence[int], tags: Sequence[int]) -> None:
     tensor[index, -1, -8:] = values
 
 
-def read_tags(tensor: Any) -> list[tuple[int, int]]:
+def read_tags(tensor):
     first = tensor[:, 0, :8].contiguous().view(torch.int64).view(-1).tolist()
     return list(zip(first, tensor[:, -1, -8:].contiguous().view(torch.int64).view(-1).tolist()))
 
@@ -325,7 +319,7 @@ def copy_pages(dst: Any, dst_pages: Sequence[int], src: Any, src_pages: Sequence
     return moved
 
 
-def _cause(direction: str, index: int) -> str:
+def _cause(direction, index):
     """Op ``index``'s ``hicache.cause``, mixed as a server's might be."""
     if direction == OFFLOAD:
         return sc.CAUSE_WRITE_BACK if index % 5 == 0 else sc.CAUSE_WRITE_THROUGH
@@ -335,10 +329,10 @@ def _cause(direction: str, index: int) -> str:
 class HiCacheWorkload:
     """A cache controller's merged ops between the pools' two tiers, and their ground truth."""
 
-    def __init__(self, cfg: WorkloadConfig, device: Any) -> None:
+    def __init__(self, cfg, device):
         self.cfg, self.device, self.cuda = cfg, device, device.type == "cuda"
         self.rng = random.Random(cfg.seed)
-        # the full-attention pool, a sliding window of a quarter of its layers, a 1-layer draft model
+        # a full-attention pool, a sliding window of a quarter of its layers, a 1-layer draft model
         self.pools = [Pool("kv", cfg.layers, cfg, device), Pool("swa", max(1, cfg.layers // 4), cfg, device,
                                                                  SWA_WINDOW), Pool("draft", 1, cfg, device)]
         self.host_free = deque(range(cfg.host_pages))
@@ -353,14 +347,14 @@ class HiCacheWorkload:
         for pool in self.pools:  # a forward pass filled L1 once
             self._stamp(pool, range(cfg.device_pages))
 
-    def _stamp(self, pool: Pool, pages: Sequence[int]) -> None:
+    def _stamp(self, pool, pages):
         tags = list(range(self.next_tag, self.next_tag + len(pages)))
         self.next_tag += len(pages)
         write_tags(pool.device, pages, tags)
         for page, tag in zip(pages, tags):
             pool.device_tags[page] = tag
 
-    def poll(self, tel: TransferTelemetry, wait: bool = False) -> None:
+    def poll(self, tel, wait=False):
         """The ack queue's consumer: ack the ops whose copies completed (with ``wait``, all)."""
         while self.pending and (wait or self.pending[0][1] is None or self.pending[0][1].query()):
             handle, done = self.pending.popleft()
@@ -370,7 +364,7 @@ class HiCacheWorkload:
                 tel.ack(handle)
                 self.acked += 1
 
-    def _alloc_host(self, n: int) -> list[int]:
+    def _alloc_host(self, n):
         """Free L2 pages first, then the least recently used."""
         pages = [self.host_free.popleft() for _ in range(min(n, len(self.host_free)))]
         for page in list(self.host_valid)[:n - len(pages)]:
@@ -393,7 +387,7 @@ class HiCacheWorkload:
         self.poll(tel, wait=True)
         return self.truth
 
-    def _step(self, tel: TransferTelemetry, i: int) -> None:
+    def _step(self, tel, i):
         """One merged op: a forward pass's pages to L2, or L2 pages a prefix hit back to L1."""
         n = self.rng.randint(1, self.cfg.max_op_pages)
         if self.rng.random() < 0.5 or not self.host_valid:
@@ -409,8 +403,7 @@ class HiCacheWorkload:
             self.host_valid.pop(page, None)
             self.host_valid[page] = None
 
-    def _transfer(self, tel: TransferTelemetry, index: int, direction: str,
-                  device_pages: list[int], host_pages: list[int]) -> None:
+    def _transfer(self, tel, index, direction, device_pages, host_pages):
         plan = [(pool, pool.kept(device_pages), pool.kept(host_pages)) for pool in self.pools]
         tokens = {pool.name: len(dev) * PAGE_SIZE for pool, dev, _ in plan if pool.in_tokens}
         num_bytes = sum(len(dev) * pool.page_bytes for pool, dev, _ in plan)
@@ -421,7 +414,7 @@ class HiCacheWorkload:
                       requests=None if request is None else [request.get_span_context()])
         other_path = index % TRANSFER_EVERY == TRANSFER_EVERY - 1
         if self.cuda:
-            self.pending.append(self._on_stream(tel, direction, plan, report, other_path))
+            self.pending.append(self._on_stream(tel, direction, plan, report))
         elif other_path:  # synchronous copies with their host times: submit now, ack from the queue
             start = time.time_ns()
             self._copy(plan, direction, non_blocking=False)
@@ -434,30 +427,22 @@ class HiCacheWorkload:
             request.end()
         self._count(direction, tokens, num_bytes, cause)
 
-    def _on_stream(self, tel: TransferTelemetry, direction: str, plan: list, report: dict,
-                   other_path: bool) -> tuple[Any, Any]:
-        """Copies on the direction's stream, timed by events: the handle to ack and the last event."""
+    def _on_stream(self, tel, direction, plan, report):
+        """Copies on the direction's stream, timed by device events: the handle and the event to ack on."""
         stream, compute = self.streams[direction], torch.cuda.current_stream(self.device)
         # the compute stream waits for every op's copies, and each op for it: pages are written in
         # issue order, so no op reads or overwrites a page another still moves
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
-            if other_path:
-                with tel.transfer(direction, stream=stream, **report):
-                    self._copy(plan, direction, non_blocking=True)
-                handle, done = None, torch.cuda.Event()
-                done.record(stream)
-            else:
-                start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                self._copy(plan, direction, non_blocking=True)
-                done.record(stream)
-                handle = tel.submit(direction, start_event=start, finish_event=done, timing_enabled=True, **report)
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            self._copy(plan, direction, non_blocking=True)
+            done.record(stream)
         compute.wait_stream(stream)
-        return handle, done
+        return tel.submit(direction, start_event=start, finish_event=done, timing_enabled=True, **report), done
 
     @staticmethod
-    def _copy(plan: list, direction: str, non_blocking: bool) -> None:
+    def _copy(plan, direction, non_blocking):
         for pool, dev, host in plan:
             tiers = [(pool.device, pool.device_tags, dev), (pool.host, pool.host_tags, host)]
             (src, src_tags, src_pages), (dst, dst_tags, dst_pages) = tiers if direction == OFFLOAD else tiers[::-1]
@@ -465,7 +450,7 @@ class HiCacheWorkload:
             for s, d in zip(src_pages, dst_pages):
                 dst_tags[d] = src_tags[s]
 
-    def _count(self, direction: str, tokens: Mapping[str, int], num_bytes: int, cause: str) -> None:
+    def _count(self, direction, tokens, num_bytes, cause):
         truth = self.truth[direction]
         truth.ops += 1
         for pool, n in tokens.items():
@@ -474,7 +459,7 @@ class HiCacheWorkload:
         truth.bytes += num_bytes
         _add(truth.bytes_by_cause, cause, num_bytes)
 
-    def _request(self, direction: str, index: int, cause: str) -> Any:
+    def _request(self, direction, index, cause):
         """The span of the request the op serves, the root of a trace of its own (or None)."""
         if self.tracer is None or cause not in REQUEST_CAUSES:
             return None
@@ -482,7 +467,7 @@ class HiCacheWorkload:
         self.truth[direction].request_links += span.get_span_context().trace_flags.sampled
         return span
 
-    def _host_slots(self, direction: str, host_pages: list[int], num_bytes: int) -> Any:
+    def _host_slots(self, direction, host_pages, num_bytes):
         """The op's L2 slots for host residence, and its truth, computed as otel-hicache does."""
         if self.host_pool is None:  # host residence off, or otel-hicache disabled
             return None
@@ -513,7 +498,7 @@ class HiCacheWorkload:
         return checked, problems
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(argv):
     defaults = WorkloadConfig()
     parser = argparse.ArgumentParser(prog="hicache_workload.py", description=__doc__.split("\n\n")[0],
                                      epilog="With OTEL_EXPORTER_OTLP_ENDPOINT set, telemetry is exported there.")
@@ -535,7 +520,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def telemetry(attributes: dict[str, Any]) -> tuple[TransferTelemetry, Any, EmbeddedPipeline | None, list]:
+def telemetry(attributes):
     """otel-hicache per OTEL_* or embedded, a tracer, the embedded pipeline, what to shut down."""
     if not export_requested():
         embedded = EmbeddedPipeline()
@@ -574,21 +559,17 @@ def main(argv: list[str] | None = None) -> int:
             close()
 
 
-def run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, tracer: Any, embedded: EmbeddedPipeline | None,
-        args: argparse.Namespace) -> int:
+def run(cfg, device, tel, tracer, embedded, args):
     say = (lambda *_: None) if args.quiet else print
     workload = HiCacheWorkload(cfg, device)
-    pools = ", ".join(f"{p.name} {p.layers}L {p.bytes_per_token:,} B/token" for p in workload.pools)
-    say(f"hicache_workload: {cfg.ops} ops of 1-{cfg.max_op_pages} pages of {PAGE_SIZE} tokens (seed {cfg.seed}), "
-        f"L1 {device} <-> L2 host, {cfg.device_pages}/{cfg.host_pages} pages of {pools}; torch {torch.__version__}")
     started = time.perf_counter()
     truth = workload.run(tel, tracer=tracer)
-    say(f"ran {cfg.ops} ops, {sum(t.bytes for t in truth.values()) / 1e9:.2f} GB in "
-        f"{time.perf_counter() - started:.2f} s; {workload.acked} acked through the ack queue")
+    say(f"hicache_workload: {cfg.ops} ops, L1 {device} <-> L2 host, {sum(t.bytes for t in truth.values()) / 1e9:.2f} "
+        f"GB in {time.perf_counter() - started:.2f} s, {workload.acked} acked; torch {torch.__version__}")
     checked, copy_problems = workload.verify()
     if args.truth_json:
         with open(args.truth_json, "w", encoding="utf-8") as out:
-            json.dump({d: {k: getattr(t, k) for k in TRUTH_JSON} for d, t in truth.items()}, out, indent=1)
+            json.dump({d: {k: getattr(t, k) for k in TRUTH} for d, t in truth.items()}, out, indent=1)
     flushed = tel.force_flush(timeout_s=10.0 if embedded is not None else 5.0)
     print(f"copies verified: {'yes' if not copy_problems else 'NO'} ({checked:,} page tags in L1 and L2)")
     for problem in copy_problems[:5]:
@@ -607,8 +588,7 @@ def run(cfg: WorkloadConfig, device: Any, tel: TransferTelemetry, tracer: Any, e
     return 1 if problems or copy_problems else 0
 
 
-def check_exported(embedded: EmbeddedPipeline, truth: Mapping[str, DirectionSummary], ops: int,
-                   flushed: bool) -> list[str]:
+def check_exported(embedded, truth, ops, flushed):
     """Print what the embedded pipeline received; returns how it differs from the truth."""
     summary = summarize(embedded.metrics_data())
     exported = embedded.spans()
