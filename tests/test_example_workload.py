@@ -100,13 +100,9 @@ def test_histogram_quantile_edges() -> None:
     assert hw.histogram_quantile(0.99, BOUNDS, (0, 0, 1, 1)) == 4.0
     assert hw.histogram_quantile(0.5, BOUNDS, (0, 0, 0, 7)) == 4.0
     assert math.isnan(hw.histogram_quantile(0.5, BOUNDS, (0, 0, 0, 0)))
-    assert hw.histogram_quantile(-0.1, BOUNDS, COUNTS) == -math.inf
-    assert hw.histogram_quantile(1.1, BOUNDS, COUNTS) == math.inf
     # empty buckets before the rank are skipped: rank 1 of 2 lands at the end of (2, 4]
     assert hw.histogram_quantile(0.5, BOUNDS, (0, 0, 1, 1)) == 4.0
     assert hw.histogram_quantile(0.25, BOUNDS, (0, 0, 2, 0)) == 2.5
-    with pytest.raises(ValueError):
-        hw.histogram_quantile(0.5, BOUNDS, (1, 2, 3))
 
 
 # -- summarize / compare on data exported by the real SDK ----------------------------------------
@@ -216,7 +212,7 @@ def test_workload_spans_and_metrics_match_ground_truth() -> None:
 def test_main_embedded_prints_both_directions_and_matches(capsys: pytest.CaptureFixture[str]) -> None:
     threads = torch.get_num_threads()
     assert hw.main(SMALL) == 0
-    assert torch.get_num_threads() == threads  # --cpu-threads is restored
+    assert torch.get_num_threads() == threads  # the thread count the CPU copies set is restored
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert set(rows) == {"offload", "onboard"}
