@@ -110,3 +110,15 @@ def test_dead_handles_are_dropped_and_live_ones_kept():
     alive = [handle() for handle in fork._callbacks if handle() is not None]
     assert all(any(a == part.after_fork for a in alive) for part in kept)
     assert len(fork._callbacks) < 2 * len(alive) + 64 + 1  # bounded by the live ones, not by 2,010
+
+
+def test_a_forked_child_gets_its_own_span_id_key_and_counter_start():
+    """Span ids come from (key, op seq): a child keeping its parent's key could give its ops the
+    ids of the parent's; its counters start when it does."""
+    from otel_hicache.capture.channel import ProcessChannel
+
+    channel = ProcessChannel({"attributes": {}}, 10, lambda: None)
+    parent = dict(channel._hello)  # pylint: disable=protected-access
+    channel.forget_in_child()
+    child = channel._hello  # pylint: disable=protected-access
+    assert child["key"] != parent["key"] and child["start_ns"] >= parent["start_ns"]

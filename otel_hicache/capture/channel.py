@@ -243,6 +243,7 @@ class ProcessChannel:
         self._embedded = None
         self._stopped = False
         self._deaths = 0
+        self._hello = dict(self._hello, key=os.urandom(16).hex(), start_ns=time.time_ns())  # its ops, its counters
         self._checkpoint, self._unconfirmed, self._unconfirmed_bytes = None, deque(), 0
         self._asked, self._flushed = set(), {}
         self._reset()
