@@ -12,14 +12,14 @@ covers it (the spans of its ops exported, every counter's total). If it dies, th
 starts from that checkpoint, with every frame written after it: its counters go on from the
 totals, and a span exported twice keeps its ids. What waits to be written and what waits for a
 checkpoint share ``MAX_BACKLOG_BYTES``, and ``max_ops`` bounds the op records waiting: beyond
-them the oldest ops waiting to be written are dropped and counted (``queue_full``), the small messages kept while the
-bytes allow. A telemetry process that dies is always replaced, after ``RESTART_DELAYS_S`` when
-the ones before died soon after they started (its sinks' cost never moves onto the serving
-process for that); only when one cannot be started, or ends before it is ready (the interpreter
-or the path cannot run it: another would not either), the channel falls back to ``fallback()``
-(an embedded one, warned once, visible in ``otel_hicache.sinks``), from the checkpoint too. When the
-serving process ends, however it ends, the telemetry process reads the end of its input,
-exports what it has and exits.
+them the oldest ops waiting to be written are dropped and counted (``queue_full``), the small
+messages kept while the bytes allow. A telemetry process that dies is always replaced, after
+``RESTART_DELAYS_S`` when the ones before died soon after they started (its sinks' cost never
+moves onto the serving process for that); only when one cannot be started, or ends before it
+is ready (the interpreter or the path cannot run it: another would not either), the channel
+falls back to ``fallback()`` (an embedded one, warned once, visible in ``otel_hicache.sinks``),
+from the checkpoint too. When the serving process ends, however it ends, the telemetry process
+reads the end of its input, exports what it has and exits.
 """
 
 from __future__ import annotations

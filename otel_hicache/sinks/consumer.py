@@ -140,7 +140,7 @@ class Consumer:
         for raw in message[2]:
             op = Op(raw)
             if self._ids is not None:
-                self._ids.seq = op.seq
+                self._ids.use(op.seq)
             self._awaiting[op.seq] = (op, self.spans.begin(op), raw)
 
     def close(self) -> None:
@@ -153,7 +153,7 @@ class Consumer:
     def _op(self, message: tuple[Any, ...]) -> None:
         op = Op(message)
         if self._ids is not None:
-            self._ids.seq = op.seq
+            self._ids.use(op.seq)
         host = self._host.pop(op.seq, None)
         if host is not None:
             op.host_pool, pages, op.reuse = host

@@ -37,27 +37,26 @@ def trace_id_hex(context: Any) -> str:
 
 
 class OpIds(IdGenerator):
-    """Span and trace ids derived from the op (its ``seq``, set before each span starts) and a
-    key of the serving process: an op a successor telemetry process replays gets the ids it had,
-    so a span exported twice (its first telemetry process died before saying so) is one span
-    to whoever stores it. Random ids for anything else."""
+    """Span and trace ids derived from the op (:meth:`use`, before each span starts) and a key of
+    the serving process: an op a successor telemetry process replays gets the ids it had, so a
+    span exported twice (its first telemetry process died before saying so) is one span to
+    whoever stores it. Random ids until the first op."""
 
     def __init__(self, key: bytes) -> None:
         self._key = key[:64]
-        self.seq: int | None = None
+        self._digest: bytes | None = None
         self._random = RandomIdGenerator()
 
-    def _digest(self) -> bytes | None:
-        seq = self.seq
-        return None if seq is None else hashlib.blake2b(seq.to_bytes(8, "little", signed=True), key=self._key,
-                                                         digest_size=24).digest()
+    def use(self, seq: int) -> None:
+        """The op whose span starts next: one hash gives both of its ids."""
+        self._digest = hashlib.blake2b(seq.to_bytes(8, "little", signed=True), key=self._key, digest_size=24).digest()
 
     def generate_span_id(self) -> int:
-        digest = self._digest()
+        digest = self._digest
         return int.from_bytes(digest[:8], "little") or 1 if digest else self._random.generate_span_id()
 
     def generate_trace_id(self) -> int:
-        digest = self._digest()
+        digest = self._digest
         return int.from_bytes(digest[8:], "little") or 1 if digest else self._random.generate_trace_id()
 
 
