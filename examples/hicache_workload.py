@@ -45,7 +45,7 @@ from otel_hicache.sinks.providers import build as build_providers
 
 STEP_SPAN = "example.scheduler_step"  # each op runs under one, standing in for a scheduler step
 REQUEST_SPAN = "example.request"  # the root span of the request an op serves
-REQUEST_CAUSES = frozenset((sc.CAUSE_WRITE_THROUGH, sc.CAUSE_PREFIX_HIT))  # an op of these serves one request
+REQUEST_CAUSES = frozenset(("write_through", "prefix_hit"))  # an op of these serves one request
 IO_BACKEND = "direct"
 TRANSFER_EVERY = 4  # every fourth op takes the other reporting path
 PAGE_SIZE = 64  # tokens per page
@@ -322,8 +322,8 @@ def copy_pages(dst: Any, dst_pages: Sequence[int], src: Any, src_pages: Sequence
 def _cause(direction, index):
     """Op ``index``'s ``hicache.cause``, mixed as a server's might be."""
     if direction == OFFLOAD:
-        return sc.CAUSE_WRITE_BACK if index % 5 == 0 else sc.CAUSE_WRITE_THROUGH
-    return sc.CAUSE_STORAGE_PREFETCH if index % 7 == 0 else sc.CAUSE_PREFIX_HIT
+        return "write_back" if index % 5 == 0 else "write_through"
+    return "storage_prefetch" if index % 7 == 0 else "prefix_hit"
 
 
 class HiCacheWorkload:

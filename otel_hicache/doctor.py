@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, TextIO
 
-from . import configuration
+from . import adapters, configuration
 from . import environment_variables as ev
 from . import semconv as sc
 from .sinks import otel_environment, providers
@@ -564,25 +564,15 @@ def _not_built(signal: str, name: str, otlp: Otlp | None, warnings: list[str]) -
             "fix the variable the warning names (Warnings while resolving, above)")
 
 
-# -- SGLang ---------------------------------------------------------------------------
+# -- adapters ---------------------------------------------------------------------------
 
-def _sglang(out: TextIO, check_groups: bool) -> None:
-    """SGLang's section: the adapter's own report (``otel_hicache_sglang.doctor``), when it is installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    print("SGLang", file=out)
-    try:
-        installed = version("sglang")
-    except PackageNotFoundError:
-        print("  sglang          not installed", file=out)
-        return
-    try:
-        from otel_hicache_sglang.doctor import report
-    except Exception as exc:  # pylint: disable=broad-except
-        print(f"  sglang          {installed}", file=out)
-        print(f"  adapter         not installed (otel-hicache-sglang: {type(exc).__name__}: {exc})", file=out)
-        return
-    report(out, installed, check_groups)
+def _adapters(out: TextIO, check: bool) -> None:
+    """Each installed adapter's own section (entry-point group ``otel_hicache.adapters``)."""
+    for name, registration in adapters.registered():
+        try:
+            registration.doctor(out, check)
+        except Exception as exc:  # pylint: disable=broad-except
+            print(f"  adapter {name}: its section failed ({type(exc).__name__}: {exc})", file=out)
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -646,7 +636,7 @@ def _doctor(logs: _Captured, cap_s: float, check_sglang: bool, out: TextIO) -> i
     checks, problems = _build(planned if not disabled else [], logs)
     _warnings(p, logs)
     trace_id = _exports(p, checks, problems, logs, cap_s, disabled, notes)
-    _sglang(out, check_sglang)
+    _adapters(out, check_sglang)
     p()
     p()
     return _verdict(p, notes, problems, checks, trace_id)

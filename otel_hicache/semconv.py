@@ -43,33 +43,14 @@ BANDWIDTH: Final = "hicache.bandwidth_bytes_per_second"
 ERROR_TYPE: Final = "error.type"
 REASON: Final = "reason"
 
-# why an op moved its bytes (spans, and the transfer metrics): a closed set, see CAUSES
+# why an op moved its bytes (spans, and the transfer metrics): the causes adapters register
+# (otel_hicache.adapters), then other
 CAUSE: Final = "hicache.cause"
 CAUSES_ATTR: Final = "hicache.causes"  # spans of a mixed merged op: its distinct causes, sorted
-
-CAUSE_WRITE_THROUGH: Final = "write_through"
-CAUSE_WRITE_THROUGH_SELECTIVE: Final = "write_through_selective"
-CAUSE_WRITE_BACK: Final = "write_back"
-CAUSE_STORAGE_BACKUP: Final = "storage_backup"
-CAUSE_DECODE_OFFLOAD: Final = "decode_offload"
-CAUSE_RETRACTION_BACKUP: Final = "retraction_backup"
-CAUSE_PREFIX_HIT: Final = "prefix_hit"
-CAUSE_STORAGE_PREFETCH: Final = "storage_prefetch"
-CAUSE_RETRACTION_RESTORE: Final = "retraction_restore"
 CAUSE_OTHER: Final = "other"
 CAUSE_MIXED: Final = "mixed"
 """A merged op whose queued ops had different causes: its span, op count and duration
 only; its tokens and bytes are counted under each queued op's own cause."""
-
-CAUSES: Final = {
-    "offload": (CAUSE_WRITE_THROUGH, CAUSE_WRITE_THROUGH_SELECTIVE, CAUSE_WRITE_BACK, CAUSE_STORAGE_BACKUP,
-                CAUSE_DECODE_OFFLOAD, CAUSE_RETRACTION_BACKUP, CAUSE_OTHER),
-    "onboard": (CAUSE_PREFIX_HIT, CAUSE_STORAGE_PREFETCH, CAUSE_RETRACTION_RESTORE, CAUSE_OTHER),
-}
-"""Every cause of each direction (docs/reference.md says where in SGLang each comes
-from). Tokens and bytes by cause sum exactly to the totals."""
-DIRECT_CAUSES: Final = frozenset((CAUSE_RETRACTION_BACKUP, CAUSE_RETRACTION_RESTORE))
-"""Causes whose copies nobody acks (hicache.origin=direct); ``other`` can be either."""
 
 # host residence and lineage (otel_hicache.host_residence)
 OFFLOAD_CAUSE: Final = "hicache.offload_cause"  # metric-only: the cause of the offload that wrote the pages

@@ -24,7 +24,8 @@ else
   echo "test-old-sdk: reusing $venv" >&2
 fi
 # always (re)install this checkout: a reused venv may point at another clone
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" >&2
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$root" \
+  -e "$root/instrumentation/otel-hicache-sglang" >&2
 "$venv/bin/python" -c 'import opentelemetry.sdk.version as v; print("test-old-sdk: OpenTelemetry SDK", v.__version__)' >&2
 cd "$root"
 # The core's tests that need neither torch, SGLang nor the telemetry stack. Left out:

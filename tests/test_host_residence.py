@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from otel_hicache import semconv as sc
+from otel_hicache.adapters import causes
 from otel_hicache.sinks.host_residence import MAX_LINKS, HostPool
 
 PAGE = 4
@@ -99,7 +100,7 @@ def test_freed_without_a_load_back_is_wasted_and_after_one_is_not(harness):
     assert h.finished()[-1].attributes[sc.UNKNOWN_PAGES] == 2
     # zero series for every offload cause from start-up
     assert {p.attributes[sc.OFFLOAD_CAUSE] for p in h.points("hicache.host.wasted_bytes")} == set(
-        (*sc.CAUSES["offload"], sc.CAUSE_MIXED))
+        (*causes()["offload"], sc.CAUSE_MIXED))
 
 
 def test_a_page_offloaded_again_without_a_free_wastes_the_unread_write(harness):
@@ -229,7 +230,7 @@ def test_both_paths_give_the_same_answers_and_state():
             arg = slots()
             if kind < 0.45:
                 arg = np.asarray(arg, dtype=np.int64) if rng.random() < 0.5 else arg
-                cause, num_bytes = rng.choice(sc.CAUSES["offload"]), rng.randrange(0, 1 << 20)
+                cause, num_bytes = rng.choice(causes()["offload"]), rng.randrange(0, 1 << 20)
                 results = [pool.written(arg, when, cause, num_bytes) for pool in pools]
                 if rng.random() < 0.7:
                     trace, span = rng.getrandbits(128), rng.getrandbits(64)

@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from otel_hicache import semconv as sc
+from otel_hicache.adapters import causes
 from otel_hicache.capture.records import TransferRecord, submission, validate
 
 CAUSE = sc.CAUSE
@@ -93,7 +94,7 @@ def test_spans_and_metrics_by_cause_sum_exactly_to_the_totals(harness):
     assert (tokens("write_through"), tokens("write_through", "swa"), tokens("write_back"), tokens("write_back", "swa"),
             tokens("retraction_backup"), tokens("other", direction="onboard")) == (10, 2, 20, 4, 64, 8)
     by_cause = {c: h.value("hicache.transfer.bytes", **{CAUSE: c, sc.DIRECTION: "offload"})
-                for c in sc.CAUSES["offload"]}
+                for c in causes()["offload"]}
     assert by_cause == {"write_through": 1000, "write_through_selective": 0, "write_back": 2000, "storage_backup": 0,
                         "decode_offload": 0, "retraction_backup": 6400, "other": 0}
     assert sum(by_cause.values()) == h.value("hicache.transfer.bytes", **{sc.DIRECTION: "offload"}) == 9400

@@ -12,6 +12,7 @@ import reprlib
 from typing import Any, Mapping
 
 from .. import semconv as sc
+from ..adapters import causes
 from ..diagnostics import warn_once
 
 from ..record import (DEVICE_EVENT, DIRECT, DIRECTIONS, HOST_CLOCK, INT64_MAX, MERGED_OP, OFFLOAD,  # noqa: F401
@@ -237,12 +238,12 @@ def validate(record: TransferRecord) -> None:
 
 
 def _known_cause(cause: Any, direction: str) -> str:
-    """``cause`` if it is one of ``direction``'s (``semconv.CAUSES``), else ``other`` (warned once):
+    """``cause`` if it is one of ``direction``'s (``adapters.causes()``), else ``other`` (warned once):
     the label stays a closed set whatever a caller passes."""
-    if cause in sc.CAUSES[direction]:
+    if cause in causes()[direction]:
         return cause
     warn_once(f"cause:{direction}:{cause!r}"[:200], "otel-hicache: %r is not a %s cause (%s); counted as %r",
-              cause, direction, ", ".join(sc.CAUSES[direction]), sc.CAUSE_OTHER)
+              cause, direction, ", ".join(causes()[direction]), sc.CAUSE_OTHER)
     return sc.CAUSE_OTHER
 
 

@@ -27,9 +27,10 @@ from array import array
 from typing import Any, NamedTuple, Sequence
 
 from .. import semconv as sc
+from ..adapters import causes
 from ..diagnostics import warn_once
 
-OFFLOAD_CAUSES: tuple[str, ...] = (*sc.CAUSES["offload"], sc.CAUSE_MIXED)
+OFFLOAD_CAUSES: tuple[str, ...] = (*causes()["offload"], sc.CAUSE_MIXED)
 """What ``hicache.offload_cause`` can be: the cause of the offload that wrote a page."""
 _CAUSE_INDEX = {cause: index for index, cause in enumerate(OFFLOAD_CAUSES)}
 

@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from .. import semconv as sc
+from ..adapters import causes, direct_causes
 from ..diagnostics import warn_once
 from .host_residence import OFFLOAD_CAUSES, Reuse, Waste
 from ..record import DIRECT, DIRECTIONS, INT64_MAX, MERGED_OP, ORIGINS, TIERS
@@ -182,9 +183,9 @@ class TransferMetrics(TransferInstruments):
         for d in DIRECTIONS:
             for o in ORIGINS:
                 self.blocks.add(0, self._by_origin[d, o])
-            for cause in sc.CAUSES[d]:  # each cause with the origin(s) its copies have
+            for cause in causes()[d]:  # each cause with the origin(s) its copies have
                 for o in ORIGINS if cause == sc.CAUSE_OTHER else (
-                        (DIRECT,) if cause in sc.DIRECT_CAUSES else (MERGED_OP,)):
+                        (DIRECT,) if cause in direct_causes() else (MERGED_OP,)):
                     self.bytes.add(0, self._bytes_attrs(d, o, cause))
                     self.tokens.add(0, self._pool_attrs(d, o, cause, "kv"))
             self.busy_time.add(0, self._by_direction[d])

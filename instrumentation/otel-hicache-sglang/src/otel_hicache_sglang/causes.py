@@ -44,6 +44,7 @@ from otel_hicache import semconv as sc
 from otel_hicache.diagnostics import warn_once
 
 from .patching import Method
+from . import registration as reg
 
 
 class Site(NamedTuple):
@@ -66,10 +67,10 @@ def backup_cause(_cache: Any, controller: Any, args: tuple, kwargs: dict) -> str
     write-back backup (device eviction under ``write_back``, or a component's state
     eviction) when ``write_back``; otherwise the insert-time backup of the write policy."""
     if (args[1] if len(args) > 1 else kwargs.get("write_back", False)):  # patching.arg(), inlined
-        return sc.CAUSE_WRITE_BACK
+        return reg.WRITE_BACK
     if getattr(controller, "write_policy", None) == "write_through_selective":
-        return sc.CAUSE_WRITE_THROUGH_SELECTIVE
-    return sc.CAUSE_WRITE_THROUGH
+        return reg.WRITE_THROUGH_SELECTIVE
+    return reg.WRITE_THROUGH
 
 
 UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache"
@@ -80,19 +81,19 @@ SITES: dict[str, tuple[Site, ...]] = {
     # group name -> its sites (wrapped all or nothing, when the module is imported)
     "transfer causes": (
         Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache._execute_and_commit_kv_backup", backup_cause, _own_controller),
-        Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.load_back", sc.CAUSE_PREFIX_HIT, _own_controller),
-        Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.backup_kv_cache", sc.CAUSE_RETRACTION_BACKUP, _own_controller),
-        Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.restore_kv_cache", sc.CAUSE_RETRACTION_RESTORE,
+        Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.load_back", reg.PREFIX_HIT, _own_controller),
+        Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.backup_kv_cache", reg.RETRACTION_BACKUP, _own_controller),
+        Site(UNIFIED_RADIX_CACHE, "UnifiedRadixCache.restore_kv_cache", reg.RETRACTION_RESTORE,
              _own_controller),
     ),
     "transfer causes: buffer-only host mode": (
-        Site(BUFFER_PIPELINE, "BufferModePipeline._stage_backup_intent", sc.CAUSE_STORAGE_BACKUP,
+        Site(BUFFER_PIPELINE, "BufferModePipeline._stage_backup_intent", reg.STORAGE_BACKUP,
              _pipeline_controller),
-        Site(BUFFER_PIPELINE, "BufferModePipeline._allocate_and_queue_load_back", sc.CAUSE_STORAGE_PREFETCH,
+        Site(BUFFER_PIPELINE, "BufferModePipeline._allocate_and_queue_load_back", reg.STORAGE_PREFETCH,
              _pipeline_controller),
     ),
     "transfer causes: decode offload": (
-        Site(DECODE_OFFLOAD, "DecodeKVCacheOffloadManager.offload_kv_cache", sc.CAUSE_DECODE_OFFLOAD,
+        Site(DECODE_OFFLOAD, "DecodeKVCacheOffloadManager.offload_kv_cache", reg.DECODE_OFFLOAD,
              _own_controller),
     ),
 }
@@ -122,8 +123,8 @@ REQUEST_SITES: dict[str, tuple[RequestSite, ...]] = {
 }
 
 REQUEST_CAUSES = frozenset((
-    sc.CAUSE_WRITE_THROUGH, sc.CAUSE_WRITE_THROUGH_SELECTIVE, sc.CAUSE_PREFIX_HIT, sc.CAUSE_DECODE_OFFLOAD,
-    sc.CAUSE_RETRACTION_BACKUP, sc.CAUSE_RETRACTION_RESTORE,
+    reg.WRITE_THROUGH, reg.WRITE_THROUGH_SELECTIVE, reg.PREFIX_HIT, reg.DECODE_OFFLOAD,
+    reg.RETRACTION_BACKUP, reg.RETRACTION_RESTORE,
 ))
 """The causes whose copies belong to the request of their site: linked to it."""
 

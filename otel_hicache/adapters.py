@@ -1,0 +1,49 @@
+"""Framework adapters' registrations: the entry-point group ``otel_hicache.adapters``.
+
+The core knows no framework. An adapter's entry point names an object (a module will
+do) with any of: ``CAUSES``, ``{direction: (cause, ...)}``, the causes its ops report;
+``DIRECT_CAUSES``, those of them whose copies nobody acks; ``doctor(out, check)``, its
+section of ``otel-hicache doctor``. An adapter that fails to load is warned about once
+and left out: its causes then count as ``other``.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib.metadata import entry_points
+from typing import Any
+
+from .diagnostics import warn_once
+
+GROUP = "otel_hicache.adapters"
+OTHER = "other"
+"""A cause every direction has: a caller's op whose cause no adapter registered."""
+
+
+@functools.lru_cache(maxsize=None)
+def registered() -> tuple[tuple[str, Any], ...]:
+    """``(name, registration)`` of every adapter installed, by name."""
+    found = []
+    for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
+        try:
+            found.append((ep.name, ep.load()))
+        except Exception as exc:  # pylint: disable=broad-except  # a broken adapter costs only its causes
+            warn_once(f"adapter:{ep.name}", "otel-hicache: adapter %s not loaded (%s: %s); its causes count as %r",
+                      ep.name, type(exc).__name__, exc, OTHER)
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=None)
+def causes() -> dict[str, tuple[str, ...]]:
+    """Every cause of each direction: the adapters', then ``other``."""
+    found: dict[str, list[str]] = {"offload": [], "onboard": []}
+    for _, registration in registered():
+        for direction, names in (getattr(registration, "CAUSES", None) or {}).items():
+            found[direction].extend(c for c in names if c not in found[direction] and c != OTHER)
+    return {direction: (*names, OTHER) for direction, names in found.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def direct_causes() -> frozenset[str]:
+    """Causes whose copies nobody acks (``hicache.origin=direct``); ``other`` can be either."""
+    return frozenset(c for _, r in registered() for c in getattr(r, "DIRECT_CAUSES", ()))
