@@ -31,7 +31,7 @@ cd "$root"
 # The core's tests that need neither torch, SGLang nor the telemetry stack. Left out:
 # - test_records.py::test_integer_like_counts_and_str_enum_pool_names_are_accepted and
 #   test_host_residence.py::test_torch_cpu_indices_are_read_in_place import torch (not installed here).
-exec "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "slow or not slow" \
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_telemetry.py tests/test_hot_path.py tests/test_records.py tests/test_pipeline.py \
   tests/test_stuck_transfers.py tests/test_self_cost.py tests/test_spans.py \
   tests/test_busy_time.py tests/test_clock.py tests/test_transfer_causes.py \

@@ -52,7 +52,7 @@ for release in "${releases[@]}"; do
             "$root/tests/test_example_workload.py")
   fi
   echo "== SGLang $release on torch $torch" >&2
-  if ! (cd "$root" && PYTHONPATH="$overlay" "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "slow or not slow" \
+  if ! (cd "$root" && PYTHONPATH="$overlay" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
         "${tests[@]}" "${pytest_args[@]}"); then
     failed+=("$release")
   fi
