@@ -46,6 +46,9 @@ USER_PORTS = {
 HEALTHY_DEPENDENCIES = ("jaeger", "prometheus")
 
 
+# the loader is built with Go: CI runs these in its stack step (pytest -m stack), never the test command
+pytestmark = pytest.mark.stack
+
 # -- the loader binary ------------------------------------------------------------------
 
 
