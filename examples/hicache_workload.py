@@ -1,14 +1,9 @@
 """A HiCache-shaped KV-cache workload on real torch tensors, reported by otel-hicache.
 
-Merged ops of KV pages move between L1 (device) and L2 (host) tensors shaped like Qwen3-0.6B's
-pools: ``kv``, ``swa`` (a sliding window) and ``draft`` (bytes only). Every copy is a real
-``copy_``, checked by page tags at the end; write-throughs and prefix hits link to the request
-span they served. CUDA ops are timed by device events, CPU ones by the host clock.
-
-    python examples/hicache_workload.py [--ops 1000] [--device cuda]
-
-With no OTEL_* exporter configured, the summary is printed from what an in-memory pipeline
-received and checked against the workload's own totals; with one, it is exported there.
+Merged ops move KV pages between L1 (device) and L2 (host) pools shaped like Qwen3-0.6B's (``kv``,
+a sliding-window ``swa``, a ``draft`` counted in bytes), each a real ``copy_`` checked by page tags.
+Without an OTEL_* exporter the summary comes from an in-memory pipeline, checked against the
+workload's own totals.   python examples/hicache_workload.py [--ops 1000] [--device cuda]
 """
 
 from __future__ import annotations
@@ -94,8 +89,7 @@ class DirectionSummary:
     p99_s: float | None = None
 
     @property
-    def bandwidth(self) -> float | None:
-        """Bytes per second of busy time (overlapping ops counted once)."""
+    def bandwidth(self) -> float | None:  # bytes per second of busy time (overlaps counted once)
         return self.bytes / self.busy_s if self.busy_s else None
 
 
@@ -242,12 +236,6 @@ class EmbeddedPipeline:
         self.tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self.tracer_provider.add_span_processor(trace_export.SimpleSpanProcessor(self.span_exporter))
         self.meter_provider = MeterProvider([self.metric_reader], resource=resource, shutdown_on_exit=False)
-
-    def metrics_data(self):
-        return self.metric_reader.get_metrics_data()
-
-    def spans(self):
-        return self.span_exporter.get_finished_spans()
 
     def shutdown(self):
         self.tracer_provider.shutdown()
@@ -502,16 +490,12 @@ def parse_args(argv):
     defaults = WorkloadConfig()
     parser = argparse.ArgumentParser(prog="hicache_workload.py", description=__doc__.split("\n\n")[0],
                                      epilog="With OTEL_EXPORTER_OTLP_ENDPOINT set, telemetry is exported there.")
-    parser.add_argument("--ops", type=int, default=defaults.ops, help="merged ops (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="RNG seed (default %(default)s)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where L1 lives; "
-                        "auto: cuda if available")
-    parser.add_argument("--layers", type=int, default=defaults.layers, help="layers of the kv pool "
-                        "(default %(default)s: Qwen3-0.6B)")
-    parser.add_argument("--pool-tokens", type=int, default=defaults.pool_tokens, help=f"L1 pool size in "
-                        f"tokens, L2 {HOST_RATIO} times that (default %(default)s)")
-    parser.add_argument("--rate", type=float, default=defaults.rate, metavar="OPS_PER_S",
-                        help="pace the ops at this many per second (default: unpaced)")
+    for flag, kind, default, what in (("--ops", int, defaults.ops, "merged ops"), ("--seed", int, 0, "RNG seed"),
+                                      ("--layers", int, defaults.layers, "layers of the kv pool"),
+                                      ("--pool-tokens", int, defaults.pool_tokens, "L1 tokens (L2: twice)"),
+                                      ("--rate", float, 0.0, "ops per second (0: unpaced)")):
+        parser.add_argument(flag, type=kind, default=default, help=f"{what} (default %(default)s)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="where L1 lives")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
     parser.add_argument("--truth-json", metavar="PATH", help="also write the workload's ground truth there")
     args = parser.parse_args(argv)
@@ -590,8 +574,8 @@ def run(cfg, device, tel, tracer, embedded, args):
 
 def check_exported(embedded, truth, ops, flushed):
     """Print what the embedded pipeline received; returns how it differs from the truth."""
-    summary = summarize(embedded.metrics_data())
-    exported = embedded.spans()
+    summary = summarize(embedded.metric_reader.get_metrics_data())
+    exported = embedded.span_exporter.get_finished_spans()
     spans = [span for span in exported if span.name not in (STEP_SPAN, REQUEST_SPAN)]
     linked, dangling = request_links(exported)
     print_summary(summary, spans, linked, dangling)

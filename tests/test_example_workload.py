@@ -180,8 +180,8 @@ def test_workload_spans_and_metrics_match_ground_truth() -> None:
         truth = workload.run(tel)
         checked, problems = workload.verify()
         assert tel.force_flush(5.0)
-        summary = hw.summarize(pipeline.metrics_data())
-        spans = pipeline.spans()
+        summary = hw.summarize(pipeline.metric_reader.get_metrics_data())
+        spans = pipeline.span_exporter.get_finished_spans()
     finally:
         tel.shutdown()
         pipeline.shutdown()
@@ -248,7 +248,7 @@ def test_request_links_of_the_workload() -> None:
         truth = hw.HiCacheWorkload(cfg, torch.device("cpu")).run(
             tel, tracer=pipeline.tracer_provider.get_tracer("test"))
         assert tel.force_flush(5.0)
-        spans = pipeline.spans()
+        spans = pipeline.span_exporter.get_finished_spans()
     finally:
         tel.shutdown()
         pipeline.shutdown()
