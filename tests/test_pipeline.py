@@ -153,6 +153,8 @@ class Rig:
         handle = submission(direction, {"kv": 64}, 4096, 64, start, finish, timing, expect_ack=expect_ack,
                             submit_ns=self.clock(), **kwargs)
         self.p.queue.append(handle)
+        if self.p.idle:  # as submit() does: a poller with nothing to poll sleeps until woken
+            self.p.wake()
         return handle
 
     def ack(self, handle):

@@ -151,6 +151,17 @@ class ProcessChannel:
             if self._embedded is None:
                 self._pump()
 
+    def due(self) -> int | None:
+        """When (``time.monotonic_ns()``) send() is needed though nothing new was written: a restart, a
+        full pipe, checkpoints not yet read; None when nothing waits."""
+        if self._embedded is not None or self._stopped:
+            return None
+        if self.process is None:
+            return int(self._restart_at * 1e9) if self._backlog else None
+        if self._partial is not None or self._backlog or self._unconfirmed:
+            return self._last_read + _ANSWERS_INTERVAL_NS
+        return None
+
     def flush(self, timeout_s: float) -> bool:
         """Everything written before this call exported by the telemetry process (bounded)."""
         deadline = time.monotonic() + timeout_s

@@ -26,7 +26,7 @@ from .attributes import static_attributes
 from .device import timing_event_pair
 from .poller import HostFree, HostPoolRef, PipelineSettings, Poller
 from .process_exit import on_exit
-from .records import INT64_MAX, S_ACK_NS, TransferRecord, submission, validate
+from .records import INT64_MAX, S_ACK_NS
 
 _get_current_context = otel_context.get_current
 
@@ -68,7 +68,6 @@ class TransferTelemetry:
         anchor_event_factory: Callable[[], Any] | None = None,
     ) -> None:
         self._static = static_attributes(attributes)
-        self._strict = env_bool(ev.OTEL_HICACHE_STRICT)
         self._clock = clock or time.time_ns
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self._pipeline: Poller | None = None
@@ -159,8 +158,6 @@ class TransferTelemetry:
         if pipeline is None:
             return None
         try:
-            if self._strict:
-                self._check(direction, tokens_by_pool, num_bytes, page_size)
             if len(pipeline.queue) + pipeline.held >= self._cap and not self._first_in_child(pipeline):
                 next(pipeline.refused)
                 pipeline.stalled()  # a full queue may be a stuck poller: it says where
@@ -172,11 +169,9 @@ class TransferTelemetry:
                       _get_current_context(), host_start_ns, host_end_ns, ack_watch, cause, host_slots, requests,
                       None]  # the last: the ack time, set by ack() or the poller (ack_watch)
             pipeline.queue.append(record)
+            if pipeline.idle:  # the empty->busy transition only: one flag read per submit
+                pipeline.wake()
             return record
-        except (TypeError, ValueError):
-            if self._strict:
-                raise
-            return None
         except Exception:  # never raise into the host application
             return None
 
@@ -215,6 +210,8 @@ class TransferTelemetry:
             if self._cap == _OPEN_FIRST:
                 self._first_in_child(pipeline)
             pipeline.queue.append(HostFree(pool.pool_id, slots))
+            if pipeline.idle:
+                pipeline.wake()
         except Exception:  # never raise into the host application
             return
 
@@ -224,14 +221,8 @@ class TransferTelemetry:
             if handle is not None and handle[S_ACK_NS] is None:
                 handle[S_ACK_NS] = self._clock()
         except (TypeError, IndexError, KeyError):
-            if self._strict:
-                raise TypeError(f"ack() expects a handle returned by submit(), got {type(handle).__name__}")
             warn_once("ack:handle", "otel-hicache: ack() got %s, not a handle from submit(); ignored",
                       type(handle).__name__)
-
-    @staticmethod
-    def _check(direction: Any, tokens_by_pool: Any, num_bytes: Any, page_size: Any) -> None:
-        validate(TransferRecord(submission(direction, tokens_by_pool, num_bytes, page_size)))
 
     # -- convenience --------------------------------------------------------------
     @contextmanager
