@@ -67,6 +67,8 @@ class PipelineSettings:
                    env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01))
 
 
+# After work, the poller polls this long before it sleeps: under load submit() never has to wake it.
+_ACTIVE_GRACE_S = 0.1
 _ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts are scanned at most this often
 _STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs are sent at most this often (and at every flush)
 # Written batches are sent on at most this often, or once this many ops wait: each send is a system call
@@ -178,6 +180,7 @@ class Poller:
         self._last_ack_scan = self._last_state = self._last_send = self._stall_written = 0
         self._state_sent: tuple[Any, ...] | None = None
         self._state_held = False  # a STATE was held back by its interval: a timer
+        self._cpu_s = 0.0  # the poller thread's CPU time at its last STATE
         self._out: list[tuple[Any, ...]] = []  # this cycle's messages
         self._ops_out = 0
         self._unsent_ops = -1  # ops written to the channel and not sent on yet; -1: nothing at all
@@ -246,7 +249,7 @@ class Poller:
             self._stall_written = mono
             refused = self._refused_now()
             batch = [(rec.DROPPED, sc.DROP_QUEUE_FULL, refused)] if refused else []
-            batch.append(self._state_message(time.thread_time()))
+            batch.append(self._state_message(self._cpu_s))  # (the poller's CPU time as it last read it)
             try:
                 self.channel.write(batch, 0)
                 getattr(self.channel, "send", lambda: None)()
@@ -298,7 +301,10 @@ class Poller:
     def _run(self) -> None:
         if not self._forked:  # the sinks' zero series exist from start-up
             self._opened()
+        active = 0.0  # the last time there was work: polling goes on _ACTIVE_GRACE_S after it
         while True:
+            if self.queue or self._pending or self._awaiting:
+                active = time.monotonic()
             self._cycle_started = time.monotonic()
             try:
                 self._cycle()
@@ -317,7 +323,8 @@ class Poller:
                 return
             if self._more:  # cut short by its budget: the rest now, once the others had the GIL
                 time.sleep(0)
-            elif self._pending or self._awaiting or self._flush_waiters or self._out:  # (_out: a cycle that failed)
+            elif (self._pending or self._awaiting or self._flush_waiters or self._out  # (_out: a cycle that failed)
+                  or time.monotonic() - active < _ACTIVE_GRACE_S):
                 self._wake.wait(self.settings.poll_interval_s)
             else:
                 self._sleep()
@@ -373,7 +380,7 @@ class Poller:
             for seq, item in enumerate(items, first):
                 if type(item) is HostFree:
                     self.held -= 1
-                    self._host_freed(item)
+                    self._host(rec.FREE, item.pool_id, item.slots)
                 elif type(item) is HostPoolRef:
                     self.held -= 1
                     self._out.append(item.message())
@@ -397,7 +404,9 @@ class Poller:
                           "otel-hicache: dropped a transfer record: %s", exc)
                 return False
             if record.host_slots is not None:
-                self._host_pages(record)
+                pool, slots = record.host_slots
+                self._host(rec.HOST, record.seq, pool.pool_id, record.direction, slots, record.submit_ns,
+                           record.cause, record.num_bytes)
             self._inflight[record.direction] += 1
             self._pending.append(record)
             return True
@@ -409,21 +418,15 @@ class Poller:
             logger.debug("otel-hicache intake error", exc_info=True)
             return False
 
-    def _host_pages(self, record: TransferRecord) -> None:
-        pool, slots = record.host_slots
+    def _host(self, kind: int, *fields: Any) -> None:
+        """A ``record.HOST`` (an op's pages) or ``record.FREE`` message, its slots (maybe a call) made text."""
+        index = 3 if kind == rec.HOST else 1
         try:
-            slots = slots() if callable(slots) else slots
-            self._out.append((rec.HOST, record.seq, pool.pool_id, record.direction, rec.slot_text(slots),
-                              record.submit_ns, record.cause, record.num_bytes))
-        except Exception as exc:  # the op is still reported; its pages are not tracked
-            warn_once(f"host_pages:{type(exc).__name__}", "otel-hicache: cannot track an op's host pages (%r)", exc)
-
-    def _host_freed(self, item: HostFree) -> None:
-        try:
-            slots = item.slots() if callable(item.slots) else item.slots
-            self._out.append((rec.FREE, item.pool_id, rec.slot_text(slots)))
-        except Exception as exc:
-            warn_once(f"host_freed:{type(exc).__name__}", "otel-hicache: cannot track freed host pages (%r)", exc)
+            slots = fields[index]() if callable(fields[index]) else fields[index]
+            self._out.append((kind, *fields[:index], rec.slot_text(slots), *fields[index + 1:]))
+        except Exception as exc:  # the op is still reported; these pages are not tracked
+            warn_once(f"host:{kind}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
+                      "an op's" if kind == rec.HOST else "freed", exc)
 
     # -- 2. completion and timing -------------------------------------------------------------
     def _completions(self, now: int, end: int) -> None:
@@ -654,7 +657,8 @@ class Poller:
         if self._forked and self.channel is None:  # a forked child that reported nothing: no sinks to tell
             return
         self._last_state = mono
-        message = self._state_message(time.thread_time())
+        self._cpu_s = time.thread_time()
+        message = self._state_message(self._cpu_s)
         if message[1:5] != self._state_sent or force:
             self._state_sent = message[1:5]
             self._out.append(message)
