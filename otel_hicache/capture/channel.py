@@ -43,6 +43,15 @@ def _nonblocking(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
 
 
+def _close(process: Any, close: Callable[[Any], Any]) -> None:
+    for stream in (process.stdin, process.stdout) if process is not None else ():
+        try:
+            if stream is not None:
+                close(stream)
+        except OSError:
+            pass
+
+
 # -I: neither the working directory nor PYTHONPATH (an auto-instrumentation's sitecustomize) nor the user's
 # site directory; the path comes from the serving process, as an argument
 _START = ("import json,sys; sys.path[:0] = json.loads(sys.argv[1]); "
@@ -226,14 +235,7 @@ class ProcessChannel:
         """In a forked child: the parent's telemetry process stays the parent's (our copies of its
         pipes closed, so that it sees its input end with the parent)."""
         self._lock = threading.Lock()
-        process = self.process
-        if process is not None:
-            for stream in (process.stdin, process.stdout):
-                try:
-                    if stream is not None:
-                        os.close(stream.fileno())
-                except OSError:
-                    pass
+        _close(self.process, lambda stream: os.close(stream.fileno()))  # (not flushing the parent's buffer)
         self._embedded = None
         self._stopped = False
         self._deaths = 0
@@ -281,12 +283,7 @@ class ProcessChannel:
                 process.kill()
                 process.wait()
             code = process.returncode
-            for stream in (process.stdin, process.stdout):
-                try:
-                    if stream is not None:
-                        stream.close()
-                except OSError:
-                    pass
+            _close(process, lambda stream: stream.close())
         else:
             code = None
         ready = self._answered

@@ -9,8 +9,9 @@
 3. ack watching: the end of each op's ack wait (``record.ACK``: acked, or timed out);
 4. hand-over: the cycle's messages as one batch to the channel (:mod:`.channel`), sent on every so often.
 
-It polls only while something is in flight or awaits its ack; otherwise it sleeps until a timer is
-due (a STATE or a send held back, the channel's) or ``submit()`` wakes it (once, when it found it idle).
+It polls while something is in flight or awaits its ack, and for ``_ACTIVE_GRACE_S`` after; then it
+sleeps until a timer is due (a STATE or a send held back, the channel's) or a ``submit()`` that
+finds it asleep wakes it.
 """
 
 from __future__ import annotations
