@@ -29,7 +29,7 @@ from otel_hicache import record as rec
 from otel_hicache import semconv as sc
 from otel_hicache.capture import fork
 from otel_hicache.capture import poller as engine
-from otel_hicache.capture.poller import PipelineSettings, Poller
+from otel_hicache.capture.poller import PollerSettings, Poller
 from otel_hicache.capture.records import DEVICE_EVENT, HOST_CLOCK, S_ACK_NS, submission
 from otel_hicache.sinks.consumer import Consumer
 
@@ -137,7 +137,7 @@ class Rig:
         self.open_threads = []
         self.open_errors = []  # exceptions the next open_channel() calls raise
         self._seen = 0
-        settings = PipelineSettings(max_queue_size=cap, poll_interval_s=0.0005, ack_timeout_s=ack_timeout_s,
+        settings = PollerSettings(max_queue_size=cap, poll_interval_s=0.0005, ack_timeout_s=ack_timeout_s,
                                     transfer_timeout_s=transfer_timeout_s, stall_warning_s=stall_warning_s)
         self.p = (ManualPoller if manual else Poller)(settings, self.open_channel, self.clock)
 

@@ -36,7 +36,7 @@ from otel_hicache import TransferTelemetry
 from otel_hicache import record as rec
 from otel_hicache import semconv as sc
 from otel_hicache.capture import poller
-from otel_hicache.capture.poller import PipelineSettings, Poller
+from otel_hicache.capture.poller import PollerSettings, Poller
 from otel_hicache.capture.records import submission
 from otel_hicache.sinks import consumer as consumer_module
 from otel_hicache.sinks.consumer import Consumer
@@ -105,7 +105,7 @@ def _providers() -> tuple[TracerProvider, MeterProvider]:
 def _cpu_per_op(ops: int, channel: Any, per_cycle: int | None = None) -> float:
     """Thread CPU seconds per op of the cycles that take ``ops`` host-timed ops in, complete
     them and write them to ``channel`` (all in one cycle, or ``per_cycle`` at a time)."""
-    p = Manual(PipelineSettings(max_queue_size=10**6), lambda: channel, time.time_ns)
+    p = Manual(PollerSettings(max_queue_size=10**6), lambda: channel, time.time_ns)
     p._cycle()  # the channel opened, the first STATE sent
     now = time.time_ns()
     items = [submission("offload", {"kv": 64}, 4096, 64, expect_ack=False, submit_ns=now,
@@ -295,7 +295,7 @@ def test_the_pollers_cpu_is_counted_per_rank_and_embedded_sinks_report_no_export
         meter_provider.shutdown()
 
 
-def test_the_worker_cpu_is_the_pollers_thread_only():
+def test_the_poller_cpu_is_its_own_thread_only():
     """The STATE's CPU seconds are the poller thread's: CPU burnt by another thread of the
     process meanwhile is not in them."""
     states: list[tuple[Any, ...]] = []
@@ -304,7 +304,7 @@ def test_the_worker_cpu_is_the_pollers_thread_only():
         def write(self, batch: list[Any], ops: int) -> None:
             states.extend(m for m in batch if m[0] == rec.STATE)
 
-    p = Poller(PipelineSettings(poll_interval_s=0.0005), Channel, time.time_ns)
+    p = Poller(PollerSettings(poll_interval_s=0.0005), Channel, time.time_ns)
     try:
         assert p.flush(5.0)
         before = states[-1][5]

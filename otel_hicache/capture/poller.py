@@ -43,7 +43,7 @@ from .records import S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
 from .timing import is_complete, resolve, resolve_host_clock
 
 
-class PipelineSettings:
+class PollerSettings:
     """The poller's knobs; the defaults are the documented ones (environment_variables.DEFAULTS)."""
 
     __slots__ = ("max_queue_size", "poll_interval_s", "ack_timeout_ns", "transfer_timeout_ns",
@@ -60,7 +60,7 @@ class PipelineSettings:
         self.ack_timeout_ns, self.transfer_timeout_ns = int(ack_timeout_s * 1e9), int(transfer_timeout_s * 1e9)
 
     @classmethod
-    def from_environment(cls) -> "PipelineSettings":
+    def from_environment(cls) -> "PollerSettings":
         """From the ``OTEL_HICACHE_*`` variables (malformed ones: warned, the default used)."""
         return cls(env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE),
                    env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS, minimum=0.01) / 1e3,
@@ -152,7 +152,7 @@ class Poller:
     """Takes ``submit()``'s lists in, watches them complete, writes their messages to the channel
     ``open_channel()`` makes at the first batch (again in a forked child)."""
 
-    def __init__(self, settings: PipelineSettings, open_channel: Callable[[], Any],
+    def __init__(self, settings: PollerSettings, open_channel: Callable[[], Any],
                  clock: Callable[[], int] = time.time_ns, anchor_factory: Callable[[], Any] | None = None) -> None:
         self.settings = settings
         self._open_channel = open_channel

@@ -22,7 +22,7 @@ from ..settings import env_bool, env_float, sdk_disabled
 from . import fork
 from .attributes import static_attributes
 from .device import timing_event_pair
-from .poller import HostFree, HostPoolRef, PipelineSettings, Poller
+from .poller import HostFree, HostPoolRef, PollerSettings, Poller
 from .process_exit import on_exit
 from .records import INT64_MAX, S_ACK_NS
 
@@ -53,11 +53,11 @@ class TransferTelemetry:
         self._static = static_attributes(attributes)
         self._clock = clock or time.time_ns
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
-        self._pipeline: Poller | None = None
+        self._pipeline: Poller | None = None  # (its poller; tests/harness.py reads it by this name)
         self.enabled = False  # an attribute, not a property: adapters guard their argument building with it
         if not (env_bool(ev.OTEL_HICACHE_ENABLED) and not sdk_disabled()):
             return
-        settings = PipelineSettings.from_environment()
+        settings = PollerSettings.from_environment()
         self._cap = settings.max_queue_size
         self._pipeline = Poller(settings, configuration.open_channel(
             tracer_provider, meter_provider, self._static, settings.max_queue_size, self._clock),
@@ -70,20 +70,20 @@ class TransferTelemetry:
         if self._pipeline is not None:
             self._cap = _OPEN_FIRST
 
-    def _first_in_child(self, pipeline: Poller) -> bool:
+    def _first_in_child(self, poller: Poller) -> bool:
         """A forked child's first submit() opens its channel, on the caller's thread. False when it is
         not that call, or the queue is full."""
         if self._cap != _OPEN_FIRST:
             return False
-        self._cap = pipeline.settings.max_queue_size
-        pipeline.open_channel()
-        return len(pipeline.queue) + pipeline.held < self._cap
+        self._cap = poller.settings.max_queue_size
+        poller.open_channel()
+        return len(poller.queue) + poller.held < self._cap
 
     @property
     def channel(self) -> Any:
         """The channel to the sinks once opened (a ``ProcessChannel`` or an ``EmbeddedChannel``), else None."""
-        pipeline = self._pipeline
-        return pipeline.channel if pipeline is not None else None
+        poller = self._pipeline
+        return poller.channel if poller is not None else None
 
     def submit(self, direction: str, tokens_by_pool: Mapping[str, int] | None = None, num_bytes: int = 0,
                page_size: int = 1, start_event: Any = None, finish_event: Any = None, timing_enabled: bool = False,
@@ -102,22 +102,22 @@ class TransferTelemetry:
         returning one of these. ``host_slots=(pool, slots)``: the op's slots in a :meth:`host_pool`.
         ``requests``: the traced requests' span contexts (or spans, contexts, a callable), linked.
         """
-        pipeline = self._pipeline
-        if pipeline is None:
+        poller = self._pipeline
+        if poller is None:
             return None
         try:
-            if len(pipeline.queue) + pipeline.held >= self._cap and not self._first_in_child(pipeline):
-                next(pipeline.refused)
-                pipeline.stalled()  # a full queue may be a stuck poller: it says where
+            if len(poller.queue) + poller.held >= self._cap and not self._first_in_child(poller):
+                next(poller.refused)
+                poller.stalled()  # a full queue may be a stuck poller: it says where
                 return None
             # records.SUBMISSION_FIELDS spelled out (a literal is the cheapest build; test_records.py checks it)
             record = [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, timing_enabled,
                       io_backend, attributes, expect_ack, self._clock() if host_start_ns is None else host_start_ns,
                       _get_current_context(), host_start_ns, host_end_ns, ack_watch, cause, host_slots, requests,
                       None]  # the last: the ack time, set by ack() or the poller (ack_watch)
-            pipeline.queue.append(record)
-            if pipeline.idle:  # the empty->busy transition only: one flag read per submit
-                pipeline.wake()
+            poller.queue.append(record)
+            if poller.idle:  # asleep with nothing to poll: woken once; otherwise one flag read
+                poller.wake()
             return record
         except Exception:  # never raise into the host application
             return None
@@ -126,8 +126,8 @@ class TransferTelemetry:
         """A host pool of ``slots`` token slots in pages of ``page_size``, for the ops' ``host_slots`` and
         :meth:`host_freed` (its residence is tracked by the sinks); None when disabled, without NumPy,
         or for a bad size (warned once)."""
-        pipeline = self._pipeline
-        if pipeline is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
+        poller = self._pipeline
+        if poller is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
             return None
         if importlib.util.find_spec("numpy") is None:
             warn_once("host_pool:numpy", "otel-hicache: host residence needs NumPy (pip install numpy); not tracked")
@@ -141,21 +141,21 @@ class TransferTelemetry:
             warn_once(f"host_pool:{exc}"[:200], "otel-hicache: cannot track the %s host pool (%s)", name, exc)
             return None
         pool = HostPoolRef(name, slots, page_size)
-        pipeline.add_pool(pool)
+        poller.add_pool(pool)
         return pool
 
     def host_freed(self, pool: Any, slots: Any) -> None:
         """The host freed ``slots`` of ``pool``: pages written and never loaded back count as wasted
         offloads. In order with the ops around it; never refused (tiny, and must not be lost)."""
-        pipeline = self._pipeline
-        if pipeline is None or pool is None:
+        poller = self._pipeline
+        if poller is None or pool is None:
             return
         try:
             if self._cap == _OPEN_FIRST:
-                self._first_in_child(pipeline)
-            pipeline.queue.append(HostFree(pool.pool_id, slots))
-            if pipeline.idle:
-                pipeline.wake()
+                self._first_in_child(poller)
+            poller.queue.append(HostFree(pool.pool_id, slots))
+            if poller.idle:
+                poller.wake()
         except Exception:  # never raise into the host application
             return
 
@@ -202,12 +202,12 @@ class TransferTelemetry:
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         """Report every completed op (acked or not waiting for an ack) and export. Bounded."""
-        pipeline = self._pipeline
-        if pipeline is None:
+        poller = self._pipeline
+        if poller is None:
             return True
         deadline = time.monotonic() + timeout_s
-        flushed = pipeline.flush(timeout_s)
-        channel = pipeline.channel  # what was taken in is exported even if something is still in flight
+        flushed = poller.flush(timeout_s)
+        channel = poller.channel  # what was taken in is exported even if something is still in flight
         remaining = max(0.1 * timeout_s, deadline - time.monotonic())
         exported = channel.flush(remaining) if channel is not None else True
         return flushed and exported
@@ -215,7 +215,7 @@ class TransferTelemetry:
     def shutdown(self) -> None:
         """Stop accepting, report what was recorded (unacked: ``hicache.acked=false``) and export,
         within OTEL_HICACHE_SHUTDOWN_TIMEOUT_S."""
-        pipeline, self._pipeline = self._pipeline, None
+        poller, self._pipeline = self._pipeline, None
         self.enabled = False
-        if pipeline is not None:
-            pipeline.stop(self._shutdown_timeout_s)
+        if poller is not None:
+            poller.stop(self._shutdown_timeout_s)
