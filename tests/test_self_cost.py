@@ -1,6 +1,7 @@
 """What otel-hicache costs the serving process, and how it says so.
 
-* The poller's wake-up (``poller._Wake``): one C call per wait, a ``set()`` never lost.
+* The poller's wake-up (``poller._Wake``): one C call per wait, a ``set()`` never lost; idle, the
+  poller waits with no timeout until a submit() wakes it.
 * The poller's own CPU per op (intake, completion, timing, the OP message), measured with
   the thread CPU clock on the thread that runs the cycles, only as ratios, never as absolute
   times: it stays linear in the ops of a cycle, and it is a small fraction of what the same
@@ -74,6 +75,41 @@ def test_wake_from_another_thread_ends_the_wait_early():
     assert wake.wait(5.0) is True
     assert time.monotonic() - t0 < 4.0
     timer.join()
+
+
+class _RecordedWake(poller._Wake):
+    __slots__ = ("timeouts",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+
+    def wait(self, timeout: float | None) -> bool:
+        self.timeouts.append(timeout)
+        return super().wait(timeout)
+
+
+def _wait_until(condition: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_an_idle_poller_waits_without_a_timeout_until_a_submit_wakes_it(harness):
+    """Nothing in flight, nothing held back: the poller blocks with no timeout (no wake-up at all);
+    the next submit() wakes it (no flush() here, which would wake it too)."""
+    h = harness()
+    p = h.tel._pipeline  # pylint: disable=protected-access
+    _wait_until(lambda: p.idle)
+    old, p._wake = p._wake, _RecordedWake()  # pylint: disable=protected-access
+    old.set()  # its wait ends: the next ones are recorded
+    _wait_until(lambda: p.idle and p._wake.timeouts and p._wake.timeouts[-1] is None)
+    taken = p._taken  # pylint: disable=protected-access
+    h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=1, host_end_ns=5)
+    _wait_until(lambda: p._taken == taken + 1)  # pylint: disable=protected-access
+    _wait_until(lambda: p.idle and p._wake.timeouts[-1] is None)  # and back to sleep once it is handed over
+    assert len(h.finished()) == 1
 
 
 # -- the poller's own CPU per op ------------------------------------------------------------------------------
