@@ -37,10 +37,8 @@ from ..environment_variables import DEFAULTS
 from ..settings import env_float, env_int
 from . import fork, request_links
 from .attributes import call_attributes, limits
-from .clock import EventTimeline, WallClockAnchor
-from .device import anchor_factory_for
 from .records import S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
-from .timing import is_complete, resolve, resolve_host_clock
+from .timing import Timing, is_complete, resolve_host_clock
 
 
 class PollerSettings:
@@ -128,6 +126,26 @@ class _Wake:
         return self._lock.acquire(timeout=-1 if timeout is None else timeout)
 
 
+class _Refusals:
+    """submit() calls refused on a full queue: ``next(count)`` is atomic and takes no memory, and it is
+    the count's only reader too, so each read() is one call of its own."""
+
+    __slots__ = ("count", "_reads", "_reported", "_lock")
+
+    def __init__(self) -> None:
+        self.count = itertools.count()
+        self._reads = self._reported = 0
+        self._lock = threading.Lock()
+
+    def read(self) -> int:
+        """Refused since the last read (any thread)."""
+        with self._lock:
+            refused = next(self.count) - self._reads
+            self._reads += 1
+            drops, self._reported = refused - self._reported, refused
+        return drops
+
+
 class HostFree(NamedTuple):
     """Host slots the application freed, queued in order with the ops around them."""
 
@@ -165,35 +183,39 @@ class Poller:
         fork.after_fork_in_child(self._after_fork_in_child)
 
     def _init_state(self) -> None:
+        # intake (queue, held and _taken read together under _lock by other threads)
         self.queue: deque[Any] = deque()  # submitted lists (records.SUBMISSION_FIELDS), HostFrees, pools
         self.held = 0  # records the poller holds (pending + awaiting ack); never below the truth
-        self.idle = False  # blocked with nothing to poll: the next submit() wakes it
+        self._taken = 0  # records taken in from the queue (their intake sequence numbers)
+        self._lock = threading.Lock()
+        self._refusals = _Refusals()
+        self.refused = self._refusals.count  # submit()'s next() on a full queue
+        # completion and timing; ack watching
         self._pending: list[TransferRecord] = []
-        self._awaiting: list[TransferRecord] = []
         self._inflight = dict.fromkeys(DIRECTIONS, 0)
-        self._anchor: Any = False  # False: not looked for yet
-        self._timeline = EventTimeline()  # places device-timed ops the anchor cannot
+        self._timing = Timing(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
         self._attribute_limits = limits()  # (count, value length): the SDK's, read once
+        self._awaiting: list[TransferRecord] = []
+        self._last_ack_scan = 0
+        # hand-over
         self.channel: Any = None
         self._open_lock = threading.Lock()
-        self._lock = threading.Lock()  # the intake's: flush() and size() read queue and counts under it
-        self._wake = _Wake()
-        self._last_ack_scan = self._last_state = self._last_send = self._stall_written = 0
+        self._out: list[tuple[Any, ...]] = []  # this cycle's messages
+        self._ops_out = 0
+        self._drops: dict[str, int] = {}
+        self._unsent_ops = -1  # ops written to the channel and not sent on yet; -1: nothing at all
+        self._last_send = self._last_state = 0
         self._state_sent: tuple[Any, ...] | None = None
         self._state_held = False  # a STATE was held back by its interval: a timer
         self._cpu_s = 0.0  # the poller thread's CPU time at its last STATE
-        self._out: list[tuple[Any, ...]] = []  # this cycle's messages
-        self._ops_out = 0
-        self._unsent_ops = -1  # ops written to the channel and not sent on yet; -1: nothing at all
-        self._drops: dict[str, int] = {}
-        self._stopping = self._stop_called = self._more = self._abandoned = self._stall_reported = False
+        # the thread: its sleep, flushes, stop, a stuck cycle
+        self.idle = False  # asleep with nothing to poll: the next submit() wakes it
+        self._wake = _Wake()
+        self._more = False  # the last cycle stopped at its budget with work left
         self._flush_waiters: list[tuple[int, threading.Event]] = []
-        self._taken = 0  # records taken in from the queue (their intake sequence numbers)
-        # submit() calls refused on a full queue: next() on a count is atomic and takes no memory
-        self.refused = itertools.count()
-        self._refused_reported = self._refused_reads = 0
-        self._refused_lock = threading.Lock()
+        self._stopping = self._stop_called = self._abandoned = self._stall_reported = False
         self._cycle_started: float | None = None  # time.monotonic() of the cycle running now
+        self._stall_written = 0
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="otel-hicache-poller", daemon=True)
@@ -248,7 +270,7 @@ class Poller:
         mono = time.monotonic_ns()
         if mono - self._stall_written >= _STATE_INTERVAL_NS and self.channel is not None:
             self._stall_written = mono
-            refused = self._refused_now()
+            refused = self._refusals.read()
             batch = [(rec.DROPPED, sc.DROP_QUEUE_FULL, refused)] if refused else []
             batch.append(self._state_message(self._cpu_s))  # (the poller's CPU time as it last read it)
             try:
@@ -431,8 +453,7 @@ class Poller:
 
     # -- 2. completion and timing -------------------------------------------------------------
     def _completions(self, now: int, end: int) -> None:
-        if self._anchor:
-            self._anchor.maybe_refresh(now)
+        self._timing.refresh(now)
         still: list[TransferRecord] = []
         timeout = self.settings.transfer_timeout_ns
         pending = self._pending
@@ -463,23 +484,8 @@ class Poller:
                 logger.debug("otel-hicache internal error", exc_info=True)
         self._pending = still
 
-    def _anchor_for(self, record: TransferRecord) -> WallClockAnchor | None:
-        if self._anchor is False:
-            self._anchor = None
-            factory = self._anchor_factory
-            if factory is None:
-                try:
-                    factory = anchor_factory_for(record.start_event)
-                except Exception:
-                    factory = None
-            if factory is not None:
-                self._anchor = WallClockAnchor(factory, self.settings.anchor_interval_s, self._clock)
-                self._anchor.refresh()
-        return self._anchor
-
     def _complete(self, record: TransferRecord, now: int) -> None:
-        anchor = self._anchor_for(record) if record.timing_enabled and record.start_event is not None else None
-        resolve(record, now, anchor, self._timeline)
+        self._timing.resolve(record, now)
         awaits = record.expect_ack and record.handle[S_ACK_NS] is None
         if awaits:
             record.completed_at_ns = now
@@ -754,18 +760,8 @@ class Poller:
     def _drop(self, reason: str, count: int = 1) -> None:
         self._drops[reason] = self._drops.get(reason, 0) + count
 
-    def _refused_now(self) -> int:
-        """submit() calls refused since the last read (any thread): next() is the count's only reader,
-        so each read is one call of its own."""
-        with self._refused_lock:
-            refused = next(self.refused) - self._refused_reads
-            self._refused_reads += 1
-            drops = refused - self._refused_reported
-            self._refused_reported = refused
-        return drops
-
     def _report_queue_full(self) -> None:
-        drops = self._refused_now()
+        drops = self._refusals.read()
         if drops:
             self._drop(sc.DROP_QUEUE_FULL, drops)
             warn_once("queue_full", "otel-hicache: transfer record queue full (OTEL_HICACHE_MAX_QUEUE_SIZE=%d); "

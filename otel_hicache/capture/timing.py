@@ -16,6 +16,7 @@ from typing import Any
 from ..diagnostics import warn_once
 from ..record import DEVICE_EVENT, HOST_CLOCK, INT64_MAX
 from .clock import PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, EventTimeline, WallClockAnchor
+from .device import anchor_factory_for
 from .records import TransferRecord
 
 MAX_DEVICE_DURATION_MS = 86_400_000.0  # above a day: a broken event (past ~100 days OTLP cannot encode the end)
@@ -33,6 +34,34 @@ def is_complete(record: TransferRecord) -> bool:
         return False
     start = record.start_event
     return start is None or bool(start.query())
+
+
+class Timing:
+    """The poller's timing of completed records: one wall-clock anchor (from ``anchor_factory``, else
+    made from the first device-timed op's events) and the event timeline for what it cannot place."""
+
+    def __init__(self, anchor_factory: Any, interval_s: float, clock: Any) -> None:
+        self._factory, self._interval_s, self._clock = anchor_factory, interval_s, clock
+        self._anchor: Any = False  # False: not looked for yet
+        self._timeline = EventTimeline()
+
+    def refresh(self, now_ns: int) -> None:
+        if self._anchor:
+            self._anchor.maybe_refresh(now_ns)
+
+    def resolve(self, record: TransferRecord, now_ns: int) -> None:
+        if self._anchor is False and record.timing_enabled and record.start_event is not None:
+            self._anchor = None
+            factory = self._factory
+            if factory is None:
+                try:
+                    factory = anchor_factory_for(record.start_event)
+                except Exception:
+                    factory = None
+            if factory is not None:
+                self._anchor = WallClockAnchor(factory, self._interval_s, self._clock)
+                self._anchor.refresh()
+        resolve(record, now_ns, self._anchor or None, self._timeline)
 
 
 def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
