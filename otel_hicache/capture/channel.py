@@ -151,9 +151,9 @@ class ProcessChannel:
             return None
         if self.process is None:
             return int(self._restart_at * 1e9) if self._backlog else None
-        if self._partial is not None or self._backlog or self._unconfirmed:
+        if self._partial is not None or self._backlog:
             return self._last_read + _ANSWERS_INTERVAL_NS
-        return None
+        return self._last_read + 10 * _ANSWERS_INTERVAL_NS if self._unconfirmed else None  # (checkpoints: ~1/s)
 
     def flush(self, timeout_s: float) -> bool:
         """Everything written before this call exported by the telemetry process (bounded)."""
