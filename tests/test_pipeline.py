@@ -658,7 +658,7 @@ def test_the_final_cycle_drops_what_is_left_and_ends_what_awaits_an_ack(make, wa
     rig.cycle()
     rig.take()
     rig.submit()  # Y: submitted after that cycle's intake, racing stop()
-    rig.p._drain_all = rig.p._stopping = True  # as stop() sets them
+    rig.p._stopping = True  # as stop() sets it
     rig.p._cycle_final()
     batch = rig.take()
     assert brief(batch) == [("ack", 1, None), ("dropped", "shutdown", 2)]  # X and Y
