@@ -346,7 +346,7 @@ class Poller:
                 return
             if self._more:  # cut short by its budget: the rest now, once the others had the GIL
                 time.sleep(0)
-            elif (self._pending or self._awaiting or self._flush_waiters or self._out  # (_out: a cycle that failed)
+            elif (self._pending or self._awaiting or self._flush_waiters
                   or time.monotonic() - active < _ACTIVE_GRACE_S):
                 self._wake.wait(self.settings.poll_interval_s)
             else:
@@ -359,6 +359,8 @@ class Poller:
             due.append(self._last_state + _STATE_INTERVAL_NS)
         if self._unsent_ops >= 0:
             due.append(self._last_send + _WRITE_INTERVAL_NS)
+        if self._out:  # not written (no channel yet, or a cycle that failed): again in a while
+            due.append(time.monotonic_ns() + _WRITE_INTERVAL_NS)
         at = self._channel_due()
         if at is not None:  # (just handled by the cycle: not again at once)
             due.append(max(at, time.monotonic_ns() + _ACK_SCAN_INTERVAL_NS))
