@@ -1,7 +1,7 @@
 """``ack_watch``: the ack time of ops whose consumer never calls ``ack()``.
 
 Frameworks consume acks in many places (pop, clear, reset). Instead of wrapping
-each consumer, an op can name the container its ack sits in; the worker stamps
+each consumer, an op can name the container its ack sits in; the poller stamps
 the ack time when the item is gone from it.
 """
 
@@ -43,7 +43,7 @@ def test_the_ack_time_is_when_the_item_left_its_container(harness, container):
 
 
 def test_an_ack_taken_before_completion_was_observed_counts_at_completion(harness):
-    """A blocking flush synchronizes and clears the queue before the worker polls."""
+    """A blocking flush synchronizes and clears the queue before the poller polls."""
     h = harness()
     item = object()
     queue = [item]

@@ -171,7 +171,7 @@ def test_a_correction_that_never_finds_a_gap_is_made_after_ten_seconds():
     base = device.time_ns()
     timeline = EventTimeline()
     placed = []  # (placed start, placed end, seen)
-    # ops of 10 ms every 5 ms, always overlapping; the worker stalls until 60 ms, then keeps up
+    # ops of 10 ms every 5 ms, always overlapping; the poller stalls until 60 ms, then keeps up
     ops = [op(device, 5 * k, 10, base) for k in range(2400)]
     for k, (start, finish, duration) in enumerate(ops):
         seen = base + max(60 * MS, ns(5 * k + 10.1))

@@ -45,7 +45,7 @@ def test_torch_backend_anchor_records_timing_events_on_its_own_stream(fake_backe
     first, second = factory(), factory()
     assert first.enable_timing and second.enable_timing
     assert first.stream is second.stream is not None  # one side stream, created once
-    assert calls == [("set_device", 3), ("stream", 3)]  # on the events' device, from the worker thread
+    assert calls == [("set_device", 3), ("stream", 3)]  # on the events' device, from the poller thread
 
 
 def test_timing_event_pair_for_a_torch_backend_stream(fake_backend):

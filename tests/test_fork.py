@@ -1,4 +1,4 @@
-"""Per process: a forked child gets its own worker and exporters, not the parent's frozen data."""
+"""Per process: a forked child gets its own poller and exporters, not the parent's frozen data."""
 
 from __future__ import annotations
 

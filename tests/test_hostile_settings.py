@@ -20,7 +20,7 @@ import pytest
 import otel_hicache
 from otel_hicache import configuration
 from otel_hicache.environment_variables import DEFAULTS
-from otel_hicache.capture.poller import PipelineSettings
+from otel_hicache.capture.poller import PollerSettings
 from otlp_receiver import GrpcReceiver, HttpReceiver, closed_port
 from paced_runs import final_counters, otlp_env, run_workload
 
@@ -100,7 +100,7 @@ def _bounded(call):
 
 def _everything():
     conf = otel_hicache.configure(force=True)
-    PipelineSettings.from_environment()
+    PollerSettings.from_environment()
     return conf
 
 

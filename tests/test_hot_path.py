@@ -69,7 +69,7 @@ def spy(monkeypatch):
 def test_caller_thread_makes_no_sdk_and_no_device_call(harness, spy):
     h = harness()
     h.tracer_provider.add_span_processor(SpyProcessor(spy))
-    spy.threads.clear()  # start-up (zero series) happened on the worker anyway
+    spy.threads.clear()  # start-up (zero series) happened on the poller anyway
     caller = threading.current_thread().name
     handles = []
     for i in range(50):
@@ -94,13 +94,13 @@ def test_a_broken_mapping_never_raises_into_the_caller(harness):
             raise RuntimeError("boom")
 
     h = harness()
-    assert h.tel.submit("offload", Hostile(kv=1), 1, 64) is not None  # read on the worker, not here
+    assert h.tel.submit("offload", Hostile(kv=1), 1, 64) is not None  # read on the poller, not here
     h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
     assert h.value("otel_hicache.records.dropped", reason="invalid_input") == 1
     assert len(h.finished()) == 1
 
 
-def test_a_failing_sink_drops_that_record_once_and_the_worker_goes_on(harness, monkeypatch, warnings_log):
+def test_a_failing_sink_drops_that_record_once_and_the_poller_goes_on(harness, monkeypatch, warnings_log):
     h = harness()
     assert h.flush()  # the channel is open
     sinks = h.tel.channel.consumer

@@ -29,7 +29,7 @@ from otel_hicache import record as rec
 from otel_hicache import semconv as sc
 from otel_hicache.capture import fork
 from otel_hicache.capture import poller as engine
-from otel_hicache.capture.poller import PipelineSettings, Poller
+from otel_hicache.capture.poller import PollerSettings, Poller
 from otel_hicache.capture.records import DEVICE_EVENT, HOST_CLOCK, S_ACK_NS, submission
 from otel_hicache.sinks.consumer import Consumer
 
@@ -137,7 +137,7 @@ class Rig:
         self.open_threads = []
         self.open_errors = []  # exceptions the next open_channel() calls raise
         self._seen = 0
-        settings = PipelineSettings(max_queue_size=cap, poll_interval_s=0.0005, ack_timeout_s=ack_timeout_s,
+        settings = PollerSettings(max_queue_size=cap, poll_interval_s=0.0005, ack_timeout_s=ack_timeout_s,
                                     transfer_timeout_s=transfer_timeout_s, stall_warning_s=stall_warning_s)
         self.p = (ManualPoller if manual else Poller)(settings, self.open_channel, self.clock)
 
@@ -153,6 +153,8 @@ class Rig:
         handle = submission(direction, {"kv": 64}, 4096, 64, start, finish, timing, expect_ack=expect_ack,
                             submit_ns=self.clock(), **kwargs)
         self.p.queue.append(handle)
+        if self.p.idle:  # as submit() does: a poller with nothing to poll sleeps until woken
+            self.p.wake()
         return handle
 
     def ack(self, handle):
@@ -656,7 +658,7 @@ def test_the_final_cycle_drops_what_is_left_and_ends_what_awaits_an_ack(make, wa
     rig.cycle()
     rig.take()
     rig.submit()  # Y: submitted after that cycle's intake, racing stop()
-    rig.p._drain_all = rig.p._stopping = True  # as stop() sets them
+    rig.p._stopping = True  # as stop() sets it
     rig.p._cycle_final()
     batch = rig.take()
     assert brief(batch) == [("ack", 1, None), ("dropped", "shutdown", 2)]  # X and Y

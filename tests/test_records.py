@@ -69,7 +69,7 @@ def test_negative_page_size_names_the_bound():
 
 @pytest.fixture
 def undrained(monkeypatch):
-    """A TransferTelemetry whose pipeline has no worker: what submit() queues stays as built."""
+    """A TransferTelemetry whose pipeline has no poller thread: what submit() queues stays as built."""
     from types import SimpleNamespace
 
     from otel_hicache.capture import telemetry

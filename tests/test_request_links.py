@@ -47,7 +47,7 @@ def test_resolve_takes_spans_contexts_and_callables():
     a, b, c = request(1), request(2), request(3)
     as_context = trace.set_span_in_context(NonRecordingSpan(b))  # what SGLang's trace_ctx.root_span_context is
     assert resolve([NonRecordingSpan(a), as_context, c]) == ((a, b, c), 0)
-    assert resolve(lambda: [c, a]) == ((c, a), 0)  # read on the worker
+    assert resolve(lambda: [c, a]) == ((c, a), 0)  # read on the poller
     assert resolve([trace.set_span_in_context(trace.INVALID_SPAN)]) == ((), 0)  # a context with no span
 
 

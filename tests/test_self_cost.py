@@ -1,6 +1,7 @@
 """What otel-hicache costs the serving process, and how it says so.
 
-* The poller's wake-up (``poller._Wake``): one C call per wait, a ``set()`` never lost.
+* The poller's wake-up (``poller._Wake``): one C call per wait, a ``set()`` never lost; idle, the
+  poller waits with no timeout until a submit() wakes it.
 * The poller's own CPU per op (intake, completion, timing, the OP message), measured with
   the thread CPU clock on the thread that runs the cycles, only as ratios, never as absolute
   times: it stays linear in the ops of a cycle, and it is a small fraction of what the same
@@ -36,7 +37,7 @@ from otel_hicache import TransferTelemetry
 from otel_hicache import record as rec
 from otel_hicache import semconv as sc
 from otel_hicache.capture import poller
-from otel_hicache.capture.poller import PipelineSettings, Poller
+from otel_hicache.capture.poller import PollerSettings, Poller
 from otel_hicache.capture.records import submission
 from otel_hicache.sinks import consumer as consumer_module
 from otel_hicache.sinks.consumer import Consumer
@@ -76,6 +77,41 @@ def test_wake_from_another_thread_ends_the_wait_early():
     timer.join()
 
 
+class _RecordedWake(poller._Wake):
+    __slots__ = ("timeouts",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+
+    def wait(self, timeout: float | None) -> bool:
+        self.timeouts.append(timeout)
+        return super().wait(timeout)
+
+
+def _wait_until(condition: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def test_an_idle_poller_waits_without_a_timeout_until_a_submit_wakes_it(harness):
+    """Nothing in flight, nothing held back: the poller blocks with no timeout (no wake-up at all);
+    the next submit() wakes it (no flush() here, which would wake it too)."""
+    h = harness()
+    p = h.tel._pipeline  # pylint: disable=protected-access
+    _wait_until(lambda: p.idle)
+    old, p._wake = p._wake, _RecordedWake()  # pylint: disable=protected-access
+    old.set()  # its wait ends: the next ones are recorded
+    _wait_until(lambda: p.idle and p._wake.timeouts and p._wake.timeouts[-1] is None)
+    taken = p._taken  # pylint: disable=protected-access
+    h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=1, host_end_ns=5)
+    _wait_until(lambda: p._taken == taken + 1)  # pylint: disable=protected-access
+    _wait_until(lambda: p.idle and p._wake.timeouts[-1] is None)  # and back to sleep once it is handed over
+    assert len(h.finished()) == 1
+
+
 # -- the poller's own CPU per op ------------------------------------------------------------------------------
 
 class Manual(Poller):
@@ -105,7 +141,7 @@ def _providers() -> tuple[TracerProvider, MeterProvider]:
 def _cpu_per_op(ops: int, channel: Any, per_cycle: int | None = None) -> float:
     """Thread CPU seconds per op of the cycles that take ``ops`` host-timed ops in, complete
     them and write them to ``channel`` (all in one cycle, or ``per_cycle`` at a time)."""
-    p = Manual(PipelineSettings(max_queue_size=10**6), lambda: channel, time.time_ns)
+    p = Manual(PollerSettings(max_queue_size=10**6), lambda: channel, time.time_ns)
     p._cycle()  # the channel opened, the first STATE sent
     now = time.time_ns()
     items = [submission("offload", {"kv": 64}, 4096, 64, expect_ack=False, submit_ns=now,
@@ -295,7 +331,7 @@ def test_the_pollers_cpu_is_counted_per_rank_and_embedded_sinks_report_no_export
         meter_provider.shutdown()
 
 
-def test_the_worker_cpu_is_the_pollers_thread_only():
+def test_the_poller_cpu_is_its_own_thread_only():
     """The STATE's CPU seconds are the poller thread's: CPU burnt by another thread of the
     process meanwhile is not in them."""
     states: list[tuple[Any, ...]] = []
@@ -304,7 +340,7 @@ def test_the_worker_cpu_is_the_pollers_thread_only():
         def write(self, batch: list[Any], ops: int) -> None:
             states.extend(m for m in batch if m[0] == rec.STATE)
 
-    p = Poller(PipelineSettings(poll_interval_s=0.0005), Channel, time.time_ns)
+    p = Poller(PollerSettings(poll_interval_s=0.0005), Channel, time.time_ns)
     try:
         assert p.flush(5.0)
         before = states[-1][5]

@@ -29,7 +29,7 @@ from opentelemetry.sdk.metrics.export import Gauge, InMemoryMetricReader
 from otel_hicache import record as rec
 from otel_hicache import semconv as sc
 from otel_hicache.capture import poller as engine
-from otel_hicache.capture.poller import _ACK_SCAN_INTERVAL_NS, PipelineSettings, Poller
+from otel_hicache.capture.poller import _ACK_SCAN_INTERVAL_NS, PollerSettings, Poller
 from otel_hicache.capture.records import S_ACK_NS, submission
 from otel_hicache.sinks.metrics import TransferMetrics
 
@@ -118,7 +118,7 @@ def manual(monkeypatch):
     monkeypatch.setattr(engine, "_STATE_INTERVAL_NS", 0)  # a STATE whenever it changed
     clock = _Clock()
     channel = _Channel()
-    p = _Poller(PipelineSettings(max_queue_size=8), lambda: channel, clock)
+    p = _Poller(PollerSettings(max_queue_size=8), lambda: channel, clock)
 
     def state() -> dict[str, Any]:
         found = [m for batch in channel.batches for m in batch if m[0] == rec.STATE]

@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_hicache import semconv as sc
-from otel_hicache.capture.records import submission
+from otel_hicache.capture.records import TransferRecord, submission, validate
 
 KV_BYTES_PER_TOKEN = 114_688  # 2 x 28 layers x 8 KV heads x 128 dim x 2 B
 
@@ -299,11 +299,9 @@ def test_bad_input_is_counted_and_warned_once_never_raised(harness, warnings_log
 
 
 @pytest.mark.parametrize("direction, pools, num_bytes, page_size", BAD_INPUTS)
-def test_strict_mode_raises_in_the_caller(harness, monkeypatch, direction, pools, num_bytes, page_size):
-    monkeypatch.setenv("OTEL_HICACHE_STRICT", "true")
-    h = harness()
+def test_the_validator_names_each_bad_input(direction, pools, num_bytes, page_size):
     with pytest.raises((TypeError, ValueError)):
-        h.tel.submit(direction, pools, num_bytes, page_size)
+        validate(TransferRecord(submission(direction, pools, num_bytes, page_size)))
 
 
 def test_ack_with_a_foreign_handle_never_raises(harness, warnings_log):
@@ -444,9 +442,9 @@ def test_flush_waits_for_earlier_submissions_only(harness, monkeypatch):
     h.tel.submit("offload", {"kv": 64}, 10, 64, *stuck, True)
     assert not h.flush(0.2)  # submitted before the flush and still in flight: not flushed
 
-    # the release rule itself, on a pipeline state set by hand (no worker race)
+    # the release rule itself, on a pipeline state set by hand (no poller race)
     pipeline = harness().tel._pipeline  # pylint: disable=protected-access
-    assert pipeline.stop(2.0)  # no worker running while the state is set by hand
+    assert pipeline.stop(2.0)  # no poller running while the state is set by hand
     before, after = threading.Event(), threading.Event()
     with pipeline._lock:
         pipeline._flush_waiters = [(10, before), (12, after)]
@@ -459,7 +457,7 @@ def test_flush_waits_for_earlier_submissions_only(harness, monkeypatch):
 
 
 def test_overload_keeps_records_alive_within_the_cap_and_reporting_going(harness, monkeypatch):
-    """A submitter that keeps the queue non-empty while the worker takes records
+    """A submitter that keeps the queue non-empty while the poller takes records
     in (here: pools whose validation releases the GIL) must neither stall
     reporting nor push the records alive past the cap."""
     import time
@@ -487,7 +485,7 @@ def test_overload_keeps_records_alive_within_the_cap_and_reporting_going(harness
             time.sleep(0.0001)
     reported_during = len(h.spans.get_finished_spans())
     assert alive_max <= 64
-    assert reported_during > 0  # the worker kept reporting while flooded
+    assert reported_during > 0  # the poller kept reporting while flooded
     spans = len(h.finished())
     assert spans == accepted
     assert h.value("otel_hicache.records.dropped", reason="queue_full") == submitted - accepted
@@ -533,7 +531,7 @@ def test_no_events_and_no_end_stamp_count_as_complete_at_submit(harness):
     h = harness()
     submitted = h.device.time_ns()
     h.tel.submit("offload", {"kv": 64}, 640, 64, expect_ack=False)
-    h.device.advance(ms=50)  # however late the worker gets to it
+    h.device.advance(ms=50)  # however late the poller gets to it
     [span] = h.finished()
     assert span.start_time == span.end_time == submitted
     assert span.attributes["hicache.timing_source"] == "host_clock"
@@ -562,7 +560,7 @@ def test_busy_intervals_are_kept_only_around_the_ops_in_flight(harness):
 
 def test_a_submit_racing_shutdown_is_counted_not_lost(harness):
     """A submit() that read the pipeline before shutdown() and appended after the
-    worker's final cycle: its record is counted as dropped{reason=shutdown}."""
+    poller's final cycle: its record is counted as dropped{reason=shutdown}."""
     h = harness()
     pipeline = h.tel._pipeline  # pylint: disable=protected-access
     h.tel.shutdown()

@@ -12,7 +12,7 @@ from otel_hicache.testing import SimulatedDevice
 from otel_hicache.capture.timing import is_complete, resolve, resolve_host_clock
 
 SUBMIT = 1_767_225_600_000_000_000
-NOW = SUBMIT + 50_000_000  # when the worker observed the completion
+NOW = SUBMIT + 50_000_000  # when the poller observed the completion
 
 
 class Event:
@@ -107,7 +107,7 @@ def test_complete_once_every_event_completed(start):
     assert is_complete(record(start, Event(done=True))) is True  # a bool, whatever query() returned
 
 
-def test_query_errors_propagate_to_the_worker():
+def test_query_errors_propagate_to_the_poller():
     with pytest.raises(RuntimeError, match="illegal memory access"):
         is_complete(record(Event(), Event(query_error=RuntimeError("illegal memory access"))))
     with pytest.raises(ValueError, match="start"):
@@ -226,7 +226,7 @@ def test_host_clock_starts_at_submit_and_ends_at_the_observed_completion():
 
 def test_with_no_finish_event_and_no_end_stamp_the_op_completes_at_submit():
     r = record(None, None, timing=False)
-    resolve_host_clock(r, NOW)  # however late the worker got to it
+    resolve_host_clock(r, NOW)  # however late the poller got to it
     assert timing_of(r) == (HOST_CLOCK, SUBMIT, SUBMIT, 0, None)
 
 
@@ -246,7 +246,7 @@ def test_an_end_before_the_start_is_a_zero_duration_at_the_start(host_start, hos
 def test_elapsed_time_waits_for_the_timing_events_even_with_an_end_stamp():
     start, finish = Event(done=True, elapsed_ms=2.0), Event(done=False)
     r = record(start, finish, host_start=SUBMIT, host_end=SUBMIT + 2_000_000)
-    if is_complete(r):  # what the completion worker does each cycle
+    if is_complete(r):  # what the poller does each cycle
         resolve(r, NOW, None)
     assert all(start_done and end_done for _end, start_done, end_done in start.elapsed_calls), start.elapsed_calls
 

@@ -1,11 +1,6 @@
-"""Attributes a caller passes: the static ones (every span and metric point) and each call's own
-(its span only), checked here in the serving process before anything is queued for the sinks.
-
-A value must be one OTLP can encode: a str (valid Unicode), a bool, an int64 or a float, or a
-list of them. A call's own attributes obey the SDK's span attribute limits
-(``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``/``OTEL_ATTRIBUTE_COUNT_LIMIT``, default 128, and the value
-length limits, default none) here already, so a huge value never reaches the channel.
-"""
+"""Attributes a caller passes, checked in the serving process: the static ones (every span and
+point) and each call's own (its span), within the SDK's span attribute limits already, so that a
+huge value never reaches the channel. A value is a str, bool, int64 or float, or a list of them."""
 
 from __future__ import annotations
 
@@ -16,11 +11,8 @@ from typing import Any, Mapping
 from ..diagnostics import warn_once
 from ..record import INT64_MAX, encodes
 
-_DEFAULT_COUNT_LIMIT = 128  # the SDK's, when neither variable is set
-
 
 def valid_value(value: Any) -> bool:
-    """An attribute value OTLP can encode: a str, bool, int64 or float, or a sequence of them."""
     if isinstance(value, (tuple, list)):
         return all(valid_value(v) and not isinstance(v, (tuple, list)) for v in value)
     if isinstance(value, str):
@@ -30,10 +22,13 @@ def valid_value(value: Any) -> bool:
     return isinstance(value, (bool, float))
 
 
-def _limit(specific: str, general: str, default: int | None) -> int | None:
-    """The first of the two that is a count, else ``default`` (a malformed one is warned about
-    once where the SDK's configuration is checked: sinks.otel_environment)."""
-    for name in (specific, general):
+def _valid(key: Any, value: Any) -> bool:
+    return isinstance(key, str) and bool(key) and encodes(key) and valid_value(value)
+
+
+def _limit(names: tuple[str, str], default: int | None) -> int | None:
+    """The first of the two that is a count (a malformed one is warned about by sinks.otel_environment)."""
+    for name in names:
         raw = (os.environ.get(name) or "").strip()
         if raw.isdigit():
             return int(raw)
@@ -41,15 +36,15 @@ def _limit(specific: str, general: str, default: int | None) -> int | None:
 
 
 def limits() -> tuple[int, int | None]:
-    """The SDK's span attribute limits, as the SDK reads them: (count, value length or None)."""
-    return (_limit("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_COUNT_LIMIT", _DEFAULT_COUNT_LIMIT),
-            _limit("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", None))
+    """The SDK's span attribute limits, as it reads them: (count, value length or None)."""
+    return (_limit(("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_COUNT_LIMIT"), 128),  # type: ignore[return-value]
+            _limit(("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"), None))
 
 
 def static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     static: dict[str, Any] = {}
     for key, value in (attributes or {}).items():
-        if isinstance(key, str) and key and encodes(key) and valid_value(value):
+        if _valid(key, value):
             static[str.__str__(key)] = tuple(value) if isinstance(value, list) else value
         else:
             warn_once(f"static:{key!r}"[:200], "otel-hicache: static attribute %s=%s is not a string/bool/int/"
@@ -66,15 +61,15 @@ def _truncated(value: Any, length: int) -> Any:
 
 
 def call_attributes(attributes: Any, count: int, length: int | None) -> dict[str, Any] | None:
-    """A call's own attributes as its span will carry them: invalid ones left out (warned once per
-    type), at most ``count``, str values cut to ``length``, as the SDK would."""
+    """A call's own attributes as its span carries them: invalid ones left out (warned once per type),
+    at most ``count``, str values cut to ``length``, as the SDK would."""
     if not isinstance(attributes, Mapping):
         warn_once("attributes:type", "otel-hicache: attributes must be a mapping, got %s; ignored",
                   type(attributes).__name__)
         return None
     out: dict[str, Any] = {}
     for key, value in attributes.items():
-        if not (isinstance(key, str) and key and encodes(key) and valid_value(value)):
+        if not _valid(key, value):
             warn_once(f"attribute:{type(value).__name__}", "otel-hicache: a span attribute OTLP cannot encode "
                       "was left out (%s, a %s)", reprlib.repr(key), type(value).__name__)
             continue

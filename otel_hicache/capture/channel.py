@@ -1,25 +1,15 @@
 """The channel from the poller to a telemetry process of its own.
 
-The poller hands each cycle's batch (:mod:`otel_hicache.record`) over, encoded at once as a
-frame (JSON: reading it runs no code), and sends what waits every so often
-(:meth:`ProcessChannel.send`), several frames a write, to the standard input of the telemetry
-process (:mod:`otel_hicache.sinks.process`), started at the first one with this interpreter,
-isolated (``-I``: neither the working directory nor ``PYTHONPATH``), on this process's path.
-The pipe is non-blocking: what it cannot take now waits here.
-
-Every frame written is kept here until the telemetry process answers with a checkpoint that
-covers it (the spans of its ops exported, every counter's total). If it dies, the next one
-starts from that checkpoint, with every frame written after it: its counters go on from the
-totals, and a span exported twice keeps its ids. What waits to be written and what waits for a
-checkpoint share ``MAX_BACKLOG_BYTES``, and ``max_ops`` bounds the op records waiting: beyond
-them the oldest ops waiting to be written are dropped and counted (``queue_full``), the small
-messages kept while the bytes allow. A telemetry process that dies is always replaced, after
-``RESTART_DELAYS_S`` when the ones before died soon after they started (its sinks' cost never
-moves onto the serving process for that); only when one cannot be started, or ends before it
-is ready (the interpreter or the path cannot run it: another would not either), the channel
-falls back to ``fallback()`` (an embedded one, warned once, visible in ``otel_hicache.sinks``),
-from the checkpoint too. When the serving process ends, however it ends, the telemetry process
-reads the end of its input, exports what it has and exits.
+Each batch (:mod:`otel_hicache.record`) is encoded at once as a frame (JSON: reading it runs no
+code) and sent every so often (:meth:`ProcessChannel.send`), several frames a write, down a
+non-blocking pipe to the telemetry process (:mod:`otel_hicache.sinks.process`): this interpreter,
+isolated (``-I``), on this process's path. Every frame written is kept until a checkpoint the
+telemetry process answers covers it; a successor starts from that checkpoint with every frame
+written after it (its counters go on, a span exported twice keeps its ids). ``MAX_BACKLOG_BYTES``
+and ``max_ops`` bound what waits: past them the oldest ops are dropped and counted
+(``queue_full``). A dead telemetry process is replaced, after ``RESTART_DELAYS_S`` when the ones
+before died young; one that cannot start or ends before it is ready makes the channel fall back to
+``fallback()`` (embedded, warned once), from the checkpoint too.
 """
 
 from __future__ import annotations
@@ -40,15 +30,11 @@ from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 
-RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-"""The wait before each start after a death, by how many died in a row, each within
-``SHORT_LIFE_S`` of its start (the last delay repeats)."""
+RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # by deaths in a row within SHORT_LIFE_S of the start
 SHORT_LIFE_S = 60.0
 _ANSWERS_INTERVAL_NS = 100_000_000
 _WRITE_BYTES = 1 << 20  # frames joined into one write, up to about this size
-MAX_BACKLOG_BYTES = 32 << 20
-"""The most the frames waiting for the pipe may hold: past it the oldest lose their ops (as past
-``max_ops``), then every state message but the newest, then their acks and host frees."""
+MAX_BACKLOG_BYTES = 32 << 20  # what waits to be written or confirmed
 _PIPE_SIZE = 1 << 20  # F_SETPIPE_SZ: the most an unprivileged process may ask for by default
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
@@ -57,16 +43,25 @@ def _nonblocking(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
 
 
-# -I: neither the working directory nor PYTHONPATH (an auto-instrumentation's sitecustomize among
-# them) nor the user's site directory; the path comes from the serving process, as an argument
+def _close(process: Any, close: Callable[[Any], Any]) -> None:
+    for stream in (process.stdin, process.stdout) if process is not None else ():
+        try:
+            if stream is not None:
+                close(stream)
+        except OSError:
+            pass
+
+
+# -I: neither the working directory nor PYTHONPATH (an auto-instrumentation's sitecustomize) nor the user's
+# site directory; the path comes from the serving process, as an argument
 _START = ("import json,sys; sys.path[:0] = json.loads(sys.argv[1]); "
           "from otel_hicache.sinks.process import main; sys.exit(main())")
 _AUTO_INSTRUMENTATION = os.path.join("opentelemetry", "instrumentation", "auto_instrumentation")
 
 
 def telemetry_process_command() -> list[str]:
-    """This interpreter, isolated, on this process's path less its working directory and the
-    auto-instrumentation's directory, with otel-hicache's own location first."""
+    """This interpreter, isolated, on this process's path (less the working directory and the
+    auto-instrumentation's), otel-hicache's own location first."""
     try:
         cwd = os.getcwd()
     except OSError:  # (deleted meanwhile)
@@ -81,8 +76,7 @@ def telemetry_process_command() -> list[str]:
 
 
 def telemetry_process_environment() -> dict[str, str]:
-    """This process's environment (the same OTEL_* configuration) less what would load code into
-    the telemetry process were it not isolated."""
+    """This process's environment less what would load code were the process not isolated."""
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
 
 
@@ -121,7 +115,7 @@ class ProcessChannel:
         self._hello_entry: list[Any] | None = None
         self._checkpoint_entry: list[Any] | None = None
         self._written_bytes = 0  # to this process, in all
-        self._written_ops = 0
+        self._written_ops = 0  # (the kill tests count what was written by it)
         self._written_frames = 0  # wholly, after its hello
         self._replies = b""
         self._last_read = 0
@@ -129,7 +123,7 @@ class ProcessChannel:
 
     # -- the poller's side ---------------------------------------------------------
     def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
-        """Queue ``batch`` (``ops`` of its messages are OP ones), encoded now; :meth:`send` writes it."""
+        """Queue ``batch`` (``ops`` of its messages are OPs), encoded now; :meth:`send` writes it."""
         with self._lock:
             if self._embedded is not None:
                 self._embedded.write(batch, ops)
@@ -145,11 +139,21 @@ class ProcessChannel:
                 self._trim()
 
     def send(self) -> None:
-        """Write what waits, as far as the pipe takes it now (the poller, at most every write
-        interval: each write is a system call that wakes the telemetry process). Never blocks."""
+        """Write what waits as far as the pipe takes it now (and read the answers, every so often). Never blocks."""
         with self._lock:
             if self._embedded is None:
                 self._pump()
+
+    def due(self) -> int | None:
+        """When (``time.monotonic_ns()``) send() is needed though nothing new was written: a restart, a
+        full pipe, checkpoints not yet read; None when nothing waits."""
+        if self._embedded is not None or self._stopped:
+            return None
+        if self.process is None:
+            return int(self._restart_at * 1e9) if self._backlog else None
+        if self._partial is not None or self._backlog:
+            return self._last_read + _ANSWERS_INTERVAL_NS
+        return self._last_read + 10 * _ANSWERS_INTERVAL_NS if self._unconfirmed else None  # (checkpoints: ~1/s)
 
     def flush(self, timeout_s: float) -> bool:
         """Everything written before this call exported by the telemetry process (bounded)."""
@@ -188,9 +192,8 @@ class ProcessChannel:
                 return False
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
-        """Write what waits and close the telemetry process's input, within ``timeout_s``; it then
-        exports within ``export_s`` (default ``timeout_s``) of reading that end, and exits. It is
-        waited for until ``timeout_s`` is over, then left to finish alone (reaped meanwhile)."""
+        """Write what waits and close the telemetry process's input within ``timeout_s``; it exports
+        within ``export_s`` and exits, waited for until ``timeout_s`` is over (then reaped alone)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             if self._embedded is not None:
@@ -211,7 +214,7 @@ class ProcessChannel:
                         select.select([], [process.stdin], [], min(0.05, max(0.0, deadline - time.monotonic())))
                     except (OSError, ValueError):
                         break
-            left_over = self._backlog_ops + self._partial_ops()
+            left_over = self._backlog_ops + sum(entry[1] for entry in self._partial_batches)
             process = self.process or process
             self._close_input()
             self.process = None
@@ -229,17 +232,10 @@ class ProcessChannel:
         return not left_over
 
     def forget_in_child(self) -> None:
-        """In a forked child: the parent's telemetry process and pipes stay the parent's (its end
-        closed here, so the parent's telemetry process still sees its input end with the parent)."""
+        """In a forked child: the parent's telemetry process stays the parent's (our copies of its
+        pipes closed, so that it sees its input end with the parent)."""
         self._lock = threading.Lock()
-        process = self.process
-        if process is not None:
-            for stream in (process.stdin, process.stdout):
-                try:
-                    if stream is not None:
-                        os.close(stream.fileno())
-                except OSError:
-                    pass
+        _close(self.process, lambda stream: os.close(stream.fileno()))  # (not flushing the parent's buffer)
         self._embedded = None
         self._stopped = False
         self._deaths = 0
@@ -274,8 +270,7 @@ class ProcessChannel:
         return True
 
     def _died(self) -> None:
-        """The telemetry process ended (a broken pipe, or the end of its answers): reap it; the next
-        one starts from its last checkpoint, with every frame written after it (or fall back)."""
+        """The telemetry process ended: reap it; the next starts from its last checkpoint (or fall back)."""
         process = self.process
         self._read_replies(ended=True)  # what it answered before it ended is still in the pipe
         self._deaths += 1
@@ -288,12 +283,7 @@ class ProcessChannel:
                 process.kill()
                 process.wait()
             code = process.returncode
-            for stream in (process.stdin, process.stdout):
-                try:
-                    if stream is not None:
-                        stream.close()
-                except OSError:
-                    pass
+            _close(process, lambda stream: stream.close())
         else:
             code = None
         ready = self._answered
@@ -330,9 +320,8 @@ class ProcessChannel:
 
     # -- the pipe -----------------------------------------------------------------------
     def _pump(self, answers: bool = False, final: bool = False) -> None:
-        """Write frames until the pipe is full or nothing waits (or, but for the ``final`` ones, until
-        half the byte bound waits for a checkpoint); read the answers (with ``answers``, else at most
-        every ``_ANSWERS_INTERVAL_NS``: a read is a system call too)."""
+        """Write frames until the pipe is full, nothing waits or (but ``final``) half the byte bound waits
+        for a checkpoint; read the answers (with ``answers``, else at most every ``_ANSWERS_INTERVAL_NS``)."""
         while True:
             if self.process is None:
                 if (self._embedded is not None or self._stopped or time.monotonic() < self._restart_at
@@ -376,9 +365,6 @@ class ProcessChannel:
         if answers or now - self._last_read >= _ANSWERS_INTERVAL_NS:
             self._last_read = now
             self._read_replies()
-
-    def _partial_ops(self) -> int:
-        return sum(entry[1] for entry in self._partial_batches)
 
     @staticmethod
     def _encoded(batch: Any) -> bytes:
@@ -434,11 +420,9 @@ class ProcessChannel:
                 self._flushed[int(parts[1])] = parts[2] == b"1"
 
     def _trim(self) -> None:
-        """Past ``max_ops`` waiting ops or ``MAX_BACKLOG_BYTES``, the oldest waiting frames lose their
-        ops and host pages (counted as ``queue_full``); past the bytes still, every state message but
-        the newest (each replaces the one before) and the drop counts (summed into one), then the
-        oldest acks and host frees (warned once: their ops' spans end unacked, and host residence
-        may miscount those pages). Pool messages always stay."""
+        """Past ``max_ops`` or the bytes, the oldest waiting frames lose their ops and host pages (counted
+        ``queue_full``); past the bytes still, the state and drop messages are summed into one, then
+        the oldest acks and host frees go (warned once). Pool messages always stay."""
         self._backlog_bytes = sum(len(entry[0]) for entry in self._backlog)
         limit = MAX_BACKLOG_BYTES - self._unconfirmed_bytes  # (what waits to be confirmed counts too)
         excess = self._backlog_ops - self._max_ops
@@ -477,8 +461,7 @@ class ProcessChannel:
                       "records, counted in otel_hicache.records.dropped{reason=queue_full}")
 
     def _rewrite(self, entry: list[Any], keep: Callable[[Any], bool]) -> list[Any]:
-        """A waiting frame with only the messages ``keep`` says (its ops count then 0 if it dropped
-        them); returns the messages it left out (none of the hello, which stays as it is)."""
+        """A waiting frame with only the messages ``keep`` says; returns those it left out (the hello stays)."""
         batch = rec.decode(entry[0][rec.FRAME_HEADER.size:])
         if type(batch) is not list:
             return []

@@ -1,19 +1,9 @@
-"""What every part of otel-hicache does in a forked child, behind one at-fork registration.
-
-SGLang runs its schedulers in child processes. Threads do not survive ``fork()``, and
-state copied from the parent (queues, counts, providers) is the parent's, so objects that
-hold any register a callback here. ``os.register_at_fork`` callbacks can never be
-removed, so this module registers exactly one and keeps weak references to what it
-calls: a poller or a count that was garbage-collected costs nothing in later forks
-(the SDK's batch processor does the same with ``WeakMethod``).
-
-The one registration is made with the first callback, not at import, so it comes after
-the SDK objects ``configure()`` builds have registered theirs (callbacks run in
-registration order). Callbacks must not take foreign locks: a poller restarted here
-opens nothing; a child's channel (its telemetry process, or its embedded sinks) is opened
-by its first submit, after fork() returned, never in an exit hook, where the SDK's resource
-detection can no longer start its threads (``tests/test_fork_exit.py``).
-"""
+"""What every part of otel-hicache does in a forked child (SGLang's schedulers), behind one at-fork
+registration: ``os.register_at_fork`` callbacks can never be removed, so objects register weakly
+here and a collected one costs nothing in later forks. The registration is made with the first
+callback, after the SDK objects ``configure()`` built registered theirs (callbacks run in
+registration order). Callbacks must not take foreign locks nor open anything: a child's channel is
+opened by its first submit, after fork() returned (``tests/test_fork_exit.py``)."""
 
 from __future__ import annotations
 
@@ -28,17 +18,12 @@ from ..diagnostics import warn_once
 _lock = threading.Lock()
 _callbacks: list[Callable[[], Callable[[], Any] | None]] = []  # weak handles: call one for the callback
 _registered = False
-# Dead handles are dropped when the list reaches this length (then twice the live ones): a
-# process that makes telemetry again and again keeps a list as long as what is alive.
-_prune_at = 64
+_prune_at = 64  # dead handles are dropped when the list reaches this length (then twice the live ones)
 
 
 def after_fork_in_child(callback: Callable[[], Any]) -> None:
-    """Call ``callback()`` in every child forked after this, while it is alive.
-
-    A bound method is held through ``weakref.WeakMethod`` (it does not keep its object
-    alive); a plain function is held strongly. Callbacks run in registration order.
-    """
+    """Call ``callback()`` in every child forked after this, while it is alive (a bound method is
+    held weakly, a function strongly)."""
     handle: Callable[[], Callable[[], Any] | None]
     if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
         handle = weakref.WeakMethod(callback)
@@ -72,19 +57,10 @@ def _run_in_child() -> None:
     _callbacks[:] = alive
 
 
-
-# -- exports in progress at a fork --------------------------------------------------------
-#
-# gRPC skips its own fork handlers while another thread is inside a call ("Other threads are
-# currently calling into gRPC, skipping fork() handlers"), and a child forked then cannot use
-# gRPC at all: every export of its own times out and its data is lost. A fork therefore waits,
-# a bounded time, for the exports otel-hicache started to end, and holds new ones back until
-# fork() returned.
-
+# gRPC skips its fork handlers while another thread is inside a call, and a child forked then can
+# never export over gRPC: a fork waits (at most FORK_WAIT_S) for otel-hicache's exports to end and
+# holds new ones back until fork() returned.
 FORK_WAIT_S = 2.0
-"""The longest a fork waits for exports in progress (one to a slow collector can take its
-timeout): past it the fork goes ahead, and a gRPC child may be unable to export."""
-
 _exports = threading.Condition()
 _exporting = 0
 _forking = False
@@ -92,7 +68,7 @@ _gate_registered = False
 
 
 def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:
-    """``export`` so that a ``fork()`` never happens while it runs (see above)."""
+    """``export`` so that a ``fork()`` never happens while it runs."""
     global _gate_registered
     with _lock:
         if not _gate_registered and hasattr(os, "register_at_fork"):
@@ -103,7 +79,7 @@ def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:
     def gated(*args: Any, **kwargs: Any) -> Any:
         global _exporting
         with _exports:
-            while _forking:  # for the few moments around a fork() (at most FORK_WAIT_S and the fork)
+            while _forking:
                 _exports.wait()
             _exporting += 1
         try:

@@ -1,23 +1,17 @@
-"""The poller: the one thread of otel-hicache's capture in the serving process.
+"""The poller: the one thread of the capture in the serving process.
 
-``submit()`` only appends a list to a bounded queue. The poller does what only the
-serving process can, and nothing else:
+``submit()`` only appends a list to a bounded queue. Each cycle of the poller does four jobs:
 
-1. intake: validate each record (invalid ones are counted and warned about once, never
-   raised), make the host's deferred cause call, send the host slots an op wrote or read
-   (``record.HOST``, in submission order with the frees);
-2. completion: poll ``finish_event.query()`` (never ``synchronize()``, never
-   ``elapsed_time()`` before both events completed), time the op (:mod:`.timing`), resolve
-   its requests' span contexts, time out stuck transfers;
-3. write each completed op as a ``record.OP`` message, and later the end of its ack wait
-   (``record.ACK``: acked, or timed out), and what the gauges show (``record.STATE``), a
-   batch per cycle, to the channel (:mod:`.channel`), which it sends on every so often.
+1. intake: validate each record (invalid ones counted, never raised), make the host's deferred
+   cause call, send the host slots an op wrote or read (``record.HOST``) in order with the frees;
+2. completion and timing: poll ``finish_event.query()`` (never ``synchronize()``), time the op
+   (:mod:`.timing`), resolve its requests, time out stuck transfers;
+3. ack watching: the end of each op's ack wait (``record.ACK``: acked, or timed out);
+4. hand-over: the cycle's messages as one batch to the channel (:mod:`.channel`), sent on every so often.
 
-Spans, metrics, host residence and export are the sinks' (:mod:`otel_hicache.sinks`), in
-the telemetry process or, embedded, on this thread once the batch is written.
-
-After ``fork()`` the child starts with an empty poller and a new thread (the parent's
-records stay the parent's) and its own channel.
+It polls while something is in flight or awaits its ack, and for ``_ACTIVE_GRACE_S`` after; then it
+sleeps until a timer is due (a STATE or a send held back, the channel's) or a ``submit()`` that
+finds it asleep wakes it.
 """
 
 from __future__ import annotations
@@ -36,19 +30,18 @@ from opentelemetry import trace
 
 from .. import environment_variables as ev
 from .. import record as rec
+from ..record import DIRECTIONS
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 from ..environment_variables import DEFAULTS
 from ..settings import env_float, env_int
 from . import fork, request_links
 from .attributes import call_attributes, limits
-from .clock import EventTimeline, WallClockAnchor
-from .device import anchor_factory_for
-from .records import DIRECTIONS, S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
-from .timing import is_complete, resolve, resolve_host_clock
+from .records import S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
+from .timing import Timing, is_complete, resolve_host_clock
 
 
-class PipelineSettings:
+class PollerSettings:
     """The poller's knobs; the defaults are the documented ones (environment_variables.DEFAULTS)."""
 
     __slots__ = ("max_queue_size", "poll_interval_s", "ack_timeout_ns", "transfer_timeout_ns",
@@ -60,15 +53,12 @@ class PipelineSettings:
                  transfer_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S],
                  anchor_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_ANCHOR_INTERVAL_S],
                  stall_warning_s: float = 10.0) -> None:
-        self.max_queue_size, self.poll_interval_s, self.anchor_interval_s = max_queue_size, poll_interval_s, \
-            anchor_interval_s
+        self.max_queue_size, self.poll_interval_s = max_queue_size, poll_interval_s
+        self.anchor_interval_s, self.stall_warning_s = anchor_interval_s, stall_warning_s
         self.ack_timeout_ns, self.transfer_timeout_ns = int(ack_timeout_s * 1e9), int(transfer_timeout_s * 1e9)
-        # a cycle unfinished this long is stuck (an event's query() that never returns):
-        # far longer than any cycle of a poller that keeps up, even one catching up a backlog
-        self.stall_warning_s = stall_warning_s
 
     @classmethod
-    def from_environment(cls) -> "PipelineSettings":
+    def from_environment(cls) -> "PollerSettings":
         """From the ``OTEL_HICACHE_*`` variables (malformed ones: warned, the default used)."""
         return cls(env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE),
                    env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS, minimum=0.01) / 1e3,
@@ -76,22 +66,21 @@ class PipelineSettings:
                    env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01))
 
 
-_IDLE_WAIT_S = 0.05
+# After work, the poller polls this long before it sleeps: under load submit() never has to wake it.
 _ACTIVE_GRACE_S = 0.1
-_ACK_SCAN_INTERVAL_NS = 5_000_000
+_ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts are scanned at most this often
 _STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs are sent at most this often (and at every flush)
-# What was written to the channel is sent on at most this often, or once this many ops wait, or at a
-# flush or stop: each send is a system call that wakes the telemetry process, and costs the poller
-# as much as a handful of ops; spans and counters reach the sinks this much later at most.
+# Written batches are sent on at most this often, or once this many ops wait: each send is a system call
+# that wakes the telemetry process.
 _WRITE_INTERVAL_NS = 50_000_000
 _WRITE_OPS = 256
-# A cycle stops taking on work once it has run this long on the thread's CPU clock; the next starts
-# at once, after the poller let go of the GIL: no stretch of it holds the serving thread up longer
-# than this and one op (or one write). Checked every _BUDGET_EVERY records.
+# A cycle stops taking on work after this much of the thread's CPU time, so that it never holds the GIL
+# from the serving thread longer than this and one op; checked every _BUDGET_EVERY records.
 CYCLE_BUDGET_NS = 150_000
 _BUDGET_EVERY = 4
-_INTAKE_PASS = 8  # records popped from the queue per pass (a budget check between passes)
-_LOCK_WAIT_S = 0.05  # the longest wait of another thread for the intake lock (size, stalled)
+_INTAKE_PASS = 8  # records popped per pass (a budget check between passes)
+_LOCK_WAIT_S = 0.05  # the longest another thread waits for the intake lock
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ns(value: Any) -> int | float | None:
@@ -104,12 +93,8 @@ def _ns(value: Any) -> int | float | None:
         return value if isinstance(value, float) and math.isfinite(value) else None
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def _where(thread: threading.Thread) -> str:
-    """Where a thread of ours is blocked: the first call it made out of otel-hicache (the
-    host's event or callback), as ``function (file:line)``, and the innermost function."""
+    """Where a thread of ours is blocked: its first call out of otel-hicache, and the innermost function."""
     frame = sys._current_frames().get(thread.ident)  # CPython's only way to see another thread's frame
     if frame is None:
         return "an unknown place"
@@ -122,9 +107,8 @@ def _where(thread: threading.Thread) -> str:
 
 
 class _Wake:
-    """The poller's wake-up: ``wait(timeout)`` is one C call (``threading.Event.wait`` is a
-    Condition in Python, more CPU per poll), ``set()`` from any thread; a wait consumes the
-    wake-up, so a ``set()`` is never lost, and a spurious one costs one empty cycle."""
+    """A wake-up that is never lost: ``set()`` from any thread, ``wait(timeout)`` (None: no bound)
+    consumes it; a lock is one C call per wait, an Event a Python Condition."""
 
     __slots__ = ("_lock",)
 
@@ -138,8 +122,28 @@ class _Wake:
         except RuntimeError:  # already set
             pass
 
-    def wait(self, timeout: float) -> bool:
-        return self._lock.acquire(timeout=timeout)
+    def wait(self, timeout: float | None) -> bool:
+        return self._lock.acquire(timeout=-1 if timeout is None else timeout)
+
+
+class _Refusals:
+    """submit() calls refused on a full queue: ``next(count)`` is atomic and takes no memory, and it is
+    the count's only reader too, so each read() is one call of its own."""
+
+    __slots__ = ("count", "_reads", "_reported", "_lock")
+
+    def __init__(self) -> None:
+        self.count = itertools.count()
+        self._reads = self._reported = 0
+        self._lock = threading.Lock()
+
+    def read(self) -> int:
+        """Refused since the last read (any thread)."""
+        with self._lock:
+            refused = next(self.count) - self._reads
+            self._reads += 1
+            drops, self._reported = refused - self._reported, refused
+        return drops
 
 
 class HostFree(NamedTuple):
@@ -150,34 +154,24 @@ class HostFree(NamedTuple):
 
 
 class HostPoolRef:
-    """A host pool's name in the capture: what ``host_slots`` and ``host_freed`` pass; its pages
-    are tracked by the sinks (``sinks.host_residence``)."""
+    """A host pool as ``host_slots`` and ``host_freed`` name it; its pages are tracked by the sinks."""
 
     __slots__ = ("pool_id", "name", "slots", "page_size")
     _ids = itertools.count(1)
 
     def __init__(self, name: str, slots: int, page_size: int) -> None:
-        self.pool_id = next(self._ids)
-        self.name = name
-        self.slots = slots
-        self.page_size = page_size
+        self.pool_id, self.name, self.slots, self.page_size = next(self._ids), name, slots, page_size
 
     def message(self) -> tuple[Any, ...]:
         return (rec.POOL, self.pool_id, self.name, self.slots, self.page_size)
 
 
 class Poller:
-    """Takes ``submit()``'s lists in, watches them complete, writes their messages to ``channel``
-    (``write(batch, ops)``, ``stop(timeout)``: :mod:`.channel`), made by ``open_channel()`` on the
-    poller thread at its first batch (again in a forked child)."""
+    """Takes ``submit()``'s lists in, watches them complete, writes their messages to the channel
+    ``open_channel()`` makes at the first batch (again in a forked child)."""
 
-    def __init__(
-        self,
-        settings: PipelineSettings,
-        open_channel: Callable[[], Any],
-        clock: Callable[[], int] = time.time_ns,
-        anchor_factory: Callable[[], Any] | None = None,
-    ) -> None:
+    def __init__(self, settings: PollerSettings, open_channel: Callable[[], Any],
+                 clock: Callable[[], int] = time.time_ns, anchor_factory: Callable[[], Any] | None = None) -> None:
         self.settings = settings
         self._open_channel = open_channel
         self._clock = clock
@@ -188,70 +182,69 @@ class Poller:
         self._start_thread()
         fork.after_fork_in_child(self._after_fork_in_child)
 
-    # -- state -----------------------------------------------------------
     def _init_state(self) -> None:
-        self.queue: deque[Any] = deque()  # submitted lists (records.SUBMISSION_FIELDS) and HostFrees
+        # intake (queue, held and _taken read together under _lock by other threads)
+        self.queue: deque[Any] = deque()  # submitted lists (records.SUBMISSION_FIELDS), HostFrees, pools
         self.held = 0  # records the poller holds (pending + awaiting ack); never below the truth
+        self._taken = 0  # records taken in from the queue (their intake sequence numbers)
+        self._lock = threading.Lock()
+        self._refusals = _Refusals()
+        self.refused = self._refusals.count  # submit()'s next() on a full queue
+        # completion and timing; ack watching
         self._pending: list[TransferRecord] = []
-        self._awaiting: list[TransferRecord] = []
         self._inflight = dict.fromkeys(DIRECTIONS, 0)
+        self._timing = Timing(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
+        self._attribute_limits = limits()  # (count, value length): the SDK's, read once
+        self._awaiting: list[TransferRecord] = []
         self._last_ack_scan = 0
-        self._anchor: WallClockAnchor | None = None
-        self._anchor_resolved = False
-        self._timeline = EventTimeline()  # places device-timed ops the anchor cannot
+        # hand-over
         self.channel: Any = None
         self._open_lock = threading.Lock()
         self._out: list[tuple[Any, ...]] = []  # this cycle's messages
-        self._attribute_limits = limits()  # (count, value length): the SDK's, read once
         self._ops_out = 0
         self._drops: dict[str, int] = {}
-        self._state_sent: tuple[Any, ...] | None = None
-        self._last_state = 0
-        self._last_send = 0
         self._unsent_ops = -1  # ops written to the channel and not sent on yet; -1: nothing at all
+        self._last_send = self._last_state = 0
+        self._state_sent: tuple[Any, ...] | None = None
+        self._state_held = False  # a STATE was held back by its interval: a timer
+        self._cpu_s = 0.0  # the poller thread's CPU time at its last STATE
+        # the thread: its sleep, flushes, stop, a stuck cycle
+        self.idle = False  # asleep with nothing to poll: the next submit() wakes it
         self._wake = _Wake()
-        self._stopping = False
-        self._drain_all = False
         self._more = False  # the last cycle stopped at its budget with work left
-        self._stop_called = False
         self._flush_waiters: list[tuple[int, threading.Event]] = []
-        self._taken = 0  # records taken in from the queue (their intake sequence numbers)
-        self._lock = threading.Lock()
-        # submit() calls refused on a full queue: next() on a count is atomic, so concurrent
-        # submitters never lose one, and it takes no memory per refusal
-        self.refused = itertools.count()
-        self._refused_reported = 0
-        self._refused_reads = 0
-        self._refused_lock = threading.Lock()
-        self._cycle_started: float | None = None  # time.monotonic() of the cycle running now, else None
-        self._stall_reported = False
+        self._stopping = self._stop_called = self._abandoned = self._stall_reported = False
+        self._cycle_started: float | None = None  # time.monotonic() of the cycle running now
         self._stall_written = 0
-        self._abandoned = False  # stop() gave up on a stuck poller and counted what it held
 
     def _start_thread(self) -> None:
         self._thread = threading.Thread(target=self._run, name="otel-hicache-poller", daemon=True)
         self._thread.start()
 
     def _after_fork_in_child(self) -> None:
-        channel = self.channel
-        if channel is not None:
-            channel.forget_in_child()  # the parent's telemetry process stays the parent's
+        if self.channel is not None:
+            self.channel.forget_in_child()  # the parent's telemetry process stays the parent's
         self._init_state()
         self._forked = True  # its channel opens at its first batch, after fork() returned
         self._start_thread()
 
+    def wake(self) -> None:
+        """submit()'s call when it found the poller idle."""
+        self.idle = False
+        self._wake.set()
+
     def add_pool(self, pool: HostPoolRef) -> None:
         self.pools.append(pool)
         self.queue.append(pool)  # announced in order, before the ops that use it
+        if self.idle:
+            self.wake()
 
     @property
     def thread(self) -> threading.Thread:
         return self._thread
 
     def size(self) -> int:
-        """Records queued or held. Read under the intake's lock: the poller counts a batch in
-        ``held`` before it pops it from ``queue``, and an unlocked read between the two counts
-        that batch twice."""
+        """Records queued or held, under the intake's lock (a batch is counted in ``held`` before it leaves ``queue``)."""
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
             return len(self.queue) + self.held
@@ -259,11 +252,10 @@ class Poller:
             if locked:
                 self._lock.release()
 
-    # -- a stuck poller (flush, stop, a refused submit) -------------------------
+    # -- a stuck poller (flush, stop, a refused submit) -----------------------------------------
     def stalled(self) -> float:
-        """Seconds the current cycle has run when that is past ``stall_warning_s`` (an event's
-        ``query()`` or a host's deferred call that does not return), else 0. Warns once per
-        stall, naming where the poller is blocked."""
+        """Seconds the current cycle has run once past ``stall_warning_s``, else 0; warns once per
+        stall where the poller is blocked, and writes what it cannot."""
         started = self._cycle_started
         if started is None or not self._thread.is_alive():
             return 0.0
@@ -272,65 +264,55 @@ class Poller:
             return 0.0
         if not self._stall_reported:
             self._stall_reported = True
-            logger.warning(
-                "otel-hicache: the poller has not finished a cycle for %.0f s; it is blocked in %s. "
-                "No transfer is reported until it returns; submits refused meanwhile are counted in "
-                "otel_hicache.records.dropped{reason=queue_full}", stalled_for, _where(self._thread))
-        self._report_stalled()
+            logger.warning("otel-hicache: the poller has not finished a cycle for %.0f s; it is blocked in %s. "
+                           "No transfer is reported until it returns; submits refused meanwhile are counted in "
+                           "otel_hicache.records.dropped{reason=queue_full}", stalled_for, _where(self._thread))
+        mono = time.monotonic_ns()
+        if mono - self._stall_written >= _STATE_INTERVAL_NS and self.channel is not None:
+            self._stall_written = mono
+            refused = self._refusals.read()
+            batch = [(rec.DROPPED, sc.DROP_QUEUE_FULL, refused)] if refused else []
+            batch.append(self._state_message(self._cpu_s))  # (the poller's CPU time as it last read it)
+            try:
+                self.channel.write(batch, 0)
+                getattr(self.channel, "send", lambda: None)()
+            except Exception as exc:  # never into the caller
+                warn_once(f"stall:{type(exc).__name__}", "otel-hicache: cannot report the stuck poller (%r)", exc)
         return stalled_for
 
-    def _report_stalled(self) -> None:
-        """While the poller is stuck, the refusals so far and what waits, written from the thread
-        that noticed (at most every ``_STATE_INTERVAL_NS``): the poller cannot."""
-        mono = time.monotonic_ns()
-        if mono - self._stall_written < _STATE_INTERVAL_NS:
-            return
-        self._stall_written = mono
-        channel = self.channel
-        if channel is None:
-            return
-        refused = self._refused_now()
-        batch = [(rec.DROPPED, sc.DROP_QUEUE_FULL, refused)] if refused else []
-        batch.append(self._state_message(time.thread_time()))
-        try:
-            channel.write(batch, 0)
-            send = getattr(channel, "send", None)
-            if send is not None:
-                send()
-        except Exception as exc:  # never into the caller
-            warn_once(f"stall:{type(exc).__name__}", "otel-hicache: cannot report the stuck poller (%r)", exc)
-
-    # -- control (any thread) -----------------------------------------------
+    # -- control (any thread) -----------------------------------------------------------------
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every record submitted before this call was taken in, is no longer in
-        flight and was written to the channel (or ``timeout_s`` passed). Records waiting for
-        an ack stay held."""
+        """Wait until every record submitted before this call was taken in, is no longer in flight
+        and was written to the channel (records waiting for an ack stay held)."""
         if not self._thread.is_alive():
             return not (self.queue or self._pending)
         done = threading.Event()
         with self._lock:
             self._flush_waiters.append((self._taken + len(self.queue), done))
-        self._wake.set()
+        self.wake()
         if done.wait(timeout_s):
             return True
         self.stalled()
         return False
 
     def stop(self, timeout_s: float) -> bool:
-        """Flush, end the ack waits, stop the thread and the channel; all within ``timeout_s``
-        (plus at most 0.1 s for the final cycle)."""
+        """Flush, end the ack waits, stop the thread and the channel, within ``timeout_s`` (plus 0.1 s)."""
         deadline = time.monotonic() + timeout_s
         if self._stop_called or not self._thread.is_alive():
             return False
         self._stop_called = True  # (at exit it is called twice: by atexit and by multiprocessing)
         flushed = self.flush(timeout_s)
-        self._drain_all = True
         self._stopping = True
-        self._wake.set()
+        self.wake()
         self._thread.join(max(0.1, deadline - time.monotonic()))
         stopped = not self._thread.is_alive()
         if not stopped and self.stalled():
-            self._abandon()
+            self._abandoned = True  # what it holds and what is queued is lost, counted now
+            lost = len(self.queue) + self.held
+            logger.warning("otel-hicache: %d transfers held by the stuck poller were not reported; "
+                           "counted in otel_hicache.records.dropped{reason=shutdown}", lost)
+            if self.channel is not None and lost:
+                self.channel.write([(rec.DROPPED, sc.DROP_SHUTDOWN, lost)], 0)
         elif self.queue:  # appended by a submit() that raced the final cycle
             self._drop_queued()
             self._write()
@@ -338,29 +320,19 @@ class Poller:
         closed = channel is None or channel.stop(max(0.1, deadline - time.monotonic()), timeout_s)
         return flushed and stopped and closed
 
-    def _abandon(self) -> None:
-        """At stop, with the poller stuck: what it holds and what is queued is lost, counted now."""
-        self._abandoned = True
-        lost = len(self.queue) + self.held
-        logger.warning("otel-hicache: %d transfers held by the stuck poller were not reported; "
-                       "counted in otel_hicache.records.dropped{reason=shutdown}", lost)
-        channel = self.channel
-        if channel is not None and lost:
-            channel.write([(rec.DROPPED, sc.DROP_SHUTDOWN, lost)], 0)
-
-    # -- the thread --------------------------------------------------------------
+    # -- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        poll = self.settings.poll_interval_s
-        last_active = 0.0
         if not self._forked:  # the sinks' zero series exist from start-up
             self._opened()
+        active = 0.0  # the last time there was work: polling goes on _ACTIVE_GRACE_S after it
         while True:
-            taken = self._taken
+            if self.queue or self._pending or self._awaiting:
+                active = time.monotonic()
             self._cycle_started = time.monotonic()
             try:
                 self._cycle()
             except Exception as exc:  # keep the poller alive whatever happens
-                warn_once("worker", "otel-hicache: poller error %r (continuing)", exc)
+                warn_once("poller", "otel-hicache: poller error %r (continuing)", exc)
                 logger.debug("otel-hicache poller error", exc_info=True)
             finally:
                 self._cycle_started = None
@@ -374,26 +346,54 @@ class Poller:
                 return
             if self._more:  # cut short by its budget: the rest now, once the others had the GIL
                 time.sleep(0)
-                continue
-            # No wake-up from the hot path: submit() only appends. The poller polls every poll
-            # interval while there is (or recently was) work, and backs off when idle;
-            # flush()/stop() wake it explicitly.
-            now = time.monotonic()
-            if self._pending or self._awaiting or self.queue or self._taken != taken:
-                last_active = now
-            self._wake.wait(poll if now - last_active < _ACTIVE_GRACE_S else _IDLE_WAIT_S)
+            elif (self._pending or self._awaiting or self._flush_waiters
+                  or time.monotonic() - active < _ACTIVE_GRACE_S):
+                self._wake.wait(self.settings.poll_interval_s)
+            else:
+                self._sleep()
+
+    def _sleep(self) -> None:
+        """Nothing to poll: block until the next timer, or until submit() or flush() wakes us."""
+        due = []
+        if self._state_held:
+            due.append(self._last_state + _STATE_INTERVAL_NS)
+        if self._unsent_ops >= 0:
+            due.append(self._last_send + _WRITE_INTERVAL_NS)
+        if self._out:  # not written (no channel yet, or a cycle that failed): again in a while
+            due.append(time.monotonic_ns() + _WRITE_INTERVAL_NS)
+        at = self._channel_due()
+        if at is not None:  # (just handled by the cycle: not again at once)
+            due.append(max(at, time.monotonic_ns() + _ACK_SCAN_INTERVAL_NS))
+        self.idle = True
+        if self.queue or self._stopping:  # (appended before submit() could see idle)
+            self.idle = False
+            return
+        self._wake.wait(max(0.0, (min(due) - time.monotonic_ns()) / 1e9) if due else None)
+        self.idle = False
 
     def _cycle(self) -> None:
-        queue = self.queue
-        out = self._out
-        clock = time.thread_time_ns
-        end = clock() + CYCLE_BUDGET_NS if not self._drain_all else 1 << 62
+        end = time.thread_time_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
         self._more = False
+        self._intake(end)
+        if self._abandoned:
+            return
+        now = self._clock()
+        if self._pending:
+            self._completions(now, end)
+            if self._abandoned:
+                return
+        if self._awaiting:
+            self._acks(now)
+        self.held = len(self._pending) + len(self._awaiting)
+        self._hand_over(end)
+
+    # -- 1. intake ----------------------------------------------------------------------------
+    def _intake(self, end: int) -> None:
+        """At most what the cap leaves room for; the rest stays queued (submit() refuses beyond the cap)."""
+        queue = self.queue
         room = self.settings.max_queue_size - len(self._pending) - len(self._awaiting)
-        # 1. intake: at most what the cap leaves room for; the rest stays queued (submit()
-        # refuses beyond the cap), so queued + held never exceeds the cap
         while queue and room > 0:
-            if clock() > end:
+            if time.thread_time_ns() > end:
                 self._more = True
                 break
             with self._lock:  # flush() reads _taken + len(queue) under it
@@ -403,78 +403,214 @@ class Poller:
                 items = [queue.popleft() for _ in range(count)]
                 self._taken = first + count
             for seq, item in enumerate(items, first):
-                if type(item) is HostFree:  # freed host pages, in order with the ops around them
+                if type(item) is HostFree:
                     self.held -= 1
-                    self._host_freed(item)
-                    continue
-                if type(item) is HostPoolRef:
+                    self._host(rec.FREE, item.pool_id, item.slots)
+                elif type(item) is HostPoolRef:
                     self.held -= 1
-                    out.append(item.message())
-                    continue
-                if self._take_in(item, seq):
+                    self._out.append(item.message())
+                elif self._take_in(item, seq):
                     room -= 1  # an invalid record takes no room: the next pass takes another
                 if self._abandoned:
                     return
         self.held = len(self._pending) + len(self._awaiting)
-        now = self._clock()
-        # 2./3. completion
-        if self._pending:
-            if self._anchor is not None:
-                self._anchor.maybe_refresh(now)
-            still = []
-            timeout = self.settings.transfer_timeout_ns
-            pending = self._pending
-            for index, record in enumerate(pending):
-                if index % _BUDGET_EVERY == 0 and index and clock() > end:
-                    self._more = True
-                    still.extend(pending[index:])
-                    break
+
+    def _take_in(self, item: list[Any], seq: int) -> bool:
+        """Validate a submitted list and hold it until it completes; False if it was dropped."""
+        try:
+            record = TransferRecord(item)
+            record.seq = seq
+            try:
+                validate(record)  # may call the host's deferred cause
+            except Exception as exc:  # whatever the caller passed, count it and go on
+                self.held -= 1
+                self._drop(sc.DROP_INVALID_INPUT)
+                warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
+                          "otel-hicache: dropped a transfer record: %s", exc)
+                return False
+            if record.host_slots is not None:
+                pool, slots = record.host_slots
+                self._host(rec.HOST, record.seq, pool.pool_id, record.direction, slots, record.submit_ns,
+                           record.cause, record.num_bytes)
+            self._inflight[record.direction] += 1
+            self._pending.append(record)
+            return True
+        except Exception as exc:  # one record lost, counted; never the rest of its batch
+            self.held -= 1
+            self._drop(sc.DROP_INTERNAL_ERROR)
+            warn_once(f"intake:{type(exc).__name__}", "otel-hicache: a record could not be taken in (%r); "
+                      "counted in otel_hicache.records.dropped{reason=internal_error}", exc)
+            logger.debug("otel-hicache intake error", exc_info=True)
+            return False
+
+    def _host(self, kind: int, *fields: Any) -> None:
+        """A ``record.HOST`` (an op's pages) or ``record.FREE`` message, its slots (maybe a call) made text."""
+        index = 3 if kind == rec.HOST else 1
+        try:
+            slots = fields[index]() if callable(fields[index]) else fields[index]
+            self._out.append((kind, *fields[:index], rec.slot_text(slots), *fields[index + 1:]))
+        except Exception as exc:  # the op is still reported; these pages are not tracked
+            warn_once(f"host:{kind}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
+                      "an op's" if kind == rec.HOST else "freed", exc)
+
+    # -- 2. completion and timing -------------------------------------------------------------
+    def _completions(self, now: int, end: int) -> None:
+        self._timing.refresh(now)
+        still: list[TransferRecord] = []
+        timeout = self.settings.transfer_timeout_ns
+        pending = self._pending
+        for index, record in enumerate(pending):
+            if index % _BUDGET_EVERY == 0 and index and time.thread_time_ns() > end:
+                self._more = True
+                still.extend(pending[index:])
+                break
+            try:
                 try:
-                    try:
-                        done = is_complete(record)
-                    except Exception as exc:
-                        self._fail(record, sc.FAIL_EVENT_ERROR, now, exc)
-                        continue
-                    if self._abandoned:  # it returned after stop() counted it lost
-                        return
-                    if done:
-                        self._complete(record, now)
-                    elif now - record.submit_ns > timeout:
-                        self._fail(record, sc.FAIL_TRANSFER_TIMEOUT, now, None)
-                    else:
-                        still.append(record)
-                except Exception as exc:  # a record is handled once, whatever happens
-                    self._internal_error(record, exc)
-            self._pending = still
-        # 4. acks: watched ones every cycle (cheap), the rest (and timeouts) every 5 ms
-        watched = self._watch_acks(now) if self._awaiting else 0
-        if self._awaiting and (self._drain_all or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS
-                               or self._flush_waiters or watched):
+                    done = is_complete(record)
+                except Exception as exc:
+                    self._fail(record, sc.FAIL_EVENT_ERROR, now, exc)
+                    continue
+                if self._abandoned:  # it returned after stop() counted it lost
+                    return
+                if done:
+                    self._complete(record, now)
+                elif now - record.submit_ns > timeout:
+                    self._fail(record, sc.FAIL_TRANSFER_TIMEOUT, now, None)
+                else:
+                    still.append(record)
+            except Exception as exc:  # a record is handled once, whatever happens
+                self._inflight[record.direction] -= 1
+                self._drop(sc.DROP_INTERNAL_ERROR)
+                warn_once(f"internal:{type(exc).__name__}", "otel-hicache: a record could not be reported (%r); "
+                          "counted in otel_hicache.records.dropped{reason=internal_error}", exc)
+                logger.debug("otel-hicache internal error", exc_info=True)
+        self._pending = still
+
+    def _complete(self, record: TransferRecord, now: int) -> None:
+        self._timing.resolve(record, now)
+        awaits = record.expect_ack and record.handle[S_ACK_NS] is None
+        if awaits:
+            record.completed_at_ns = now
+            if record.ack_watch is not None:
+                self._watch_acks(now, [record])  # taken before we saw it complete?
+        self._send(record)
+        if awaits and record.handle[S_ACK_NS] is None:
+            self._awaiting.append(record)
+
+    def _fail(self, record: TransferRecord, reason: str, now: int, exc: BaseException | None) -> None:
+        record.error = reason
+        resolve_host_clock(record, now)  # an event misbehaved or never finished: host clock only
+        record.expect_ack = False
+        self._send(record)
+        if reason == sc.FAIL_EVENT_ERROR:
+            warn_once(f"event_error:{type(exc).__name__}",
+                      "otel-hicache: a transfer's event raised %r; reported as an error span", exc)
+        else:
+            warn_once("transfer_timeout",
+                      "otel-hicache: a transfer did not complete within OTEL_HICACHE_TRANSFER_TIMEOUT_S=%.0f s; "
+                      "reported as an error span and its slot freed", self.settings.transfer_timeout_ns / 1e9)
+
+    def _send(self, record: TransferRecord) -> None:
+        """The op as a ``record.OP`` message (its requests and parent resolved here: this process's objects)."""
+        if record.requests is not None:
+            try:
+                contexts, record.request_links_dropped = request_links.resolve(record.requests)
+                record.request_links = tuple(map(rec.context_tuple, contexts))
+            except Exception as exc:  # the span is still made, without them
+                warn_once(f"requests:{type(exc).__name__}", "otel-hicache: cannot link an op's requests (%r)", exc)
+        parent = record.parent_context
+        if parent is not None:
+            parent = rec.context_tuple(trace.get_current_span(parent).get_span_context())
+        attributes = record.attributes
+        if attributes:
+            attributes = call_attributes(attributes, *self._attribute_limits)
+        self._out.append((
+            rec.OP, record.seq, record.direction, record.origin, record.cause, record.cause_parts, record.tokens,
+            record.blocks, record.pool_names, record.pool_tokens, record.num_bytes, record.page_size,
+            record.io_backend, attributes or None, record.timing_source, record.placement,
+            record.start_ns, record.end_ns, record.duration_ns, record.queue_wait_ns, record.error,
+            record.submit_ns, record.handle[S_ACK_NS], record.expect_ack, parent, record.request_links,
+            record.request_links_dropped))
+        self._ops_out += 1
+        self._inflight[record.direction] -= 1
+
+    # -- 3. ack watching ----------------------------------------------------------------------
+    def _acks(self, now: int) -> None:
+        """Watched acks every cycle (cheap); unwatched ones and timeouts every _ACK_SCAN_INTERVAL_NS."""
+        watched = self._watch_acks(now, self._awaiting)
+        if (self._stopping or watched or self._flush_waiters
+                or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS):
             self._last_ack_scan = now
             self._scan_acks(now)
-        self.held = len(self._pending) + len(self._awaiting)
+
+    def _watch_acks(self, now: int, awaiting: list[TransferRecord]) -> int:
+        """Stamp the ack time of watched records whose item left its container (one snapshot per
+        container, ``tuple(list)`` is atomic under the GIL). Returns how many were stamped."""
+        snapshots: dict[int, set[int] | None] = {}
+        stamped = 0
+        for record in awaiting:
+            watch = record.ack_watch
+            if watch is None or record.handle[S_ACK_NS] is not None:
+                continue
+            container, item = watch
+            present = snapshots.get(id(container), False)
+            if present is False:
+                try:
+                    present = {id(x) for x in tuple(container)}
+                except RuntimeError:  # a deque mutated while copied: next cycle
+                    present = None
+                except Exception as exc:
+                    present = record.ack_watch = None
+                    warn_once(f"ack_watch:{type(container).__name__}",
+                              "otel-hicache: cannot read the ack_watch container %s (%r); such ops wait for "
+                              "ack() or the ack timeout", type(container).__name__, exc)
+                snapshots[id(container)] = present
+            if present is not None and id(item) not in present:
+                record.handle[S_ACK_NS] = now
+                stamped += 1
+        return stamped
+
+    def _scan_acks(self, now: int) -> None:
+        timeout = self.settings.ack_timeout_ns
+        keep = []
+        for record in self._awaiting:
+            ack_ns = record.handle[S_ACK_NS]
+            if ack_ns is not None or self._stopping or now - record.completed_at_ns > timeout:
+                self._out.append((rec.ACK, record.seq, ack_ns))
+            else:
+                keep.append(record)
+        self._awaiting = keep
+
+    # -- 4. hand-over -------------------------------------------------------------------------
+    def _hand_over(self, end: int) -> None:
         self._report_queue_full()
+        flushing = bool(self._flush_waiters)
         # forced once a flush can be released (not in the cycles of a backlog: the state reads the queue)
-        self._state(now, force=self._drain_all or (bool(self._flush_waiters) and not self._more and not queue))
-        urgent = bool(self._flush_waiters) or self._drain_all
+        self._state(force=self._stopping or (flushing and not self._more and not self.queue))
+        urgent = flushing or self._stopping
         # (not in a forked child that reported nothing: opening its channel would reach the parent's providers)
-        if self._flush_waiters and not (self._forked and self.channel is None and not out and not self._drops):
+        if flushing and not (self._forked and self.channel is None and not self._out and not self._drops):
             self._take_drops()
-            out.append((rec.FLUSH, 0))  # the sinks hand what they summed to the SDK now
-        if out or self._drops:
+            self._out.append((rec.FLUSH, 0))  # the sinks hand what they summed to the SDK now
+        if self._out or self._drops:
             self._write()
         if self._unsent_ops >= 0 and (urgent or self._unsent_ops >= _WRITE_OPS
                                       or time.monotonic_ns() - self._last_send >= _WRITE_INTERVAL_NS):
-            if clock() > end and not urgent:
+            if time.thread_time_ns() > end and not urgent:
                 self._more = True  # the system call is a stretch of its own
             else:
                 self._send_on()
-        if self._flush_waiters:
+        elif (at := self._channel_due()) is not None and at <= time.monotonic_ns():
+            self._send_on()
+        if flushing:
             self._release_flush_waiters()
 
+    def _channel_due(self) -> int | None:
+        due = getattr(self.channel, "due", None)  # (the embedded channel has no timers)
+        return due() if due is not None else None
+
     def _write(self) -> None:
-        """This cycle's messages to the channel, opened at the first batch (on this thread, after
-        any fork: the channel's process or providers are this process's own)."""
+        """This cycle's messages to the channel, opened at the first batch (on this thread, after any fork)."""
         self._take_drops()
         if not self._out:
             return
@@ -503,14 +639,11 @@ class Poller:
         self._out.extend((rec.DROPPED, reason, count) for reason, count in drops.items())
 
     def _opened(self) -> Any:
-        """The channel, opened now if it is not (the poller at start-up or its first batch; in a
-        forked child the first submit, on the caller's thread, so that it is never opened in an exit
-        hook, where the SDK's resource detection can no longer start its threads)."""
-        channel = self.channel
-        if channel is None:
+        """The channel, opened now if it is not (at start-up or the first batch; in a forked child at its
+        first submit, on the caller's thread: never in an exit hook, where the SDK cannot start threads)."""
+        if self.channel is None:
             with self._open_lock:
-                channel = self.channel
-                if channel is None:
+                if self.channel is None:
                     try:
                         channel = self._open_channel()
                         if self.pools:
@@ -519,27 +652,29 @@ class Poller:
                     except Exception as exc:  # the poller goes on; the next batch tries again
                         warn_once(f"channel:{type(exc).__name__}", "otel-hicache: cannot open the telemetry "
                                   "channel (%r)", exc)
-        return channel
+        return self.channel
 
     open_channel = _opened
 
-    def _state(self, now: int, force: bool) -> None:
+    def _state(self, force: bool) -> None:
         """A ``record.STATE`` when what the gauges show changed, at most every ``_STATE_INTERVAL_NS``."""
         mono = time.monotonic_ns()
         if not force and mono - self._last_state < _STATE_INTERVAL_NS:
+            self._state_held = True
             return
+        self._state_held = False
         if self._forked and self.channel is None:  # a forked child that reported nothing: no sinks to tell
             return
         self._last_state = mono
-        message = self._state_message(time.thread_time())
-        if message[1:5] == self._state_sent and not force:
-            return
-        self._state_sent = message[1:5]
-        self._out.append(message)
+        self._cpu_s = time.thread_time()
+        message = self._state_message(self._cpu_s)
+        if message[1:5] != self._state_sent or force:
+            self._state_sent = message[1:5]
+            self._out.append(message)
 
     def _state_message(self, cpu_s: float) -> tuple[Any, ...]:
         """What the gauges show now, from snapshots (``tuple()`` of a list is one step under the GIL):
-        the poller's own thread, or one that found it stuck."""
+        from the poller, or a thread that found it stuck."""
         oldest: dict[str, Any] = dict.fromkeys(DIRECTIONS)
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
@@ -558,7 +693,7 @@ class Poller:
                 try:
                     direction = item[0]
                     inflight[direction] += 1
-                except (IndexError, KeyError, TypeError):  # not a submission: the intake drops it as invalid_input
+                except (IndexError, KeyError, TypeError):  # not a submission: the intake drops it
                     continue
                 if not seen[direction]:
                     seen[direction] = self._older(oldest, direction, item[S_SUBMIT_NS])
@@ -581,8 +716,7 @@ class Poller:
         return True
 
     def _release_flush_waiters(self) -> None:
-        """A flush is done once every record submitted before it was taken in and is no longer
-        in flight (later submissions do not hold it up)."""
+        """A flush is done once every record submitted before it was taken in and is no longer in flight."""
         oldest_pending = self._pending[0].seq if self._pending else self._taken  # (in intake order)
         with self._lock:
             waiting = []
@@ -607,7 +741,7 @@ class Poller:
         self._report_queue_full()
         if self.queue:
             self._drop_queued()
-        self._state(self._clock(), force=True)
+        self._state(force=True)
         self._write()
         with self._lock:  # nothing is in flight any more: a flush() waiting elsewhere is done
             waiters, self._flush_waiters = self._flush_waiters, []
@@ -628,178 +762,10 @@ class Poller:
     def _drop(self, reason: str, count: int = 1) -> None:
         self._drops[reason] = self._drops.get(reason, 0) + count
 
-    def _refused_now(self) -> int:
-        """submit() calls refused since the last read (any thread)."""
-        # next() is the count's only reader: it returns the calls so far, submit()'s refusals
-        # and the reads here (each read is one call of its own)
-        with self._refused_lock:
-            refused = next(self.refused) - self._refused_reads
-            self._refused_reads += 1
-            drops = refused - self._refused_reported
-            self._refused_reported = refused
-        return drops
-
     def _report_queue_full(self) -> None:
-        drops = self._refused_now()
+        drops = self._refusals.read()
         if drops:
             self._drop(sc.DROP_QUEUE_FULL, drops)
             warn_once("queue_full", "otel-hicache: transfer record queue full (OTEL_HICACHE_MAX_QUEUE_SIZE=%d); "
                       "dropping records, counted in otel_hicache.records.dropped{reason=queue_full}",
                       self.settings.max_queue_size)
-
-    # -- one record -----------------------------------------------------------------
-    def _take_in(self, item: list[Any], seq: int) -> bool:
-        """Validate a submitted list and hold it until it completes; False if it was dropped."""
-        record = None
-        try:
-            record = TransferRecord(item)
-            record.seq = seq
-            try:
-                validate(record)  # may call the host's deferred cause
-            except Exception as exc:  # whatever the caller passed, count it and go on
-                self.held -= 1
-                self._drop(sc.DROP_INVALID_INPUT)
-                warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
-                          "otel-hicache: dropped a transfer record: %s", exc)
-                return False
-            if record.host_slots is not None:
-                self._host_pages(record)
-            self._inflight[record.direction] += 1
-            self._pending.append(record)
-            return True
-        except Exception as exc:  # one record lost, counted; never the rest of its batch
-            self.held -= 1
-            self._drop(sc.DROP_INTERNAL_ERROR)
-            warn_once(f"intake:{type(exc).__name__}", "otel-hicache: a record could not be taken in (%r); "
-                      "counted in otel_hicache.records.dropped{reason=internal_error}", exc)
-            logger.debug("otel-hicache intake error", exc_info=True)
-            return False
-
-    def _host_pages(self, record: TransferRecord) -> None:
-        """The pages an offload wrote or a load-back read, as plain bytes, at intake."""
-        pool, slots = record.host_slots
-        try:
-            if callable(slots):
-                slots = slots()
-            self._out.append((rec.HOST, record.seq, pool.pool_id, record.direction, rec.slot_text(slots),
-                              record.submit_ns, record.cause, record.num_bytes))
-        except Exception as exc:  # the op is still reported; its pages are not tracked
-            warn_once(f"host_pages:{type(exc).__name__}", "otel-hicache: cannot track an op's host pages (%r)", exc)
-
-    def _host_freed(self, item: HostFree) -> None:
-        try:
-            slots = item.slots() if callable(item.slots) else item.slots
-            self._out.append((rec.FREE, item.pool_id, rec.slot_text(slots)))
-        except Exception as exc:
-            warn_once(f"host_freed:{type(exc).__name__}", "otel-hicache: cannot track freed host pages (%r)", exc)
-
-    def _anchor_for(self, record: TransferRecord) -> WallClockAnchor | None:
-        if not self._anchor_resolved:
-            self._anchor_resolved = True
-            factory = self._anchor_factory
-            if factory is None:
-                try:
-                    factory = anchor_factory_for(record.start_event)
-                except Exception:
-                    factory = None
-            if factory is not None:
-                self._anchor = WallClockAnchor(factory, self.settings.anchor_interval_s, self._clock)
-                self._anchor.refresh()
-        return self._anchor
-
-    def _complete(self, record: TransferRecord, now: int) -> None:
-        anchor = self._anchor_for(record) if record.timing_enabled and record.start_event is not None else None
-        resolve(record, now, anchor, self._timeline)
-        if record.expect_ack and record.handle[S_ACK_NS] is None and record.ack_watch is not None:
-            record.completed_at_ns = now
-            self._watch_acks(now, [record])  # taken before we saw it complete?
-        self._send(record)
-        if record.expect_ack and record.handle[S_ACK_NS] is None:
-            record.completed_at_ns = now
-            self._awaiting.append(record)
-
-    def _send(self, record: TransferRecord) -> None:
-        """The op as a ``record.OP`` message (its requests and parent resolved here: they are this
-        process's objects)."""
-        if record.requests is not None:
-            try:
-                contexts, record.request_links_dropped = request_links.resolve(record.requests)
-                record.request_links = tuple(map(rec.context_tuple, contexts))
-            except Exception as exc:  # the span is still made, without them
-                warn_once(f"requests:{type(exc).__name__}", "otel-hicache: cannot link an op's requests (%r)", exc)
-        parent = record.parent_context
-        if parent is not None:
-            parent = rec.context_tuple(trace.get_current_span(parent).get_span_context())
-        attributes = record.attributes
-        if attributes:
-            attributes = call_attributes(attributes, *self._attribute_limits)
-        self._out.append((
-            rec.OP, record.seq, record.direction, record.origin, record.cause, record.cause_parts, record.tokens,
-            record.blocks, record.pool_names, record.pool_tokens, record.num_bytes, record.page_size,
-            record.io_backend, attributes or None, record.timing_source, record.placement,
-            record.start_ns, record.end_ns, record.duration_ns, record.queue_wait_ns, record.error,
-            record.submit_ns, record.handle[S_ACK_NS], record.expect_ack, parent, record.request_links,
-            record.request_links_dropped))
-        self._ops_out += 1
-        self._inflight[record.direction] -= 1
-
-    def _watch_acks(self, now: int, awaiting: list[TransferRecord] | None = None) -> int:
-        """Stamp the ack time of watched records whose item left its container: one snapshot per
-        container per call (``tuple(list)`` is atomic under the GIL), then an identity lookup per
-        record. Returns how many were stamped."""
-        snapshots: dict[int, set[int] | None] = {}
-        stamped = 0
-        for record in self._awaiting if awaiting is None else awaiting:
-            watch = record.ack_watch
-            if watch is None or record.handle[S_ACK_NS] is not None:
-                continue
-            container, item = watch
-            key = id(container)
-            present = snapshots.get(key, False)
-            if present is False:
-                try:
-                    present = {id(x) for x in tuple(container)}
-                except RuntimeError:  # a deque mutated while copied: next cycle
-                    present = None
-                except Exception as exc:
-                    present = None
-                    record.ack_watch = None
-                    warn_once(f"ack_watch:{type(container).__name__}",
-                              "otel-hicache: cannot read the ack_watch container %s (%r); such ops wait for "
-                              "ack() or the ack timeout", type(container).__name__, exc)
-                snapshots[key] = present
-            if present is not None and id(item) not in present:
-                record.handle[S_ACK_NS] = now
-                stamped += 1
-        return stamped
-
-    def _scan_acks(self, now: int) -> None:
-        timeout = self.settings.ack_timeout_ns
-        keep = []
-        for record in self._awaiting:
-            ack_ns = record.handle[S_ACK_NS]
-            if ack_ns is not None or self._drain_all or now - record.completed_at_ns > timeout:
-                self._out.append((rec.ACK, record.seq, ack_ns))
-            else:
-                keep.append(record)
-        self._awaiting = keep
-
-    def _internal_error(self, record: TransferRecord, exc: BaseException) -> None:
-        self._inflight[record.direction] -= 1
-        self._drop(sc.DROP_INTERNAL_ERROR)
-        warn_once(f"internal:{type(exc).__name__}", "otel-hicache: a record could not be reported (%r); counted "
-                  "in otel_hicache.records.dropped{reason=internal_error}", exc)
-        logger.debug("otel-hicache internal error", exc_info=True)
-
-    def _fail(self, record: TransferRecord, reason: str, now: int, exc: BaseException | None) -> None:
-        record.error = reason
-        resolve_host_clock(record, now)  # an event misbehaved or never finished: host clock only
-        record.expect_ack = False
-        self._send(record)
-        if reason == sc.FAIL_EVENT_ERROR:
-            warn_once(f"event_error:{type(exc).__name__}",
-                      "otel-hicache: a transfer's event raised %r; reported as an error span", exc)
-        else:
-            warn_once("transfer_timeout",
-                      "otel-hicache: a transfer did not complete within OTEL_HICACHE_TRANSFER_TIMEOUT_S=%.0f s; "
-                      "reported as an error span and its slot freed", self.settings.transfer_timeout_ns / 1e9)

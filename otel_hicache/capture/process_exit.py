@@ -1,15 +1,8 @@
-"""Run shutdown hooks at process exit, including ``multiprocessing`` children.
-
-``atexit`` handlers do not run in a ``multiprocessing`` child: its bootstrap
-ends with ``os._exit()``, after running only ``multiprocessing.util``
-finalizers. SGLang starts its schedulers that way (spawn), so each hook is
-registered both ways; hooks must be idempotent (the second call does nothing).
-A child started with the *fork* method inherits the parent's finalizers, but
-its bootstrap clears them: the hooks are registered again there, from
-``multiprocessing``'s own after-fork callbacks (which run after that clear).
-Higher ``priority`` runs first in a child; in the main process ``atexit`` runs
-hooks in reverse registration order.
-"""
+"""Exit hooks that also run in ``multiprocessing`` children (SGLang's schedulers), whose bootstrap
+ends with ``os._exit()`` after ``multiprocessing.util`` finalizers only: each hook is registered
+both ways and must be idempotent. A *fork* child's bootstrap clears the inherited finalizers, so
+they are registered again from ``multiprocessing``'s after-fork callbacks. Higher ``priority`` runs
+first in a child; ``atexit`` runs hooks in reverse registration order."""
 
 from __future__ import annotations
 
@@ -18,8 +11,7 @@ from typing import Any, Callable
 
 
 class _Hooks:
-    """Every hook registered in this process (a weak-referenceable holder for
-    ``multiprocessing.util.register_after_fork``)."""
+    """Every hook registered here (weak-referenceable, for ``register_after_fork``)."""
 
     def __init__(self) -> None:
         self.items: list[tuple[Callable[..., Any], tuple[Any, ...], int]] = []
@@ -39,11 +31,11 @@ def _finalize(hook: Callable[..., Any], args: tuple[Any, ...], priority: int) ->
         from multiprocessing import util
 
         util.Finalize(None, hook, args=args, exitpriority=priority)
-    except Exception:  # pylint: disable=broad-except  # atexit alone still covers the main process
+    except Exception:  # atexit alone still covers the main process
         pass
 
 
-def _after_fork_in_multiprocessing_child(hooks: _Hooks) -> None:
+def _after_fork(hooks: _Hooks) -> None:
     for hook, args, priority in hooks.items:
         _finalize(hook, args, priority)
 
@@ -51,6 +43,6 @@ def _after_fork_in_multiprocessing_child(hooks: _Hooks) -> None:
 try:
     from multiprocessing import util as _mp_util
 
-    _mp_util.register_after_fork(_hooks, _after_fork_in_multiprocessing_child)
-except Exception:  # pylint: disable=broad-except
+    _mp_util.register_after_fork(_hooks, _after_fork)
+except Exception:
     pass

@@ -1,9 +1,4 @@
-"""Transfer records: what ``submit()`` captures on the hot path.
-
-``submit()`` queues a plain list (its handle); the poller
-(:mod:`otel_hicache.capture.poller`) makes it a slotted record, validates it here and
-times it (:mod:`.timing`) before it leaves as a ``record.OP`` message.
-"""
+"""Transfer records: ``submit()`` queues a plain list, the poller makes it a slotted record and validates it here."""
 
 from __future__ import annotations
 
@@ -14,115 +9,60 @@ from typing import Any, Mapping
 from .. import semconv as sc
 from ..adapters import causes
 from ..diagnostics import warn_once
+from ..record import DEVICE_EVENT, DIRECT, HOST_CLOCK, INT64_MAX, MERGED_OP, TIERS, encodes
 
-from ..record import (DEVICE_EVENT, DIRECT, DIRECTIONS, HOST_CLOCK, INT64_MAX, MERGED_OP, OFFLOAD,  # noqa: F401
-                      ONBOARD, ORIGINS, TIERS, encodes)
-
+__all__ = ["DEVICE_EVENT", "DIRECT", "HOST_CLOCK", "INT64_MAX", "MERGED_OP", "SUBMISSION_FIELDS", "TransferRecord",
+           "submission", "validate"]
 
 SUBMISSION_FIELDS = (
     # captured on the caller's thread
-    "direction",
-    "tokens_by_pool",
-    "num_bytes",
-    "page_size",
-    "start_event",
-    "finish_event",
-    "timing_enabled",
-    "io_backend",
-    "attributes",
-    "expect_ack",
-    "submit_ns",
-    "parent_context",
-    "host_start_ns",
-    "host_end_ns",
-    "ack_watch",
-    "cause",
-    "host_slots",
-    "requests",
+    "direction", "tokens_by_pool", "num_bytes", "page_size", "start_event", "finish_event", "timing_enabled",
+    "io_backend", "attributes", "expect_ack", "submit_ns", "parent_context", "host_start_ns", "host_end_ns",
+    "ack_watch", "cause", "host_slots", "requests",
     # stamped later, on the list itself, by ack() or the poller (ack_watch)
     "ack_ns",
 )
-"""The layout of what ``submit()`` queues: a plain list (cheapest to build on the
-caller's thread), which is also the handle ``ack()`` stamps. Declared here only:
-``submit()``'s list literal is checked against it (tests/test_records.py)."""
+"""The layout of what ``submit()`` queues: a plain list (cheapest to build), also the handle ``ack()``
+stamps; ``submit()``'s list literal is checked against it (tests/test_records.py)."""
 
 S_SUBMIT_NS = SUBMISSION_FIELDS.index("submit_ns")
 S_ACK_NS = SUBMISSION_FIELDS.index("ack_ns")
-
-_SUBMISSION_DEFAULTS = {"num_bytes": 0, "page_size": 1, "timing_enabled": False, "expect_ack": False, "submit_ns": 0}
-"""What ``submission()`` puts for a field not given (None for the others)."""
+_TIME = "must be a time in ns from 0 to 2**63-1"
+_DEFAULTS = {"num_bytes": 0, "page_size": 1, "timing_enabled": False, "expect_ack": False, "submit_ns": 0}
 
 
 def submission(*values: Any, **fields: Any) -> list[Any]:
-    """A list as ``submit()`` builds it inline, for tests and strict checks: the
-    ``SUBMISSION_FIELDS`` in order, positionally and/or by name."""
+    """A list as ``submit()`` builds it, for tests: the ``SUBMISSION_FIELDS`` in order, positionally and/or by name."""
     if len(values) > len(SUBMISSION_FIELDS):
         raise TypeError(f"submission() takes at most {len(SUBMISSION_FIELDS)} values, got {len(values)}")
-    handle = [*values, *(fields.pop(name, _SUBMISSION_DEFAULTS.get(name)) for name in SUBMISSION_FIELDS[len(values):])]
+    handle = [*values, *(fields.pop(name, _DEFAULTS.get(name)) for name in SUBMISSION_FIELDS[len(values):])]
     if fields:
         raise TypeError(f"submission() got unknown or repeated fields: {', '.join(sorted(fields))}")
     return handle
 
 
-_COPIED_FIELDS = SUBMISSION_FIELDS[:S_ACK_NS] + SUBMISSION_FIELDS[S_ACK_NS + 1:]
-"""The submitted fields a record copies to its slots: all but ``ack_ns``, read live
-from the handle (``ack()`` may stamp it after the record is built)."""
-
-
 class TransferRecord:
-    """One merged op (or one direct copy), from submit to its emitted span.
+    """One merged op (or one direct copy) on the poller, from its submitted list (``handle``,
+    whose ``ack_ns`` is read live: ``ack()`` may stamp it later)."""
 
-    Built by the poller from the submitted list (``handle``, laid out as
-    ``SUBMISSION_FIELDS``), which ``ack()`` stamps with the ack time.
-    """
-
-    __slots__ = (
-        "handle",
-        *_COPIED_FIELDS,  # captured on the caller's thread
-        # filled by the poller
-        "origin",
-        "cause_parts",  # a mixed merged op's ((cause, pool names, pool tokens, bytes), ...), else None
-        "host",  # (pool id, slot bytes) of an op with host_slots, sent at intake
-        "request_links",  # the sampled request span contexts, as record.context_tuple()s
-        "request_links_dropped",
-        "tokens",
-        "blocks",
-        "pool_names",
-        "pool_tokens",
-        "timing_source",
-        "placement",  # hicache.placement_source of device-timed ops (timing.resolve), else None
-        "start_ns",
-        "end_ns",
-        "duration_ns",
-        "queue_wait_ns",
-        "error",
-        "completed_at_ns",
-        "seq",
-    )
+    __slots__ = ("handle", *SUBMISSION_FIELDS[:S_ACK_NS],
+                 # filled by the poller; cause_parts: a mixed op's ((cause, pool names, pool tokens, bytes), ...)
+                 "origin", "cause_parts", "request_links", "request_links_dropped", "tokens", "blocks", "pool_names",
+                 "pool_tokens", "timing_source", "placement", "start_ns", "end_ns", "duration_ns", "queue_wait_ns",
+                 "error", "completed_at_ns", "seq")
 
     def __init__(self, handle: list[Any]) -> None:
-        # one unpacking assignment, in SUBMISSION_FIELDS' order (ack_ns is read live from the handle)
         self.handle = handle
         (self.direction, self.tokens_by_pool, self.num_bytes, self.page_size, self.start_event, self.finish_event,
          self.timing_enabled, self.io_backend, self.attributes, self.expect_ack, self.submit_ns, self.parent_context,
          self.host_start_ns, self.host_end_ns, self.ack_watch, self.cause, self.host_slots, self.requests, _) = handle
+        # the poller's fields read before they may be set (validate() and timing.resolve() set the others)
+        self.queue_wait_ns = self.placement = self.error = self.completed_at_ns = None
+        self.request_links, self.request_links_dropped = (), 0
 
     @property
     def ack_ns(self) -> int | None:
-        """Host time ``ack()`` was called, or None."""
         return self.handle[S_ACK_NS]
-
-
-def reset_worker_fields(record: TransferRecord) -> None:
-    """Initialize the poller-side fields that may be read before they are set
-    (the others are always set by validate() or timing.resolve())."""
-    record.queue_wait_ns = None
-    record.placement = None
-    record.error = None
-    record.completed_at_ns = None
-    record.host = None
-    record.request_links = ()
-    record.request_links_dropped = 0
 
 
 def _shown(value: Any) -> str:
@@ -144,18 +84,8 @@ def _integer(value: Any, what: str) -> int:
         raise TypeError(f"{what} must be an integer, got {type(value).__name__} {_shown(value)}") from None
 
 
-def _count(value: Any, what: str) -> int:
-    """A count from 0 to ``INT64_MAX``, or a ValueError/TypeError naming ``what``."""
-    return _int64(value, what, "must be >= 0 and < 2**63")
-
-
-def _timestamp(value: Any, what: str) -> int:
-    """A host time in ns since the epoch (as ``time.time_ns()``), 0 to ``INT64_MAX``; floats are
-    refused rather than rounded (they lose the nanoseconds), like any other non-integer."""
-    return _int64(value, what, "must be a time in ns from 0 to 2**63-1")
-
-
-def _int64(value: Any, what: str, rule: str) -> int:
+def _count(value: Any, what: str, rule: str = "must be >= 0 and < 2**63") -> int:
+    """0 to ``INT64_MAX`` (a float is refused, not rounded), or a ValueError/TypeError naming ``what``."""
     if type(value) is int and 0 <= value <= INT64_MAX:  # the common case, first
         return value
     number = _integer(value, what)
@@ -164,9 +94,7 @@ def _int64(value: Any, what: str, rule: str) -> int:
     return number
 
 
-_NAMES_SEEN: set[str] = set()  # names checked once: a few pool names, seen on every op
-_NAMES_SEEN_MAX = 1024
-_NAME_SEEN_LENGTH = 256  # longer names are checked every time rather than kept
+_NAMES_SEEN: set[str] = set()  # names checked once (a few pool names, seen on every op), up to 1,024 short ones
 
 
 def _name(name: Any, what: str) -> str:
@@ -178,20 +106,14 @@ def _name(name: Any, what: str) -> str:
     name = str.__str__(name)
     if not encodes(name):
         raise ValueError(f"{what} must be valid Unicode (no lone surrogates), got {_shown(name)}")
-    if len(_NAMES_SEEN) < _NAMES_SEEN_MAX and len(name) <= _NAME_SEEN_LENGTH:
+    if len(_NAMES_SEEN) < 1024 and len(name) <= 256:
         _NAMES_SEEN.add(name)
     return name
 
 
 def validate(record: TransferRecord) -> None:
-    """Check and normalize a record's submit-time fields in place.
-
-    Raises ``ValueError``/``TypeError`` with a message naming the problem. On
-    success ``tokens`` (the anchor pool's count, as ``HiCacheAck.num_tokens``),
-    ``blocks = ceil(tokens / page_size)``, ``pool_names``/``pool_tokens`` and an
-    integer ``num_bytes`` are set.
-    """
-    reset_worker_fields(record)
+    """Check and normalize a record's submitted fields in place (a ValueError/TypeError names the
+    problem); sets ``tokens`` (the first pool's), ``blocks``, ``pool_names`` and ``pool_tokens``."""
     if record.direction not in TIERS:
         raise ValueError(f"direction must be 'offload' or 'onboard', got {_shown(record.direction)}")
     page_size = record.page_size = _integer(record.page_size, "page_size")
@@ -217,10 +139,10 @@ def validate(record: TransferRecord) -> None:
     record.tokens = counts[0] if counts else 0
     record.blocks = -(-record.tokens // page_size)
     if record.host_start_ns is not None:  # submit() takes it as the submit time too
-        record.host_start_ns = _timestamp(record.host_start_ns, "host_start_ns")
-    record.submit_ns = _timestamp(record.submit_ns, "submit_ns")
+        record.host_start_ns = _count(record.host_start_ns, "host_start_ns", _TIME)
+    record.submit_ns = _count(record.submit_ns, "submit_ns", _TIME)
     if record.host_end_ns is not None:
-        record.host_end_ns = _timestamp(record.host_end_ns, "host_end_ns")
+        record.host_end_ns = _count(record.host_end_ns, "host_end_ns", _TIME)
     if record.io_backend is not None:
         record.io_backend = _name(str(record.io_backend), "io_backend")
     record.origin = MERGED_OP if record.expect_ack else DIRECT
@@ -238,8 +160,7 @@ def validate(record: TransferRecord) -> None:
 
 
 def _known_cause(cause: Any, direction: str) -> str:
-    """``cause`` if it is one of ``direction``'s (``adapters.causes()``), else ``other`` (warned once):
-    the label stays a closed set whatever a caller passes."""
+    """``cause`` if it is one of ``direction``'s, else ``other`` (warned once): a closed set."""
     if cause in causes()[direction]:
         return cause
     warn_once(f"cause:{direction}:{cause!r}"[:200], "otel-hicache: %r is not a %s cause (%s); counted as %r",
@@ -248,15 +169,9 @@ def _known_cause(cause: Any, direction: str) -> str:
 
 
 def _validate_cause(record: TransferRecord) -> None:
-    """``cause``: None (``other``), one cause, or a merged op's parts
-    ``[(cause, tokens_by_pool, num_bytes), ...]`` (its queued ops, by cause), which must
-    sum to the op's own tokens per pool and bytes exactly. One cause among the parts makes
-    the op that cause; several make it ``mixed``, its tokens and bytes counted per part.
-    Parts that do not sum are warned about once and the whole op is ``other``. A deferred
-    call (a callable, or ``(function, *args)``, cheaper to build than a ``partial``) is made
-    here, on the poller in submission order, and its answer taken as ``cause`` (the host
-    works the cause out off its hot path); one that raises makes the op ``other`` (warned
-    once)."""
+    """``cause``: None (``other``), one cause, parts ``[(cause, tokens_by_pool, num_bytes), ...]``
+    that must sum to the op's totals (several causes: ``mixed``; not summing: ``other``, warned
+    once), or a deferred call returning one of these (made here, on the poller)."""
     cause = record.cause
     record.cause_parts = None
     if callable(cause) or (type(cause) is tuple and cause and callable(cause[0])):

@@ -1,10 +1,8 @@
-"""``TransferTelemetry``: the public API adapters and applications call.
+"""``TransferTelemetry``: the API adapters and applications call.
 
-``submit()`` and ``ack()`` are the hot path: no OTel SDK call, no device
-synchronization, no ``elapsed_time()``, no log formatting, never raise. They
-stamp the host clock and the current OTel context and append a small record to
-a bounded queue; the poller (:mod:`.poller`) does the rest of the capture and
-writes to the sinks' channel (``configuration.open_channel``).
+``submit()`` and ``ack()`` are the hot path: no SDK call, no device synchronization, no formatting,
+never a raise; they stamp the host clock and the current context and append a list to a bounded
+queue. The poller (:mod:`.poller`) does the rest and writes to the channel to the sinks.
 """
 
 from __future__ import annotations
@@ -24,22 +22,18 @@ from ..settings import env_bool, env_float, sdk_disabled
 from . import fork
 from .attributes import static_attributes
 from .device import timing_event_pair
-from .poller import HostFree, HostPoolRef, PipelineSettings, Poller
+from .poller import HostFree, HostPoolRef, PollerSettings, Poller
 from .process_exit import on_exit
-from .records import INT64_MAX, S_ACK_NS, TransferRecord, submission, validate
+from .records import INT64_MAX, S_ACK_NS
 
 _get_current_context = otel_context.get_current
-
-# The capacity a forked child's TransferTelemetry holds until its first submit() or host_freed():
-# below any queue length, so the capacity check every submit makes anyway sends that one call
-# to _first_in_child (no check of its own on the hot path).
+# A forked child's capacity until its first submit() or host_freed(): below any queue length, so the
+# capacity check every submit makes anyway sends that call to _first_in_child.
 _OPEN_FIRST = -1
 
 
 def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
-    """At exit, whether or not its TransferTelemetry is still referenced (a running poller is, by its
-    thread): what it holds is reported."""
-    poller = ref()
+    poller = ref()  # (a running poller is referenced by its thread, its TransferTelemetry maybe not)
     if poller is not None:
         poller.stop(timeout_s)
 
@@ -47,146 +41,93 @@ def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
 class TransferTelemetry:
     """Turns L1<->L2 transfers into device-timed spans and exact metrics.
 
-    :param tracer_provider: defaults to the one :func:`otel_hicache.configure`
-        built, else the global one.
-    :param meter_provider: likewise.
-    :param attributes: static attributes (ranks, model...) put on every span and
-        metric point.
-    :param clock: host clock in ns (default ``time.time_ns``); simulations and
-        tests pass their own.
-    :param anchor_event_factory: returns a freshly recorded timing event, for the
-        wall-clock anchor; derived from the events themselves when omitted.
+    ``tracer_provider``/``meter_provider`` default to those :func:`otel_hicache.configure` built, else
+    the global ones; ``attributes`` go on every span and point; ``clock`` is the host clock in ns;
+    ``anchor_event_factory`` returns a freshly recorded timing event for the wall-clock anchor
+    (derived from the events when omitted).
     """
 
-    def __init__(
-        self,
-        tracer_provider: Any = None,
-        meter_provider: Any = None,
-        attributes: Mapping[str, Any] | None = None,
-        *,
-        clock: Callable[[], int] | None = None,
-        anchor_event_factory: Callable[[], Any] | None = None,
-    ) -> None:
+    def __init__(self, tracer_provider: Any = None, meter_provider: Any = None,
+                 attributes: Mapping[str, Any] | None = None, *, clock: Callable[[], int] | None = None,
+                 anchor_event_factory: Callable[[], Any] | None = None) -> None:
         self._static = static_attributes(attributes)
-        self._strict = env_bool(ev.OTEL_HICACHE_STRICT)
         self._clock = clock or time.time_ns
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
-        self._pipeline: Poller | None = None
-        # A plain attribute, not a property: adapters guard their own argument
-        # building with ``if tel.enabled:`` for a ~20 ns disabled path.
-        self.enabled = False
+        self._pipeline: Poller | None = None  # (its poller; tests/harness.py reads it by this name)
+        self.enabled = False  # an attribute, not a property: adapters guard their argument building with it
         if not (env_bool(ev.OTEL_HICACHE_ENABLED) and not sdk_disabled()):
             return
-        settings = PipelineSettings.from_environment()
+        settings = PollerSettings.from_environment()
         self._cap = settings.max_queue_size
         self._pipeline = Poller(settings, configuration.open_channel(
             tracer_provider, meter_provider, self._static, settings.max_queue_size, self._clock),
             self._clock, anchor_event_factory)
         self.enabled = True
-        on_exit(_stop_at_exit, weakref.ref(self._pipeline), self._shutdown_timeout_s, priority=20)  # multiprocessing children too
+        on_exit(_stop_at_exit, weakref.ref(self._pipeline), self._shutdown_timeout_s, priority=20)
         fork.after_fork_in_child(self._after_fork_in_child)  # after the poller's (registration order)
 
     def _after_fork_in_child(self) -> None:
-        """The child's first submit() or host_freed() opens its channel (``_first_in_child``)."""
         if self._pipeline is not None:
             self._cap = _OPEN_FIRST
 
-    def _first_in_child(self, pipeline: Poller) -> bool:
-        """A forked child's first submit() (the capacity is _OPEN_FIRST until then): its channel
-        opened now, on the caller's thread. False when it is not that call, or the queue is full."""
+    def _first_in_child(self, poller: Poller) -> bool:
+        """A forked child's first submit() opens its channel, on the caller's thread. False when it is
+        not that call, or the queue is full."""
         if self._cap != _OPEN_FIRST:
             return False
-        self._cap = pipeline.settings.max_queue_size
-        pipeline.open_channel()
-        return len(pipeline.queue) + pipeline.held < self._cap
+        self._cap = poller.settings.max_queue_size
+        poller.open_channel()
+        return len(poller.queue) + poller.held < self._cap
 
     @property
     def channel(self) -> Any:
-        """Where the sinks run: the capture's channel once opened (a ``ProcessChannel`` or an
-        ``EmbeddedChannel``), else None."""
-        pipeline = self._pipeline
-        return pipeline.channel if pipeline is not None else None
+        """The channel to the sinks once opened (a ``ProcessChannel`` or an ``EmbeddedChannel``), else None."""
+        poller = self._pipeline
+        return poller.channel if poller is not None else None
 
-    # -- hot path ---------------------------------------------------------------
-    def submit(
-        self,
-        direction: str,
-        tokens_by_pool: Mapping[str, int] | None = None,
-        num_bytes: int = 0,
-        page_size: int = 1,
-        start_event: Any = None,
-        finish_event: Any = None,
-        timing_enabled: bool = False,
-        io_backend: str | None = None,
-        attributes: Mapping[str, Any] | None = None,
-        *,
-        expect_ack: bool = True,
-        host_start_ns: int | None = None,
-        host_end_ns: int | None = None,
-        ack_watch: tuple[Any, Any] | None = None,
-        cause: str | Sequence[Any] | Callable[[], Any] | None = None,
-        host_slots: tuple[Any, Any] | None = None,
-        requests: Any = None,
-    ) -> list | None:
-        """Report one merged op (or one direct copy). Returns the handle for ``ack()``.
+    def submit(self, direction: str, tokens_by_pool: Mapping[str, int] | None = None, num_bytes: int = 0,
+               page_size: int = 1, start_event: Any = None, finish_event: Any = None, timing_enabled: bool = False,
+               io_backend: str | None = None, attributes: Mapping[str, Any] | None = None, *,
+               expect_ack: bool = True, host_start_ns: int | None = None, host_end_ns: int | None = None,
+               ack_watch: tuple[Any, Any] | None = None, cause: str | Sequence[Any] | Callable[[], Any] | None = None,
+               host_slots: tuple[Any, Any] | None = None, requests: Any = None) -> list | None:
+        """Report one merged op (or one direct copy); returns the handle for ``ack()``.
 
-        ``tokens_by_pool`` and ``attributes`` are read on the poller: pass
-        mappings you do not mutate afterwards. ``expect_ack=False`` for copies
-        nobody acknowledges (the span is emitted at completion).
-        ``host_start_ns``/``host_end_ns``: host times the caller already knows
-        (synchronous copies); used when there are no timing events.
-        ``host_start_ns`` is then also the op's submit time.
-        ``ack_watch=(container, item)``: for consumers you cannot call ``ack()``
-        from, the op counts as acked when the poller sees ``item`` (by
-        identity) gone from ``container`` (a list or deque the consumer pops
-        or clears), within a poll interval.
-        ``cause``: why the bytes moved, one of ``semconv.CAUSES[direction]`` (None:
-        ``other``); or, for a merged op whose queued ops had different causes, its parts
-        ``[(cause, tokens_by_pool, num_bytes), ...]``, which must sum to the op's totals
-        (its tokens and bytes are then counted per part, the op as ``mixed``); or a deferred
-        call returning one of these (a callable, or ``(function, *args)``, cheaper to build
-        than a ``partial``), made on the poller in submission order: work the cause out off
-        the hot path.
-        ``host_slots=(pool, slots)``: the op's token slots in a host pool made by
-        :meth:`host_pool` (an index array, a sequence of them, or a callable returning
-        one; read on the poller, so pass what you do not mutate): the pages an offload
-        wrote or a load-back read, for the host residence metrics and span links.
-        ``requests``: the span contexts (or spans, or contexts) of the traced requests the op
-        served or whose KV it wrote, or a callable returning them (read on the poller): the
-        span links to them (:mod:`otel_hicache.request_links`).
+        Mappings, slots and callables passed are read on the poller: do not mutate them afterwards.
+        ``expect_ack=False``: nobody acknowledges it. ``host_start_ns``/``host_end_ns``: host times the
+        caller knows (used without timing events; the start is then the submit time).
+        ``ack_watch=(container, item)``: acked once ``item`` is gone from ``container``.
+        ``cause``: one of ``semconv.CAUSES[direction]``, parts ``[(cause, tokens_by_pool, num_bytes),
+        ...]`` summing to the op's totals, or a deferred call (a callable or ``(function, *args)``)
+        returning one of these. ``host_slots=(pool, slots)``: the op's slots in a :meth:`host_pool`.
+        ``requests``: the traced requests' span contexts (or spans, contexts, a callable), linked.
         """
-        pipeline = self._pipeline
-        if pipeline is None:
+        poller = self._pipeline
+        if poller is None:
             return None
         try:
-            if self._strict:
-                self._check(direction, tokens_by_pool, num_bytes, page_size)
-            if len(pipeline.queue) + pipeline.held >= self._cap and not self._first_in_child(pipeline):
-                next(pipeline.refused)
-                pipeline.stalled()  # a full queue may be a stuck poller: it says where
+            if len(poller.queue) + poller.held >= self._cap and not self._first_in_child(poller):
+                next(poller.refused)
+                poller.stalled()  # a full queue may be a stuck poller: it says where
                 return None
-            # records.SUBMISSION_FIELDS, spelled out: a list literal is the cheapest
-            # build (no call); tests/test_records.py checks it keeps that order.
+            # records.SUBMISSION_FIELDS spelled out (a literal is the cheapest build; test_records.py checks it)
             record = [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, timing_enabled,
                       io_backend, attributes, expect_ack, self._clock() if host_start_ns is None else host_start_ns,
                       _get_current_context(), host_start_ns, host_end_ns, ack_watch, cause, host_slots, requests,
                       None]  # the last: the ack time, set by ack() or the poller (ack_watch)
-            pipeline.queue.append(record)
+            poller.queue.append(record)
+            if poller.idle:  # asleep with nothing to poll: woken once; otherwise one flag read
+                poller.wake()
             return record
-        except (TypeError, ValueError):
-            if self._strict:
-                raise
-            return None
         except Exception:  # never raise into the host application
             return None
 
     def host_pool(self, slots: int, page_size: int, name: str = "kv") -> Any:
-        """Host residence bookkeeping for one host pool of ``slots`` token slots in pages of
-        ``page_size`` (:mod:`otel_hicache.sinks.host_residence`, in the sinks): pass it with the
-        ops' ``host_slots`` and to :meth:`host_freed`. None when disabled, without NumPy, or
-        for a bad size (warned once)."""
-        pipeline = self._pipeline
-        if pipeline is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
+        """A host pool of ``slots`` token slots in pages of ``page_size``, for the ops' ``host_slots`` and
+        :meth:`host_freed` (its residence is tracked by the sinks); None when disabled, without NumPy,
+        or for a bad size (warned once)."""
+        poller = self._pipeline
+        if poller is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
             return None
         if importlib.util.find_spec("numpy") is None:
             warn_once("host_pool:numpy", "otel-hicache: host residence needs NumPy (pip install numpy); not tracked")
@@ -200,21 +141,21 @@ class TransferTelemetry:
             warn_once(f"host_pool:{exc}"[:200], "otel-hicache: cannot track the %s host pool (%s)", name, exc)
             return None
         pool = HostPoolRef(name, slots, page_size)
-        pipeline.add_pool(pool)
+        poller.add_pool(pool)
         return pool
 
     def host_freed(self, pool: Any, slots: Any) -> None:
-        """The host application freed ``slots`` of ``pool`` (from :meth:`host_pool`): pages
-        written and never loaded back since count as wasted offloads. Ordered with the ops
-        submitted before and after it; never refused (frees are tiny and must not be lost).
-        Never raises."""
-        pipeline = self._pipeline
-        if pipeline is None or pool is None:
+        """The host freed ``slots`` of ``pool``: pages written and never loaded back count as wasted
+        offloads. In order with the ops around it; never refused (tiny, and must not be lost)."""
+        poller = self._pipeline
+        if poller is None or pool is None:
             return
         try:
             if self._cap == _OPEN_FIRST:
-                self._first_in_child(pipeline)
-            pipeline.queue.append(HostFree(pool.pool_id, slots))
+                self._first_in_child(poller)
+            poller.queue.append(HostFree(pool.pool_id, slots))
+            if poller.idle:
+                poller.wake()
         except Exception:  # never raise into the host application
             return
 
@@ -224,39 +165,16 @@ class TransferTelemetry:
             if handle is not None and handle[S_ACK_NS] is None:
                 handle[S_ACK_NS] = self._clock()
         except (TypeError, IndexError, KeyError):
-            if self._strict:
-                raise TypeError(f"ack() expects a handle returned by submit(), got {type(handle).__name__}")
             warn_once("ack:handle", "otel-hicache: ack() got %s, not a handle from submit(); ignored",
                       type(handle).__name__)
 
-    @staticmethod
-    def _check(direction: Any, tokens_by_pool: Any, num_bytes: Any, page_size: Any) -> None:
-        validate(TransferRecord(submission(direction, tokens_by_pool, num_bytes, page_size)))
-
-    # -- convenience --------------------------------------------------------------
     @contextmanager
-    def transfer(
-        self,
-        direction: str,
-        tokens_by_pool: Mapping[str, int] | None = None,
-        num_bytes: int = 0,
-        page_size: int = 1,
-        stream: Any = None,
-        io_backend: str | None = None,
-        attributes: Mapping[str, Any] | None = None,
-        cause: str | None = None,
-        host_slots: tuple[Any, Any] | None = None,
-        requests: Any = None,
-    ) -> Iterator[None]:
-        """Time the copies enqueued inside the block and report them as one op
-        (``cause``, ``host_slots`` and ``requests`` as for :meth:`submit`).
-
-        With ``stream`` (a ``torch.cuda.Stream`` or any stream whose backend has
-        timing events) a start and a finish timing event are recorded on it
-        around the block: device time, nothing synchronized. Without one the
-        block is timed on the host clock (right for synchronous CPU copies).
-        If the block raises, nothing is reported and the exception propagates.
-        """
+    def transfer(self, direction: str, tokens_by_pool: Mapping[str, int] | None = None, num_bytes: int = 0,
+                 page_size: int = 1, stream: Any = None, io_backend: str | None = None,
+                 attributes: Mapping[str, Any] | None = None, cause: str | None = None,
+                 host_slots: tuple[Any, Any] | None = None, requests: Any = None) -> Iterator[None]:
+        """Report the copies enqueued inside the block as one op, timed by events recorded on ``stream``
+        around it (nothing synchronized), else on the host clock. Nothing is reported if it raises."""
         if self._pipeline is None:
             yield None
             return
@@ -272,38 +190,32 @@ class TransferTelemetry:
                           type(stream).__name__, exc)
         host_start = self._clock()
         yield None
-        if events is not None:
-            try:
+        try:
+            if events is not None:
                 events[1].record(stream)
-            except Exception:
-                events = None
-        if events is not None:
-            self.submit(direction, tokens_by_pool, num_bytes, page_size, events[0], events[1], True,
-                        io_backend, attributes, expect_ack=False, host_start_ns=host_start, cause=cause,
-                        host_slots=host_slots, requests=requests)
-        else:
-            self.submit(direction, tokens_by_pool, num_bytes, page_size, None, None, False, io_backend,
-                        attributes, expect_ack=False, host_start_ns=host_start, host_end_ns=self._clock(),
-                        cause=cause, host_slots=host_slots, requests=requests)
+        except Exception:
+            events = None
+        self.submit(direction, tokens_by_pool, num_bytes, page_size, *(events or (None, None)), events is not None,
+                    io_backend, attributes, expect_ack=False, host_start_ns=host_start,
+                    host_end_ns=None if events else self._clock(), cause=cause, host_slots=host_slots,
+                    requests=requests)
 
-    # -- lifecycle ------------------------------------------------------------------
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         """Report every completed op (acked or not waiting for an ack) and export. Bounded."""
-        pipeline = self._pipeline
-        if pipeline is None:
+        poller = self._pipeline
+        if poller is None:
             return True
         deadline = time.monotonic() + timeout_s
-        flushed = pipeline.flush(timeout_s)
-        channel = pipeline.channel
-        # export what was taken in even if something was still in flight
+        flushed = poller.flush(timeout_s)
+        channel = poller.channel  # what was taken in is exported even if something is still in flight
         remaining = max(0.1 * timeout_s, deadline - time.monotonic())
         exported = channel.flush(remaining) if channel is not None else True
         return flushed and exported
 
     def shutdown(self) -> None:
-        """Stop accepting, report what was recorded (unacked spans with ``hicache.acked=false``),
-        export. Bounded by OTEL_HICACHE_SHUTDOWN_TIMEOUT_S."""
-        pipeline, self._pipeline = self._pipeline, None
+        """Stop accepting, report what was recorded (unacked: ``hicache.acked=false``) and export,
+        within OTEL_HICACHE_SHUTDOWN_TIMEOUT_S."""
+        poller, self._pipeline = self._pipeline, None
         self.enabled = False
-        if pipeline is not None:
-            pipeline.stop(self._shutdown_timeout_s)
+        if poller is not None:
+            poller.stop(self._shutdown_timeout_s)
