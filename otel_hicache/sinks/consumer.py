@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import time
-from array import array
 from typing import Any, Callable, Mapping
 
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
@@ -23,7 +22,7 @@ from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 from .busy_time import BusyTimeTracker
-from .host_residence import SMALL_OP_SLOTS, make_host_pool
+from .host_residence import make_host_pool
 from .logs import TransferLog
 from .metrics import TransferMetrics
 from .self_metrics import TelemetryCpu
@@ -58,18 +57,6 @@ def span_context(values: tuple[Any, ...]) -> SpanContext:
     trace_id, span_id, flags, remote, state = values
     return SpanContext(trace_id, span_id, is_remote=remote, trace_flags=TraceFlags(flags),
                        trace_state=TraceState(list(state)) if state else None)
-
-
-def _slots(text: str) -> Any:
-    """``record.slot_text()`` back as slot indices: a list for a small op, else a NumPy array."""
-    data = base64.b64decode(text, validate=True)
-    if len(data) <= 8 * SMALL_OP_SLOTS:
-        slots = array("q")
-        slots.frombytes(data)
-        return slots.tolist()
-    import numpy as np
-
-    return np.frombuffer(data, dtype=np.int64)
 
 
 class Consumer:
@@ -205,14 +192,14 @@ class Consumer:
         if pool is None:  # no NumPy, or a bad size (warned once)
             return
         try:
-            slots = _slots(data)
+            pages = pool.pages(base64.b64decode(data, validate=True))
             if direction == rec.OFFLOAD:
-                pages, waste = pool.written(slots, submit_ns, cause, num_bytes)
+                waste = pool.written(pages, submit_ns, cause, num_bytes)
                 self._host[seq] = (pool, pages, None)
                 if waste is not None:
                     self.metrics.host_waste(waste, pool.page_size)
             else:
-                reuse = pool.read(slots, submit_ns)
+                reuse = pool.read(pages, submit_ns)
                 self._host[seq] = (pool, None, reuse)
                 if reuse is not None:
                     self.metrics.host_reuse(cause, reuse)
@@ -222,7 +209,7 @@ class Consumer:
     def _freed(self, message: tuple[Any, ...]) -> None:
         pool = self._pools.get(message[1])
         if pool is not None:
-            waste = pool.freed(_slots(message[2]))
+            waste = pool.freed(pool.pages(base64.b64decode(message[2], validate=True)))
             if waste is not None:
                 self.metrics.host_waste(waste, pool.page_size)
 
