@@ -16,8 +16,6 @@ SPAN_OFFLOAD: Final = "hicache.offload"
 SPAN_ONBOARD: Final = "hicache.onboard"
 
 # span events
-EVENT_SUBMITTED: Final = "submitted"
-EVENT_ACKED: Final = "acked"
 EVENT_REQUEST: Final = "hicache.request"  # one per linked request: its trace id, searchable in Jaeger
 
 # attributes: spans carry all but POOL and REASON (metric-only); metric points

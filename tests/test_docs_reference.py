@@ -340,7 +340,7 @@ def test_delivery_section_says_how_to_enable_and_join(reference):
 def test_span_names_events_and_values(reference):
     from otel_hicache.adapters import causes  # the SGLang adapter's, installed beside the core
 
-    for value in (*causes()["offload"], *causes()["onboard"], sc.SPAN_OFFLOAD, sc.SPAN_ONBOARD, sc.EVENT_SUBMITTED, sc.EVENT_ACKED,
+    for value in (*causes()["offload"], *causes()["onboard"], sc.SPAN_OFFLOAD, sc.SPAN_ONBOARD, sc.EVENT_REQUEST,
                   *sc.DROP_REASONS, *sc.FAIL_REASONS, "INTERNAL", "device_event", "host_clock"):
         assert f"`{value}`" in reference, value
     assert "No token ids, node ids or hashes" in reference

@@ -128,7 +128,7 @@ class Consumer:
             op = Op(raw)
             if self._ids is not None:
                 self._ids.use(op.seq)
-            self._awaiting[op.seq] = (op, self.spans.begin(op), raw)
+            self._awaiting[op.seq] = (op, self.spans.begin(op, waits=True), raw)
 
     def close(self) -> None:
         """The end of the input: every ack wait ends (unacked), the counters are handed over."""
@@ -147,9 +147,8 @@ class Consumer:
             if pages is not None:
                 op.host_written = (op.host_pool, pages)
         if op.error is not None:
-            state = self.spans.begin(op)
             self.metrics.failed_record(op, op.error)
-            self.spans.finish(op, state)
+            self.spans.finish(op, self.spans.begin(op))
             return
         busy_added = self._busy[op.direction].add(op.start_ns, op.end_ns)
         if op.reuse is not None:
@@ -157,27 +156,28 @@ class Consumer:
                 op.links, op.links_dropped = op.host_pool.links(op.reuse)
             except Exception as exc:  # the span is still made, without links
                 warn_once(f"links:{type(exc).__name__}", "otel-hicache: cannot link a load-back's span (%r)", exc)
-        state = self.spans.begin(op)
+        waits = op.expect_ack and op.ack_ns is None
+        span = self.spans.begin(op, waits)
         written = op.host_written
         if written is not None and op.span_context is not None and op.span_context.trace_flags.sampled:
             written[0].link(written[1], op.span_context.trace_id, op.span_context.span_id)
         self.metrics.completed(op, busy_added)
         self.log.completed(op, busy_added)
-        if op.expect_ack and op.ack_ns is None:
-            self._awaiting[op.seq] = (op, state, message)
+        if waits:
+            self._awaiting[op.seq] = (op, span, message)
         else:
-            self._finish(op, state)
+            self._finish(op, span, False)
 
-    def _finish(self, op: Op, state: Any) -> None:
+    def _finish(self, op: Op, span: Any, waited: bool) -> None:
         if op.ack_ns is not None:
             self.metrics.acked(op)
-        self.spans.finish(op, state)
+        self.spans.finish(op, span, waited)
 
     def _ack(self, message: tuple[Any, ...]) -> None:
         entry = self._awaiting.pop(message[1], None)
         if entry is not None:  # (an op dropped on the way has none)
             entry[0].ack_ns = message[2]
-            self._finish(entry[0], entry[1])
+            self._finish(entry[0], entry[1], True)
 
     def _pool(self, message: tuple[Any, ...]) -> None:
         _kind, pool_id, name, slots, page_size = message

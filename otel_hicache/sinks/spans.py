@@ -1,12 +1,9 @@
 """Transfer spans, through the public ``Tracer`` API of any tracer provider.
 
-A span is begun when the op's completion arrives (so metrics recorded then can carry
-its span context as an exemplar) and finished at the end of its ack wait, or at once
-when no ack is expected. Span start/end are the copy's own times (device time placed
-on the wall clock), so the span duration is the DMA time however late the ack is.
-The parent is the span context current at ``submit()`` in the serving process
-(SGLang's request or step span), carried as ids. The tracer provider's sampler decides
-which spans are kept; the Collector's tail sampling can keep the slow and failed ones.
+A span begins when the op's completion arrives (its duration exemplar carries it) and ends
+at the end of its ack wait, or at once; its times are the copy's own (device time on the
+wall clock), however late the ack. Its parent is the span context current at ``submit()``
+in the serving process (SGLang's request or step span), carried as ids.
 """
 
 from __future__ import annotations
@@ -123,28 +120,10 @@ def span_links(record: Any) -> tuple[Any, ...]:
             *[Link(context, REQUEST_LINK_ATTRIBUTES) for context in requests])
 
 
-def _ack_attributes(record: Any, attrs: dict[str, Any]) -> None:
+def _ack_attributes(record: Any) -> dict[str, Any]:
     if record.ack_ns is not None:
-        attrs[sc.ACKED] = True
-        attrs[sc.ACK_DELAY_US] = max(0, record.ack_ns - record.end_ns) / 1e3
-    elif record.expect_ack:
-        attrs[sc.ACKED] = False
-
-
-def _events(record: Any, make_event: Any) -> list[Any]:
-    """``make_event(name, timestamp, attributes or None)`` for each of the span's events."""
-    events = [make_event(sc.EVENT_SUBMITTED, record.submit_ns, None)]
-    for context in record.request_links:  # the way back from a request, in Jaeger's search
-        events.append(make_event(sc.EVENT_REQUEST, record.submit_ns, {sc.REQUEST_TRACE_ID: trace_id_hex(context)}))
-    if record.ack_ns is not None:
-        events.append(make_event(sc.EVENT_ACKED, record.ack_ns, None))
-    return events
-
-
-def _status(record: Any) -> Status:
-    if record.error is None:
-        return Status(StatusCode.UNSET)
-    return Status(StatusCode.ERROR, record.error)
+        return {sc.ACKED: True, sc.ACK_DELAY_US: max(0, record.ack_ns - record.end_ns) / 1e3}
+    return {sc.ACKED: False} if record.expect_ack else {}
 
 
 class SpanBuilder:
@@ -154,28 +133,26 @@ class SpanBuilder:
         self._tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
         self._static = static
 
-    def begin(self, record: Any) -> Any:
-        span = self._tracer.start_span(
-            SPAN_NAMES[record.direction],
-            context=record.parent_context,
-            kind=SpanKind.INTERNAL,
-            attributes=span_attributes(record, self._static),
-            links=span_links(record),
-            start_time=record.start_ns,
-        )
+    def begin(self, record: Any, waits: bool = False) -> Any:
+        """The op's span, started with every attribute known (the ack's too, unless it ``waits``)."""
+        attrs = span_attributes(record, self._static)
+        if not waits:
+            attrs.update(_ack_attributes(record))
+        span = self._tracer.start_span(SPAN_NAMES[record.direction], context=record.parent_context,
+                                       kind=SpanKind.INTERNAL, attributes=attrs, links=span_links(record),
+                                       start_time=record.start_ns)
         record.span_context = span.get_span_context()
         if record.span_context.trace_flags.sampled:
             record.exemplar_context = set_span_in_context(span)
+        if span.is_recording():
+            for context in record.request_links:  # the way back from a request, in Jaeger's search
+                span.add_event(sc.EVENT_REQUEST, {sc.REQUEST_TRACE_ID: trace_id_hex(context)}, record.submit_ns)
+            if record.error is not None:
+                span.set_status(Status(StatusCode.ERROR, record.error))
         return span
 
-    def finish(self, record: Any, span: Any) -> None:
-        if not span.is_recording():
-            return
-        attrs: dict[str, Any] = {}
-        _ack_attributes(record, attrs)
-        if attrs:
-            span.set_attributes(attrs)
-        _events(record, lambda name, timestamp, attributes: span.add_event(name, attributes, timestamp))
-        if record.error is not None:
-            span.set_status(_status(record))
+    def finish(self, record: Any, span: Any, waited: bool = False) -> None:
+        """The end of the span (at the copy's end); ``waited``: its ack wait just ended."""
+        if waited and span.is_recording():
+            span.set_attributes(_ack_attributes(record))
         span.end(end_time=record.end_ns)
