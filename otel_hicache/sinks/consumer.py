@@ -147,7 +147,7 @@ class Consumer:
             if pages is not None:
                 op.host_written = (op.host_pool, pages)
         if op.error is not None:
-            self.metrics.failed_record(op, op.error)
+            self.metrics.failed_record(op.error)
             self.spans.finish(op, self.spans.begin(op))
             return
         busy_added = self._busy[op.direction].add(op.start_ns, op.end_ns)
