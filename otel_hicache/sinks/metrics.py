@@ -1,12 +1,12 @@
 """OTel metrics of the ops the capture sends, through the public metrics API.
 
-Recorded from every op whatever the sampler keeps, so counters are exact. Counter increments
-are summed per series and handed to the SDK at each :meth:`TransferMetrics.flush`, not per op;
-histograms are recorded per op. Only the duration and ack-delay histograms are recorded in the
-op's sampled span's context, so only their points carry exemplars (a slow bucket's trace, which
-the dashboard and alerts open); the others get the consumer's context, which holds no span.
-Every point carries the static attributes (ranks...), and zero series exist from start-up. The
-gauges show the capture's ``record.STATE``; the ages are computed when the SDK collects.
+Counted from every op whatever the sampler keeps, so counters are exact: each keeps its totals
+per series in a dict and reports them as an observable counter when the SDK collects (nothing
+per op reaches the SDK but the histograms). Only the duration and ack-delay histograms are
+recorded in the op's sampled span's context, so only their points carry exemplars (a slow
+bucket's trace, which the dashboard and alerts open); the others get the consumer's context,
+which holds no span. Every point carries the static attributes (ranks...), and zero series
+exist from start-up. The gauges show the capture's ``record.STATE``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,15 @@ from ..version import __version__
 SERIES_CAP = 2000
 """Series of one kind whose attributes come from a caller (pool names, I/O backends) kept apart at
 most (the SDK's default cardinality limit per metric); the rest share one overflow series."""
-_COUNTERS = ("bytes", "blocks", "tokens", "busy_time", "dropped", "failed", "reloaded_bytes", "wasted_bytes",
-             "wasted_tokens")
+
+
+def _int64(name: str, total: Any) -> Any:
+    """A total as OTLP can carry it: a count past 2**63-1 would fail every export from then on."""
+    if type(total) is int and total > INT64_MAX:
+        warn_once(f"overflow:{name}", "otel-hicache: %s passed 2**63-1, the largest count OTLP can encode; "
+                  "it is reported as that from now on", name)
+        return INT64_MAX
+    return total
 
 
 def _tiers(direction: str) -> tuple[tuple[str, str], ...]:
@@ -40,40 +47,46 @@ class TransferMetrics:
         from opentelemetry.metrics import Observation
 
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
-
-        def counter(spec: tuple[str, str, str], make: Any = meter.create_counter) -> Any:
-            return make(spec[0], unit=spec[1], description=spec[2])
+        self._static, self._clock = dict(static), clock
+        self._series: dict[tuple[Any, ...], dict[str, Any]] = {}  # (attribute, value) pairs -> attributes
+        self._capped = {sc.POOL: 0, sc.IO_BACKEND: 0}  # series made of caller values, per kind
+        self._totals: dict[str, dict[int, list[Any]]] = {}  # counter -> id(attributes) -> [attributes, total]
+        self._queue_size, self._inflight = 0, dict.fromkeys(DIRECTIONS, 0)
+        self._oldest: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})
+        self._default_io_backend = str(self._static.get(sc.IO_BACKEND, "unknown"))
 
         def histogram(spec: tuple[str, str, str], buckets: tuple[float, ...]) -> Any:
             return meter.create_histogram(spec[0], unit=spec[1], description=spec[2],
                                           explicit_bucket_boundaries_advisory=buckets)
 
-        def gauge(spec: tuple[str, str, str], observe: Callable[[], list[Any]]) -> None:
-            meter.create_observable_gauge(spec[0], callbacks=[lambda _options: observe()], unit=spec[1],
-                                          description=spec[2])
+        def observe(spec: tuple[str, str, str], make: Callable[..., Any], values: Callable[[], Any]) -> None:
+            make(spec[0], callbacks=[lambda _options: [Observation(v, a) for a, v in values()]], unit=spec[1],
+                 description=spec[2])
+
+        def counter(spec: tuple[str, str, str]) -> dict[int, list[Any]]:
+            table = self._totals[spec[0]] = {}
+            observe(spec, meter.create_observable_counter, lambda: [(a, _int64(spec[0], v)) for a, v in
+                                                                     list(table.values())])
+            return table
 
         self.duration = histogram(sc.TRANSFER_DURATION, sc.DURATION_BUCKETS_S)
         self.bandwidth = histogram(sc.TRANSFER_BANDWIDTH, sc.BANDWIDTH_BUCKETS)
         self.queue_wait = histogram(sc.TRANSFER_QUEUE_WAIT, sc.DURATION_BUCKETS_S)
         self.ack_delay = histogram(sc.TRANSFER_ACK_DELAY, sc.DURATION_BUCKETS_S)
         self.residence = histogram(sc.HOST_RESIDENCE_TIME, sc.RESIDENCE_BUCKETS_S)
-        self.bytes, self.blocks, self.tokens = map(counter, (sc.TRANSFER_BYTES, sc.TRANSFER_BLOCKS, sc.TRANSFER_TOKENS))
-        self.busy_time, self.dropped, self.failed = map(counter, (sc.TRANSFER_BUSY_TIME, sc.RECORDS_DROPPED,
-                                                                  sc.RECORDS_FAILED))
+        self.bytes, self.blocks, self.tokens, self.busy_time, self.dropped, self.failed = map(counter, (
+            sc.TRANSFER_BYTES, sc.TRANSFER_BLOCKS, sc.TRANSFER_TOKENS, sc.TRANSFER_BUSY_TIME, sc.RECORDS_DROPPED,
+            sc.RECORDS_FAILED))
         self.reloaded_bytes, self.wasted_bytes, self.wasted_tokens = map(counter, (
             sc.HOST_RELOADED_BYTES, sc.HOST_WASTED_BYTES, sc.HOST_WASTED_TOKENS))
-        self.inflight = counter(sc.TRANSFER_INFLIGHT, meter.create_up_down_counter)
-        self._static, self._clock = dict(static), clock
-        self._series: dict[tuple[Any, ...], dict[str, Any]] = {}  # (attribute, value) pairs -> attributes
-        self._capped = {sc.POOL: 0, sc.IO_BACKEND: 0}  # series made of caller values, per kind
-        self._pending: dict[tuple[int, int], list[Any]] = {}  # (instrument, attributes) ids -> [.., .., sum]
-        self._totals: dict[tuple[int, int], list[Any]] = {}  # the same, what was handed over in all
-        self._queue_size, self._inflight_sent = 0, dict.fromkeys(DIRECTIONS, 0)
-        self._oldest: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})
-        self._default_io_backend = str(self._static.get(sc.IO_BACKEND, "unknown"))
-        gauge(sc.QUEUE_SIZE, lambda: [Observation(self._queue_size, self._static)])
+        by_direction = {d: self._attrs((sc.DIRECTION, d)) for d in DIRECTIONS}
+        observe(sc.TRANSFER_INFLIGHT, meter.create_observable_up_down_counter,
+                lambda: [(by_direction[d], n) for d, n in self._inflight.items()])
+        observe(sc.QUEUE_SIZE, meter.create_observable_gauge, lambda: [(self._static, self._queue_size)])
         for index, spec in enumerate((sc.TRANSFER_OLDEST_INFLIGHT_AGE, sc.TRANSFER_OLDEST_UNACKED_AGE)):
-            gauge(spec, lambda index=index: self._ages(index, Observation))
+            observe(spec, meter.create_observable_gauge, lambda index=index: [
+                (by_direction[d], max(0.0, (self._clock() - t) / 1e9) if t is not None else 0.0)
+                for d in DIRECTIONS for t in (self._oldest[index].get(d),)])
         self._zero_series()
 
     def _attrs(self, *pairs: tuple[str, Any], capped: str | None = None) -> dict[str, Any]:
@@ -94,20 +107,20 @@ class TransferMetrics:
     def _zero_series(self) -> None:
         for d in DIRECTIONS:
             for o in ORIGINS:
-                self.blocks.add(0, self._attrs((sc.DIRECTION, d), (sc.ORIGIN, o)))
+                self._add(self.blocks, self._attrs((sc.DIRECTION, d), (sc.ORIGIN, o)), 0)
             for cause in causes()[d]:  # each cause with the origin(s) its copies have
-                for o in ORIGINS if cause == sc.CAUSE_OTHER else (DIRECT,) if cause in direct_causes() else (MERGED_OP,):
-                    self.bytes.add(0, self._attrs(*_tiers(d), (sc.ORIGIN, o), (sc.CAUSE, cause)))
-                    self.tokens.add(0, self._pool_attrs(d, o, cause, "kv"))
-            self.busy_time.add(0, self._attrs((sc.DIRECTION, d)))
-            self.inflight.add(0, self._attrs((sc.DIRECTION, d)))
+                origins = ORIGINS if cause == sc.CAUSE_OTHER else (DIRECT if cause in direct_causes() else MERGED_OP,)
+                for o in origins:
+                    self._add(self.bytes, self._attrs(*_tiers(d), (sc.ORIGIN, o), (sc.CAUSE, cause)), 0)
+                    self._add(self.tokens, self._pool_attrs(d, o, cause, "kv"), 0)
+            self._add(self.busy_time, self._attrs((sc.DIRECTION, d)), 0)
         for reason in sc.DROP_REASONS:
-            self.dropped.add(0, self._attrs((sc.REASON, reason)))
+            self._add(self.dropped, self._attrs((sc.REASON, reason)), 0)
         for reason in sc.FAIL_REASONS:
-            self.failed.add(0, self._attrs((sc.REASON, reason)))
+            self._add(self.failed, self._attrs((sc.REASON, reason)), 0)
         for cause in OFFLOAD_CAUSES:
-            for instrument in (self.reloaded_bytes, self.wasted_bytes, self.wasted_tokens):
-                instrument.add(0, self._attrs((sc.OFFLOAD_CAUSE, cause)))
+            for table in (self.reloaded_bytes, self.wasted_bytes, self.wasted_tokens):
+                self._add(table, self._attrs((sc.OFFLOAD_CAUSE, cause)), 0)
 
     def _pool_attrs(self, direction: str, origin: str, cause: str, pool: str) -> dict[str, Any]:
         return self._attrs((sc.DIRECTION, direction), (sc.ORIGIN, origin), (sc.CAUSE, cause), (sc.POOL, pool),
@@ -116,66 +129,36 @@ class TransferMetrics:
     # -- the capture's state (record.STATE), and the gauges that show it ----------------
     def state(self, inflight: Mapping[str, int], oldest_inflight: Mapping[str, Any],
               oldest_unacked: Mapping[str, Any], queue_size: int) -> None:
-        for direction, count in inflight.items():
-            change = count - self._inflight_sent.get(direction, 0)
-            if change and direction in self._inflight_sent:
-                self._inflight_sent[direction] = count
-                self._add(self.inflight, self._attrs((sc.DIRECTION, direction)), change)
+        self._inflight.update((d, n) for d, n in inflight.items() if d in self._inflight)
         self._oldest = (oldest_inflight, oldest_unacked)
         self._queue_size = queue_size
 
-    def _ages(self, index: int, observation: Any) -> list[Any]:
-        oldest, now = self._oldest[index], self._clock()
-        return [observation(max(0.0, (now - oldest[d]) / 1e9) if oldest.get(d) is not None else 0.0,
-                            self._attrs((sc.DIRECTION, d))) for d in DIRECTIONS]
-
-    # -- counters: summed, handed over at each flush -------------------------------------
-    def _add(self, instrument: Any, attrs: dict[str, Any], amount: float) -> None:
-        key = (id(instrument), id(attrs))
-        entry = self._pending.get(key)
+    # -- counters: totals per series -------------------------------------------------------
+    @staticmethod
+    def _add(table: dict[int, list[Any]], attrs: dict[str, Any], amount: float) -> None:
+        entry = table.get(id(attrs))  # (attributes are built once: _attrs)
         if entry is None:
-            self._pending[key] = [instrument, attrs, amount]
+            table[id(attrs)] = [attrs, amount]
         else:
-            entry[2] += amount
-
-    def pending(self) -> bool:
-        """Whether increments wait for the next :meth:`flush`."""
-        return bool(self._pending)
-
-    def flush(self) -> None:
-        """Hand the summed counter increments to the SDK."""
-        pending, self._pending = self._pending, {}
-        for key, entry in pending.items():
-            instrument, attrs, amount = entry
-            if not amount:
-                continue
-            kept = self._totals.get(key)
-            total = amount if kept is None else kept[2] + amount
-            if type(total) is int and not -INT64_MAX <= total <= INT64_MAX:  # would fail every export from now on
-                warn_once(f"overflow:{instrument.name}", "otel-hicache: %s would pass 2**63-1, the largest count "
-                          "OTLP can encode; its increments are left out from now on", instrument.name)
-                continue
-            if kept is None:
-                self._totals[key] = entry
-            else:
-                kept[2] = total
-            instrument.add(amount, attrs)
+            entry[1] += amount
 
     def checkpoint(self) -> list[list[Any]]:
-        """Each monotonic counter's total per series handed over so far, as ``[name, attributes,
-        value]``: where a successor's counters go on from."""
-        return [[instrument.name, attrs, total] for instrument, attrs, total in self._totals.values()
-                if total and instrument is not self.inflight]
+        """Every counter's total per series so far, as ``[name, attributes, value]``: where a
+        successor's counters go on from."""
+        return [[name, attrs, total] for name, table in self._totals.items() for attrs, total in list(table.values())
+                if total]
 
     def seed(self, totals: list[list[Any]]) -> None:
         """Go on from a predecessor's :meth:`checkpoint` (what is not one of ours is skipped)."""
-        instruments = {i.name: i for i in (getattr(self, name) for name in _COUNTERS)}
         for name, attrs, value in totals:
-            instrument = instruments.get(name)
-            if instrument is not None and type(attrs) is dict and type(value) in (int, float) and value > 0:
+            table = self._totals.get(name)
+            if table is not None and type(attrs) is dict and type(value) in (int, float) and value > 0:
                 # (a list arrives for a tuple: metric points need hashable attribute values)
-                self._add(instrument, {k: tuple(v) if type(v) is list else v for k, v in attrs.items()}, value)
-        self.flush()
+                pairs = tuple((k, tuple(v) if type(v) is list else v) for k, v in attrs.items() if k not in self._static)
+                try:
+                    self._add(table, self._attrs(*pairs), value)
+                except TypeError:  # an attribute value no metric point can carry
+                    continue
 
     # -- per op ---------------------------------------------------------------------------
     def completed(self, record: Any, busy_added_ns: int) -> None:
@@ -201,8 +184,8 @@ class TransferMetrics:
             self.queue_wait.record(record.queue_wait_ns / 1e9, self._attrs((sc.DIRECTION, direction)))
 
     def acked(self, record: Any) -> None:
-        self.ack_delay.record(max(0, record.ack_ns - record.end_ns) / 1e9, self._attrs((sc.DIRECTION, record.direction)),
-                              record.exemplar_context)
+        self.ack_delay.record(max(0, record.ack_ns - record.end_ns) / 1e9,
+                              self._attrs((sc.DIRECTION, record.direction)), record.exemplar_context)
 
     def failed_record(self, reason: str) -> None:
         self._add(self.failed, self._attrs((sc.REASON, reason)), 1)
