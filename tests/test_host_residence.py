@@ -167,7 +167,8 @@ def _pages(pool, slots):
 
 def test_bookkeeping_memory_per_page_and_pages():
     pool = HostPool(1000, 64)
-    assert pool.size == 16 and pool.bytes_per_page == 8 + 1 + 8 + 8 + 8 + 8 + 1
+    columns = (pool.written_ns, pool.cause, pool.page_bytes, pool.trace_hi, pool.trace_lo, pool.span_id, pool.reloaded)
+    assert pool.size == 16 and sum(c.itemsize for c in columns) == 8 + 1 + 8 + 8 + 8 + 8 + 1 == 42  # per page
     assert _pages(pool, [130, 0, 63, 64, 999]) == [0, 1, 2, 15]
     assert _pages(pool, np.arange(64, 192)) == [1, 2]
     assert _pages(pool, [np.arange(0, 4), np.arange(640, 644)]) == [0, 10]

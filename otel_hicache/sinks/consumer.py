@@ -55,7 +55,7 @@ class Consumer:
         # (a list arrives for a tuple: metric points need hashable attribute values)
         static = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
         self.metrics = TransferMetrics(meter_provider, static, clock)  # (the ages: on the capture's clock)
-        self.spans = SpanBuilder(tracer_provider, static)
+        self.spans = SpanBuilder(tracer_provider, static, ids)
         self.log = TransferLog()
         location = (sc.LOCATION_EMBEDDED_FALLBACK if hello.get("fallback") else
                     sc.LOCATION_EMBEDDED if hello.get("embedded") else sc.LOCATION_TELEMETRY_PROCESS)
@@ -64,7 +64,6 @@ class Consumer:
         self._pools: dict[int, Any] = {}
         self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> Op.host, from its HOST to its OP
         self._awaiting: dict[int, tuple[Op, Any, Any]] = {}  # seq -> (op, span, OP message) waiting for its ACK
-        self._ids = ids  # spans.OpIds: span ids from the op (a telemetry process's, for a successor's replay)
         for message in hello.get("pools") or ():
             self._pool(message)
         self._handlers = {rec.OP: self._op, rec.ACK: self._ack, rec.HOST: self._host_pages, rec.POOL: self._pool,
@@ -99,8 +98,6 @@ class Consumer:
         self.metrics.seed(message[1])
         for raw in message[2]:
             op = Op(raw)
-            if self._ids is not None:
-                self._ids.use(op.seq)
             self._awaiting[op.seq] = (op, self.spans.begin(op), raw)
 
     def close(self) -> None:
@@ -111,8 +108,6 @@ class Consumer:
     # -- messages -----------------------------------------------------------------------
     def _op(self, message: tuple[Any, ...]) -> None:
         op = Op(message)
-        if self._ids is not None:
-            self._ids.use(op.seq)
         op.host = pool, written, reuse = self._host.pop(op.seq, op.host)
         if op.error is not None:
             self.metrics.failed_record(op.error)

@@ -1,12 +1,10 @@
-"""Host residence and lineage: how long offloaded pages sat in host memory (L2) before a
-load-back read them, which offload wrote them, and which were freed never read (waste).
+"""Host residence and lineage: how long offloaded pages sat in host memory (L2) until a load-back
+read them (submit to submit), which offload wrote them, and which were freed never read (waste).
 
-A :class:`HostPool` keeps, per page of one host pool, in NumPy arrays sized from the pool:
-the submit time of the offload that last wrote it (0: none seen), that offload's cause, its
-bytes per page and span, and whether a load-back read the page since. Updates come in
-submission order (ops and frees share the capture's queue); an op's slots become pages once
-(:meth:`HostPool.pages`), and every event is a few vectorised calls whatever its size.
-Residence runs from the offload's submit to the load-back's; tokens are pages x page size.
+A :class:`HostPool` keeps per page of one host pool, in NumPy arrays, what the offload that last
+wrote it left: its submit time (0: none seen), cause, bytes per page and span, and whether a
+load-back read the page since. Ops and frees come in submission order; an op's slots become
+pages once, and every event is a few vectorised calls whatever its size.
 """
 
 from __future__ import annotations
@@ -17,15 +15,11 @@ from .. import semconv as sc
 from ..adapters import causes
 from ..diagnostics import warn_once
 
-OFFLOAD_CAUSES: tuple[str, ...] = (*causes()["offload"], sc.CAUSE_MIXED)
-"""What ``hicache.offload_cause`` can be: the cause of the offload that wrote a page."""
+OFFLOAD_CAUSES: tuple[str, ...] = (*causes()["offload"], sc.CAUSE_MIXED)  # what hicache.offload_cause can be
 _CAUSE_INDEX = {cause: index for index, cause in enumerate(OFFLOAD_CAUSES)}
 
-MAX_LINKS = 16
-"""At most this many span links on a load-back span: the offload spans that wrote its pages,
-the most recent first; the rest are counted in ``hicache.host.links_dropped``."""
-OFFLOAD_LINK_ATTRIBUTES = {sc.LINK_TO: sc.LINK_TO_OFFLOAD}
-"""The attributes of every such link (shared, never mutated)."""
+MAX_LINKS = 16  # links of a load-back span to the offloads that wrote its pages; the rest: links_dropped
+OFFLOAD_LINK_ATTRIBUTES = {sc.LINK_TO: sc.LINK_TO_OFFLOAD}  # of every such link (shared, never mutated)
 
 
 class Waste(NamedTuple):
@@ -39,13 +33,13 @@ class Reuse(NamedTuple):
     """What a load-back read: its pages' residence, grouped by the offload that wrote them."""
 
     residence_ns: Sequence[int]  # one per writing offload (distinct write time), oldest first
-    causes: Sequence[str]  # the cause of each of those offloads
-    bytes_by_cause: list[int]  # bytes read, per OFFLOAD_CAUSES index
+    causes: Sequence[str]  # their causes
+    bytes_by_cause: list[int]  # per OFFLOAD_CAUSES index
     min_ns: int | None
     max_ns: int | None
-    unknown_pages: int  # pages with no write seen (written before tracking began)
-    writers: Any  # one page per writing offload, newest first (for links when the span starts)
-    writers_ns: Any  # their write times when read (a page written again since links nothing)
+    unknown_pages: int  # no write seen (before tracking began)
+    writers: Any  # a page per writing offload, newest first, and its write time (for links at the
+    writers_ns: Any  # span's start: a page written again since links nothing)
 
 
 class HostPool:
@@ -65,12 +59,6 @@ class HostPool:
         self.trace_lo = np.zeros(size, np.uint64)
         self.span_id = np.zeros(size, np.uint64)  # 0: not sampled (no link)
         self.reloaded = np.zeros(size, np.bool_)
-
-    @property
-    def bytes_per_page(self) -> int:
-        """Memory the bookkeeping takes per host page."""
-        return sum(a.itemsize for a in (self.written_ns, self.cause, self.page_bytes, self.trace_hi,
-                                        self.trace_lo, self.span_id, self.reloaded))
 
     def pages(self, slot_bytes: bytes) -> Any:
         """The distinct in-range pages of token slots (``record.slot_bytes``), ascending;

@@ -99,12 +99,14 @@ def _ack_attributes(record: Any) -> dict[str, Any]:
 class SpanBuilder:
     """Spans of transfer records on one tracer provider."""
 
-    def __init__(self, tracer_provider: Any, static: Mapping[str, Any]) -> None:
+    def __init__(self, tracer_provider: Any, static: Mapping[str, Any], ids: OpIds | None = None) -> None:
         self._tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
-        self._static = static
+        self._static, self._ids = static, ids  # ids: the telemetry process's, for a successor's replay
 
     def begin(self, record: Any) -> tuple[Any, bool]:
         """The op's span, started with every attribute known (the ack's, unless it waits for it)."""
+        if self._ids is not None:
+            self._ids.use(record.seq)
         attrs = span_attributes(record, self._static)
         waits = record.expect_ack and record.ack_ns is None and record.error is None
         if not waits:
