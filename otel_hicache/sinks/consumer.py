@@ -154,24 +154,18 @@ class Consumer:
         try:
             pages = pool.pages(base64.b64decode(data, validate=True))
             if direction == rec.OFFLOAD:
-                waste = pool.written(pages, submit_ns, cause, num_bytes)
                 self._host[seq] = (pool, pages, None)
-                if waste is not None:
-                    self.metrics.host_waste(waste, pool.page_size)
+                self.metrics.host_waste(pool.written(pages, submit_ns, cause, num_bytes), pool.page_size)
             else:
-                reuse = pool.read(pages, submit_ns)
-                self._host[seq] = (pool, None, reuse)
-                if reuse is not None:
-                    self.metrics.host_reuse(cause, reuse)
+                self._host[seq] = (pool, None, pool.read(pages, submit_ns))
+                self.metrics.host_reuse(cause, self._host[seq][2])
         except Exception as exc:  # the op is still reported; its pages are not tracked
             warn_once(f"host_pages:{type(exc).__name__}", "otel-hicache: cannot track an op's host pages (%r)", exc)
 
     def _freed(self, message: tuple[Any, ...]) -> None:
         pool = self._pools.get(message[1])
         if pool is not None:
-            waste = pool.freed(pool.pages(base64.b64decode(message[2], validate=True)))
-            if waste is not None:
-                self.metrics.host_waste(waste, pool.page_size)
+            self.metrics.host_waste(pool.freed(pool.pages(base64.b64decode(message[2], validate=True))), pool.page_size)
 
     def _dropped(self, message: tuple[Any, ...]) -> None:
         if message[2]:
@@ -184,7 +178,7 @@ class Consumer:
         # busy intervals ending well before the oldest op in flight can never overlap one to come
         oldest = min((t for t in oldest_inflight.values() if t is not None), default=None)
         if oldest is not None or not any(inflight.values()):
-            for direction, tracker in self._busy.items():
+            for tracker in self._busy.values():
                 cutoff = oldest if oldest is not None else tracker.latest_end
                 if cutoff is not None:
                     tracker.forget_before(cutoff - _BUSY_LATE_MARGIN_NS)

@@ -1,12 +1,9 @@
-"""OTel metrics of the ops the capture sends, through the public metrics API.
-
-Counted from every op whatever the sampler keeps, so counters are exact: each keeps its totals
-per series in a dict and reports them as an observable counter when the SDK collects (nothing
-per op reaches the SDK but the histograms). Only the duration and ack-delay histograms are
-recorded in the op's sampled span's context, so only their points carry exemplars (a slow
-bucket's trace, which the dashboard and alerts open); the others get the consumer's context,
-which holds no span. Every point carries the static attributes (ranks...), and zero series
-exist from start-up. The gauges show the capture's ``record.STATE``.
+"""OTel metrics of the ops the capture sends, through the public metrics API, whatever the sampler
+keeps. Counters are exact: the sinks keep each one's total per series and report it when the SDK
+collects (observable counters, no SDK call per op). Only duration and ack delay are recorded in
+the op's sampled span's context, so only they carry exemplars (a slow bucket's trace: the
+dashboard and alerts open them). Every point carries the static attributes; zero series exist
+from start-up. The gauges show the capture's ``record.STATE``.
 """
 
 from __future__ import annotations
@@ -21,13 +18,11 @@ from .host_residence import OFFLOAD_CAUSES, Reuse, Waste
 from ..record import DIRECT, DIRECTIONS, INT64_MAX, MERGED_OP, ORIGINS, TIERS
 from ..version import __version__
 
-SERIES_CAP = 2000
-"""Series of one kind whose attributes come from a caller (pool names, I/O backends) kept apart at
-most (the SDK's default cardinality limit per metric); the rest share one overflow series."""
+SERIES_CAP = 2000  # series of caller values (pools, I/O backends) kept apart; the rest share one
 
 
 def _int64(name: str, total: Any) -> Any:
-    """A total as OTLP can carry it: a count past 2**63-1 would fail every export from then on."""
+    """A total OTLP can carry (a count past 2**63-1 would fail every export from then on)."""
     if type(total) is int and total > INT64_MAX:
         warn_once(f"overflow:{name}", "otel-hicache: %s passed 2**63-1, the largest count OTLP can encode; "
                   "it is reported as that from now on", name)
@@ -90,8 +85,7 @@ class TransferMetrics:
         self._zero_series()
 
     def _attrs(self, *pairs: tuple[str, Any], capped: str | None = None) -> dict[str, Any]:
-        """One series' attributes (the static ones first), built once and reused; ``capped``: the
-        attribute whose values a caller chose (:data:`SERIES_CAP`)."""
+        """One series' attributes, built once; ``capped``: the attribute a caller chose (SERIES_CAP)."""
         attrs = self._series.get(pairs)
         if attrs is None:
             if capped is not None:
@@ -126,21 +120,15 @@ class TransferMetrics:
         return self._attrs((sc.DIRECTION, direction), (sc.ORIGIN, origin), (sc.CAUSE, cause), (sc.POOL, pool),
                            capped=sc.POOL)
 
-    # -- the capture's state (record.STATE), and the gauges that show it ----------------
     def state(self, inflight: Mapping[str, int], oldest_inflight: Mapping[str, Any],
               oldest_unacked: Mapping[str, Any], queue_size: int) -> None:
         self._inflight.update((d, n) for d, n in inflight.items() if d in self._inflight)
         self._oldest = (oldest_inflight, oldest_unacked)
         self._queue_size = queue_size
 
-    # -- counters: totals per series -------------------------------------------------------
     @staticmethod
     def _add(table: dict[int, list[Any]], attrs: dict[str, Any], amount: float) -> None:
-        entry = table.get(id(attrs))  # (attributes are built once: _attrs)
-        if entry is None:
-            table[id(attrs)] = [attrs, amount]
-        else:
-            entry[1] += amount
+        table.setdefault(id(attrs), [attrs, 0])[1] += amount  # (attributes are built once: _attrs)
 
     def checkpoint(self) -> list[list[Any]]:
         """Every counter's total per series so far, as ``[name, attributes, value]``: where a
@@ -154,13 +142,12 @@ class TransferMetrics:
             table = self._totals.get(name)
             if table is not None and type(attrs) is dict and type(value) in (int, float) and value > 0:
                 # (a list arrives for a tuple: metric points need hashable attribute values)
-                pairs = tuple((k, tuple(v) if type(v) is list else v) for k, v in attrs.items() if k not in self._static)
+                pairs = [(k, tuple(v) if type(v) is list else v) for k, v in attrs.items() if k not in self._static]
                 try:
                     self._add(table, self._attrs(*pairs), value)
                 except TypeError:  # an attribute value no metric point can carry
                     continue
 
-    # -- per op ---------------------------------------------------------------------------
     def completed(self, record: Any, busy_added_ns: int) -> None:
         """A transfer finished successfully: counters, duration, bandwidth, queue wait."""
         direction, origin, timing = record.direction, record.origin, record.timing_source
@@ -193,16 +180,17 @@ class TransferMetrics:
     def dropped_records(self, reason: str, count: int = 1) -> None:
         self._add(self.dropped, self._attrs((sc.REASON, reason)), count)
 
-    # -- host residence (at intake, in submission order) ------------------------------------
-    def host_waste(self, waste: Waste, page_size: int) -> None:
+    def host_waste(self, waste: Waste | None, page_size: int) -> None:
         """Host pages freed or overwritten never read since written."""
-        for cause, num_bytes, pages in zip(OFFLOAD_CAUSES, waste.bytes_by_cause, waste.pages_by_cause):
+        for cause, num_bytes, pages in zip(OFFLOAD_CAUSES, *(waste or ((), ()))):
             if pages:
                 self._add(self.wasted_bytes, self._attrs((sc.OFFLOAD_CAUSE, cause)), num_bytes)
                 self._add(self.wasted_tokens, self._attrs((sc.OFFLOAD_CAUSE, cause)), pages * page_size)
 
-    def host_reuse(self, cause: str, reuse: Reuse) -> None:
+    def host_reuse(self, cause: str, reuse: Reuse | None) -> None:
         """A load-back's pages: their residence (one value per writing offload) and bytes."""
+        if reuse is None:
+            return
         for offload_cause, num_bytes in zip(OFFLOAD_CAUSES, reuse.bytes_by_cause):
             if num_bytes:
                 self._add(self.reloaded_bytes, self._attrs((sc.OFFLOAD_CAUSE, offload_cause)), num_bytes)

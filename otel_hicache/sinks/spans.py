@@ -56,7 +56,6 @@ class OpIds(IdGenerator):
         return int.from_bytes(digest[8:], "little") or 1 if digest else self._random.generate_trace_id()
 
 
-
 def span_attributes(record: Any, static: Mapping[str, Any]) -> dict[str, Any]:
     """Everything a transfer span carries, ack fields aside: the static attributes, the call's own,
     then the measured ones (a caller's attribute never overwrites what otel-hicache measured)."""
