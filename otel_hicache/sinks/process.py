@@ -105,27 +105,6 @@ def _resource(hello: dict[str, Any]) -> Any:
     return Resource(hello.get("resource") or {}, hello.get("schema_url") or None)
 
 
-class _Checkpoints:
-    """While frames come in: the spans taken in so far exported, then ``exported <frames> <checkpoint>``."""
-
-    def __init__(self, providers: Any, consumer: Any, answers: Any, bound: float) -> None:
-        self._providers, self._consumer, self._answers, self._bound = providers, consumer, answers, bound
-        self.frames = self._done = self._bytes = 0  # frames applied after the hello, those checkpointed
-        self._at = time.monotonic()
-
-    def due(self, read_bytes: int) -> bool:
-        return self.frames > self._done and (time.monotonic() - self._at >= CHECKPOINT_S
-                                             or read_bytes - self._bytes >= CHECKPOINT_BYTES)
-
-    def take(self, read_bytes: int, flushed: bool = False) -> None:
-        """``flushed``: everything was just exported (a FLUSH)."""
-        self._at, self._bytes = time.monotonic(), read_bytes
-        frames, checkpoint = self.frames, self._consumer.checkpoint()
-        if flushed or bounded("force_flush", self._providers.tracer_provider, None, self._bound):
-            self._done = frames
-            _answer(self._answers, b"exported %d %s\n" % (frames, rec.encode([checkpoint])[rec.FRAME_HEADER.size:]))
-
-
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -135,14 +114,23 @@ def main() -> int:
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # anything printed goes to the serving process's standard error, not into the answers
     sys.stdout = sys.stderr
-    parent = os.getppid()
-    checkpoints: Any = None
+    consumer: Any = None
+    done = {"frames": 0, "taken": 0, "at": time.monotonic(), "bytes": 0}  # frames applied, in the last checkpoint
 
-    def idle() -> None:
-        if checkpoints is not None and checkpoints.due(source.read_bytes):
-            checkpoints.take(source.read_bytes)
+    def checkpoint(flushed: bool = False) -> None:
+        """While frames come in, at most every CHECKPOINT_S or CHECKPOINT_BYTES: the spans taken in
+        exported (``flushed``: just now), then ``exported <frames> <checkpoint>``."""
+        due = done["frames"] > done["taken"] and (time.monotonic() - done["at"] >= CHECKPOINT_S
+                                                  or source.read_bytes - done["bytes"] >= CHECKPOINT_BYTES)
+        if consumer is None or not (flushed or due):
+            return
+        frames, message = done["frames"], rec.encode([consumer.checkpoint()])[rec.FRAME_HEADER.size:]
+        done.update(at=time.monotonic(), bytes=source.read_bytes)
+        if flushed or bounded("force_flush", providers.tracer_provider, None, bound):
+            done["taken"] = frames
+            _answer(answers, b"exported %d %s\n" % (frames, message))
 
-    source = _Input(0, parent, idle)
+    source = _Input(0, os.getppid(), checkpoint)
     frames = source.frames()
     hello = next(frames, None)
     if not isinstance(hello, dict):
@@ -162,10 +150,9 @@ def main() -> int:
     providers = build(_resource(hello), id_generator=ids, counters_since_ns=hello.get("start_ns"))
     bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
     consumer = Consumer(providers.tracer_provider, providers.meter_provider, hello, ids=ids)
-    checkpoints = _Checkpoints(providers, consumer, answers, bound)
     _answer(answers, b"hello\n")
     for batch in frames:
-        checkpoints.frames += 1
+        done["frames"] += 1
         if batch is MALFORMED or not well_formed(batch):  # written by another process: skipped, counted
             consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
             warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
@@ -177,10 +164,10 @@ def main() -> int:
         if flushes:
             ok = providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
             if ok:
-                checkpoints.take(source.read_bytes, flushed=True)
+                checkpoint(flushed=True)
             _answer(answers, b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
-        elif checkpoints.due(source.read_bytes):
-            checkpoints.take(source.read_bytes)
+        else:
+            checkpoint()
     consumer.close()
     # a flush first, within the same bound: the SDK's self-metrics of its exports leave with the last one
     deadline = time.monotonic() + bound
