@@ -525,8 +525,7 @@ class Validation:
                       timing_source=attrs.get(sc.TIMING_SOURCE), origin=attrs.get(sc.ORIGIN),
                       anchored=sc.QUEUE_WAIT_US in attrs,  # set only when the anchor placed the span
                       acked=attrs.get(sc.ACKED), ack_delay_us=attrs.get(sc.ACK_DELAY_US),
-                      error=attrs.get(sc.ERROR_TYPE),  # error spans are not in the transfer metrics
-                      span_events=[e.name for e in span.events])
+                      error=attrs.get(sc.ERROR_TYPE))  # error spans are not in the transfer metrics
             if op.get("events_ns"):
                 op["ratio_events"] = op["span_ns"] / op["events_ns"]
             if op.get("ref_ns"):
@@ -723,7 +722,7 @@ class Validation:
         for op in ops:
             op["late_ack_ok"] = (op["spans"] == 1 and op.get("ratio_ref") is not None
                                  and abs(op["ratio_ref"] - 1.0) <= TARGET_RATIO and op.get("acked") is True
-                                 and op.get("origin") == "merged_op" and "acked" in op.get("span_events", ())
+                                 and op.get("origin") == "merged_op"
                                  and op.get("ack_delay_us") is not None
                                  and op["ack_delay_us"] >= delay_ms * 1e3 - TARGET_ANCHOR_US)
         ratios = [op["ratio_ref"] for op in ops if op.get("ratio_ref") is not None]

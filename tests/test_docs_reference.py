@@ -57,7 +57,6 @@ def semconv_metrics() -> dict[str, tuple[str, str, str]]:
 
 
 _NOT_ATTRIBUTES = ("SCOPE_NAME", "SPAN_", "EVENT_", "DROP_", "FAIL_")
-OBSERVABLE_COUNTERS = {sc.WORKER_CPU_TIME[0], sc.EXPORT_CPU_TIME[0]}  # otel_hicache.sinks.self_metrics
 
 
 def semconv_attributes() -> dict[str, str]:
@@ -109,7 +108,7 @@ def prometheus_series(name: str, unit: str, kind: str) -> list[str]:
         return [base if base.endswith("_total") else base + "_total"]
     if kind == "histogram":
         return [base + "_bucket", base + "_sum", base + "_count"]
-    if kind in ("updowncounter", "gauge"):
+    if kind in ("updowncounter", "observable_updowncounter", "gauge"):
         return [base]
     raise ValueError(kind)
 
@@ -184,9 +183,8 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
                 if isinstance(metric.data, Histogram):
                     kind = "histogram"
                 elif isinstance(metric.data, Sum):
-                    kind = "counter" if metric.data.is_monotonic else "updowncounter"
-                    if metric.name in OBSERVABLE_COUNTERS:
-                        kind = "observable_counter"
+                    # (every otel-hicache counter is observable: totals reported at collection)
+                    kind = "observable_counter" if metric.data.is_monotonic else "observable_updowncounter"
                 elif isinstance(metric.data, Gauge):
                     kind = "gauge"
                 else:
@@ -200,7 +198,7 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
     return {"metrics": metrics, "span_attributes": span_attributes}
 
 
-_KIND_WORD = {"counter": "Counter", "observable_counter": "ObservableCounter", "updowncounter": "UpDownCounter",
+_KIND_WORD = {"observable_counter": "ObservableCounter", "observable_updowncounter": "ObservableUpDownCounter",
               "gauge": "ObservableGauge",
               "histogram": "Histogram"}
 
@@ -340,7 +338,7 @@ def test_delivery_section_says_how_to_enable_and_join(reference):
 def test_span_names_events_and_values(reference):
     from otel_hicache.adapters import causes  # the SGLang adapter's, installed beside the core
 
-    for value in (*causes()["offload"], *causes()["onboard"], sc.SPAN_OFFLOAD, sc.SPAN_ONBOARD, sc.EVENT_SUBMITTED, sc.EVENT_ACKED,
+    for value in (*causes()["offload"], *causes()["onboard"], sc.SPAN_OFFLOAD, sc.SPAN_ONBOARD, sc.EVENT_REQUEST,
                   *sc.DROP_REASONS, *sc.FAIL_REASONS, "INTERNAL", "device_event", "host_clock"):
         assert f"`{value}`" in reference, value
     assert "No token ids, node ids or hashes" in reference

@@ -91,7 +91,7 @@ def test_dry_run_is_wired(tmp_path: Path) -> None:
     largest = [op["ratio_ref"] for op in copies if op["bytes"] == max(o["bytes"] for o in copies)]
     assert sorted(largest)[len(largest) // 2] > 0.9, largest
     for op in late:
-        assert op["acked"] is True and "acked" in op["span_events"], op
+        assert op["acked"] is True, op
         assert op["ack_delay_us"] >= settings["ack_delay_ms"] * 1e3 - 50, op
     assert results["analysis"]["bandwidth"]["peak_gbs"].keys() == {"offload", "onboard"}
     assert {b["direction"] for b in results["do_bench"]} == {"offload", "onboard"}

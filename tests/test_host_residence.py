@@ -10,19 +10,16 @@ import pytest
 
 from otel_hicache import semconv as sc
 from otel_hicache.adapters import causes
-from otel_hicache.sinks.host_residence import MAX_LINKS, HostPool
+from otel_hicache import record as rec
+from otel_hicache.sinks.host_residence import MAX_LINKS, OFFLOAD_CAUSES, HostPool
 
 PAGE = 4
 BYTES_PER_TOKEN = 1000
 
 
-@pytest.fixture(autouse=True, params=["python", "numpy"])
-def _on(monkeypatch, request):
-    """Every test on both paths: plain Python (small ops) and NumPy (every op here, forced)."""
+@pytest.fixture(autouse=True)
+def _on(monkeypatch):
     monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")  # (the default, whatever the environment)
-    if request.param == "numpy":
-        monkeypatch.setattr(HostPool, "small_op_slots", 0)
-    return request.param
 
 
 def test_on_by_default_and_off_with_false(harness, monkeypatch):
@@ -164,49 +161,42 @@ def test_bad_slots_never_raise_and_the_op_is_still_reported(harness, caplog):
     assert h.tel.channel.consumer._pools[pool.pool_id].written_ns[0] != 0  # the in-range page was tracked
 
 
-def test_bookkeeping_memory_per_page_and_page_ids():
+def _pages(pool, slots):
+    return pool.pages(rec.slot_bytes(slots)).tolist()
+
+
+def test_bookkeeping_memory_per_page_and_pages():
     pool = HostPool(1000, 64)
-    assert pool.pages == 16 and pool.bytes_per_page == 8 + 1 + 8 + 8 + 8 + 8 + 1
-    assert list(pool.page_ids([130, 0, 63, 64, 999])) == [0, 1, 2, 15]
-    assert list(pool.page_ids(lambda: np.arange(64, 192))) == [1, 2]
-    assert list(pool.page_ids([np.arange(0, 4), np.arange(640, 644)])) == [0, 10]
-    assert list(pool.page_ids(np.arange(0, 130).reshape(2, 65))) == [0, 1, 2]  # 2-D: read flat (NumPy)
+    columns = (pool.written_ns, pool.cause, pool.page_bytes, pool.trace_hi, pool.trace_lo, pool.span_id, pool.reloaded)
+    assert pool.size == 16 and sum(c.itemsize for c in columns) == 8 + 1 + 8 + 8 + 8 + 8 + 1 == 42  # per page
+    assert _pages(pool, [130, 0, 63, 64, 999]) == [0, 1, 2, 15]
+    assert _pages(pool, np.arange(64, 192)) == [1, 2]
+    assert _pages(pool, [np.arange(0, 4), np.arange(640, 644)]) == [0, 10]
+    assert _pages(pool, np.arange(0, 130).reshape(2, 65)) == [0, 1, 2]  # 2-D: read flat
+    assert _pages(pool, [5, 3, 70, 64, 3]) == [0, 1]
+    assert _pages(HostPool(10, 1), [3, 3, 1, 9]) == [1, 3, 9]
 
 
 def test_torch_cpu_indices_are_read_in_place():
     import torch
 
     pool = HostPool(1000, 64)
-    assert list(pool.page_ids(torch.arange(128, 256))) == [2, 3]
-    assert list(pool.page_ids([torch.arange(0, 4), torch.arange(640, 644)])) == [0, 10]  # SGLang's queued ops
-    # a tensor not in host memory is never read element by element (a device tensor's tolist() synchronizes)
-    assert pool._small_slots(torch.empty(4, dtype=torch.int64, device="meta")) is None
-    pool.small_op_slots = 1024  # whatever the path the test runs on
-    assert pool._small_slots(torch.arange(0, 4)) == [0, 1, 2, 3]
+    assert _pages(pool, torch.arange(128, 256)) == [2, 3]
+    assert _pages(pool, [torch.arange(0, 4), torch.arange(640, 644)]) == [0, 10]  # SGLang's queued ops
+    # a tensor not in host memory is never read (a device tensor's tolist() synchronizes)
+    with pytest.raises(ValueError, match="host memory"):
+        rec.slot_bytes(torch.empty(4, dtype=torch.int64, device="meta"))
 
 
-def test_the_path_follows_the_op_size(_on):
-    pool = HostPool(100_000, 4)
-    small, large = pool.page_ids(range(0, 256)), pool.page_ids(np.arange(0, 260))  # 64 pages, 65
-    assert isinstance(large, np.ndarray)
-    assert isinstance(small, list) == (_on == "python")
-    pool = HostPool(100_000, 64)
-    small, large = pool.page_ids(np.arange(0, 1024)), pool.page_ids(np.arange(0, 1088))  # 1,024 slots, 1,088
-    assert isinstance(large, np.ndarray) and isinstance(small, list) == (_on == "python")
-    with pytest.raises(TypeError, match="host slots must be integers"):  # declined by Python, refused by NumPy
-        pool.page_ids(np.arange(0, 8, dtype=np.float64))
-
-
-def test_both_paths_give_the_same_answers_and_state():
+def test_answers_and_state_match_a_page_by_page_model():
     """Random offloads, links, load-backs and frees of random sizes and layouts (whole pages,
-    partial pages, repeats, out of order, out of range) through a pool on each path."""
+    partial pages, repeats, out of order, out of range), against a plain model of each page."""
     import random
     import warnings
 
     rng = random.Random(1234)
-    pools = [HostPool(4096, PAGE), HostPool(4096, PAGE)]
-    pools[0].small_op_slots = pools[0].small_op_pages = 1 << 30  # always Python
-    pools[1].small_op_slots = 0  # always NumPy
+    pool, n = HostPool(4096, PAGE), len(OFFLOAD_CAUSES)
+    model: dict[int, list] = {}  # page -> [written_ns, cause index, bytes, trace id, span id, reloaded]
 
     def slots():
         shape = rng.choice(("pages", "slots", "scattered"))
@@ -218,33 +208,55 @@ def test_both_paths_give_the_same_answers_and_state():
             return list(range(first, first + rng.randrange(1, 200)))  # may run past the pool's end
         return [rng.randrange(-8, 4200) for _ in range(rng.randrange(1, 30))]
 
-    def same(a, b):  # a list on one path is a NumPy array on the other
-        if isinstance(a, (tuple, list, np.ndarray)):  # Waste, Reuse, (pages, waste), links
-            return isinstance(b, (tuple, list, np.ndarray)) and len(a) == len(b) and all(map(same, a, b))
-        return type(a) is type(b) and a == b if isinstance(a, str) or a is None else int(a) == int(b)
+    def waste(pages):
+        found = [model[p] for p in pages if p in model and not model[p][5]]
+        if not found:
+            return None
+        return ([sum(m[2] for m in found if m[1] == c) for c in range(n)],
+                [sum(m[1] == c for m in found) for c in range(n)])
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(3000):
-            kind, when = rng.random(), step + 1
-            arg = slots()
+            kind, when, arg = rng.random(), step + 1, slots()
+            pages = pool.pages(rec.slot_bytes(arg))
+            expected = sorted({s // PAGE for s in arg if 0 <= s // PAGE < pool.size})
+            assert pages.tolist() == expected, step
             if kind < 0.45:
-                arg = np.asarray(arg, dtype=np.int64) if rng.random() < 0.5 else arg
                 cause, num_bytes = rng.choice(causes()["offload"]), rng.randrange(0, 1 << 20)
-                results = [pool.written(arg, when, cause, num_bytes) for pool in pools]
+                want = waste(expected) if expected else None
+                assert pool.written(pages, when, cause, num_bytes) == want, step
+                base, extra = divmod(num_bytes, len(expected) or 1)
+                for i, p in enumerate(expected):
+                    model[p] = [when, OFFLOAD_CAUSES.index(cause), base + (i < extra), 0, 0, False]
                 if rng.random() < 0.7:
-                    trace, span = rng.getrandbits(128), rng.getrandbits(64)
-                    for pool, (pages, _) in zip(pools, results):
-                        pool.link(pages, trace, span)
+                    trace, span = rng.getrandbits(128), rng.getrandbits(64) or 1
+                    pool.link(pages, trace, span)
+                    for p in expected:
+                        model[p][3:5] = [trace, span]
             elif kind < 0.85:
-                results = [pool.read(arg, when) for pool in pools]
-                if results[0] is not None:
-                    results += [pool.links(reuse) for pool, reuse in zip(pools, results)]
-                    assert same(results[2], results[3]), step
+                reuse = pool.read(pages, when)
+                if not expected:
+                    assert reuse is None
+                    continue
+                known = [p for p in expected if p in model]
+                writes = sorted({model[p][0]: p for p in reversed(known)}.items())  # write time -> lowest page
+                residence = [when - w for w, _ in writes]
+                assert list(reuse.residence_ns) == residence and reuse.unknown_pages == len(expected) - len(known)
+                assert list(reuse.causes) == [OFFLOAD_CAUSES[model[p][1]] for _, p in writes]
+                assert reuse.bytes_by_cause == [sum(model[p][2] for p in known if model[p][1] == c) for c in range(n)]
+                assert (reuse.min_ns, reuse.max_ns) == ((min(residence), max(residence)) if known else (None, None))
+                linked = [(model[p][3], model[p][4]) for _, p in writes[::-1] if model[p][4]]
+                assert pool.links(reuse) == (linked[:MAX_LINKS], max(0, len(linked) - MAX_LINKS)), step
+                for p in known:
+                    model[p][5] = True
             else:
-                results = [pool.freed(arg) for pool in pools]
-            assert same(results[0], results[1]), (step, results)
-    a, b = pools
-    for column in ("written_ns", "cause", "page_bytes", "trace_hi", "trace_lo", "span_id", "reloaded"):
-        assert (getattr(a, column) == getattr(b, column)).all(), column
-    assert a.reloaded.any() and (a.span_id != 0).any() and (a.written_ns == 0).any()
+                assert pool.freed(pages) == (waste(expected) if expected else None), step
+                for p in expected:
+                    model.pop(p, None)
+    assert sorted(np.flatnonzero(pool.written_ns).tolist()) == sorted(model)
+    for p, (when, cause, num_bytes, trace, span, reloaded) in model.items():
+        assert (pool.written_ns[p], pool.cause[p], pool.page_bytes[p], pool.span_id[p], pool.reloaded[p]) == (
+            when, cause, num_bytes, span, reloaded)
+        assert not span or (int(pool.trace_hi[p]) << 64 | int(pool.trace_lo[p])) == trace
+    assert pool.reloaded.any() and (pool.span_id != 0).any()

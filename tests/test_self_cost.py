@@ -7,9 +7,7 @@
   times: it stays linear in the ops of a cycle, and it is a small fraction of what the same
   ops cost with the sinks embedded on the poller thread (spans and metrics of every op), the
   work a telemetry process takes out of the serving process.
-* The sinks' counter hand-off (``sinks.consumer``): summed increments reach the SDK at most
-  once per ``HAND_OVER_INTERVAL_NS`` and at every FLUSH (a handful of SDK calls per interval,
-  not several per op), and within that interval without one.
+* The sinks' counters (``sinks.metrics``): totals read at each collection, no SDK call per op.
 * Its CPU as counters (``sinks.self_metrics``): ``otel_hicache.worker.cpu_time``, the poller
   thread's CPU clock as sent in its STATE, and ``otel_hicache.export.cpu_time``, the whole
   telemetry process's (none when the sinks are embedded).
@@ -39,7 +37,6 @@ from otel_hicache import semconv as sc
 from otel_hicache.capture import poller
 from otel_hicache.capture.poller import PollerSettings, Poller
 from otel_hicache.capture.records import submission
-from otel_hicache.sinks import consumer as consumer_module
 from otel_hicache.sinks.consumer import Consumer
 from otel_hicache.sinks.embedded import EmbeddedChannel
 
@@ -189,7 +186,7 @@ def test_the_pollers_cpu_per_op_is_a_small_fraction_of_the_embedded_sinks():
     assert capture / with_sinks < 0.3, f"capture {capture * 1e6:.1f} us vs embedded {with_sinks * 1e6:.1f} us per op"
 
 
-# -- the sinks' counter hand-off ------------------------------------------------------------------------------
+# -- the sinks' counters ------------------------------------------------------------------------------
 
 def _op(seq: int, num_bytes: int = 4096, **overrides: Any) -> tuple[Any, ...]:
     """An OP message of a direct, host-timed offload of 64 tokens."""
@@ -210,14 +207,6 @@ class Sinks:
         self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
         self.consumer = Consumer(self.tracer_provider, self.meter_provider,
                                  hello if hello is not None else {"attributes": STATIC, "embedded": True})
-        self.hand_overs = 0
-        hand_over = self.consumer.metrics.flush
-
-        def counted() -> None:
-            self.hand_overs += 1
-            hand_over()
-
-        self.consumer.metrics.flush = counted
 
     def points(self, name: str) -> list[Any]:
         data = self.reader.get_metrics_data()
@@ -245,49 +234,18 @@ def sinks():
         s.close()
 
 
-def test_counters_are_handed_over_at_most_once_per_interval_and_at_every_flush(sinks, monkeypatch):
-    monkeypatch.setattr(consumer_module, "HAND_OVER_INTERVAL_NS", 10**12)  # never due in this test
+def test_counters_are_exact_at_every_collection_without_a_flush(sinks, monkeypatch):
+    """Observable counters: each collection reads the totals of every op taken in so far, and no
+    SDK call is made per op for them."""
     s = sinks()
+    calls = []
+    monkeypatch.setattr(s.consumer.metrics.duration, "record", lambda *a, **k: calls.append("duration"))
     for seq in range(5):
         s.consumer.apply([_op(seq)])
-    assert s.hand_overs == 0 and s.bytes() == 0  # summed, not one SDK call per op
-    s.consumer.apply([(rec.FLUSH, 0)])
-    assert s.hand_overs == 1 and s.bytes() == 5 * 4096
-    s.consumer.apply([_op(5)])
-    s.consumer.close()  # the end of the input hands over too
-    assert s.hand_overs == 2 and s.bytes() == 6 * 4096
-
-
-def test_counters_are_handed_over_by_the_first_batch_after_the_interval(sinks, monkeypatch):
-    monkeypatch.setattr(consumer_module, "HAND_OVER_INTERVAL_NS", 0)
-    s = sinks()
-    for seq in range(3):
-        s.consumer.apply([_op(seq)])
-    assert s.hand_overs == 3 and s.bytes() == 3 * 4096
-
-
-def test_counters_reach_the_sdk_within_the_interval_without_a_flush(monkeypatch):
-    # 1 s: the op's batch surely comes within it of the consumer's start (its first hand-over)
-    monkeypatch.setattr(consumer_module, "HAND_OVER_INTERVAL_NS", 10**9)
-    reader = InMemoryMetricReader()
-    meter_provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
-    tel = TransferTelemetry(TracerProvider(shutdown_on_exit=False), meter_provider, {"tp_rank": 0})
-    try:
-        now = time.time_ns()
-        tel.submit("offload", {"kv": 64}, 4096, 64, expect_ack=False, host_start_ns=now - 1000, host_end_ns=now)
-        deadline = time.monotonic() + 3.0  # the interval, and then some
-        total = 0.0
-        while time.monotonic() < deadline:
-            data = reader.get_metrics_data()
-            total = sum(p.value for rm in (data.resource_metrics if data else ()) for sm in rm.scope_metrics
-                        for m in sm.metrics if m.name == sc.TRANSFER_BYTES[0] for p in m.data.data_points)
-            if total:
-                break
-            time.sleep(0.01)
-        assert total == 4096
-    finally:
-        tel.shutdown()
-        meter_provider.shutdown()
+        assert s.bytes() == (seq + 1) * 4096
+    assert calls == ["duration"] * 5  # (and bandwidth: histograms are per op; counters are not)
+    s.consumer.close()
+    assert s.bytes() == 5 * 4096
 
 
 # -- otel_hicache.worker.cpu_time and otel_hicache.export.cpu_time -------------------------------------------

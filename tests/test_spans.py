@@ -211,7 +211,7 @@ def test_one_span_with_the_copys_times_events_attributes_and_scope():
         "name": "hicache.onboard", "kind": SpanKind.INTERNAL, "start": START, "end": END,
         "attributes": MEASURED + [("hicache.acked", True), ("hicache.ack_delay_us", 5_750_000.0)],
         "dropped_attributes": 0,
-        "events": [("submitted", SUBMIT, {}), ("acked", END + 5_750_000_000, {})], "dropped_events": 0,
+        "events": [], "dropped_events": 0,
         "status": (StatusCode.UNSET, None), "parent": None,
         "flags": sdk_flags(TraceFlags.SAMPLED | RANDOM_TRACE_ID), "trace_state": TraceState(),
         "resource": {**Resource.create({"service.name": "unit"}).attributes}, "links": [],
@@ -227,18 +227,25 @@ def test_the_span_name_says_the_direction(direction, name):
     assert Rig().span(record(direction=direction)).name == name
 
 
-@pytest.mark.parametrize("expect_ack, ack_ns, fields, events", [
-    (True, END + 1_500, [("hicache.acked", True), ("hicache.ack_delay_us", 1.5)], ["submitted", "acked"]),
-    (True, END - 10, [("hicache.acked", True), ("hicache.ack_delay_us", 0.0)], ["submitted", "acked"]),
-    (True, None, [("hicache.acked", False)], ["submitted"]),
-    (False, None, [], ["submitted"]),
-    (False, END + 1_000, [("hicache.acked", True), ("hicache.ack_delay_us", 1.0)], ["submitted", "acked"]),
+@pytest.mark.parametrize("late", [False, True], ids=["ack-known-at-start", "ack-after-the-start"])
+@pytest.mark.parametrize("expect_ack, ack_ns, fields", [
+    (True, END + 1_500, [("hicache.acked", True), ("hicache.ack_delay_us", 1.5)]),
+    (True, END - 10, [("hicache.acked", True), ("hicache.ack_delay_us", 0.0)]),
+    (True, None, [("hicache.acked", False)]),
+    (False, None, []),
+    (False, END + 1_000, [("hicache.acked", True), ("hicache.ack_delay_us", 1.0)]),
 ], ids=["acked", "acked-before-the-end", "ack-timed-out", "direct", "direct-acked-anyway"])
-def test_ack_fields_at_finish(expect_ack, ack_ns, fields, events):
-    span = Rig().span(record(expect_ack=expect_ack, ack_ns=ack_ns))
-    # set last, after the measured ones
+def test_ack_fields_last_and_no_events(expect_ack, ack_ns, fields, late):
+    late = late and expect_ack  # (a direct copy's span ends at once: no ack comes after its start)
+    rig, r = Rig(), record(expect_ack=expect_ack, ack_ns=None if late else ack_ns)
+    span, waits = state = rig.builder.begin(r)
+    assert waits is (expect_ack and r.ack_ns is None)  # set at the start unless it waits for them
+    assert list(span.attributes.items()) == (MEASURED if expect_ack else MEASURED_DIRECT) + ([] if waits else fields)
+    r.ack_ns = ack_ns
+    rig.builder.finish(r, state)
+    [span] = rig.exporter.get_finished_spans()
     assert list(span.attributes.items()) == (MEASURED if expect_ack else MEASURED_DIRECT) + fields
-    assert [e.name for e in span.events] == events
+    assert list(span.events) == []  # submit and ack times are in queue_wait_us and ack_delay_us
 
 
 def test_a_failed_record_is_an_error_span():
@@ -304,9 +311,9 @@ def test_the_sampler_sees_the_span_and_adds_its_attributes_and_trace_state():
                            trace_state=TraceState([("vendor", "v1")]))
     rig = Rig(sampler=sampler)
     span = rig.span(record(parent=parent, ack_ns=END))
-    assert sampler.asked == [(parent.trace_id, "hicache.onboard", SpanKind.INTERNAL, dict(MEASURED))]
-    assert list(span.attributes.items()) == MEASURED + [("sampler.rule", "r1"), ("hicache.acked", True),
-                                                         ("hicache.ack_delay_us", 0.0)]
+    acked = [("hicache.acked", True), ("hicache.ack_delay_us", 0.0)]
+    assert sampler.asked == [(parent.trace_id, "hicache.onboard", SpanKind.INTERNAL, dict(MEASURED + acked))]
+    assert list(span.attributes.items()) == MEASURED + acked + [("sampler.rule", "r1")]
     assert span.context.trace_state == TraceState([("vendor", "v1")])
 
 
@@ -349,12 +356,6 @@ def test_value_length_limit_truncates_strings_only():
     assert (a["hicache.bytes"], a["hicache.acked"]) == (161_480_704, True)
 
 
-@pytest.mark.parametrize("max_events, kept, dropped", [(1, [("acked", END + 7)], 1), (0, [], 2)])
-def test_event_count_limit_keeps_the_newest_events(max_events, kept, dropped):
-    span = Rig(limits=SpanLimits(max_events=max_events)).span(record(ack_ns=END + 7))
-    assert ([(e.name, e.timestamp) for e in span.events], span.dropped_events) == (kept, dropped)
-
-
 UNLIMITED = {
     "attribute-count-unset": lambda mp: SpanLimits(max_span_attributes=SpanLimits.UNSET),
     "event-count-unset": lambda mp: SpanLimits(max_events=SpanLimits.UNSET),
@@ -368,7 +369,7 @@ UNLIMITED = {
 @pytest.mark.parametrize("limits", UNLIMITED.values(), ids=UNLIMITED.keys())
 def test_unlimited_limits(monkeypatch, limits):
     span = Rig(limits=limits(monkeypatch)).span(record(ack_ns=END))
-    assert (len(span.attributes), len(span.events), span.dropped_attributes, span.dropped_events) == (19, 2, 0, 0)
+    assert (len(span.attributes), len(span.events), span.dropped_attributes, span.dropped_events) == (19, 0, 0, 0)
 
 
 # -- the SDK's own span metrics (otel.sdk.span.started / otel.sdk.span.live) -----------------------------

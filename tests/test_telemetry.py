@@ -52,10 +52,7 @@ def test_late_ack_leaves_the_duration_at_the_dma_time(harness):
     assert a["hicache.ack_delay_us"] == (7_000_000 + 5_750_000_000 - 6_981_000) / 1e3
     assert a["hicache.bandwidth_bytes_per_second"] == pytest.approx(161_480_704 / 0.006781)
     assert a["tp_rank"] == 0
-    assert [(e.name, e.timestamp) for e in span.events] == [
-        ("submitted", submitted),
-        ("acked", submitted + 7_000_000 + 5_750_000_000),
-    ]
+    assert list(span.events) == []  # submit and ack times: queue_wait_us and ack_delay_us
     duration = h.value("hicache.transfer.duration", **{"hicache.direction": "onboard"})
     assert duration.count == 1
     assert duration.sum == pytest.approx(0.006781, abs=1e-12)
@@ -189,7 +186,7 @@ def test_an_acked_op_emits_its_span(harness):
     assert span.end_time - span.start_time == 6_781_000
     assert span.attributes["hicache.blocks"] == 22
     assert span.attributes["hicache.acked"] is True
-    assert [e.name for e in span.events] == ["submitted", "acked"]
+    assert list(span.events) == []
     assert span.instrumentation_scope.name == "otel_hicache"
 
 
@@ -584,7 +581,7 @@ def _span_under_limits(harness, monkeypatch, **limits):
 
 
 def test_span_limits_apply(harness, monkeypatch):
-    # 4 attributes of at most 5 characters, 1 event: the SDK's Span result
+    # 4 attributes of at most 5 characters: the SDK's Span result
     span = _span_under_limits(harness, monkeypatch, OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT="4",
                               OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT="5", OTEL_SPAN_EVENT_COUNT_LIMIT="1")
     # the SDK keeps the newest attributes; the ack fields come last
@@ -592,7 +589,6 @@ def test_span_limits_apply(harness, monkeypatch):
                                      "hicache.queue_wait_us": 200.0, "hicache.acked": True,
                                      "hicache.ack_delay_us": pytest.approx(10_000 - 6_781 - 200, abs=1)}
     assert span.dropped_attributes == 16  # 20 attributes in all
-    assert [e.name for e in span.events] == ["acked"] and span.dropped_events == 1
     assert span.end_time - span.start_time == 6_781_000  # the limits change nothing measured
 
 

@@ -1,19 +1,10 @@
-"""Where the capture's messages become telemetry: one consumer per serving process.
-
-:meth:`Consumer.apply` takes each batch the poller wrote (:mod:`otel_hicache.record`), in
-order, and drives the sinks: busy time, host residence (pages written, read and freed,
-and the links of a load-back to the offloads that wrote its pages), the span of each op
-(begun with its metrics, so a histogram exemplar carries it, and finished at the end of
-its ack wait), the DEBUG lines, the capture's drop counts and the gauges' state. It runs
-in the telemetry process (:mod:`.process`) or, embedded, on the poller thread
-(:mod:`.embedded`): the same code either way.
-"""
+"""Where the capture's messages (:mod:`otel_hicache.record`) become telemetry, one consumer per
+serving process, in the telemetry process (:mod:`.process`) or embedded on the poller thread."""
 
 from __future__ import annotations
 
 import base64
 import time
-from array import array
 from typing import Any, Callable, Mapping
 
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
@@ -23,24 +14,20 @@ from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 from .busy_time import BusyTimeTracker
-from .host_residence import SMALL_OP_SLOTS, make_host_pool
+from .host_residence import make_host_pool
 from .logs import TransferLog
 from .metrics import TransferMetrics
 from .self_metrics import TelemetryCpu
 from .spans import SpanBuilder
 
-HAND_OVER_INTERVAL_NS = 50_000_000
-"""Summed counter increments reach the SDK at least this often (and at every flush): a handful
-of SDK calls per interval instead of several per op; collections see counters at most this
-much behind the histograms, which are recorded per op."""
 _BUSY_LATE_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
 
 
 class Op:
     """One op as the sinks see it: the ``record.OP_FIELDS`` and what the sinks add."""
 
-    __slots__ = (*rec.OP_FIELDS, "parent_context", "span_context", "exemplar_context", "host_written",
-                 "host_pool", "reuse", "links", "links_dropped")
+    __slots__ = (*rec.OP_FIELDS, "parent_context", "span_context", "exemplar_context", "host", "links",
+                 "links_dropped")
 
     def __init__(self, message: tuple[Any, ...]) -> None:
         for name, value in zip(rec.OP_FIELDS, message[1:]):
@@ -48,9 +35,9 @@ class Op:
         parent = self.parent
         self.parent_context = set_span_in_context(NonRecordingSpan(span_context(parent))) if parent else None
         self.request_links = tuple(map(span_context, self.request_links))
-        self.span_context = self.exemplar_context = self.host_written = self.host_pool = self.reuse = None
-        self.links = ()
-        self.links_dropped = 0
+        self.span_context = self.exemplar_context = None
+        self.host = (None, None, None)  # (host pool, pages written, Reuse of the pages read)
+        self.links, self.links_dropped = (), 0
 
 
 def span_context(values: tuple[Any, ...]) -> SpanContext:
@@ -60,46 +47,28 @@ def span_context(values: tuple[Any, ...]) -> SpanContext:
                        trace_state=TraceState(list(state)) if state else None)
 
 
-def _slots(text: str) -> Any:
-    """``record.slot_text()`` back as slot indices: a list for a small op, else a NumPy array."""
-    data = base64.b64decode(text, validate=True)
-    if len(data) <= 8 * SMALL_OP_SLOTS:
-        slots = array("q")
-        slots.frombytes(data)
-        return slots.tolist()
-    import numpy as np
-
-    return np.frombuffer(data, dtype=np.int64)
-
-
 class Consumer:
-    """The sinks of one serving process, on ``tracer_provider`` and ``meter_provider``.
-
-    ``hello`` says what the capture knows of its process: ``attributes`` (the static ones),
-    ``pools`` (POOL messages sent before).
-    """
+    """The sinks of one serving process; ``hello``: its static ``attributes`` and earlier ``pools``."""
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns, ids: Any = None) -> None:
         # (a list arrives for a tuple: metric points need hashable attribute values)
         static = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
         self.metrics = TransferMetrics(meter_provider, static, clock)  # (the ages: on the capture's clock)
-        self.spans = SpanBuilder(tracer_provider, static)
+        self.spans = SpanBuilder(tracer_provider, static, ids)
         self.log = TransferLog()
         location = (sc.LOCATION_EMBEDDED_FALLBACK if hello.get("fallback") else
                     sc.LOCATION_EMBEDDED if hello.get("embedded") else sc.LOCATION_TELEMETRY_PROCESS)
         self.cpu = TelemetryCpu(meter_provider, static, location)
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
         self._pools: dict[int, Any] = {}
-        self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> (pool, pages written, reuse): HOST to OP
+        self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> Op.host, from its HOST to its OP
         self._awaiting: dict[int, tuple[Op, Any, Any]] = {}  # seq -> (op, span, OP message) waiting for its ACK
-        self._ids = ids  # spans.OpIds: span ids from the op (a telemetry process's, for a successor's replay)
         for message in hello.get("pools") or ():
             self._pool(message)
         self._handlers = {rec.OP: self._op, rec.ACK: self._ack, rec.HOST: self._host_pages, rec.POOL: self._pool,
                           rec.FREE: self._freed, rec.DROPPED: self._dropped, rec.STATE: self._state,
-                          rec.FLUSH: self._flush, rec.STOP: _ignore, rec.CHECKPOINT: self._resume}
-        self._handed_over = time.monotonic_ns()
+                          rec.FLUSH: _ignore, rec.STOP: _ignore, rec.CHECKPOINT: self._resume}
 
     def apply(self, batch: list[tuple[Any, ...]]) -> None:
         """Every message of ``batch``, in order; one that fails is counted and the rest go on."""
@@ -113,70 +82,49 @@ class Consumer:
                 warn_once(f"consumer:{type(exc).__name__}", "otel-hicache: a transfer record could not be "
                           "reported (%r); counted in otel_hicache.records.dropped{reason=internal_error}", exc)
                 logger.debug("otel-hicache consumer error", exc_info=True)
-        if time.monotonic_ns() - self._handed_over >= HAND_OVER_INTERVAL_NS:
-            self.flush()
-
-    def idle(self) -> None:
-        """No batch for a while (the telemetry process's input was quiet, or the poller's periodic
-        send): what was summed since the last hand-over goes to the SDK now."""
-        if self.metrics.pending():
-            self.flush()
 
     def flush(self) -> None:
-        """The summed counter increments to the SDK (before the providers export)."""
-        self._handed_over = time.monotonic_ns()
-        self.metrics.flush()
+        """Nothing waits here: counters are observed from their totals when the SDK collects."""
+
+    idle = flush
 
     def checkpoint(self) -> list[Any]:
-        """A ``record.CHECKPOINT`` of now: where a successor goes on from, once the spans of the ops
-        taken in so far are exported (the counters' totals, and the ops still waiting for an ack)."""
-        self.flush()
+        """A ``record.CHECKPOINT`` of now (the counters' totals, the ops waiting for an ack): where a
+        successor goes on from once the spans of the ops taken in so far are exported."""
         return [rec.CHECKPOINT, self.metrics.checkpoint(), [entry[2] for entry in self._awaiting.values()]]
 
     def _resume(self, message: tuple[Any, ...]) -> None:
-        """A predecessor's checkpoint: its counters go on here, and the spans of its ops that were
-        waiting for their acks start again (their metrics are in the totals)."""
+        """A predecessor's checkpoint: its counters go on, its ops' ack waits too (spans only)."""
         self.metrics.seed(message[1])
         for raw in message[2]:
             op = Op(raw)
-            if self._ids is not None:
-                self._ids.use(op.seq)
             self._awaiting[op.seq] = (op, self.spans.begin(op), raw)
 
     def close(self) -> None:
-        """The end of the input: every ack wait ends (unacked), the counters are handed over."""
+        """The end of the input: every ack wait ends, unacked."""
         for seq in list(self._awaiting):
             self._ack((rec.ACK, seq, None))
-        self.metrics.flush()
 
     # -- messages -----------------------------------------------------------------------
     def _op(self, message: tuple[Any, ...]) -> None:
         op = Op(message)
-        if self._ids is not None:
-            self._ids.use(op.seq)
-        host = self._host.pop(op.seq, None)
-        if host is not None:
-            op.host_pool, pages, op.reuse = host
-            if pages is not None:
-                op.host_written = (op.host_pool, pages)
+        op.host = pool, written, reuse = self._host.pop(op.seq, op.host)
         if op.error is not None:
-            state = self.spans.begin(op)
-            self.metrics.failed_record(op, op.error)
-            self.spans.finish(op, state)
+            self.metrics.failed_record(op.error)
+            self.spans.finish(op, self.spans.begin(op))
             return
         busy_added = self._busy[op.direction].add(op.start_ns, op.end_ns)
-        if op.reuse is not None:
+        if reuse is not None:
             try:
-                op.links, op.links_dropped = op.host_pool.links(op.reuse)
+                op.links, op.links_dropped = pool.links(reuse)
             except Exception as exc:  # the span is still made, without links
                 warn_once(f"links:{type(exc).__name__}", "otel-hicache: cannot link a load-back's span (%r)", exc)
         state = self.spans.begin(op)
-        written = op.host_written
-        if written is not None and op.span_context is not None and op.span_context.trace_flags.sampled:
-            written[0].link(written[1], op.span_context.trace_id, op.span_context.span_id)
+        if written is not None and op.span_context.trace_flags.sampled:
+            pool.link(written, op.span_context.trace_id, op.span_context.span_id)
         self.metrics.completed(op, busy_added)
         self.log.completed(op, busy_added)
-        if op.expect_ack and op.ack_ns is None:
+        if state[1]:  # it waits for its ack
             self._awaiting[op.seq] = (op, state, message)
         else:
             self._finish(op, state)
@@ -198,33 +146,26 @@ class Consumer:
             self._pools[pool_id] = make_host_pool(slots, page_size, name)
 
     def _host_pages(self, message: tuple[Any, ...]) -> None:
-        """An op's host pages at intake: an offload writes them, a load-back reads them (its
-        residence and bytes now; its links when its span starts)."""
+        """An op's host pages at intake: written or read now; a load-back's links when its span starts."""
         _kind, seq, pool_id, direction, data, submit_ns, cause, num_bytes = message
         pool = self._pools.get(pool_id)
         if pool is None:  # no NumPy, or a bad size (warned once)
             return
         try:
-            slots = _slots(data)
+            pages = pool.pages(base64.b64decode(data, validate=True))
             if direction == rec.OFFLOAD:
-                pages, waste = pool.written(slots, submit_ns, cause, num_bytes)
                 self._host[seq] = (pool, pages, None)
-                if waste is not None:
-                    self.metrics.host_waste(waste, pool.page_size)
+                self.metrics.host_waste(pool.written(pages, submit_ns, cause, num_bytes), pool.page_size)
             else:
-                reuse = pool.read(slots, submit_ns)
-                self._host[seq] = (pool, None, reuse)
-                if reuse is not None:
-                    self.metrics.host_reuse(cause, reuse)
+                self._host[seq] = (pool, None, pool.read(pages, submit_ns))
+                self.metrics.host_reuse(cause, self._host[seq][2])
         except Exception as exc:  # the op is still reported; its pages are not tracked
             warn_once(f"host_pages:{type(exc).__name__}", "otel-hicache: cannot track an op's host pages (%r)", exc)
 
     def _freed(self, message: tuple[Any, ...]) -> None:
         pool = self._pools.get(message[1])
         if pool is not None:
-            waste = pool.freed(_slots(message[2]))
-            if waste is not None:
-                self.metrics.host_waste(waste, pool.page_size)
+            self.metrics.host_waste(pool.freed(pool.pages(base64.b64decode(message[2], validate=True))), pool.page_size)
 
     def _dropped(self, message: tuple[Any, ...]) -> None:
         if message[2]:
@@ -237,14 +178,11 @@ class Consumer:
         # busy intervals ending well before the oldest op in flight can never overlap one to come
         oldest = min((t for t in oldest_inflight.values() if t is not None), default=None)
         if oldest is not None or not any(inflight.values()):
-            for direction, tracker in self._busy.items():
+            for tracker in self._busy.values():
                 cutoff = oldest if oldest is not None else tracker.latest_end
                 if cutoff is not None:
                     tracker.forget_before(cutoff - _BUSY_LATE_MARGIN_NS)
 
-    def _flush(self, _message: tuple[Any, ...]) -> None:
-        self.flush()  # (the telemetry process also exports, for the FLUSH of a force_flush())
-
 
 def _ignore(_message: tuple[Any, ...]) -> None:
-    """STOP: for the telemetry process itself (its export bound)."""
+    """FLUSH and STOP: for the telemetry process (its export) or the embedded channel."""

@@ -1,19 +1,14 @@
-"""The telemetry process, one per serving process.
+"""The telemetry process, one per serving process, started by the capture's channel
+(:mod:`otel_hicache.capture.channel`) with the serving process's interpreter (isolated, ``-I``)
+and environment, at a lower CPU priority, ignoring the terminal's Ctrl-C.
 
-Started by the capture's channel (:mod:`otel_hicache.capture.channel`) with the serving
-process's interpreter, isolated (``-I``), and environment. Frames are JSON (:mod:`..record`):
-one that is not the capture's is counted and skipped. Its first frame (the hello) carries the serving
-process's resource, so both processes' telemetry joins; its providers are built from the
-same ``OTEL_*`` variables (:mod:`.providers`). Then each frame is a batch for the consumer;
-a ``FLUSH`` is answered once what came before it is exported, and at most every
-``CHECKPOINT_S`` a checkpoint goes back (:class:`_Checkpoints`): a successor goes on from it
-if this process dies. Span ids come from the ops (:class:`.spans.OpIds`) and every counter
-says it counts since the serving process's channel opened, so a replayed op is the same span
-and the counters never restart. At the end of its input
-(the serving process stopped, or ended in any way) it ends the ack waits, exports what it
-has (bounded by ``OTEL_HICACHE_SHUTDOWN_TIMEOUT_S``) and exits. It runs at a lower CPU
-priority than the serving process, and ignores the terminal's Ctrl-C (the serving process
-ends it by closing its input, after its own last records).
+Its input is frames (:mod:`..record`): the hello (the serving process's resource, so both
+processes' telemetry joins; its providers come from the same ``OTEL_*`` variables), then
+batches for the consumer; a frame that is not the capture's is counted and skipped. A ``FLUSH``
+is answered once what came before it is exported, and at most every ``CHECKPOINT_S`` a
+checkpoint goes back, where a successor goes on from if this process dies (span ids come from
+the ops, :class:`.spans.OpIds`, so a replayed op is the same span). At the end of its input it
+ends the ack waits, exports within ``OTEL_HICACHE_SHUTDOWN_TIMEOUT_S`` and exits.
 """
 
 from __future__ import annotations
@@ -34,24 +29,18 @@ from ..settings import env_float
 from .bounded_flush import bounded
 
 NICENESS = 10  # below the serving process: export waits, serving does not
-CHECKPOINT_S = 1.0
-"""How often at most (while frames come in) the spans taken in are exported and a checkpoint sent
-back: the serving process keeps the frames after the last one, to replay them to a successor."""
-CHECKPOINT_BYTES = 4 << 20  # ... and after this much input, so what the serving process keeps stays small
+CHECKPOINT_S = 1.0  # spans exported and a checkpoint sent at most this often (the serving process keeps
+CHECKPOINT_BYTES = 4 << 20  # the frames after it, to replay), and after this much input
 _PARENT_CHECK_S = 1.0  # an idle read looks this often whether the serving process is still there
-_IDLE_S = 0.05  # an idle read hands the summed counters to the SDK this often (consumer.idle)
-MALFORMED = object()
-"""A frame that is not the capture's: not JSON, or longer than any of its batches."""
+_IDLE_S = 0.05  # an idle read's wait, after which a checkpoint may be due
+MALFORMED = object()  # a frame that is not the capture's: not JSON, or longer than any of its batches
 
 
 class _Input:
-    """The frames of a pipe, read whole; ``None`` at its end, or once the serving process is
-    gone while something else keeps its end open (checked on every idle second)."""
+    """The frames of a pipe, read whole, until its end or the serving process is gone."""
 
     def __init__(self, fd: int, parent: int, idle: Any) -> None:
-        self._fd = fd
-        self._parent = parent
-        self._idle = idle
+        self._fd, self._parent, self._idle = fd, parent, idle
         self._buffer = bytearray()
         self.read_bytes = 0  # in all
 
@@ -94,23 +83,16 @@ class _Input:
 
 
 def well_formed(batch: Any) -> bool:
-    """A batch as the capture writes them: a list of messages, each a list starting with its kind
-    (a FLUSH's token an int, a STOP's bound a number); any message may still fail alone later."""
-    if type(batch) is not list:
-        return False
-    for m in batch:
-        if type(m) is not list or not m or type(m[0]) is not int or not rec.OP <= m[0] <= rec.CHECKPOINT:
-            return False
-        if m[0] == rec.FLUSH and (len(m) < 2 or type(m[1]) is not int):
-            return False
-        if m[0] == rec.STOP and (len(m) < 2 or type(m[1]) not in (int, float)):
-            return False
-    return True
+    """A batch as the capture writes them: lists starting with their kind (a FLUSH's token an int, a
+    STOP's bound a number); any message may still fail alone later."""
+    return type(batch) is list and all(
+        type(m) is list and m and type(m[0]) is int and rec.OP <= m[0] <= rec.CHECKPOINT
+        and (m[0] != rec.FLUSH or (len(m) > 1 and type(m[1]) is int))
+        and (m[0] != rec.STOP or (len(m) > 1 and type(m[1]) in (int, float))) for m in batch)
 
 
 def _answer(answers: Any, line: bytes) -> None:
-    """An answer to the serving process; once it stopped reading (it stops, or ended), none is
-    needed: what came in is still exported."""
+    """An answer to the serving process; once it stopped reading, none is needed."""
     try:
         answers.write(line)
     except OSError:
@@ -123,30 +105,6 @@ def _resource(hello: dict[str, Any]) -> Any:
     return Resource(hello.get("resource") or {}, hello.get("schema_url") or None)
 
 
-class _Checkpoints:
-    """Every ``CHECKPOINT_S`` (or ``CHECKPOINT_BYTES`` of input) while frames come in: the spans of
-    the ops taken in so far handed to the exporters, then ``exported <frames> <checkpoint>``."""
-
-    def __init__(self, providers: Any, consumer: Any, answers: Any, bound: float) -> None:
-        self._providers, self._consumer, self._answers, self._bound = providers, consumer, answers, bound
-        self.frames = 0  # applied, after the hello
-        self._done = 0  # frames covered by the last checkpoint
-        self._at = time.monotonic()
-        self._bytes = 0
-
-    def due(self, read_bytes: int) -> bool:
-        return self.frames > self._done and (time.monotonic() - self._at >= CHECKPOINT_S
-                                             or read_bytes - self._bytes >= CHECKPOINT_BYTES)
-
-    def take(self, read_bytes: int, flushed: bool = False) -> None:
-        """``flushed``: everything was just exported (a FLUSH)."""
-        self._at, self._bytes = time.monotonic(), read_bytes
-        frames, checkpoint = self.frames, self._consumer.checkpoint()
-        if flushed or bounded("force_flush", self._providers.tracer_provider, None, self._bound):
-            self._done = frames
-            _answer(self._answers, b"exported %d %s\n" % (frames, rec.encode([checkpoint])[rec.FRAME_HEADER.size:]))
-
-
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -156,17 +114,23 @@ def main() -> int:
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # anything printed goes to the serving process's standard error, not into the answers
     sys.stdout = sys.stderr
-    parent = os.getppid()
     consumer: Any = None
-    checkpoints: Any = None
+    done = {"frames": 0, "taken": 0, "at": time.monotonic(), "bytes": 0}  # frames applied, in the last checkpoint
 
-    def idle() -> None:
-        if consumer is not None:
-            consumer.idle()
-            if checkpoints.due(source.read_bytes):
-                checkpoints.take(source.read_bytes)
+    def checkpoint(flushed: bool = False) -> None:
+        """While frames come in, at most every CHECKPOINT_S or CHECKPOINT_BYTES: the spans taken in
+        exported (``flushed``: just now), then ``exported <frames> <checkpoint>``."""
+        due = done["frames"] > done["taken"] and (time.monotonic() - done["at"] >= CHECKPOINT_S
+                                                  or source.read_bytes - done["bytes"] >= CHECKPOINT_BYTES)
+        if consumer is None or not (flushed or due):
+            return
+        frames, message = done["frames"], rec.encode([consumer.checkpoint()])[rec.FRAME_HEADER.size:]
+        done.update(at=time.monotonic(), bytes=source.read_bytes)
+        if flushed or bounded("force_flush", providers.tracer_provider, None, bound):
+            done["taken"] = frames
+            _answer(answers, b"exported %d %s\n" % (frames, message))
 
-    source = _Input(0, parent, idle)
+    source = _Input(0, os.getppid(), checkpoint)
     frames = source.frames()
     hello = next(frames, None)
     if not isinstance(hello, dict):
@@ -186,10 +150,9 @@ def main() -> int:
     providers = build(_resource(hello), id_generator=ids, counters_since_ns=hello.get("start_ns"))
     bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
     consumer = Consumer(providers.tracer_provider, providers.meter_provider, hello, ids=ids)
-    checkpoints = _Checkpoints(providers, consumer, answers, bound)
     _answer(answers, b"hello\n")
     for batch in frames:
-        checkpoints.frames += 1
+        done["frames"] += 1
         if batch is MALFORMED or not well_formed(batch):  # written by another process: skipped, counted
             consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
             warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
@@ -201,13 +164,12 @@ def main() -> int:
         if flushes:
             ok = providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
             if ok:
-                checkpoints.take(source.read_bytes, flushed=True)
+                checkpoint(flushed=True)
             _answer(answers, b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
-        elif checkpoints.due(source.read_bytes):
-            checkpoints.take(source.read_bytes)
+        else:
+            checkpoint()
     consumer.close()
-    # a flush first, within the same bound: the SDK's self-metrics of its exports (spans and points
-    # delivered, or lost) then leave with the last one, as a periodic export would have sent them
+    # a flush first, within the same bound: the SDK's self-metrics of its exports leave with the last one
     deadline = time.monotonic() + bound
     providers.force_flush(bound)
     providers.shutdown(max(0.5, deadline - time.monotonic()))
