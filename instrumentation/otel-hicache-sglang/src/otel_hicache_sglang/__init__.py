@@ -1,23 +1,15 @@
 """otel-hicache for SGLang: every HiCache L1<->L2 copy becomes a device-timed span.
 
-Two ways in, both registered as entry points, both idempotent:
-
-* SGLang's own plugin group ``sglang.srt.plugins`` (name ``otel_hicache``):
-  ``load_plugins()`` runs it in every scheduler process before the scheduler
-  starts (``SGLANG_PLUGINS`` filters by name). Nothing to do but install.
-* ``opentelemetry_instrumentor`` (name ``sglang_hicache``), for
-  ``opentelemetry-instrument python -m sglang.launch_server ...``.
-
-Or by hand::
+Two entry points, both idempotent: SGLang's plugin group ``sglang.srt.plugins`` (``otel_hicache``,
+run by ``load_plugins()`` in every scheduler process) and ``opentelemetry_instrumentor``
+(``sglang_hicache``, for ``opentelemetry-instrument``). Or by hand::
 
     from otel_hicache_sglang import SGLangHiCacheInstrumentor
     SGLangHiCacheInstrumentor().instrument()   # tracer_provider=..., meter_provider=... optional
 
-SGLang modules are patched when they are imported (or at once if they are).
-Spans and metrics go to otel-hicache's private providers, built from the
-``OTEL_*`` variables in each process that creates a HiCache controller; the
-global TracerProvider stays SGLang's (``--enable-trace``). ``OTEL_HICACHE_ENABLED=false``
-turns it all off.
+SGLang's modules are patched when they are imported (or at once). Spans and metrics go to
+otel-hicache's own providers, built from the ``OTEL_*`` variables in each process that makes a
+HiCache controller; ``OTEL_HICACHE_ENABLED=false`` turns it all off.
 """
 
 from __future__ import annotations
@@ -70,7 +62,7 @@ def _groups(observer: TransferObserver) -> list[Group]:
         Group("L1<->L2 transfers", [
             (L2_TRANSFER, "L2TransferEngine.submit_device_to_host", observer.submit_wrapper(OFFLOAD)),
             (L2_TRANSFER, "L2TransferEngine.submit_host_to_device", observer.submit_wrapper(ONBOARD)),
-            (CACHE_CONTROLLER, "HiCacheController.__init__", observer.wrap_init),
+            (CACHE_CONTROLLER, "HiCacheController.__init__", observer.init_wrapper),
             (CACHE_CONTROLLER, "HiCacheController.start_writing",
              observer.start_wrapper(OFFLOAD, "write_queue", "ack_write_queue")),
             (CACHE_CONTROLLER, "HiCacheController.start_loading",
@@ -79,7 +71,7 @@ def _groups(observer: TransferObserver) -> list[Group]:
         *(Group(name, [(site.module, site.path, observer.causes.site(site)) for site in sites])
           for name, sites in causes.SITES.items()),
         Group("host residence", [
-            (HOST_POOL, "HostKVCache.free", observer.host_free_wrapper()),
+            (HOST_POOL, "HostKVCache.free", observer.host_free_wrapper),
         ]),
     ]
 
@@ -116,7 +108,7 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
         self._patcher = Patcher("SGLang", _groups(observer))
         self._patcher.instrument()
 
-        def link_requests() -> None:  # SGLang traces requests: wrap the request sites (over the cause sites)
+        def link_requests() -> None:  # SGLang traces requests: wrap the request sites, over the cause sites
             if self._observer is observer:
                 self._request_patcher = Patcher("SGLang", _request_groups(observer))
                 self._request_patcher.instrument()
@@ -124,15 +116,13 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
         observer.on_request_tracing = link_requests
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        patcher, requests, observer = self._patcher, self._request_patcher, self._observer
+        patchers, observer = (self._request_patcher, self._patcher), self._observer
         self._patcher = self._request_patcher = self._observer = None
-        if requests is not None:  # applied last, over the cause sites: removed first
-            requests.uninstrument()
-        if patcher is not None:
-            patcher.uninstrument()
-        telemetry = observer.telemetry if observer is not None else None
-        if telemetry is not None:
-            telemetry.shutdown()  # reports what was recorded; bounded
+        for patcher in patchers:  # the request sites, applied last over the cause sites, first
+            if patcher is not None:
+                patcher.uninstrument()
+        if observer is not None and observer.telemetry is not None:
+            observer.telemetry.shutdown()  # reports what was recorded; bounded
 
     @property
     def telemetry(self) -> otel_hicache.TransferTelemetry | None:
@@ -142,13 +132,13 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
 
     def instrumented_groups(self) -> list[str]:
         """Which patch groups are in place (the rest were incompatible or not imported yet)."""
-        requests = self._request_patcher.applied() if self._request_patcher is not None else []
-        return (self._patcher.applied() if self._patcher is not None else []) + requests
+        return [name for patcher in (self._patcher, self._request_patcher) if patcher is not None
+                for name in patcher.applied()]
 
 
 def patch_groups() -> list[tuple[str, str | None]]:
-    """Each patch group and why it would not be instrumented in this process (None: it would
-    be). Imports SGLang's modules; wraps nothing (``otel-hicache doctor``)."""
+    """Each patch group and why it would not be instrumented here (None: it would be). Imports
+    SGLang's modules; wraps nothing (``otel-hicache doctor``)."""
     import importlib
 
     failed: str | None = None  # after one failed import, not the seconds of another
