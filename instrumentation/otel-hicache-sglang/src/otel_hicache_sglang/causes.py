@@ -250,22 +250,35 @@ class QueuedCauses:
 
     def resolve(self, controller: Any, ops: list[Any], waiting: list[Any] | None, counter: int,
                 current: str | None, requests: list[Any] | None, logged: list[Any]) -> Any:
-        """On the worker, in submission order: sort ``logged`` in, then the cause of the merged
-        op of ``ops`` (one cause, or its parts when they differ; an op no site made has
-        ``current``, or ``other``), the trace contexts of the requests they were made for
-        appended to ``requests``; then the ranges no op waiting (``waiting``, the other queue
-        then) or made later (at or after ``counter``) needs are dropped. Called again for the
-        same ``ops`` (a merged op of several copies, each submitted with it): the same answer."""
-        last = self._last
-        if last is not None and last[0] is ops:
-            return last[1]
+        """On the poller, in submission order: sort ``logged`` in; the cause of the merged op of
+        ``ops`` (one, or its parts; an op no site made is ``current``'s, or ``other``), their
+        requests appended to ``requests``; then drop the ranges that no op still waiting (in
+        ``waiting``, or made at or after ``counter``) needs. Asked again for the same ``ops``
+        (another copy of the merged op): the same answer."""
+        if self._last is not None and self._last[0] is ops:
+            return self._last[1]
         self._sort_in(logged)
-        cause = self._resolve(controller, ops, waiting, counter, current, requests)
-        self._last = (ops, cause)
-        return cause
+        ends, entries = self.by_controller.get(id(controller), ([], []))
+        if not ends or not ops:
+            return current
+        causes = []
+        for op in ops:
+            i = bisect_right(ends, op.id)  # the first range ending after it, then outwards (nested sites)
+            while i < len(ends) and entries[i][0] > op.id:
+                i += 1
+            causes.append(entries[i][1] if i < len(ends) else current or sc.CAUSE_OTHER)
+            if i < len(ends) and entries[i][2] is not None and requests is not None:
+                requests.append(entries[i][2])
+        # every op made before the merge was merged, waits in the other queue, or was dropped (reset())
+        drop = bisect_right(ends, min([counter, *(op.id for op in waiting or ())]))
+        del ends[:drop], entries[:drop]
+        answer = causes[0] if len(set(causes)) == 1 else [  # SGLang's own counts add up over merged ops
+            (cause, controller._num_tokens_by_pool(op), controller._transfer_num_bytes(op))  # pylint: disable=protected-access
+            for op, cause in zip(ops, causes)]
+        self._last = (ops, answer)
+        return answer
 
     def _sort_in(self, logged: list[Any]) -> None:
-        by_controller = self.by_controller
         for controller_of, instance, first, end, cause, request in logged:
             try:
                 key = id(controller_of(instance))
@@ -273,56 +286,10 @@ class QueuedCauses:
                 warn_once("cause:tag", "otel-hicache: cannot tag queued ops with their cause (%r); they are "
                           "counted as 'other'", exc)
                 continue
-            ranges = by_controller.get(key)
-            if ranges is None:
-                ranges = by_controller[key] = ([], [])
-            ends, entries = ranges
+            ends, entries = self.by_controller.setdefault(key, ([], []))
             if len(ends) >= MAX_ID_RANGES:  # ops waiting that long, or a controller never started
                 warn_once("cause:ranges", "otel-hicache: %d id ranges of queued ops kept for one controller; the "
                           "oldest half are dropped (their ops are counted as 'other')", MAX_ID_RANGES)
                 del ends[:MAX_ID_RANGES // 2], entries[:MAX_ID_RANGES // 2]
             ends.append(end)
             entries.append((first, cause, request if cause in REQUEST_CAUSES else None))
-
-    def _resolve(self, controller: Any, ops: list[Any], waiting: list[Any] | None, counter: int,
-                 current: str | None, requests: list[Any] | None) -> Any:
-        ranges = self.by_controller.get(id(controller))
-        if ranges is None or not ranges[0] or not ops:
-            return current
-        ends, entries = ranges
-        count = len(ends)
-        causes = []
-        first_cause = None
-        mixed = False
-        for op in ops:  # one op, or a few
-            op_id = op.id
-            i = bisect_right(ends, op_id)  # the first range ending after it, then outwards (nested sites)
-            while i < count and entries[i][0] > op_id:
-                i += 1
-            if i < count:
-                cause, request = entries[i][1], entries[i][2]
-                if request is not None and requests is not None:
-                    requests.append(request)
-            else:
-                cause = current or sc.CAUSE_OTHER
-            causes.append(cause)
-            if first_cause is None:
-                first_cause = cause
-            elif cause != first_cause:
-                mixed = True
-        # Every op made before start_* was merged then, waited in the other queue, or was dropped
-        # (reset()): a range ending at or before the oldest waiting one is done with. Ranges
-        # sorted in later (sites still running then, or later) end after ``counter``.
-        bound = counter
-        if waiting:
-            bound = min(bound, min(op.id for op in waiting))
-        drop = bisect_right(ends, bound)
-        del ends[:drop], entries[:drop]
-        return parts(controller, ops, causes) if mixed else first_cause
-
-
-def parts(controller: Any, ops: list[Any], causes: list[str]) -> list[tuple[str, Any, int]]:
-    """A mixed merged op's parts: each queued op's cause, tokens per pool and bytes, as
-    SGLang computes them for the merged op (both add up over the ops it merges)."""
-    return [(cause, controller._num_tokens_by_pool(op), controller._transfer_num_bytes(op))  # pylint: disable=protected-access
-            for op, cause in zip(ops, causes)]

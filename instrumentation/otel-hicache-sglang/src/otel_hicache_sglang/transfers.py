@@ -1,15 +1,11 @@
 """SGLang's L1<->L2 copies, reported to otel-hicache (``docs/sglang.md``).
 
-* ``L2TransferEngine.submit_device_to_host/submit_host_to_device`` make every copy. Outside a
-  ``start_*`` (decode-retraction backup/restore) a copy is reported at once, tokens and bytes
-  from its transfer list (``hicache.origin=direct``).
-* ``HiCacheController.start_writing/start_loading`` merge queued ops and append a ``HiCacheAck``:
-  copies made inside are held until they return, then reported with the ack paired by its
-  ``finish_event`` (its tokens per pool and bytes; ``hicache.origin=merged_op``), and
-  ``ack_watch=(ack queue, ack)``: the poller notices when SGLang took the ack.
-
-On the scheduler thread a wrapper reads a clock, a few attributes and calls ``submit()`` (a
-list append); causes, host slots and events are read on the poller.
+``L2TransferEngine.submit_*`` make every copy: outside a ``start_*`` (decode retraction) one is
+reported at once from its transfer list (``hicache.origin=direct``). ``HiCacheController.
+start_writing/start_loading`` merge queued ops and append a ``HiCacheAck``: the copies made inside
+are held, then reported with the ack of the same ``finish_event`` and ``ack_watch=(ack queue,
+ack)``. The scheduler thread only reads a clock and a few attributes and calls ``submit()``;
+causes, host slots and events are read on the poller.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ import weakref
 from functools import partial
 from threading import get_ident
 from typing import Any, Callable
+from weakref import WeakKeyDictionary
 
 from otel_hicache import TransferTelemetry
 from otel_hicache.diagnostics import logger, warn_once
@@ -57,19 +54,6 @@ def _host_end(timing: bool, finish: Any, end_ns: int) -> int | None:
     """The host end time of a copy with no timing events: ``torch.cpu`` events are no-ops,
     the copy ran inside the call."""
     return end_ns if not timing and type(finish).__module__ == "torch.cpu" else None
-
-
-class _ByIdentity(dict):
-    """SGLang object -> value, by identity, holding the object weakly."""
-
-    def find(self, obj: Any) -> Any:
-        known = self.get(id(obj))
-        return known[1] if known is not None and known[0]() is obj else None
-
-    def put(self, obj: Any, value: Any) -> Any:
-        key = id(obj)
-        self[key] = (weakref.ref(obj, lambda _, self=self, key=key: self.pop(key, None)), value)
-        return value
 
 
 class _ControllerInfo:
@@ -129,9 +113,9 @@ class TransferObserver:
         self._lock = threading.Lock()
         self.local = causes.Local()
         self.causes = causes.QueuedCauses(self.local)
-        self._controllers = _ByIdentity()  # controller -> _ControllerInfo
-        self._engines = _ByIdentity()  # engine -> its controller's _ControllerInfo
-        self.host_pools = _ByIdentity()  # SGLang host pool -> its TransferTelemetry.host_pool()
+        self._controllers: WeakKeyDictionary[Any, _ControllerInfo] = WeakKeyDictionary()
+        self._engines: WeakKeyDictionary[Any, _ControllerInfo] = WeakKeyDictionary()  # engine -> its controller's
+        self.host_pools: dict[int, tuple[Any, Any]] = {}  # id(SGLang's) -> (weakref to it, telemetry.host_pool())
         self.on_request_tracing: Callable[[], None] | None = None  # at the first controller, if SGLang traces
 
     def telemetry_now(self) -> TransferTelemetry | None:
@@ -147,21 +131,25 @@ class TransferObserver:
             return self.telemetry
 
     def _info(self, controller: Any) -> _ControllerInfo:
-        info = self._controllers.find(controller)
+        info = self._controllers.get(controller)
         if info is None:
-            info = self._controllers.put(controller, _ControllerInfo(controller))
-            engine = getattr(controller, "l2_transfer_engine", None)
+            info = self._controllers[controller] = _ControllerInfo(controller)
+            engine, host = getattr(controller, "l2_transfer_engine", None), info.anchor_host
             if engine is not None:
-                self._engines.put(engine, info)
-            host, telemetry = info.anchor_host, self.telemetry
-            info.host_pool = self.host_pools.find(host) if host is not None else None
-            if info.host_pool is None and telemetry is not None and host is not None:
+                self._engines[engine] = info
+            if host is not None and self.telemetry is not None:  # controllers may share a host pool
+                info.host_pool = self._host_pool(host)
                 slots, page_size = getattr(host, "size", None), getattr(host, "page_size", None)
-                if isinstance(slots, int) and isinstance(page_size, int):
-                    info.host_pool = telemetry.host_pool(slots, page_size)
+                if info.host_pool is None and isinstance(slots, int) and isinstance(page_size, int):
+                    info.host_pool = self.telemetry.host_pool(slots, page_size)
                     if info.host_pool is not None:
-                        self.host_pools.put(host, info.host_pool)
+                        self.host_pools[id(host)] = (weakref.ref(host), info.host_pool)
         return info
+
+    def _host_pool(self, host: Any) -> Any:
+        """What host residence tracks ``host`` as, if it does (by identity: never hashes SGLang's pools)."""
+        tracked = self.host_pools.get(id(host))
+        return tracked[1] if tracked is not None and tracked[0]() is host else None
 
     # -- wrappers ---------------------------------------------------------------------
     def init_wrapper(self, wrapped: Any, controller: Any, args: tuple, kwargs: dict) -> None:
@@ -180,7 +168,7 @@ class TransferObserver:
     def host_free_wrapper(self, wrapped: Any, host: Any, args: tuple, kwargs: dict) -> Any:
         """``HostKVCache.free(indices)``: the freed pages of a tracked host pool."""
         result = wrapped(*args, **kwargs)
-        pool, telemetry = self.host_pools.find(host), self.telemetry
+        pool, telemetry = self._host_pool(host), self.telemetry
         if pool is not None and telemetry is not None:
             indices = arg(args, kwargs, 0, "indices")
             if getattr(indices, "is_cuda", False):  # reading them would synchronize
@@ -289,7 +277,7 @@ class TransferObserver:
         if transfers is MISSING:
             return
         _wrapped, engine, _args, _kwargs, completion, start_ns, end_ns = copy
-        info = self._engines.find(engine)
+        info = self._engines.get(engine)
         pool_names = info.pool_names if info is not None else {}
         page_size = info.page_size if info is not None else 0
         pools: dict[str, int] = {}
