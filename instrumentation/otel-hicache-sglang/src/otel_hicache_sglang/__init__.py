@@ -36,24 +36,22 @@ L2_TRANSFER = "sglang.srt.mem_cache.l2_transfer"
 CACHE_CONTROLLER = "sglang.srt.managers.cache_controller"
 HOST_POOL = "sglang.srt.mem_cache.pool_host.base"
 
-ACK_FIELDS = ("start_event", "finish_event", "num_tokens", "timing_enabled", "num_tokens_by_pool", "num_bytes")
-COMPLETION_FIELDS = ("start_event", "finish_event", "timing_enabled")
-TRANSFER_FIELDS = ("host_pool", "host_indices", "is_draft")
-
-
-def _require_fields(module: str, cls: str, fields: Collection[str]) -> None:
-    have = getattr(getattr(sys.modules[module], cls, None), "_fields", None)
-    if have is None:
-        raise Incompatible(f"{module}.{cls} not found")
-    missing = [f for f in fields if f not in have]
-    if missing:
-        raise Incompatible(f"{cls} has no field {', '.join(missing)}")
+FIELDS = (  # the fields of SGLang's named tuples that the adapter reads: the version guard
+    (CACHE_CONTROLLER, "HiCacheAck",
+     ("start_event", "finish_event", "num_tokens", "timing_enabled", "num_tokens_by_pool", "num_bytes")),
+    (L2_TRANSFER, "TransferCompletion", ("start_event", "finish_event", "timing_enabled")),
+    (L2_TRANSFER, "L2Transfer", ("host_pool", "host_indices", "is_draft")),
+)
 
 
 def _check_transfers() -> None:
-    _require_fields(CACHE_CONTROLLER, "HiCacheAck", ACK_FIELDS)
-    _require_fields(L2_TRANSFER, "TransferCompletion", COMPLETION_FIELDS)
-    _require_fields(L2_TRANSFER, "L2Transfer", TRANSFER_FIELDS)
+    for module, cls, fields in FIELDS:
+        have = getattr(getattr(sys.modules[module], cls, None), "_fields", None)
+        if have is None:
+            raise Incompatible(f"{module}.{cls} not found")
+        absent = [f for f in fields if f not in have]
+        if absent:
+            raise Incompatible(f"{cls} has no field {', '.join(absent)}")
 
 
 def _groups(observer: TransferObserver) -> list[Group]:
@@ -70,14 +68,12 @@ def _groups(observer: TransferObserver) -> list[Group]:
         ], check=_check_transfers),
         *(Group(name, [(site.module, site.path, observer.causes.site(site)) for site in sites])
           for name, sites in causes.SITES.items()),
-        Group("host residence", [
-            (HOST_POOL, "HostKVCache.free", observer.host_free_wrapper),
-        ]),
+        Group("host residence", [(HOST_POOL, "HostKVCache.free", observer.host_free_wrapper)]),
     ]
 
 
 def _request_groups(observer: TransferObserver) -> list[Group]:
-    """The request sites (``causes.REQUEST_SITES``): wrapped only once SGLang's request tracing is on."""
+    """Wrapped only once SGLang's request tracing is on."""
     return [Group(name, [(site.module, site.path, observer.causes.request_site(site)) for site in sites])
             for name, sites in causes.REQUEST_SITES.items()]
 
@@ -96,8 +92,7 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
         if not env_bool(ev.OTEL_HICACHE_ENABLED) or sdk_disabled():
             logger.debug("otel-hicache: disabled by OTEL_HICACHE_ENABLED/OTEL_SDK_DISABLED; SGLang not patched")
             return
-        tracer_provider = kwargs.get("tracer_provider")
-        meter_provider = kwargs.get("meter_provider")
+        tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
 
         def make_telemetry(ranks: dict[str, Any]) -> otel_hicache.TransferTelemetry:
             if tracer_provider is None or meter_provider is None:
@@ -127,8 +122,7 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
     @property
     def telemetry(self) -> otel_hicache.TransferTelemetry | None:
         """This process's telemetry, once a HiCache controller exists (tests, diagnostics)."""
-        observer = self._observer
-        return observer.telemetry if observer is not None else None
+        return self._observer.telemetry if self._observer is not None else None
 
     def instrumented_groups(self) -> list[str]:
         """Which patch groups are in place (the rest were incompatible or not imported yet)."""

@@ -1,18 +1,11 @@
-"""Why each copy was made (``hicache.cause``), from where SGLang asked for it.
+"""Why each copy was made (``hicache.cause``), taken where SGLang *queues* the op.
 
-SGLang queues an op (``HiCacheController.write/load``) in one place and submits it later,
-merged with others, in ``start_writing/start_loading``. So the cause is taken where the op is
-*queued*: a wrapper on each SGLang method that asks for copies for one reason (a *cause site*,
-:data:`SITES`) sets the thread's current cause during the call, and a call that made ops
-(SGLang numbers them in creation order: ``CacheOperation.counter``) logs its range of op ids.
-``start_*`` hands that log and a copy of the queues to the poller with the merged op, which
-finds each op's range there: one cause, or the op's parts by cause, each queued op's tokens
-and bytes computed by SGLang's own ``_num_tokens_by_pool``/``_transfer_num_bytes`` so that they
-sum exactly to the totals. An op queued outside every site, or copied outside one, is ``other``.
-
-With SGLang's request tracing on (``--enable-trace``), the :data:`REQUEST_SITES` set the
-thread's current request (its root span context) as well, and the ops of causes that belong
-to one request (:data:`REQUEST_CAUSES`) link to it.
+A wrapper on each SGLang method that asks for copies for one reason (a cause site, :data:`SITES`)
+sets the thread's current cause during the call and logs the range of op ids the call made
+(``CacheOperation.counter``). ``start_*`` hands that log and a copy of the queue it merges to the
+poller, which finds each op's range: one cause, or the op's parts by cause, each queued op's
+tokens and bytes by SGLang's own ``_num_tokens_by_pool``/``_transfer_num_bytes`` (they sum to the
+totals). With SGLang's request tracing on, the :data:`REQUEST_SITES` set the current request too.
 """
 
 from __future__ import annotations
@@ -30,9 +23,8 @@ from . import registration as reg
 
 
 class Local:
-    """The scheduler thread's state: copies held while a ``start_*`` runs (``transfers.py``), the
-    current cause site's cause and request; each valid on ``thread`` only (a plain object is
-    cheaper than a ``threading.local``; a copy on another thread is never taken for one of its)."""
+    """The scheduler thread's copies held in a ``start_*``, current cause and request: valid on
+    ``thread`` only (cheaper than a ``threading.local``)."""
 
     __slots__ = ("captured", "cause", "request", "thread")
 
@@ -50,8 +42,7 @@ class Local:
 
 
 class Site(NamedTuple):
-    """A cause site: ``(module, "Class.method")``, its cause (or a function of the call's
-    ``(instance, controller, args, kwargs)`` returning one), and how to reach the controller."""
+    """``(module, "Class.method")``, its cause (or ``f(instance, controller, args, kwargs)``), its controller."""
 
     module: str
     path: str
@@ -96,7 +87,7 @@ SITES: dict[str, tuple[Site, ...]] = {  # group name -> its sites (wrapped all o
 
 
 class RequestSite(NamedTuple):
-    """A request site: ``(module, "Class.method")`` and its request parameter (position after ``self``, name)."""
+    """``(module, "Class.method")`` and its request parameter (position after ``self``, name)."""
 
     module: str
     path: str
@@ -120,11 +111,8 @@ REQUEST_CAUSES = frozenset((reg.WRITE_THROUGH, reg.WRITE_THROUGH_SELECTIVE, reg.
                             reg.RETRACTION_BACKUP, reg.RETRACTION_RESTORE))
 """The causes whose copies belong to the request of their site (a write-back does not)."""
 
-MAX_ID_RANGES = 4096
-"""Id ranges kept per controller; beyond (ops waiting that long), the oldest half go, warned once."""
-
-MAX_LOG = 16384
-"""Site calls that made ops logged between two merged ops; later ones are not, warned once."""
+MAX_ID_RANGES = 4096  # per controller; beyond (ops waiting that long), the oldest half go
+MAX_LOG = 16384  # site calls logged between two merged ops; later ones are not
 
 _NO_ATTRIBUTES: dict[str, Any] = {}
 
@@ -136,7 +124,7 @@ def _cache_operation() -> Any:
 
 
 class _NoCounter:
-    counter = 0  # never moves: nothing is tagged (warned once)
+    counter = 0  # never moves: nothing is tagged
 
 
 def request_context(req: Any) -> Any:
@@ -150,13 +138,11 @@ def request_context(req: Any) -> Any:
 class QueuedCauses:
     """The causes (and requests) of each controller's queued ops, as ranges of op ids.
 
-    The scheduler thread only records: a site call that made ops appends ``(controller_of,
-    instance, first id, end id, cause, request)`` to :attr:`log`; ``start_*`` takes
-    :meth:`pending` before SGLang merges and :meth:`hand_over` as it submits the op, which
-    passes the log so far with it to :meth:`resolve` on the poller (so a poller behind by any
-    number of ops loses none). There ``by_controller`` holds ``id(controller) -> (ends,
-    entries)``, ``entries[i] = (first id, cause, request)`` of ops ``first <= id < ends[i]``, in
-    the order the calls returned (``ends`` never decreases; a nested site comes first)."""
+    The scheduler thread only appends to :attr:`log`; each merged op takes the log so far to
+    :meth:`resolve` on the poller (so a poller behind by any number of ops loses none), which
+    keeps ``by_controller``: ``id(controller) -> (ends, entries)``, ``entries[i] = (first id,
+    cause, request)`` of ops ``first <= id < ends[i]``, in the order the calls returned (``ends``
+    never decreases; a nested site comes first)."""
 
     def __init__(self, local: Local, operations: Any = None) -> None:
         self.local = local
@@ -225,9 +211,9 @@ class QueuedCauses:
         return cause_site
 
     def pending(self, controller: Any, ops: list[Any], other: list[Any]) -> tuple[Any, list[Any] | None]:
-        """Before ``start_*`` merges ``ops`` (a copy of its queue; ``other``: the controller's other
-        queue): ``(cause, requests)``, the current site's cause (or None) while no site made an op,
-        else what :meth:`hand_over` turns into the deferred call, with ``requests`` the list it fills."""
+        """Before ``start_*`` merges ``ops`` (a copy of its queue; ``other``, the other queue):
+        ``(cause, requests)``, the current cause while no site made an op, else what
+        :meth:`hand_over` makes the deferred call of, and the list it fills with requests."""
         current = self.local.current_cause()
         if not (self.log or self.handed):
             return current, None
@@ -236,8 +222,8 @@ class QueuedCauses:
                 requests), requests
 
     def hand_over(self, pending: Any) -> Any:
-        """As the merged op is submitted: ``submit(cause=)``, the deferred call of :meth:`resolve`
-        with the log so far (only then, so a ``start_*`` that submits nothing hands over nothing)."""
+        """As the merged op is submitted (only then: a ``start_*`` may submit nothing):
+        ``submit(cause=)``, the deferred call of :meth:`resolve` with the log so far."""
         if type(pending) is not tuple:
             return pending
         logged = self.log

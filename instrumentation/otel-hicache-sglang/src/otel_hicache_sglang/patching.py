@@ -1,12 +1,10 @@
 """Wrap SGLang's functions when their modules are imported, and restore them exactly.
 
-A :class:`Group` lists ``(module, "Class.method", wrapper)`` targets, wrapped all or nothing
-once all its modules are imported (``wrapt.register_post_import_hook``, so that
-``opentelemetry-instrument`` can instrument before SGLang is imported). A group whose
-``check`` (the version guard) raises, or one of whose targets is missing, gets one WARNING
-and stays unwrapped; SGLang keeps serving. Wrappers take wrapt's ``(wrapped, instance, args,
-kwargs)``, call ``wrapped(*args, **kwargs)`` unchanged and read parameters with :func:`arg`.
-:meth:`Patcher.uninstrument` puts back the very object each target's owner held.
+A :class:`Group`'s targets are wrapped all or nothing once its modules are imported (wrapt's
+post-import hooks: ``opentelemetry-instrument`` instruments before SGLang is imported); one whose
+``check`` (the version guard) raises or whose target is missing gets one WARNING and stays
+unwrapped. Wrappers take wrapt's ``(wrapped, instance, args, kwargs)`` and call ``wrapped``
+unchanged; :meth:`Patcher.uninstrument` puts back the very object each owner held.
 """
 
 from __future__ import annotations
@@ -110,11 +108,11 @@ def _finished(name: str) -> bool:
     return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
 
 
-def _post_import(patcher: "weakref.ref[Patcher]", generation: int, module: Any) -> None:
-    """wrapt keeps a hook until its module is imported: it holds the patcher weakly."""
+def _post_import(patcher: "weakref.ref[Patcher]", module: Any) -> None:
+    """wrapt keeps a hook until its module is imported (it cannot be removed): it holds the patcher weakly."""
     alive = patcher()
     if alive is not None:
-        alive._imported(generation, module)  # pylint: disable=protected-access
+        alive._imported(module)  # pylint: disable=protected-access
 
 
 class Patcher:
@@ -124,8 +122,7 @@ class Patcher:
         self.framework = framework
         self._groups = list(groups)
         self._lock = threading.RLock()
-        self._generation = 0  # a hook registered before the last (un)instrument() does nothing
-        self._active = False
+        self._active = False  # hooks of an earlier instrument() may fire: only while active, once per group
         self._executed: set[str] = set()  # modules whose post-import hook ran
         self._done: set[str] = set()  # groups applied or found incompatible
         self._applied: dict[str, list[tuple[Any, str, Any, Any]]] = {}  # group -> [(owner, attribute, own, installed)]
@@ -135,15 +132,13 @@ class Patcher:
             if self._active:
                 return
             self._active = True
-            self._generation += 1
-            hook = functools.partial(_post_import, weakref.ref(self), self._generation)
+        hook = functools.partial(_post_import, weakref.ref(self))
         for module in sorted({m for group in self._groups for m, _, _ in group.targets}):
             register_post_import_hook(hook, module)  # at once for a module already imported
 
     def uninstrument(self) -> None:
         with self._lock:
             self._active = False
-            self._generation += 1
             for name in reversed(list(self._applied)):
                 for entry in reversed(self._applied.pop(name)):
                     _unwrap(*entry)
@@ -154,11 +149,11 @@ class Patcher:
         with self._lock:
             return [group.name for group in self._groups if group.name in self._applied]
 
-    def _imported(self, generation: int, module: Any) -> None:
+    def _imported(self, module: Any) -> None:
         """A module finished executing: wrap every group now complete. Never raises into the import."""
         try:
             with self._lock:
-                if not self._active or generation != self._generation:
+                if not self._active:
                     return
                 self._executed.add(getattr(module, "__name__", ""))
                 for group in self._groups:

@@ -96,10 +96,23 @@ def _transfers(copy: tuple) -> Any:
     return transfers
 
 
-def _draft_bytes(transfer: Any, tokens: int) -> int:
-    """A packed draft transfer moves one host layer: tokens x bytes per token per layer."""
-    layers = int(getattr(transfer.host_pool, "layer_num", 0) or 0)
-    return tokens * int(getattr(transfer.host_pool, "size_per_token", 0) or 0) // layers if layers else 0
+def _tally(transfers: Any, pool_names: dict[int, str]) -> tuple[dict[str, int], int, int, int]:
+    """A transfer list's tokens per pool, bytes, packed draft bytes (a draft transfer moves one
+    host layer) and the page size of its first pool."""
+    pools: dict[str, int] = {}
+    num_bytes = draft = page_size = 0
+    for index, transfer in enumerate(transfers):
+        pool, tokens = transfer.host_pool, int(transfer.host_indices.numel())
+        size = int(getattr(pool, "size_per_token", 0) or 0)
+        if getattr(transfer, "is_draft", False):
+            layers = int(getattr(pool, "layer_num", 0) or 0)
+            draft += tokens * size // layers if layers else 0
+            continue
+        num_bytes += tokens * size
+        name = pool_names.get(id(pool)) or (ANCHOR_POOL if index == 0 else type(pool).__name__)
+        pools[name] = pools.get(name, 0) + tokens
+        page_size = page_size or int(getattr(pool, "page_size", 1) or 1)
+    return pools, num_bytes, draft, page_size
 
 
 class TransferObserver:
@@ -261,8 +274,7 @@ class TransferObserver:
                 cause, handed = self.causes.hand_over(cause), True
             attributes = info.attributes
             if info.has_drafts and direction == ONBOARD and transfers is not MISSING:
-                draft = sum(_draft_bytes(t, int(t.host_indices.numel())) for t in transfers
-                            if getattr(t, "is_draft", False))
+                draft = _tally(transfers, info.pool_names)[2]
                 attributes = {**attributes, DRAFT_BYTES: draft} if draft else attributes
             telemetry.submit(
                 direction, ack.num_tokens_by_pool or {ANCHOR_POOL: ack.num_tokens}, ack.num_bytes, info.page_size,
@@ -278,26 +290,14 @@ class TransferObserver:
             return
         _wrapped, engine, _args, _kwargs, completion, start_ns, end_ns = copy
         info = self._engines.get(engine)
-        pool_names = info.pool_names if info is not None else {}
-        page_size = info.page_size if info is not None else 0
-        pools: dict[str, int] = {}
-        num_bytes = draft = 0
-        for index, transfer in enumerate(transfers):
-            host_pool, tokens = transfer.host_pool, int(transfer.host_indices.numel())
-            if getattr(transfer, "is_draft", False):
-                draft += _draft_bytes(transfer, tokens)
-                continue
-            num_bytes += tokens * int(getattr(host_pool, "size_per_token", 0) or 0)
-            name = pool_names.get(id(host_pool)) or (ANCHOR_POOL if index == 0 else type(host_pool).__name__)
-            pools[name] = pools.get(name, 0) + tokens
-            page_size = page_size or int(getattr(host_pool, "page_size", 1) or 1)
+        pools, num_bytes, draft, page_size = _tally(transfers, info.pool_names if info is not None else {})
         attributes = info.attributes if info is not None else {}
         if draft:
             attributes = {**attributes, DRAFT_BYTES: draft}
         request = self.local.current_request()
         timing, finish = completion.timing_enabled, completion.finish_event
         telemetry.submit(
-            direction, pools, num_bytes + draft, page_size or 1, completion.start_event, finish, timing,
-            getattr(engine, "io_backend", None), attributes, expect_ack=False, host_start_ns=start_ns,
-            host_end_ns=_host_end(timing, finish, end_ns), cause=cause,
+            direction, pools, num_bytes + draft, info.page_size if info is not None else page_size or 1,
+            completion.start_event, finish, timing, getattr(engine, "io_backend", None), attributes,
+            expect_ack=False, host_start_ns=start_ns, host_end_ns=_host_end(timing, finish, end_ns), cause=cause,
             requests=[request] if request is not None and cause in causes.REQUEST_CAUSES else None)
