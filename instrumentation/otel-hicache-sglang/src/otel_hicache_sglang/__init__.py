@@ -82,8 +82,7 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
     """Instruments SGLang HiCache's L1<->L2 transfers."""
 
     _observer: TransferObserver | None = None
-    _patcher: Patcher | None = None
-    _request_patcher: Patcher | None = None
+    _patchers: tuple[Patcher, ...] = ()
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -100,22 +99,17 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
             return otel_hicache.TransferTelemetry(tracer_provider, meter_provider, attributes=ranks)
 
         observer = self._observer = TransferObserver(make_telemetry)
-        self._patcher = Patcher("SGLang", _groups(observer))
-        self._patcher.instrument()
-
-        def link_requests() -> None:  # SGLang traces requests: wrap the request sites, over the cause sites
-            if self._observer is observer:
-                self._request_patcher = Patcher("SGLang", _request_groups(observer))
-                self._request_patcher.instrument()
-
-        observer.on_request_tracing = link_requests
+        self._patchers = (Patcher("SGLang", _groups(observer)), Patcher("SGLang", _request_groups(observer)))
+        observer.request_patcher = self._patchers[1]  # instrumented by the first controller, if SGLang traces
+        self._patchers[0].instrument()
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        patchers, observer = (self._request_patcher, self._patcher), self._observer
-        self._patcher = self._request_patcher = self._observer = None
-        for patcher in patchers:  # the request sites, applied last over the cause sites, first
-            if patcher is not None:
-                patcher.uninstrument()
+        observer, patchers = self._observer, self._patchers
+        self._observer, self._patchers = None, ()
+        if observer is not None:
+            observer.request_patcher = None  # a controller made from now on wraps nothing again
+        for patcher in reversed(patchers):  # the request sites, applied over the cause sites, first
+            patcher.uninstrument()
         if observer is not None and observer.telemetry is not None:
             observer.telemetry.shutdown()  # reports what was recorded; bounded
 
@@ -126,8 +120,7 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
 
     def instrumented_groups(self) -> list[str]:
         """Which patch groups are in place (the rest were incompatible or not imported yet)."""
-        return [name for patcher in (self._patcher, self._request_patcher) if patcher is not None
-                for name in patcher.applied()]
+        return [name for patcher in self._patchers for name in patcher.applied()]
 
 
 def patch_groups() -> list[tuple[str, str | None]]:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from weakref import WeakKeyDictionary
 
 from otel_hicache import TransferTelemetry
-from otel_hicache.diagnostics import logger, warn_once
+from otel_hicache.diagnostics import warn_once
 
 from . import causes
 from .patching import MISSING, arg, missing
@@ -129,7 +129,7 @@ class TransferObserver:
         self._controllers: WeakKeyDictionary[Any, _ControllerInfo] = WeakKeyDictionary()
         self._engines: WeakKeyDictionary[Any, _ControllerInfo] = WeakKeyDictionary()  # engine -> its controller's
         self.host_pools: dict[int, tuple[Any, Any]] = {}  # id(SGLang's) -> (weakref to it, telemetry.host_pool())
-        self.on_request_tracing: Callable[[], None] | None = None  # at the first controller, if SGLang traces
+        self.request_patcher: Any = None  # the request sites' Patcher: instrumented if SGLang traces requests
 
     def telemetry_now(self) -> TransferTelemetry | None:
         """This process's telemetry, started on first use; None if it could not (warned once)."""
@@ -171,9 +171,8 @@ class TransferObserver:
         try:
             if self.telemetry_now() is not None:
                 self._info(controller)
-                if self.on_request_tracing is not None and sglang_tracing_enabled():
-                    hook, self.on_request_tracing = self.on_request_tracing, None
-                    hook()
+                if self.request_patcher is not None and sglang_tracing_enabled():
+                    self.request_patcher.instrument()
         except Exception as exc:  # pylint: disable=broad-except
             warn_once("sglang:controller", "otel-hicache: cannot read a %s (%r); its ops carry fewer attributes",
                       type(controller).__name__, exc)
@@ -236,23 +235,15 @@ class TransferObserver:
             outer, captured = local.captured, []
             local.captured, local.thread = captured, get_ident()
             try:
-                result = wrapped(*args, **kwargs)
-            except BaseException:
+                return wrapped(*args, **kwargs)
+            finally:  # a copy of a start_* that raised before appending its ack is reported as direct
                 local.captured = outer
-                for copy in captured:  # the copies happened: reported as direct
+                if captured:
                     try:
-                        self._report_direct(telemetry, direction, copy, local.current_cause())
-                    except Exception:  # pylint: disable=broad-except
-                        logger.debug("otel-hicache: could not report a copy", exc_info=True)
-                raise
-            local.captured = outer
-            if captured:
-                try:
-                    self._report_merged(telemetry, direction, controller, getattr(controller, ack_queue), captured,
-                                        ops, *pending)
-                except Exception as exc:  # pylint: disable=broad-except
-                    warn_once("sglang:start", "otel-hicache: could not report a merged op (%r)", exc)
-            return result
+                        self._report_merged(telemetry, direction, controller, getattr(controller, ack_queue),
+                                            captured, ops, *pending)
+                    except Exception as exc:  # pylint: disable=broad-except
+                        warn_once("sglang:start", "otel-hicache: could not report a merged op (%r)", exc)
 
         return start
 
