@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import logging
+import sys
 import threading
+import types
 
-from otel_hicache_sglang import causes
 from otel_hicache_sglang.causes import MAX_ID_RANGES, MAX_LOG, Local, QueuedCauses, Site, backup_cause
 
 
@@ -233,7 +234,8 @@ def test_the_log_and_the_id_ranges_of_ops_that_left_without_a_start_are_bounded(
 
 
 def test_without_sglangs_counter_nothing_is_tagged_and_it_is_said_once(caplog, monkeypatch):
-    monkeypatch.setattr(causes, "_cache_operation", lambda: None)  # a CacheOperation without .counter
+    module = types.SimpleNamespace(CacheOperation=object)  # a CacheOperation without .counter
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.cache_controller", module)
     queued = QueuedCauses(Local(), operations=None)
     backup, _ = _sites(queued)
     cache = Cache(Controller())

@@ -1,15 +1,12 @@
 """otel-hicache for SGLang: every HiCache L1<->L2 copy becomes a device-timed span.
 
-Two entry points, both idempotent: SGLang's plugin group ``sglang.srt.plugins`` (``otel_hicache``,
-run by ``load_plugins()`` in every scheduler process) and ``opentelemetry_instrumentor``
-(``sglang_hicache``, for ``opentelemetry-instrument``). Or by hand::
+Entry points ``sglang.srt.plugins`` (``otel_hicache``: SGLang's ``load_plugins()`` runs it in each
+scheduler) and ``opentelemetry_instrumentor`` (``sglang_hicache``), or by hand::
 
-    from otel_hicache_sglang import SGLangHiCacheInstrumentor
     SGLangHiCacheInstrumentor().instrument()   # tracer_provider=..., meter_provider=... optional
 
-SGLang's modules are patched when they are imported (or at once). Spans and metrics go to
-otel-hicache's own providers, built from the ``OTEL_*`` variables in each process that makes a
-HiCache controller; ``OTEL_HICACHE_ENABLED=false`` turns it all off.
+Without providers, each process that makes a HiCache controller builds otel-hicache's own from
+``OTEL_*`` (``docs/sglang.md``).
 """
 
 from __future__ import annotations
@@ -78,7 +75,7 @@ def _request_groups(observer: TransferObserver) -> list[Group]:
             for name, sites in causes.REQUEST_SITES.items()]
 
 
-class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-method
+class SGLangHiCacheInstrumentor(BaseInstrumentor):
     """Instruments SGLang HiCache's L1<->L2 transfers."""
 
     _observer: TransferObserver | None = None
@@ -124,8 +121,7 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
 
 
 def patch_groups() -> list[tuple[str, str | None]]:
-    """Each patch group and why it would not be instrumented here (None: it would be). Imports
-    SGLang's modules; wraps nothing (``otel-hicache doctor``)."""
+    """Each patch group and why it would not apply here (None: it would); imports SGLang, wraps nothing."""
     import importlib
 
     failed: str | None = None  # after one failed import, not the seconds of another
@@ -137,7 +133,7 @@ def patch_groups() -> list[tuple[str, str | None]]:
             if module not in sys.modules and failed is None:
                 try:
                     importlib.import_module(module)
-                except Exception as exc:  # pylint: disable=broad-except
+                except Exception as exc:
                     failed = f"cannot import {module} ({type(exc).__name__}: {exc})"
             if module not in sys.modules:
                 why = why or failed
@@ -151,6 +147,6 @@ def plugin() -> None:
         instrumentor = SGLangHiCacheInstrumentor()
         if not instrumentor.is_instrumented_by_opentelemetry:  # opentelemetry-instrument got here first
             instrumentor.instrument()
-    except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
+    except Exception as exc:  # never into SGLang
         warn_once("sglang:plugin", "otel-hicache: the SGLang plugin could not start (%r); SGLang runs "
                   "uninstrumented", exc)

@@ -117,12 +117,6 @@ MAX_LOG = 16384  # site calls logged between two merged ops; later ones are not
 _NO_ATTRIBUTES: dict[str, Any] = {}
 
 
-def _cache_operation() -> Any:
-    """SGLang's ``CacheOperation`` (imported by the sites' modules), if it numbers its ops."""
-    operation = getattr(sys.modules.get("sglang.srt.managers.cache_controller"), "CacheOperation", None)
-    return operation if isinstance(getattr(operation, "counter", None), int) else None
-
-
 class _NoCounter:
     counter = 0  # never moves: nothing is tagged
 
@@ -154,12 +148,14 @@ class QueuedCauses:
         self._last: tuple[list[Any], Any] | None = None  # resolve()'s last ops and answer
 
     def _counter(self) -> Any:
+        """SGLang's ``CacheOperation`` (imported by the sites' modules), which numbers its ops."""
         if self.operations is None:
-            self.operations = _cache_operation()
-            if self.operations is None:
+            operation = getattr(sys.modules.get("sglang.srt.managers.cache_controller"), "CacheOperation", None)
+            if not isinstance(getattr(operation, "counter", None), int):
                 warn_once("cause:counter", "otel-hicache: SGLang's CacheOperation.counter is missing; queued ops "
                           "are counted as 'other'")
-                self.operations = _NoCounter
+                operation = _NoCounter
+            self.operations = operation
         return self.operations
 
     def request_site(self, site: RequestSite) -> Callable[..., Any]:
@@ -169,7 +165,7 @@ class QueuedCauses:
         def request_site(wrapped: Any, _instance: Any, args: tuple, kwargs: dict) -> Any:
             try:
                 context = request_context(args[position] if len(args) > position else kwargs.get(name))
-            except Exception:  # pylint: disable=broad-except  # not linked, never into SGLang
+            except Exception:  # not linked, never into SGLang
                 context = None
             if context is None:
                 return wrapped(*args, **kwargs)
@@ -190,7 +186,7 @@ class QueuedCauses:
             try:
                 cause = cause_of if type(cause_of) is str else cause_of(instance, controller_of(instance), args, kwargs)
                 operations = self.operations or self._counter()
-            except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
+            except Exception as exc:  # never into SGLang
                 warn_once(f"cause:{site.path}", "otel-hicache: cannot read the cause of %s (%r); its copies are "
                           "counted as 'other'", site.path, exc)
                 return wrapped(*args, **kwargs)
@@ -236,11 +232,10 @@ class QueuedCauses:
 
     def resolve(self, controller: Any, ops: list[Any], waiting: list[Any] | None, counter: int,
                 current: str | None, requests: list[Any] | None, logged: list[Any]) -> Any:
-        """On the poller, in submission order: sort ``logged`` in; the cause of the merged op of
-        ``ops`` (one, or its parts; an op no site made is ``current``'s, or ``other``), their
-        requests appended to ``requests``; then drop the ranges that no op still waiting (in
-        ``waiting``, or made at or after ``counter``) needs. Asked again for the same ``ops``
-        (another copy of the merged op): the same answer."""
+        """On the poller, in submission order: the cause of the merged op of ``ops`` (one, or its
+        parts; an op no site made is ``current``'s, or ``other``), their requests appended to
+        ``requests``; the ranges no op still waiting (in ``waiting``, or made from ``counter`` on)
+        needs are dropped. The same ``ops`` again (another copy of the op): the same answer."""
         if self._last is not None and self._last[0] is ops:
             return self._last[1]
         self._sort_in(logged)
@@ -259,7 +254,7 @@ class QueuedCauses:
         drop = bisect_right(ends, min([counter, *(op.id for op in waiting or ())]))
         del ends[:drop], entries[:drop]
         answer = causes[0] if len(set(causes)) == 1 else [  # SGLang's own counts add up over merged ops
-            (cause, controller._num_tokens_by_pool(op), controller._transfer_num_bytes(op))  # pylint: disable=protected-access
+            (cause, controller._num_tokens_by_pool(op), controller._transfer_num_bytes(op))
             for op, cause in zip(ops, causes)]
         self._last = (ops, answer)
         return answer
@@ -268,7 +263,7 @@ class QueuedCauses:
         for controller_of, instance, first, end, cause, request in logged:
             try:
                 key = id(controller_of(instance))
-            except Exception as exc:  # pylint: disable=broad-except
+            except Exception as exc:
                 warn_once("cause:tag", "otel-hicache: cannot tag queued ops with their cause (%r); they are "
                           "counted as 'other'", exc)
                 continue

@@ -18,7 +18,7 @@ def rank_attributes() -> dict[str, Any]:
         from sglang.srt.runtime_context import get_parallel
 
         parallel = get_parallel()
-    except Exception as exc:  # pylint: disable=broad-except
+    except Exception as exc:
         logger.debug("otel-hicache: no SGLang runtime context (%r); ranks default to 0", exc)
         return ranks
     try:
@@ -27,12 +27,12 @@ def rank_attributes() -> dict[str, Any]:
 
         labels = radix_cache_metric_labels("", parallel, is_dp_attention_enabled())
         ranks.update((key, int(labels[key])) for key in ("tp_rank", "pp_rank", "dp_rank"))
-    except Exception as exc:  # pylint: disable=broad-except  # uninitialized fields raise on read
+    except Exception as exc:  # uninitialized fields raise on read
         logger.debug("otel-hicache: SGLang ranks not published yet (%r); using what is set", exc)
         labels = {}
     for key in ("tp_rank", "pp_rank", "attn_cp_rank") if not labels else ("attn_cp_rank",):
         try:
             ranks[key] = int(getattr(parallel, key))
-        except Exception:  # pylint: disable=broad-except
+        except Exception:
             pass
     return ranks

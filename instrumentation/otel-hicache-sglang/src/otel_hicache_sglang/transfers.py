@@ -1,11 +1,9 @@
 """SGLang's L1<->L2 copies, reported to otel-hicache (``docs/sglang.md``).
 
-``L2TransferEngine.submit_*`` make every copy: outside a ``start_*`` (decode retraction) one is
-reported at once from its transfer list (``hicache.origin=direct``). ``HiCacheController.
-start_writing/start_loading`` merge queued ops and append a ``HiCacheAck``: the copies made inside
-are held, then reported with the ack of the same ``finish_event`` and ``ack_watch=(ack queue,
-ack)``. The scheduler thread only reads a clock and a few attributes and calls ``submit()``;
-causes, host slots and events are read on the poller.
+``L2TransferEngine.submit_*`` make every copy; one made outside ``start_writing/start_loading``
+(decode retraction) is reported at once from its transfer list (``hicache.origin=direct``), one
+made inside is held and reported with the ``HiCacheAck`` of its ``finish_event`` (a merged op),
+its ack watched in the ack queue. Causes, host slots and events are read on the poller.
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ DRAFT_BYTES = "hicache.draft_bytes"
 
 
 def sglang_tracing_enabled() -> bool:
-    """Whether SGLang's request tracing (``--enable-trace``) is on in this process (set before
-    the scheduler makes its cache controllers)."""
+    """Whether SGLang's request tracing (``--enable-trace``) is on in this process."""
     enabled = getattr(sys.modules.get(SGLANG_TRACE), "get_global_tracing_enabled", None)
     return bool(enabled()) if enabled is not None else False
 
@@ -51,8 +48,7 @@ def _host_indices(ops: list[Any]) -> list[Any]:
 
 
 def _host_end(timing: bool, finish: Any, end_ns: int) -> int | None:
-    """The host end time of a copy with no timing events: ``torch.cpu`` events are no-ops,
-    the copy ran inside the call."""
+    """The end of a synchronous copy (``torch.cpu`` events are no-ops; it ran inside the call)."""
     return end_ns if not timing and type(finish).__module__ == "torch.cpu" else None
 
 
@@ -70,7 +66,7 @@ class _ControllerInfo:
                            (MEM_LAYOUT, getattr(host, "layout", None))):
             if isinstance(value, (str, int)) and not isinstance(value, bool):
                 self.attributes[key] = value
-        # the anchor (KV) host pool, whose pages host residence tracks
+        # host residence tracks the anchor (KV) host pool
         self.anchor_host = getattr(getattr(host, "anchor_entry", None), "host_pool", None) or host
         self.host_pool: Any = None
         self.has_drafts = False  # packed draft-model (MTP) pools ride on loads
@@ -116,8 +112,8 @@ def _tally(transfers: Any, pool_names: dict[int, str]) -> tuple[dict[str, int], 
 
 
 class TransferObserver:
-    """The adapter's state in one process: the telemetry (built at the first HiCache controller)
-    and what it knows of the controllers, their engines and host pools."""
+    """The adapter's state in one process: the telemetry (from its first HiCache controller) and
+    the controllers, engines and host pools."""
 
     def __init__(self, make_telemetry: Callable[[dict[str, Any]], TransferTelemetry]) -> None:
         self._make_telemetry = make_telemetry
@@ -137,7 +133,7 @@ class TransferObserver:
             if self.telemetry is None and not self._failed:
                 try:
                     self.telemetry = self._make_telemetry(rank_attributes())
-                except Exception as exc:  # pylint: disable=broad-except
+                except Exception as exc:
                     self._failed = True
                     warn_once("sglang:telemetry", "otel-hicache: could not start telemetry (%r); SGLang runs "
                               "uninstrumented", exc)
@@ -160,7 +156,7 @@ class TransferObserver:
         return info
 
     def _host_pool(self, host: Any) -> Any:
-        """What host residence tracks ``host`` as, if it does (by identity: never hashes SGLang's pools)."""
+        """Host residence's pool for SGLang's ``host`` (by identity: never hashes it)."""
         tracked = self.host_pools.get(id(host))
         return tracked[1] if tracked is not None and tracked[0]() is host else None
 
@@ -173,7 +169,7 @@ class TransferObserver:
                 self._info(controller)
                 if self.request_patcher is not None and sglang_tracing_enabled():
                     self.request_patcher.instrument()
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             warn_once("sglang:controller", "otel-hicache: cannot read a %s (%r); its ops carry fewer attributes",
                       type(controller).__name__, exc)
 
@@ -202,13 +198,11 @@ class TransferObserver:
             if captured is not None and local.thread == get_ident():  # inside start_*: held for its ack
                 captured.append(copy)
                 return completion
-            telemetry = self.telemetry
-            if telemetry is None:
-                telemetry = self.telemetry_now()  # a process with no controller yet
+            telemetry = self.telemetry if self.telemetry is not None else self.telemetry_now()  # no controller yet?
             if telemetry is not None and telemetry.enabled:
                 try:
                     self._report_direct(telemetry, direction, copy, local.current_cause())
-                except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
+                except Exception as exc:  # never into SGLang
                     warn_once("sglang:submit", "otel-hicache: could not report an L2 copy (%r)", exc)
             return completion
 
@@ -229,7 +223,7 @@ class TransferObserver:
             try:
                 ops = list(getattr(controller, op_queue))
                 pending = queued.pending(controller, ops, getattr(controller, other_queue))
-            except Exception as exc:  # pylint: disable=broad-except
+            except Exception as exc:
                 warn_once("sglang:cause", "otel-hicache: cannot read the queued ops (%r)", exc)
                 ops, pending = [], (None, None)
             outer, captured = local.captured, []
@@ -242,7 +236,7 @@ class TransferObserver:
                     try:
                         self._report_merged(telemetry, direction, controller, getattr(controller, ack_queue),
                                             captured, ops, *pending)
-                    except Exception as exc:  # pylint: disable=broad-except
+                    except Exception as exc:
                         warn_once("sglang:start", "otel-hicache: could not report a merged op (%r)", exc)
 
         return start
@@ -250,8 +244,8 @@ class TransferObserver:
     # -- reporting ------------------------------------------------------------------------
     def _report_merged(self, telemetry: TransferTelemetry, direction: str, controller: Any, queue: list[Any],
                        captured: list[tuple], ops: list[Any], cause: Any, requests: Any) -> None:
-        """Each held copy with the ack ``start_*`` appended (or as direct, if none); the queued
-        ops' cause, host slots and requests go with the first copy paired with an ack."""
+        """Each held copy with its ack (direct without one); the queued ops' cause, host slots
+        and requests go with the first copy paired with an ack."""
         info = self._info(controller)
         host_slots = (info.host_pool, partial(_host_indices, ops)) if info.host_pool is not None and ops else None
         handed = False
@@ -272,7 +266,7 @@ class TransferObserver:
                 ack.start_event, finish, ack.timing_enabled, info.io_backend, attributes,
                 host_start_ns=copy[5], host_end_ns=_host_end(ack.timing_enabled, finish, copy[6]),
                 ack_watch=(queue, ack), cause=cause, host_slots=host_slots, requests=requests)
-            host_slots = requests = None  # the queued ops belong to the first copy paired with an ack
+            host_slots = requests = None
 
     def _report_direct(self, telemetry: TransferTelemetry, direction: str, copy: tuple, cause: str | None) -> None:
         """A copy nobody acks: tokens per pool and bytes from its transfer list."""
