@@ -1,12 +1,9 @@
 """otel-hicache for SGLang: every HiCache L1<->L2 copy becomes a device-timed span.
 
-Entry points ``sglang.srt.plugins`` (``otel_hicache``: SGLang's ``load_plugins()`` runs it in each
-scheduler) and ``opentelemetry_instrumentor`` (``sglang_hicache``), or by hand::
-
-    SGLangHiCacheInstrumentor().instrument()   # tracer_provider=..., meter_provider=... optional
-
-Without providers, each process that makes a HiCache controller builds otel-hicache's own from
-``OTEL_*`` (``docs/sglang.md``).
+Entry points ``sglang.srt.plugins`` (``otel_hicache``, run by SGLang's ``load_plugins()`` in each
+scheduler) and ``opentelemetry_instrumentor`` (``sglang_hicache``), or by hand:
+``SGLangHiCacheInstrumentor().instrument()`` (``tracer_provider=``, ``meter_provider=``: else each
+process that makes a HiCache controller builds otel-hicache's own from ``OTEL_*``).
 """
 
 from __future__ import annotations
@@ -128,16 +125,14 @@ def patch_groups() -> list[tuple[str, str | None]]:
     report = []
     observer = TransferObserver(lambda ranks: None)
     for group in [*_groups(observer), *_request_groups(observer)]:  # wrappers made, never applied
-        why = None
         for module in dict.fromkeys(m for m, _, _ in group.targets):
-            if module not in sys.modules and failed is None:
-                try:
+            try:
+                if module not in sys.modules and failed is None:
                     importlib.import_module(module)
-                except Exception as exc:
-                    failed = f"cannot import {module} ({type(exc).__name__}: {exc})"
-            if module not in sys.modules:
-                why = why or failed
-        report.append((group.name, why or why_not_applied(group)))
+            except Exception as exc:
+                failed = f"cannot import {module} ({type(exc).__name__}: {exc})"
+        imported = all(m in sys.modules for m, _, _ in group.targets)
+        report.append((group.name, why_not_applied(group) if imported else failed))
     return report
 
 

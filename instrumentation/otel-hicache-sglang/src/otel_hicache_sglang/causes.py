@@ -14,6 +14,7 @@ import sys
 from bisect import bisect_right
 from operator import attrgetter
 from threading import get_ident
+from types import SimpleNamespace
 from typing import Any, Callable, NamedTuple
 
 from otel_hicache import semconv as sc
@@ -26,13 +27,10 @@ class Local:
     """The scheduler thread's copies held in a ``start_*``, current cause and request: valid on
     ``thread`` only (cheaper than a ``threading.local``)."""
 
-    __slots__ = ("captured", "cause", "request", "thread")
-
-    def __init__(self) -> None:
-        self.captured: list[Any] | None = None
-        self.cause: str | None = None
-        self.request: Any = None
-        self.thread = 0
+    captured: list[Any] | None = None
+    cause: str | None = None
+    request: Any = None
+    thread = 0
 
     def current_cause(self) -> str | None:
         return self.cause if self.thread == get_ident() else None
@@ -114,18 +112,12 @@ REQUEST_CAUSES = frozenset((reg.WRITE_THROUGH, reg.WRITE_THROUGH_SELECTIVE, reg.
 MAX_ID_RANGES = 4096  # per controller; beyond (ops waiting that long), the oldest half go
 MAX_LOG = 16384  # site calls logged between two merged ops; later ones are not
 
-_NO_ATTRIBUTES: dict[str, Any] = {}
-
-
-class _NoCounter:
-    counter = 0  # never moves: nothing is tagged
-
 
 def request_context(req: Any) -> Any:
     """A traced request's root span context, else None. Read from the trace context's own
     ``__dict__``: SGLang's ``TraceNullContext`` answers any attribute, slowly."""
     trace_ctx = getattr(getattr(req, "time_stats", None), "trace_ctx", None)
-    context = getattr(trace_ctx, "__dict__", _NO_ATTRIBUTES).get("root_span_context")
+    context = getattr(trace_ctx, "__dict__", {}).get("root_span_context")
     return context if isinstance(context, dict) else None  # an OTel Context is a dict
 
 
@@ -154,7 +146,7 @@ class QueuedCauses:
             if not isinstance(getattr(operation, "counter", None), int):
                 warn_once("cause:counter", "otel-hicache: SGLang's CacheOperation.counter is missing; queued ops "
                           "are counted as 'other'")
-                operation = _NoCounter
+                operation = SimpleNamespace(counter=0)  # never moves: nothing is tagged
             self.operations = operation
         return self.operations
 

@@ -1,10 +1,8 @@
 """Wrap SGLang's functions when their modules are imported, and restore them exactly.
 
 A :class:`Group`'s targets are wrapped all or nothing once its modules are imported (wrapt's
-post-import hooks: ``opentelemetry-instrument`` instruments before SGLang is imported); one whose
-``check`` (the version guard) raises or whose target is missing gets one WARNING and stays
-unwrapped. Wrappers take wrapt's ``(wrapped, instance, args, kwargs)`` and call ``wrapped``
-unchanged; :meth:`Patcher.uninstrument` puts back the very object each owner held.
+post-import hooks); one whose ``check`` (the version guard) raises or whose target is missing gets
+one WARNING and stays unwrapped. Wrappers take wrapt's ``(wrapped, instance, args, kwargs)``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""The rank labels SGLang puts on its own Prometheus series (``RadixCacheMetricsCollector``'s,
-attention-TP/DP ranks under DP attention, plus ``attn_cp_rank``): same names, so PromQL joins
-otel-hicache and ``sglang:*`` series on them."""
+"""The rank labels SGLang puts on its own series (``RadixCacheMetricsCollector``'s, and ``attn_cp_rank``)."""
 
 from __future__ import annotations
 

@@ -16,14 +16,12 @@ PREFIX_HIT = "prefix_hit"
 STORAGE_PREFETCH = "storage_prefetch"
 RETRACTION_RESTORE = "retraction_restore"
 
-CAUSES = {
+CAUSES = {  # where in SGLang each comes from: docs/reference.md
     "offload": (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK, STORAGE_BACKUP, DECODE_OFFLOAD,
                 RETRACTION_BACKUP),
     "onboard": (PREFIX_HIT, STORAGE_PREFETCH, RETRACTION_RESTORE),
 }
-"""Where in SGLang each comes from: docs/reference.md."""
-DIRECT_CAUSES = (RETRACTION_BACKUP, RETRACTION_RESTORE)
-"""Retraction copies bypass the controller's queues: nobody acks them."""
+DIRECT_CAUSES = (RETRACTION_BACKUP, RETRACTION_RESTORE)  # retraction copies bypass the queues: nobody acks them
 
 
 def doctor(out: TextIO, check: bool) -> None:

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 import weakref
-from functools import partial
 from threading import get_ident
 from typing import Any, Callable
 from weakref import WeakKeyDictionary
@@ -40,11 +39,6 @@ def sglang_tracing_enabled() -> bool:
     """Whether SGLang's request tracing (``--enable-trace``) is on in this process."""
     enabled = getattr(sys.modules.get(SGLANG_TRACE), "get_global_tracing_enabled", None)
     return bool(enabled()) if enabled is not None else False
-
-
-def _host_indices(ops: list[Any]) -> list[Any]:
-    """The host token slots of SGLang's queued ``CacheOperation``s (read on the poller)."""
-    return [op.host_indices for op in ops]
 
 
 def _host_end(timing: bool, finish: Any, end_ns: int) -> int | None:
@@ -160,7 +154,6 @@ class TransferObserver:
         tracked = self.host_pools.get(id(host))
         return tracked[1] if tracked is not None and tracked[0]() is host else None
 
-    # -- wrappers ---------------------------------------------------------------------
     def init_wrapper(self, wrapped: Any, controller: Any, args: tuple, kwargs: dict) -> None:
         """``HiCacheController.__init__``: then start this process's telemetry."""
         wrapped(*args, **kwargs)
@@ -241,13 +234,14 @@ class TransferObserver:
 
         return start
 
-    # -- reporting ------------------------------------------------------------------------
     def _report_merged(self, telemetry: TransferTelemetry, direction: str, controller: Any, queue: list[Any],
                        captured: list[tuple], ops: list[Any], cause: Any, requests: Any) -> None:
         """Each held copy with its ack (direct without one); the queued ops' cause, host slots
         and requests go with the first copy paired with an ack."""
         info = self._info(controller)
-        host_slots = (info.host_pool, partial(_host_indices, ops)) if info.host_pool is not None and ops else None
+        host_slots = None  # the queued ops' host token slots (CPU tensors, read on the poller)
+        if info.host_pool is not None and ops:
+            host_slots = (info.host_pool, [getattr(op, "host_indices", None) for op in ops])
         handed = False
         for copy in captured:
             transfers, finish = _transfers(copy), copy[4].finish_event
