@@ -146,6 +146,19 @@ def test_a_start_that_submits_nothing_hands_nothing_over():
     assert _take(queued, controller, "write_queue") == ("write_through", None) and not queued.log
 
 
+def test_a_merged_op_asked_twice_sorts_its_log_in_once():
+    """Two copies of one merged op carry the same deferred call: the log of another controller's
+    sites, handed over with it, is sorted in once (its id ranges stay in order)."""
+    queued = _queued()
+    backup, _ = _sites(queued)
+    cache, other = Cache(Controller()), Cache(Controller())
+    backup(other, 1)  # logged for the other controller
+    cache.cache_controller.write_queue.append(Op("by hand", 2))
+    cause, _ = _hand_over(queued, cache.cache_controller, "write_queue")
+    assert cause[0](*cause[1:]) is None and cause[0](*cause[1:]) is None  # no site: other, twice
+    assert len(queued.by_controller[id(other.cache_controller)][0]) == 1
+
+
 def test_a_start_inside_a_site_gives_untagged_ops_the_site_cause():
     """HiCacheController.write flushes at once: start_* runs inside the site, before it returns."""
     local = Local()

@@ -228,9 +228,13 @@ class QueuedCauses:
         parts; an op no site made is ``current``'s, or ``other``), their requests appended to
         ``requests``; the ranges no op still waiting (in ``waiting``, or made from ``counter`` on)
         needs are dropped. The same ``ops`` again (another copy of the op): the same answer."""
-        if self._last is not None and self._last[0] is ops:
-            return self._last[1]
-        self._sort_in(logged)
+        if self._last is None or self._last[0] is not ops:
+            self._sort_in(logged)
+            self._last = (ops, self._cause(controller, ops, waiting, counter, current, requests))
+        return self._last[1]
+
+    def _cause(self, controller: Any, ops: list[Any], waiting: list[Any] | None, counter: int, current: str | None,
+               requests: list[Any] | None) -> Any:
         ends, entries = self.by_controller.get(id(controller), ([], []))
         if not ends or not ops:
             return current
@@ -245,11 +249,9 @@ class QueuedCauses:
         # every op made before the merge was merged, waits in the other queue, or was dropped (reset())
         drop = bisect_right(ends, min([counter, *(op.id for op in waiting or ())]))
         del ends[:drop], entries[:drop]
-        answer = causes[0] if len(set(causes)) == 1 else [  # SGLang's own counts add up over merged ops
+        return causes[0] if len(set(causes)) == 1 else [  # SGLang's own counts add up over merged ops
             (cause, controller._num_tokens_by_pool(op), controller._transfer_num_bytes(op))
             for op, cause in zip(ops, causes)]
-        self._last = (ops, answer)
-        return answer
 
     def _sort_in(self, logged: list[Any]) -> None:
         for controller_of, instance, first, end, cause, request in logged:
