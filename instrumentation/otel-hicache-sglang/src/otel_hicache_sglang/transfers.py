@@ -26,18 +26,12 @@ from .ranks import rank_attributes
 OFFLOAD = "offload"
 ONBOARD = "onboard"
 ANCHOR_POOL = "kv"  # PoolName.KV.value: the anchor pool of a plain HiCacheController
-SGLANG_TRACE = "sglang.srt.observability.trace"
-# span-only attributes SGLang knows about a controller
-WRITE_POLICY = "hicache.write_policy"
-LAYER_NUM = "hicache.layer_num"
-MEM_LAYOUT = "hicache.mem_layout"
-CONTROLLER = "hicache.controller"
 DRAFT_BYTES = "hicache.draft_bytes"
 
 
 def sglang_tracing_enabled() -> bool:
     """Whether SGLang's request tracing (``--enable-trace``) is on in this process."""
-    enabled = getattr(sys.modules.get(SGLANG_TRACE), "get_global_tracing_enabled", None)
+    enabled = getattr(sys.modules.get("sglang.srt.observability.trace"), "get_global_tracing_enabled", None)
     return bool(enabled()) if enabled is not None else False
 
 
@@ -54,10 +48,10 @@ class _ControllerInfo:
         self.page_size = int(getattr(controller, "page_size", 0) or getattr(host, "page_size", 1) or 1)
         engine = getattr(controller, "l2_transfer_engine", None)
         self.io_backend = getattr(engine, "io_backend", None) or getattr(controller, "io_backend", None)
-        self.attributes: dict[str, Any] = {CONTROLLER: type(controller).__name__}
-        for key, value in ((WRITE_POLICY, getattr(controller, "write_policy", None)),
-                           (LAYER_NUM, getattr(controller, "transfer_layer_id_max", None)),
-                           (MEM_LAYOUT, getattr(host, "layout", None))):
+        self.attributes: dict[str, Any] = {"hicache.controller": type(controller).__name__}  # span-only attributes
+        for key, value in (("hicache.write_policy", getattr(controller, "write_policy", None)),
+                           ("hicache.layer_num", getattr(controller, "transfer_layer_id_max", None)),
+                           ("hicache.mem_layout", getattr(host, "layout", None))):
             if isinstance(value, (str, int)) and not isinstance(value, bool):
                 self.attributes[key] = value
         # host residence tracks the anchor (KV) host pool
