@@ -162,23 +162,19 @@ class Patcher:
             logger.debug("otel-hicache: %s: post-import hook failed", self.framework, exc_info=True)
 
     def _apply(self, group: Group) -> None:
-        why = why_not_applied(group)
-        if why is not None:
-            return self._incompatible(group, why)
-        applied: list[tuple[Any, str, Any, Any]] = []
+        why, applied = why_not_applied(group), []
         try:
-            for module, path, wrapper in group.targets:
+            for module, path, wrapper in group.targets if why is None else ():
                 owner, attribute, own = _resolve(module, path)
                 applied.append((owner, attribute, own, _wrap(module, path, owner, attribute, own, wrapper)))
         except Exception as exc:  # wrap nothing
             for entry in reversed(applied):
                 _unwrap(*entry)
-            return self._incompatible(group, f"cannot wrap: {exc!r}")
-        self._applied[group.name] = applied
-        logger.debug("otel-hicache: %s: instrumented %s", self.framework, group.name)
-        return None
-
-    def _incompatible(self, group: Group, why: str) -> None:
-        warn_once(f"incompatible:{self.framework}:{group.name}",
-                  "otel-hicache: this %s does not match the adapter (%s); %s is not instrumented, "
-                  "everything else keeps working", self.framework, why, group.name)
+            why = f"cannot wrap: {exc!r}"
+        if why is None:
+            self._applied[group.name] = applied
+            logger.debug("otel-hicache: %s: instrumented %s", self.framework, group.name)
+        else:
+            warn_once(f"incompatible:{self.framework}:{group.name}",
+                      "otel-hicache: this %s does not match the adapter (%s); %s is not instrumented, "
+                      "everything else keeps working", self.framework, why, group.name)
