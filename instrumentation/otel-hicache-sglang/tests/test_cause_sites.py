@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import logging
+import sys
 import threading
+import types
 
-from otel_hicache_sglang import causes
-from otel_hicache_sglang.causes import MAX_ID_RANGES, MAX_LOG, QueuedCauses, Site, backup_cause
-from otel_hicache_sglang.transfers import _Capture as Local
+from otel_hicache_sglang.causes import MAX_ID_RANGES, MAX_LOG, Local, QueuedCauses, Site, backup_cause
 
 
 class Op:
@@ -50,11 +50,22 @@ def _queued(local=None):
     return QueuedCauses(local or Local(), operations=Op)
 
 
+def _hand_over(queued, controller, name):
+    """What start_* passes to submit() (as transfers.py does): (cause, requests)."""
+    other = controller.load_queue if name == "write_queue" else controller.write_queue
+    cause, requests = queued.pending(controller, list(getattr(controller, name)), other)
+    return queued.hand_over(cause), requests
+
+
 def _take(queued, controller, name):
     """What start_* hands the worker, then what the worker works out: (cause or parts, requests)."""
-    other = controller.load_queue if name == "write_queue" else controller.write_queue
-    cause, requests = queued.pending(controller, getattr(controller, name), other)
+    cause, requests = _hand_over(queued, controller, name)
     return (cause[0](*cause[1:]) if type(cause) is tuple else cause), (requests or None)
+
+
+def _wrapped(wrapper, fn):
+    """``fn(instance, ...)`` called through a wrapt-style ``wrapper``, as the patcher installs it."""
+    return lambda instance, *args, **kwargs: wrapper(lambda *a, **kw: fn(instance, *a, **kw), instance, args, kwargs)
 
 
 def _sites(queued):
@@ -73,7 +84,7 @@ def _sites(queued):
 
 def _site(queued, cause, fn):
     """``fn(cache, ...)`` wrapped as a cause site of ``cause``, its controller the cache's."""
-    return queued.site(Site("m", "C.f", cause, lambda c: c.cache_controller)).make(fn)
+    return _wrapped(queued.site(Site("m", "C.f", cause, lambda c: c.cache_controller)), fn)
 
 
 def test_ops_are_tagged_with_the_site_that_queued_them_and_start_takes_them():
@@ -123,6 +134,31 @@ def test_id_ranges_of_ops_waiting_in_the_other_queue_are_kept():
     assert ends == []  # then nothing waits
 
 
+def test_a_start_that_submits_nothing_hands_nothing_over():
+    """A start_* whose copy has no ack (or that copies nothing) leaves the log to the next one."""
+    queued = _queued()
+    backup, _ = _sites(queued)
+    cache = Cache(Controller())
+    controller = cache.cache_controller
+    backup(cache, 1)
+    queued.pending(controller, list(controller.write_queue), controller.load_queue)
+    assert len(queued.log) == 1
+    assert _take(queued, controller, "write_queue") == ("write_through", None) and not queued.log
+
+
+def test_a_merged_op_asked_twice_sorts_its_log_in_once():
+    """Two copies of one merged op carry the same deferred call: the log of another controller's
+    sites, handed over with it, is sorted in once (its id ranges stay in order)."""
+    queued = _queued()
+    backup, _ = _sites(queued)
+    cache, other = Cache(Controller()), Cache(Controller())
+    backup(other, 1)  # logged for the other controller
+    cache.cache_controller.write_queue.append(Op("by hand", 2))
+    cause, _ = _hand_over(queued, cache.cache_controller, "write_queue")
+    assert cause[0](*cause[1:]) is None and cause[0](*cause[1:]) is None  # no site: other, twice
+    assert len(queued.by_controller[id(other.cache_controller)][0]) == 1
+
+
 def test_a_start_inside_a_site_gives_untagged_ops_the_site_cause():
     """HiCacheController.write flushes at once: start_* runs inside the site, before it returns."""
     local = Local()
@@ -169,8 +205,8 @@ def test_selective_policy_and_a_broken_site_never_raise(caplog):
     assert _take(queued, cache.cache_controller, "write_queue") == ("write_through_selective", None)
 
     calls = []
-    broken = queued.site(Site("m", "C.f", "prefix_hit", lambda c: c.missing_attribute)).make(
-        lambda cache, x: calls.append(x) or Op("write", x))
+    broken = _wrapped(queued.site(Site("m", "C.f", "prefix_hit", lambda c: c.missing_attribute)),
+                      lambda cache, x: calls.append(x) or Op("write", x))
     with caplog.at_level(logging.WARNING, logger="otel_hicache"):
         assert broken(cache, 5) == ("write", 5) and broken(cache, 6) == ("write", 6)
         assert _take(queued, cache.cache_controller, "write_queue") == (None, None)  # logged, not tagged
@@ -211,12 +247,14 @@ def test_the_log_and_the_id_ranges_of_ops_that_left_without_a_start_are_bounded(
 
 
 def test_without_sglangs_counter_nothing_is_tagged_and_it_is_said_once(caplog, monkeypatch):
-    monkeypatch.setattr(causes, "_cache_operation", lambda: None)  # a CacheOperation without .counter
+    module = types.SimpleNamespace(CacheOperation=object)  # a CacheOperation without .counter
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.cache_controller", module)
     queued = QueuedCauses(Local(), operations=None)
-    with caplog.at_level(logging.WARNING, logger="otel_hicache"):
-        backup, _ = _sites(queued)
+    backup, _ = _sites(queued)
     cache = Cache(Controller())
-    backup(cache, 1)
+    with caplog.at_level(logging.WARNING, logger="otel_hicache"):
+        backup(cache, 1)
+        backup(cache, 2)
     assert _take(queued, cache.cache_controller, "write_queue") == (None, None)
     assert sum("CacheOperation.counter is missing" in r.getMessage() for r in caplog.records) == 1
 
@@ -239,7 +277,7 @@ def test_the_worker_resolves_later_and_keeps_the_ranges_of_ops_queued_since():
     cache = Cache(Controller())
     controller = cache.cache_controller
     backup(cache, 1)
-    first, _ = queued.pending(controller, controller.write_queue, controller.load_queue)
+    first, _ = _hand_over(queued, controller, "write_queue")
     controller.write_queue.clear()  # start_writing merged it
     backup(cache, 2, write_back=True)  # queued before the worker got to the first merged op
     load_back(cache, 3)
@@ -253,7 +291,7 @@ def test_the_worker_resolves_later_and_keeps_the_ranges_of_ops_queued_since():
     controller.write_queue.clear()
     controller.write_queue.append(Op("by hand", 4))
     assert _take(queued, controller, "write_queue") == (None, None)  # other
-    assert _queued().pending(controller, controller.write_queue, controller.load_queue) == (None, None)  # no site
+    assert _hand_over(_queued(), controller, "write_queue") == (None, None)  # no site
 
 
 def test_causes_stay_exact_while_the_worker_resolves_beside_the_sites():
@@ -311,8 +349,8 @@ def test_causes_stay_exact_while_the_worker_resolves_beside_the_sites():
             if name and getattr(controller, name):
                 ops = getattr(controller, name)
                 other = controller.load_queue if name == "write_queue" else controller.write_queue
-                cause, _ = queued.pending(controller, ops, other)
-                handed.put((cause, list(ops)))
+                cause, _ = queued.pending(controller, list(ops), other)
+                handed.put((queued.hand_over(cause), list(ops)))
                 ops.clear()
     finally:
         handed.put(None)

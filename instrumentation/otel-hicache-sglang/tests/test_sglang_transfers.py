@@ -139,3 +139,19 @@ def test_a_request_span_current_at_submit_is_the_parent(instrumented, sglang_cpu
     assert spans and all(s.parent is not None and s.parent.span_id == request.get_span_context().span_id
                          for s in spans)
     assert all(s.context.trace_id == request.get_span_context().trace_id for s in spans)
+
+
+def test_a_start_that_raises_after_its_copy_reports_the_copy_as_direct(instrumented, sglang_cpu, monkeypatch):
+    """SGLang's error reaches SGLang unchanged; the copy made before it is still a span."""
+    controller, _kv, allocator = sglang_cpu.build_controller()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("SGLang failed after the copy")
+
+    monkeypatch.setattr(controller.mem_pool_device_allocator, "set_hicache_transfer_done_event", broken)
+    with pytest.raises(RuntimeError, match="after the copy"):
+        controller.write(allocator.alloc(8), node_id=1)
+    assert not controller.ack_write_queue
+    spans = instrumented.finished()
+    assert [(s.name, s.attributes["hicache.origin"], s.attributes["hicache.tokens"]) for s in spans] == [
+        ("hicache.offload", "direct", 8)]

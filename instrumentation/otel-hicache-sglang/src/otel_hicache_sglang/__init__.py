@@ -1,23 +1,9 @@
 """otel-hicache for SGLang: every HiCache L1<->L2 copy becomes a device-timed span.
 
-Two ways in, both registered as entry points, both idempotent:
-
-* SGLang's own plugin group ``sglang.srt.plugins`` (name ``otel_hicache``):
-  ``load_plugins()`` runs it in every scheduler process before the scheduler
-  starts (``SGLANG_PLUGINS`` filters by name). Nothing to do but install.
-* ``opentelemetry_instrumentor`` (name ``sglang_hicache``), for
-  ``opentelemetry-instrument python -m sglang.launch_server ...``.
-
-Or by hand::
-
-    from otel_hicache_sglang import SGLangHiCacheInstrumentor
-    SGLangHiCacheInstrumentor().instrument()   # tracer_provider=..., meter_provider=... optional
-
-SGLang modules are patched when they are imported (or at once if they are).
-Spans and metrics go to otel-hicache's private providers, built from the
-``OTEL_*`` variables in each process that creates a HiCache controller; the
-global TracerProvider stays SGLang's (``--enable-trace``). ``OTEL_HICACHE_ENABLED=false``
-turns it all off.
+Entry points ``sglang.srt.plugins`` (``otel_hicache``, run by SGLang's ``load_plugins()`` in each
+scheduler) and ``opentelemetry_instrumentor`` (``sglang_hicache``), or by hand:
+``SGLangHiCacheInstrumentor().instrument()`` (``tracer_provider=``, ``meter_provider=``: else each
+process that makes a HiCache controller builds otel-hicache's own from ``OTEL_*``).
 """
 
 from __future__ import annotations
@@ -44,24 +30,22 @@ L2_TRANSFER = "sglang.srt.mem_cache.l2_transfer"
 CACHE_CONTROLLER = "sglang.srt.managers.cache_controller"
 HOST_POOL = "sglang.srt.mem_cache.pool_host.base"
 
-ACK_FIELDS = ("start_event", "finish_event", "num_tokens", "timing_enabled", "num_tokens_by_pool", "num_bytes")
-COMPLETION_FIELDS = ("start_event", "finish_event", "timing_enabled")
-TRANSFER_FIELDS = ("host_pool", "host_indices", "is_draft")
-
-
-def _require_fields(module: str, cls: str, fields: Collection[str]) -> None:
-    have = getattr(getattr(sys.modules[module], cls, None), "_fields", None)
-    if have is None:
-        raise Incompatible(f"{module}.{cls} not found")
-    missing = [f for f in fields if f not in have]
-    if missing:
-        raise Incompatible(f"{cls} has no field {', '.join(missing)}")
+FIELDS = (  # the fields of SGLang's named tuples that the adapter reads: the version guard
+    (CACHE_CONTROLLER, "HiCacheAck",
+     ("start_event", "finish_event", "num_tokens", "timing_enabled", "num_tokens_by_pool", "num_bytes")),
+    (L2_TRANSFER, "TransferCompletion", ("start_event", "finish_event", "timing_enabled")),
+    (L2_TRANSFER, "L2Transfer", ("host_pool", "host_indices", "is_draft")),
+)
 
 
 def _check_transfers() -> None:
-    _require_fields(CACHE_CONTROLLER, "HiCacheAck", ACK_FIELDS)
-    _require_fields(L2_TRANSFER, "TransferCompletion", COMPLETION_FIELDS)
-    _require_fields(L2_TRANSFER, "L2Transfer", TRANSFER_FIELDS)
+    for module, cls, fields in FIELDS:
+        have = getattr(getattr(sys.modules[module], cls, None), "_fields", None)
+        if have is None:
+            raise Incompatible(f"{module}.{cls} not found")
+        absent = [f for f in fields if f not in have]
+        if absent:
+            raise Incompatible(f"{cls} has no field {', '.join(absent)}")
 
 
 def _groups(observer: TransferObserver) -> list[Group]:
@@ -70,7 +54,7 @@ def _groups(observer: TransferObserver) -> list[Group]:
         Group("L1<->L2 transfers", [
             (L2_TRANSFER, "L2TransferEngine.submit_device_to_host", observer.submit_wrapper(OFFLOAD)),
             (L2_TRANSFER, "L2TransferEngine.submit_host_to_device", observer.submit_wrapper(ONBOARD)),
-            (CACHE_CONTROLLER, "HiCacheController.__init__", observer.wrap_init),
+            (CACHE_CONTROLLER, "HiCacheController.__init__", observer.init_wrapper),
             (CACHE_CONTROLLER, "HiCacheController.start_writing",
              observer.start_wrapper(OFFLOAD, "write_queue", "ack_write_queue")),
             (CACHE_CONTROLLER, "HiCacheController.start_loading",
@@ -78,24 +62,21 @@ def _groups(observer: TransferObserver) -> list[Group]:
         ], check=_check_transfers),
         *(Group(name, [(site.module, site.path, observer.causes.site(site)) for site in sites])
           for name, sites in causes.SITES.items()),
-        Group("host residence", [
-            (HOST_POOL, "HostKVCache.free", observer.host_free_wrapper()),
-        ]),
+        Group("host residence", [(HOST_POOL, "HostKVCache.free", observer.host_free_wrapper)]),
     ]
 
 
 def _request_groups(observer: TransferObserver) -> list[Group]:
-    """The request sites (``causes.REQUEST_SITES``): wrapped only once SGLang's request tracing is on."""
+    """Wrapped only once SGLang's request tracing is on."""
     return [Group(name, [(site.module, site.path, observer.causes.request_site(site)) for site in sites])
             for name, sites in causes.REQUEST_SITES.items()]
 
 
-class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-method
+class SGLangHiCacheInstrumentor(BaseInstrumentor):
     """Instruments SGLang HiCache's L1<->L2 transfers."""
 
     _observer: TransferObserver | None = None
-    _patcher: Patcher | None = None
-    _request_patcher: Patcher | None = None
+    _patchers: tuple[Patcher, ...] = ()
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return _instruments
@@ -104,8 +85,7 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
         if not env_bool(ev.OTEL_HICACHE_ENABLED) or sdk_disabled():
             logger.debug("otel-hicache: disabled by OTEL_HICACHE_ENABLED/OTEL_SDK_DISABLED; SGLang not patched")
             return
-        tracer_provider = kwargs.get("tracer_provider")
-        meter_provider = kwargs.get("meter_provider")
+        tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
 
         def make_telemetry(ranks: dict[str, Any]) -> otel_hicache.TransferTelemetry:
             if tracer_provider is None or meter_provider is None:
@@ -113,58 +93,46 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):  # pylint: disable=abstract-m
             return otel_hicache.TransferTelemetry(tracer_provider, meter_provider, attributes=ranks)
 
         observer = self._observer = TransferObserver(make_telemetry)
-        self._patcher = Patcher("SGLang", _groups(observer))
-        self._patcher.instrument()
-
-        def link_requests() -> None:  # SGLang traces requests: wrap the request sites (over the cause sites)
-            if self._observer is observer:
-                self._request_patcher = Patcher("SGLang", _request_groups(observer))
-                self._request_patcher.instrument()
-
-        observer.on_request_tracing = link_requests
+        self._patchers = (Patcher("SGLang", _groups(observer)), Patcher("SGLang", _request_groups(observer)))
+        observer.request_patcher = self._patchers[1]  # instrumented by the first controller, if SGLang traces
+        self._patchers[0].instrument()
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        patcher, requests, observer = self._patcher, self._request_patcher, self._observer
-        self._patcher = self._request_patcher = self._observer = None
-        if requests is not None:  # applied last, over the cause sites: removed first
-            requests.uninstrument()
-        if patcher is not None:
+        observer, patchers = self._observer, self._patchers
+        self._observer, self._patchers = None, ()
+        if observer is not None:
+            observer.request_patcher = None  # a controller made from now on wraps nothing again
+        for patcher in reversed(patchers):  # the request sites, applied over the cause sites, first
             patcher.uninstrument()
-        telemetry = observer.telemetry if observer is not None else None
-        if telemetry is not None:
-            telemetry.shutdown()  # reports what was recorded; bounded
+        if observer is not None and observer.telemetry is not None:
+            observer.telemetry.shutdown()  # reports what was recorded; bounded
 
     @property
     def telemetry(self) -> otel_hicache.TransferTelemetry | None:
         """This process's telemetry, once a HiCache controller exists (tests, diagnostics)."""
-        observer = self._observer
-        return observer.telemetry if observer is not None else None
+        return self._observer.telemetry if self._observer is not None else None
 
     def instrumented_groups(self) -> list[str]:
         """Which patch groups are in place (the rest were incompatible or not imported yet)."""
-        requests = self._request_patcher.applied() if self._request_patcher is not None else []
-        return (self._patcher.applied() if self._patcher is not None else []) + requests
+        return [name for patcher in self._patchers for name in patcher.applied()]
 
 
 def patch_groups() -> list[tuple[str, str | None]]:
-    """Each patch group and why it would not be instrumented in this process (None: it would
-    be). Imports SGLang's modules; wraps nothing (``otel-hicache doctor``)."""
+    """Each patch group and why it would not apply here (None: it would); imports SGLang, wraps nothing."""
     import importlib
 
     failed: str | None = None  # after one failed import, not the seconds of another
     report = []
     observer = TransferObserver(lambda ranks: None)
     for group in [*_groups(observer), *_request_groups(observer)]:  # wrappers made, never applied
-        why = None
         for module in dict.fromkeys(m for m, _, _ in group.targets):
-            if module not in sys.modules and failed is None:
-                try:
+            try:
+                if module not in sys.modules and failed is None:
                     importlib.import_module(module)
-                except Exception as exc:  # pylint: disable=broad-except
-                    failed = f"cannot import {module} ({type(exc).__name__}: {exc})"
-            if module not in sys.modules:
-                why = why or failed
-        report.append((group.name, why or why_not_applied(group)))
+            except Exception as exc:
+                failed = f"cannot import {module} ({type(exc).__name__}: {exc})"
+        imported = all(m in sys.modules for m, _, _ in group.targets)
+        report.append((group.name, why_not_applied(group) if imported else failed))
     return report
 
 
@@ -174,6 +142,6 @@ def plugin() -> None:
         instrumentor = SGLangHiCacheInstrumentor()
         if not instrumentor.is_instrumented_by_opentelemetry:  # opentelemetry-instrument got here first
             instrumentor.instrument()
-    except Exception as exc:  # pylint: disable=broad-except  # never into SGLang
+    except Exception as exc:  # never into SGLang
         warn_once("sglang:plugin", "otel-hicache: the SGLang plugin could not start (%r); SGLang runs "
                   "uninstrumented", exc)
