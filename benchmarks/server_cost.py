@@ -34,7 +34,7 @@ def cpu_s(pid: int) -> float:
 
 def poller_cpu_s(receiver: GrpcReceiver | None) -> float:
     """The poller thread's CPU (its own thread clock), as the telemetry process last exported it."""
-    points = receiver.received.last_points("otel_hicache.worker.cpu_time") if receiver else []
+    points = receiver.received.last_points("otel_hicache.poller.cpu_time") if receiver else []
     return sum(p.as_double for p in points)
 
 

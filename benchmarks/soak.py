@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     def worker_us_per_op(window: tuple[float, float]) -> float:
         inside = [x for x in samples if window[0] <= x["t"] < window[1]]
         ops = inside[-1]["ops"] - inside[0]["ops"]
-        return (inside[-1]["worker_cpu_s"] - inside[0]["worker_cpu_s"]) / max(1, ops) * 1e6
+        return (inside[-1]["poller_cpu_s"] - inside[0]["poller_cpu_s"]) / max(1, ops) * 1e6
 
     cpu_warm, cpu_last = worker_us_per_op(warm), worker_us_per_op(last)
     delivery = result["final"]["delivery"]  # tests/sdk_delivery.py: the SDK's self-metrics
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": wall, "spans_at_sink": sink.spans, "span_requests_at_sink": sink.requests,
         "rss_mib": [round(s["rss"] / 2**20, 1) for s in samples],
         "pipeline": [s["pipeline"] for s in samples], "span_queue": [s["span_queue"] for s in samples],
-        "worker_cpu_s": [s["worker_cpu_s"] for s in samples],
+        "poller_cpu_s": [s["poller_cpu_s"] for s in samples],
         "submit": submit, "delivery": delivery, "truth": truth, "sink_counters": sink_counters(),
         "checks": {name: ok for name, ok, _ in checks},
     }

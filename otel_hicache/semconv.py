@@ -73,7 +73,7 @@ HOST_WASTED_TOKENS = ("hicache.host.wasted_tokens", "{token}", "Tokens of host p
                       "loaded back.")
 RECORDS_DROPPED = ("otel_hicache.records.dropped", "{record}", "Transfer records dropped before being reported.")
 RECORDS_FAILED = ("otel_hicache.records.failed", "{record}", "Transfers reported as error spans only.")
-WORKER_CPU_TIME = ("otel_hicache.worker.cpu_time", "s", "CPU time of otel-hicache's poller thread (embedded, "
+POLLER_CPU_TIME = ("otel_hicache.poller.cpu_time", "s", "CPU time of otel-hicache's poller thread (embedded, "
                    "the sinks' too).")
 EXPORT_CPU_TIME = ("otel_hicache.export.cpu_time", "s", "CPU time of otel-hicache's telemetry process.")
 SINKS = ("otel_hicache.sinks", "{process}", "1 where otel-hicache's sinks run (location).")

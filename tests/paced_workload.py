@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
     progress = [0]
 
-    def worker_cpu_s() -> float:
+    def poller_cpu_s() -> float:
         for thread in threading.enumerate():
             if thread.name == "otel-hicache-poller" and thread.ident is not None:
                 try:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         delivery = read_sdk_delivery(reader, attempts) if reader is not None else sdk_delivery(None)
         return {"t": round(time.monotonic() - t0, 3), "ops": progress[0], "rss": rss_bytes(),
                 "pipeline": pipeline.size() if pipeline is not None else 0,
-                "span_queue": delivery["spans"]["queued"], "worker_cpu_s": round(worker_cpu_s(), 4),
+                "span_queue": delivery["spans"]["queued"], "poller_cpu_s": round(poller_cpu_s(), 4),
                 "delivery": delivery}
 
     def sampler() -> None:

@@ -152,7 +152,7 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
 
     h.tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
     # what only a telemetry process reports (otel_hicache.export.cpu_time): its sink, on a provider
-    # of its own (a second registration of worker.cpu_time on the harness's would be dropped)
+    # of its own (a second registration of poller.cpu_time on the harness's would be dropped)
     from opentelemetry.sdk.metrics import MeterProvider
     from otel_hicache.sinks.self_metrics import TelemetryCpu
     process_reader = InMemoryMetricReader()

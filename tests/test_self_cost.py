@@ -8,7 +8,7 @@
   ops cost with the sinks embedded on the poller thread (spans and metrics of every op), the
   work a telemetry process takes out of the serving process.
 * The sinks' counters (``sinks.metrics``): totals read at each collection, no SDK call per op.
-* Its CPU as counters (``sinks.self_metrics``): ``otel_hicache.worker.cpu_time``, the poller
+* Its CPU as counters (``sinks.self_metrics``): ``otel_hicache.poller.cpu_time``, the poller
   thread's CPU clock as sent in its STATE, and ``otel_hicache.export.cpu_time``, the whole
   telemetry process's (none when the sinks are embedded).
 
@@ -248,7 +248,7 @@ def test_counters_are_exact_at_every_collection_without_a_flush(sinks, monkeypat
     assert s.bytes() == 5 * 4096
 
 
-# -- otel_hicache.worker.cpu_time and otel_hicache.export.cpu_time -------------------------------------------
+# -- otel_hicache.poller.cpu_time and otel_hicache.export.cpu_time -------------------------------------------
 
 def _cpu_points(reader: InMemoryMetricReader) -> dict[tuple[str, str | None], tuple[float, dict[str, Any]]]:
     found = {}
@@ -256,7 +256,7 @@ def _cpu_points(reader: InMemoryMetricReader) -> dict[tuple[str, str | None], tu
     for rm in data.resource_metrics if data else ():
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
-                if metric.name in (sc.WORKER_CPU_TIME[0], sc.EXPORT_CPU_TIME[0]):
+                if metric.name in (sc.POLLER_CPU_TIME[0], sc.EXPORT_CPU_TIME[0]):
                     assert metric.data.is_monotonic and metric.unit == "s"
                     for point in metric.data.data_points:
                         found[metric.name, point.attributes.get(sc.THREAD)] = (point.value, dict(point.attributes))
@@ -274,15 +274,15 @@ def test_the_pollers_cpu_is_counted_per_rank_and_embedded_sinks_report_no_export
             tel.submit("onboard", {"kv": 64}, 4096, 64, expect_ack=False, host_start_ns=now - 1000, host_end_ns=now)
         assert tel.force_flush(10.0)
         first = _cpu_points(reader)
-        assert set(first) == {(sc.WORKER_CPU_TIME[0], None)}  # embedded: no telemetry process to count
-        value, attributes = first[sc.WORKER_CPU_TIME[0], None]
+        assert set(first) == {(sc.POLLER_CPU_TIME[0], None)}  # embedded: no telemetry process to count
+        value, attributes = first[sc.POLLER_CPU_TIME[0], None]
         assert value > 0 and attributes == STATIC  # 200 ops took some
         for _ in range(200):
             now = time.time_ns()
             tel.submit("offload", {"kv": 64}, 4096, 64, expect_ack=False, host_start_ns=now - 1000, host_end_ns=now)
         assert tel.force_flush(10.0)
         second = _cpu_points(reader)
-        assert second[sc.WORKER_CPU_TIME[0], None][0] > value  # cumulative, and it grew
+        assert second[sc.POLLER_CPU_TIME[0], None][0] > value  # cumulative, and it grew
     finally:
         tel.shutdown()
         tracer_provider.shutdown()
@@ -318,7 +318,7 @@ def test_a_telemetry_process_counts_its_whole_cpu(sinks):
     s.consumer.apply([(rec.STATE, {"offload": 0, "onboard": 0}, {"offload": None, "onboard": None},
                        {"offload": None, "onboard": None}, 0, 0.25, None)])
     points = _cpu_points(s.reader)
-    assert set(points) == {(sc.WORKER_CPU_TIME[0], None), (sc.EXPORT_CPU_TIME[0], sc.THREAD_TELEMETRY_PROCESS)}
-    assert points[sc.WORKER_CPU_TIME[0], None] == (0.25, STATIC)  # what the poller sent
+    assert set(points) == {(sc.POLLER_CPU_TIME[0], None), (sc.EXPORT_CPU_TIME[0], sc.THREAD_TELEMETRY_PROCESS)}
+    assert points[sc.POLLER_CPU_TIME[0], None] == (0.25, STATIC)  # what the poller sent
     value, attributes = points[sc.EXPORT_CPU_TIME[0], sc.THREAD_TELEMETRY_PROCESS]
     assert 0 < value <= time.process_time() and attributes == {**STATIC, sc.THREAD: sc.THREAD_TELEMETRY_PROCESS}

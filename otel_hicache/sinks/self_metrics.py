@@ -42,7 +42,7 @@ class TelemetryCpu:
         def process_cpu(_options: Any) -> list[Any]:
             return [] if in_process else [Observation(time.process_time(), process_attrs)]
 
-        for spec, callback in ((sc.WORKER_CPU_TIME, poller_cpu), (sc.EXPORT_CPU_TIME, process_cpu)):
+        for spec, callback in ((sc.POLLER_CPU_TIME, poller_cpu), (sc.EXPORT_CPU_TIME, process_cpu)):
             name, unit, description = spec
             meter.create_observable_counter(name, callbacks=[callback], unit=unit, description=description)
         where = [Observation(1, {**attrs, sc.LOCATION: location})]
