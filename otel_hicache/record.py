@@ -13,10 +13,10 @@ Each message is a tuple whose first item is its kind:
 * ``OP``: one merged op (or direct copy) seen complete, ``OP_FIELDS`` in order;
 * ``ACK``: ``(ACK, seq, ack_ns or None)``, the end of the ack wait of the op ``seq``
   (None: the wait timed out, or the serving process stopped waiting);
-* ``HOST``: ``(HOST, seq, pool id, direction, slots, submit_ns, cause, num_bytes)``, the
+* ``HOST``: ``(HOST, seq, pool id, direction, pages, submit_ns, cause, num_bytes)``, the
   host pages an op wrote or read, at intake (submission order, with the frees);
 * ``POOL``: ``(POOL, pool id, name, slots, page_size)``, a host pool made;
-* ``FREE``: ``(FREE, pool id, slots)``, host slots the application freed;
+* ``FREE``: ``(FREE, pool id, pages)``, host pages the application freed;
 * ``DROPPED``: ``(DROPPED, reason, count)``, records the capture could not report;
 * ``STATE``: ``(STATE, STATE_FIELDS...)``, what the gauges show, sent when it changes;
 * ``FLUSH``: ``(FLUSH, token)``, the channel's: export what came before, then say so (token 0,
@@ -36,7 +36,7 @@ output, a line per answer:
 the spans of every op in its first ``frames`` frames after the hello were handed to the
 exporters, and the JSON (a batch of one ``CHECKPOINT``) is where a successor starts from.
 
-Slots are token slot indices as the base64 text of an int64 array (:func:`slot_text`). Trace
+Host pages are page indices as the base64 text of an int64 array (:func:`page_text`). Trace
 and span contexts are ``(trace_id, span_id, trace_flags, is_remote, trace_state)``, the
 state as a tuple of ``(key, value)`` pairs.
 """
@@ -46,7 +46,7 @@ from __future__ import annotations
 import base64
 import json
 import struct
-from typing import Any, Final
+from typing import Any
 
 OFFLOAD = "offload"
 """Write-back: device (L1) to host (L2)."""
@@ -148,24 +148,34 @@ def context_tuple(context: Any) -> tuple[int, int, int, bool, tuple[tuple[str, s
             tuple(state.items()) if state else ())
 
 
-def slot_text(slots: Any) -> str:
-    """:func:`slot_bytes` as base64 text, as messages carry them."""
-    return base64.b64encode(slot_bytes(slots)).decode("ascii")
+def page_text(slots: Any, page_size: int) -> str:
+    """:func:`page_bytes` as base64 text, as messages carry them."""
+    return base64.b64encode(page_bytes(slots, page_size)).decode("ascii")
 
 
-def slot_bytes(slots: Any) -> bytes:
+def page_bytes(slots: Any, page_size: int) -> bytes:
+    """The pages of token slots, repeats in a row dropped, as the bytes of an int64 array: a
+    page goes once rather than once per slot (most of the cost is encoding its bytes)."""
+    import numpy as np
+
+    pages = slot_array(slots) // page_size
+    if pages.size > 1:
+        pages = pages[np.concatenate(((True,), pages[1:] != pages[:-1]))]
+    return pages.tobytes()
+
+
+def slot_array(slots: Any) -> Any:
     """Token slot indices (a NumPy or CPU torch array, a sequence of ints, a range, or a
-    sequence of arrays) as the bytes of an int64 array. Raises TypeError or ValueError for
+    sequence of arrays) as an int64 NumPy array. Raises TypeError or ValueError for
     anything else, a device tensor among them (reading one would synchronize)."""
-    from array import array
+    import numpy as np
 
     if isinstance(slots, range) or (isinstance(slots, (list, tuple)) and (not slots or isinstance(slots[0], int))):
         if not all(type(slot) is int for slot in slots):  # pylint: disable=unidiomatic-typecheck  # not bool
             raise TypeError("host slots must be integers")
-        return array("q", slots).tobytes()
-    parts = slots if isinstance(slots, (list, tuple)) else (slots,)
-    out = bytearray()
-    for part in parts:
+        return np.fromiter(slots, np.int64, len(slots))
+    parts = []
+    for part in slots if isinstance(slots, (list, tuple)) else (slots,):
         if not getattr(part, "is_cpu", True):
             raise ValueError("host slots must be in host memory (reading a device tensor would synchronize)")
         if hasattr(part, "numpy") and not hasattr(part, "__array_interface__"):  # a torch tensor
@@ -173,5 +183,5 @@ def slot_bytes(slots: Any) -> bytes:
         kind = getattr(getattr(part, "dtype", None), "kind", None)
         if kind not in ("i", "u"):
             raise TypeError(f"host slots must be integers, got {getattr(part, 'dtype', type(part).__name__)}")
-        out += part.reshape(-1).astype("int64", copy=False).tobytes()
-    return bytes(out)
+        parts.append(part.reshape(-1).astype(np.int64, copy=False))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.int64)

@@ -162,7 +162,7 @@ def test_bad_slots_never_raise_and_the_op_is_still_reported(harness, caplog):
 
 
 def _pages(pool, slots):
-    return pool.pages(rec.slot_bytes(slots)).tolist()
+    return pool.pages(rec.page_bytes(slots, pool.page_size)).tolist()
 
 
 def test_bookkeeping_memory_per_page_and_pages():
@@ -185,7 +185,7 @@ def test_torch_cpu_indices_are_read_in_place():
     assert _pages(pool, [torch.arange(0, 4), torch.arange(640, 644)]) == [0, 10]  # SGLang's queued ops
     # a tensor not in host memory is never read (a device tensor's tolist() synchronizes)
     with pytest.raises(ValueError, match="host memory"):
-        rec.slot_bytes(torch.empty(4, dtype=torch.int64, device="meta"))
+        rec.slot_array(torch.empty(4, dtype=torch.int64, device="meta"))
 
 
 def test_answers_and_state_match_a_page_by_page_model():
@@ -219,7 +219,7 @@ def test_answers_and_state_match_a_page_by_page_model():
         warnings.simplefilter("ignore")
         for step in range(3000):
             kind, when, arg = rng.random(), step + 1, slots()
-            pages = pool.pages(rec.slot_bytes(arg))
+            pages = pool.pages(rec.page_bytes(arg, pool.page_size))
             expected = sorted({s // PAGE for s in arg if 0 <= s // PAGE < pool.size})
             assert pages.tolist() == expected, step
             if kind < 0.45:

@@ -201,6 +201,7 @@ class Poller:
         self.channel: Any = None
         self._open_lock = threading.Lock()
         self._out: list[tuple[Any, ...]] = []  # this cycle's messages
+        self._page_sizes: dict[int, int] = {}  # host pool id -> its page size: ops send pages, not slots
         self._ops_out = 0
         self._drops: dict[str, int] = {}
         self._unsent_ops = -1  # ops written to the channel and not sent on yet; -1: nothing at all
@@ -408,6 +409,7 @@ class Poller:
                     self._host(rec.FREE, item.pool_id, item.slots)
                 elif type(item) is HostPoolRef:
                     self.held -= 1
+                    self._page_sizes[item.pool_id] = item.page_size
                     self._out.append(item.message())
                 elif self._take_in(item, seq):
                     room -= 1  # an invalid record takes no room: the next pass takes another
@@ -448,7 +450,8 @@ class Poller:
         index = 3 if kind == rec.HOST else 1
         try:
             slots = fields[index]() if callable(fields[index]) else fields[index]
-            self._out.append((kind, *fields[:index], rec.slot_text(slots), *fields[index + 1:]))
+            page_size = self._page_sizes[fields[index - 2 if kind == rec.HOST else 0]]
+            self._out.append((kind, *fields[:index], rec.page_text(slots, page_size), *fields[index + 1:]))
         except Exception as exc:  # the op is still reported; these pages are not tracked
             warn_once(f"host:{kind}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
                       "an op's" if kind == rec.HOST else "freed", exc)

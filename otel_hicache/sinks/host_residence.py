@@ -60,11 +60,11 @@ class HostPool:
         self.span_id = np.zeros(size, np.uint64)  # 0: not sampled (no link)
         self.reloaded = np.zeros(size, np.bool_)
 
-    def pages(self, slot_bytes: bytes) -> Any:
-        """The distinct in-range pages of token slots (``record.slot_bytes``), ascending;
-        out-of-range ones are dropped, warned once."""
+    def pages(self, page_bytes: bytes) -> Any:
+        """The distinct in-range pages of ``record.page_bytes``, ascending; out-of-range ones
+        are dropped, warned once."""
         np = self.np
-        pages = np.frombuffer(slot_bytes, np.int64) // self.page_size
+        pages = np.frombuffer(page_bytes, np.int64)
         if pages.size > 1:  # repeats of the previous page dropped in O(n); a sort only if still unordered
             pages = pages[np.concatenate(((True,), pages[1:] != pages[:-1]))]
             if (pages[1:] <= pages[:-1]).any():
