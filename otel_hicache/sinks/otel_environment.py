@@ -326,13 +326,14 @@ def _tls(signal: str, protocol: str) -> bool:
     return scheme == "https" or (protocol == "grpc" and scheme != "http" and not insecure(signal))
 
 
-def otlp_keywords(signal: str, protocol: str) -> dict[str, Any]:
+def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, Any]:
     """Keywords passed explicitly to the signal's OTLP exporter: its headers, parsed here, and
     gRPC credentials from the files when a file variable is blank (the exporter would take it
     as a path; over HTTP, :func:`settle_session`). The secrets they and the endpoints hold are
     withheld from log lines from now on, before the exporter can log them."""
     pairs, secrets = headers(signal)
-    withhold([*secrets, *(userinfo(os.environ.get(n, "")) for n in signal_variable(signal, "ENDPOINT"))])
+    withhold([*secrets, *(userinfo(os.environ.get(n, "")) for n in signal_variable(signal, "ENDPOINT"))],
+             sdk_loggers)
     keywords: dict[str, Any] = {} if pairs is None else {"headers": pairs}
     files, blanks = tls_files(signal)
     if blanks and protocol == "grpc" and not insecure(signal):

@@ -119,7 +119,7 @@ def _entry_point(group: str, name: str) -> Any:
 
 
 def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | None = None,
-              wrap_export: Callable[[Any], Any] | None = None) -> list[Any]:
+              wrap_export: Callable[[Any], Any] | None = None, own_process: bool = True) -> list[Any]:
     """The exporters (or, for metrics, pull readers) ``names`` (default: what
     ``OTEL_{TRACES,METRICS}_EXPORTER`` names) stand for, built as configure() builds them."""
     variable, group = EXPORTER_GROUPS[signal]
@@ -137,7 +137,7 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
         cls = otel_environment.build(f"{name} {signal} exporter class", found.load, {})
         fixed = {"session": otlp_session()} if otlp == "http/protobuf" else {}
         if otlp is not None:  # its headers, parsed here (none of their values reaches a log line)
-            fixed.update(otel_environment.otlp_keywords(signal, otlp))
+            fixed.update(otel_environment.otlp_keywords(signal, otlp, own_process))
         if meter_provider is not None:
             fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
         retries = otel_environment.otlp_exporter(signal, otlp) if otlp else {}
@@ -156,11 +156,12 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
 
 def build(resource: Any = None, extra_readers: Sequence[Any] = (),
           wrap_export: Callable[[Any], Any] | None = None, id_generator: Any = None,
-          counters_since_ns: int | None = None) -> Providers:
+          counters_since_ns: int | None = None, own_process: bool = False) -> Providers:
     """Providers from the ``OTEL_*`` variables, on ``resource`` (default: the SDK's, from
     ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME``); ``wrap_export(export)`` wraps
     each gRPC exporter's ``export`` (the bootstrap's fork guard). ``counters_since_ns``: the
-    start time of every monotonic sum exported (counters that go on from a predecessor's)."""
+    start time of every monotonic sum exported (counters that go on from a predecessor's).
+    ``own_process``: the telemetry process, whose SDK loggers are ours to filter (never the host's)."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.trace import NoOpTracerProvider
 
@@ -168,12 +169,12 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
         return Providers(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
-    withhold(())  # no SDK log line quotes a whole value from now on
+    withhold((), own_process)  # no log line of ours (in our own process, the SDK's too) quotes a whole value
     build_ = otel_environment.build
     if resource is None:
         resource = otel_environment.resource()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES: the SDK's rules
     readers, meter_provider = _meter_provider(resource, extra_readers, wrap_export=wrap_export,
-                                              counters_since_ns=counters_since_ns)
+                                              counters_since_ns=counters_since_ns, own_process=own_process)
     # Not this meter provider: otel.sdk.span.started/live would cost the sinks two SDK calls a span, and
     # their own counters already count every op; nor the host's global one.
     own = _accepted(TracerProvider, meter_provider=NoOpMeterProvider())
@@ -183,7 +184,7 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
         otel_environment.SPAN_LIMITS) or NoOpTracerProvider()
     undelivered = Undelivered()
     processors = []
-    for exporter in exporters("traces", meter_provider, wrap_export=wrap_export):
+    for exporter in exporters("traces", meter_provider, wrap_export=wrap_export, own_process=own_process):
         for processor in span_processors([exporter], meter_provider):
             processors.append(undelivered.counting(processor, exporter))
             tracer_provider.add_span_processor(processor)
@@ -193,7 +194,7 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
 
 def _meter_provider(resource: Any, extra_readers: Sequence[Any] = (), names: Sequence[str] | None = None,
                     wrap_export: Callable[[Any], Any] | None = None,
-                    counters_since_ns: int | None = None) -> tuple[list[Any], Any]:
+                    counters_since_ns: int | None = None, own_process: bool = False) -> tuple[list[Any], Any]:
     """The readers ``OTEL_METRICS_EXPORTER`` names (or ``names``), ``extra_readers``, and a meter provider of them."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
@@ -202,7 +203,7 @@ def _meter_provider(resource: Any, extra_readers: Sequence[Any] = (), names: Seq
     build_ = otel_environment.build
     readers: list[Any] = []
     metric_exporters = []
-    for made in exporters("metrics", names=names, wrap_export=wrap_export):
+    for made in exporters("metrics", names=names, wrap_export=wrap_export, own_process=own_process):
         if isinstance(made, MetricReader):
             readers.append(made)  # a pull reader (prometheus) serving its own endpoint
         else:
