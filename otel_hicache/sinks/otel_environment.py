@@ -1,16 +1,11 @@
-"""The standard ``OTEL_*`` variables: read by the SDK itself, with a few promises added.
+"""The standard ``OTEL_*`` variables: read by the SDK objects themselves, with the promises it lacks.
 
-Each SDK object reads its own variables (``configure()`` passes no arguments for them)
-and handles most malformed values itself. Where a constructor rejects one, which would
-raise into the host, :func:`build` retries with that variable's default passed
-explicitly and warns once naming it. An empty or blank value means unset (the
-specification's rule; the SDK takes some of them as values): its default is passed
-explicitly, without a warning. Checked ahead, as the SDK would go on without a word: a
-time <= 0 or infinite, and a certificate or key file that cannot be read (or is not a
-regular file: a FIFO would block, a device never end). The OTLP headers are parsed here
-(:func:`headers`) and passed explicitly, so that no header value reaches a log line.
-``os.environ`` is never modified. The tables are those ``docs/configuration.md``
-("Malformed values") lists.
+A constructor that rejects a value would raise into the host: :func:`build` retries with
+that variable's default and warns once naming it. A blank value means unset (the
+specification's rule; the SDK takes some as values): its default is passed, unwarned. Checked
+ahead, as the SDK would go on silently: a time <= 0 or infinite, and a certificate or key file
+that cannot be read or is not a regular file (a FIFO would block). The OTLP headers are parsed
+here, so that no header value reaches a log line. ``os.environ`` is never modified.
 """
 
 from __future__ import annotations
@@ -23,13 +18,11 @@ from urllib.parse import unquote
 from ..diagnostics import WITHHELD, shown, warn_once, withhold
 from .redaction import userinfo
 
-Retry = tuple[str, Any, str]
-"""(the constructor's keyword, its default (or a function giving it), how the warning shows it)."""
+Retry = tuple[str, Any, str]  # (the constructor's keyword, its default or a function giving it, as warned)
 
 MEANT = {"OTEL_METRICS_EXEMPLAR_FILTER": ("trace_based", "always_on", "always_off"),
          "OTEL_EXPORTER_OTLP_COMPRESSION": ("none",)}
-"""Values the specification allows (enum values in any case) that an SDK constructor
-rejects: replaced by what they mean, without a warning."""
+"""Values the specification allows that an SDK constructor rejects: passed as what they mean, unwarned."""
 
 
 def raw(name: str) -> str | None:
@@ -45,8 +38,7 @@ def blank(name: str) -> bool:
 
 
 def count(text: str | None) -> int | None:
-    """The integer >= 0 ``text`` spells in ASCII digits (``int()`` takes other scripts' digits,
-    and raises past ``sys.get_int_max_str_digits()``), else None."""
+    """The integer >= 0 ``text`` spells in ASCII digits (``int()`` takes other scripts' too), else None."""
     text = (text or "").strip()
     return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
@@ -97,8 +89,7 @@ METER_PROVIDER: dict[str, Retry] = {
 
 
 def resource() -> Any:
-    """``Resource.create()`` (``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_SERVICE_NAME``: the SDK's rules),
-    a blank ``OTEL_SERVICE_NAME`` unset (the SDK makes the blanks the service's name)."""
+    """``Resource.create()``, a blank ``OTEL_SERVICE_NAME`` unset (the SDK would name the service blank)."""
     import sys
 
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -121,14 +112,12 @@ def sampler() -> Any:
     return ParentBased(ALWAYS_ON)  # parentbased_always_on, the specified default
 
 
-# -- the OTLP exporters ---------------------------------------------------------------------------
-
 def signal_variable(signal: str, suffix: str) -> tuple[str, str]:
     """(the per-signal form, the general form) of ``OTEL_EXPORTER_OTLP_<suffix>``."""
     return f"OTEL_EXPORTER_OTLP_{signal.upper()}_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}"
 
 
-def _first(signal: str, suffix: str) -> tuple[str, str] | None:
+def first(signal: str, suffix: str) -> tuple[str, str] | None:
     """(name, value) of the signal's variable if set and not blank, else of the general one."""
     return next(((n, v) for n in signal_variable(signal, suffix) if (v := raw(n)) is not None), None)
 
@@ -149,7 +138,7 @@ def redacted(url: str) -> str:
     return url.replace(f"{secret}@", f"{WITHHELD}@", 1) if secret else url
 
 
-def _positive_float(text: str | None) -> float | None:
+def positive_float(text: str | None) -> float | None:
     try:
         value = float(text) if text is not None else None
     except ValueError:
@@ -157,11 +146,11 @@ def _positive_float(text: str | None) -> float | None:
     return value if value is not None and 0 < value < float("inf") else None
 
 
-def _timeout(signal: str) -> Callable[[], float]:
+def timeout_s(signal: str) -> Callable[[], float]:
     """The signal's timeout as it would be read were the blank or rejected variables unset."""
     def value() -> float:
         for name in signal_variable(signal, "TIMEOUT"):
-            if (seconds := _positive_float(raw(name))) is not None:
+            if (seconds := positive_float(raw(name))) is not None:
                 return seconds
         return 10.0
     return value
@@ -193,7 +182,7 @@ def insecure(signal: str) -> bool:
     scheme = _scheme(endpoint(signal, "grpc"))
     if scheme == "https":
         return False
-    found = _first(signal, "INSECURE")
+    found = first(signal, "INSECURE")
     return found[1].strip().lower() == "true" if found is not None else scheme == "http"
 
 
@@ -204,7 +193,7 @@ def otlp_exporter(signal: str, protocol: str) -> dict[str, Retry]:
     retries: dict[str, Retry] = {}
     suffixes: list[tuple[str, Retry]] = [
         ("ENDPOINT", ("endpoint", lambda: endpoint(signal, protocol), default)),
-        ("TIMEOUT", ("timeout", _timeout(signal), "10")),
+        ("TIMEOUT", ("timeout", timeout_s(signal), "10")),
         ("COMPRESSION", ("compression", _compression(signal, protocol), "none"))]
     if grpc:
         suffixes.append(("INSECURE", ("insecure", lambda: insecure(signal), "by the endpoint's scheme")))
@@ -216,8 +205,7 @@ def otlp_exporter(signal: str, protocol: str) -> dict[str, Retry]:
 
 
 class Headers(dict):  # type: ignore[type-arg]
-    """Header pairs an exporter takes as given even when there are none: an empty mapping
-    would send it back to the variable, whose malformed entries it logs in full."""
+    """Pairs an exporter takes even when empty (it would read the variable, and log its bad entries)."""
 
     def __bool__(self) -> bool:
         return True
@@ -227,11 +215,9 @@ _TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHI
 
 
 def headers(signal: str) -> tuple[Headers | None, list[str]]:
-    """The signal's ``*_HEADERS`` pairs by the specification's rules (``key=value``, comma
-    separated, values URL-encoded; None when neither variable is set), and the secrets they
-    hold. Malformed entries are left out with one warning that names their keys or places,
-    never their text."""
-    found = _first(signal, "HEADERS")
+    """The signal's ``*_HEADERS`` pairs (None when unset) and the secrets they hold. Malformed entries
+    are left out with one warning that names their keys or places, never their text."""
+    found = first(signal, "HEADERS")
     if found is None:
         return (Headers() if any(blank(n) for n in signal_variable(signal, "HEADERS")) else None), []
     name, text = found
@@ -254,10 +240,7 @@ def headers(signal: str) -> tuple[Headers | None, list[str]]:
     return pairs, secrets
 
 
-# -- files ----------------------------------------------------------------------------------------
-
 FILES = {"CERTIFICATE": "CA certificate", "CLIENT_KEY": "client key", "CLIENT_CERTIFICATE": "client certificate"}
-"""The file variables' suffixes: ``OTEL_EXPORTER_OTLP_{,TRACES_,METRICS_}<suffix>``."""
 
 
 def file_variables(signal: str) -> list[str]:
@@ -274,16 +257,14 @@ class TlsFiles(NamedTuple):
 
 
 def tls_files(signal: str) -> tuple[TlsFiles, bool]:
-    """The signal's files as the exporters would resolve them were blank variables unset, and
-    whether any of the variables is blank (the exporters would take it as a path)."""
-    paths = [found[1].strip() if (found := _first(signal, suffix)) else None for suffix in FILES]
+    """The signal's files, blank variables unset, and whether one is blank (the SDK takes it as a path)."""
+    paths = [found[1].strip() if (found := first(signal, suffix)) else None for suffix in FILES]
     blanks = any(blank(n) for n in file_variables(signal))
     return TlsFiles(*paths), blanks
 
 
 def unreadable(path: str, directory_ok: bool = False) -> str | None:
-    """Why ``path`` cannot be used as a certificate or key file, or None. Never blocks: a FIFO
-    (whose open() waits for a writer) or a device (/dev/zero never ends) is refused unread."""
+    """Why ``path`` cannot be a certificate or key file, or None. A FIFO or a device is refused unread."""
     try:
         kind = os.stat(path).st_mode
         if stat.S_ISDIR(kind) and directory_ok:
@@ -301,19 +282,17 @@ def unreadable(path: str, directory_ok: bool = False) -> str | None:
 
 
 def certificate_usable(signal: str, protocol: str) -> bool:
-    """False, warned about once, when a certificate or key file of the signal cannot be read
-    and the connection would use TLS: there is no safe default (the gRPC exporters would fall
-    back to the system's CA certificates, the HTTP ones fail every export, and either would
-    block forever on a FIFO)."""
+    """False, warned once, when a file of the signal cannot be read and the connection uses TLS: no
+    default is safe (gRPC would trust the system's CAs, HTTP fail every export, either block on a FIFO)."""
     for suffix, what in FILES.items():
-        found = _first(signal, suffix)
+        found = first(signal, suffix)
         if found is None:
             continue
         name, path = found
         problem = unreadable(path.strip(), directory_ok=protocol != "grpc" and suffix == "CERTIFICATE")
         if problem is None:  # (requests takes a directory of CA certificates)
             continue
-        if not _tls(signal, protocol):
+        if not tls(signal, protocol):
             return True  # plain text: the files are unused
         warn_once(f"certificate:{name}", "otel-hicache: %s=%s %s; there is no safe default for a %s, so what would "
                   "be exported with it over TLS is not exported", name, shown(path), problem, what)
@@ -321,16 +300,14 @@ def certificate_usable(signal: str, protocol: str) -> bool:
     return True
 
 
-def _tls(signal: str, protocol: str) -> bool:
-    scheme = _scheme(endpoint(signal, protocol))
-    return scheme == "https" or (protocol == "grpc" and scheme != "http" and not insecure(signal))
+def tls(signal: str, protocol: str) -> bool:
+    """Whether the signal's exporter over ``protocol`` connects with TLS."""
+    return not insecure(signal) if protocol == "grpc" else _scheme(endpoint(signal, protocol)) == "https"
 
 
 def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, Any]:
-    """Keywords passed explicitly to the signal's OTLP exporter: its headers, parsed here, and
-    gRPC credentials from the files when a file variable is blank (the exporter would take it
-    as a path; over HTTP, :func:`settle_session`). The secrets they and the endpoints hold are
-    withheld from log lines from now on, before the exporter can log them."""
+    """The signal's OTLP exporter's headers, parsed here, and gRPC credentials when a file variable is
+    blank (the exporter would take it as a path). Their and the endpoints' secrets are withheld from now on."""
     pairs, secrets = headers(signal)
     withhold([*secrets, *(userinfo(os.environ.get(n, "")) for n in signal_variable(signal, "ENDPOINT"))],
              sdk_loggers)
@@ -351,8 +328,7 @@ def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, An
 
 
 def settle_session(session: Any, signal: str) -> None:
-    """OTLP/HTTP: the session the exporter was built with verifies and identifies with the
-    signal's files as resolved with blank variables unset (the SDK put a blank one on it)."""
+    """OTLP/HTTP: the session's files as resolved with blank variables unset (the SDK put a blank one on it)."""
     files, blanks = tls_files(signal)
     if not blanks:
         return
@@ -360,8 +336,6 @@ def settle_session(session: Any, signal: str) -> None:
     cert, key = files.client_certificate, files.client_key
     session.cert = (cert, key) if cert and key else cert
 
-
-# -- building -------------------------------------------------------------------------------------
 
 def _value(default: Any) -> Any:
     return default() if callable(default) else default
@@ -381,11 +355,9 @@ def _quoted(name: str) -> str:
 
 
 def build(what: str, make: Callable[..., Any], retries: Mapping[str, Retry]) -> Any:
-    """``make()``, a blank variable of ``retries`` replaced by its default (blank means unset;
-    the SDK takes some of them as values) and a time <= 0 or infinite too (the SDK would
-    take it: every export fails, or none happens); while it raises, the variable whose default
-    cures the error is replaced too. One WARNING per variable replaced but a blank one; None
-    (warned) if none helps."""
+    """``make()`` with the default of each blank variable of ``retries``, each time <= 0 or infinite, and
+    while it raises, of the variable whose default cures the error. One warning per variable replaced
+    but a blank one; None (warned) if none helps."""
     given = [name for name in retries if raw(name) is not None]
     blanks = [name for name in retries if blank(name)]
     chosen = {n: "is not > 0" for n in given if n.endswith(("TIMEOUT", "INTERVAL", "DELAY"))

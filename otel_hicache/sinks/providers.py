@@ -1,10 +1,8 @@
 """Tracer and meter providers from the standard ``OTEL_*`` variables, built of the SDK's parts.
 
-As the SDK's configurator does, privately (the host's global providers are left alone)
-and per process: exporters by the SDK's entry-point names, each SDK object reading its
-own variables (:mod:`.otel_environment` retries what a constructor rejects), and this
-meter provider handed to them for the SDK's ``otel.sdk.*`` self-metrics. Added where the
-SDK lacks it: a bounded shutdown. ``docs/configuration.md`` has the details.
+As the SDK's configurator builds them, but privately (never the host's globals): exporters
+by the SDK's entry-point names, each object reading its own variables (:mod:`.otel_environment`
+retries what a constructor rejects). Added where the SDK lacks it: a bounded shutdown.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from .http_session import otlp_session
 
 class Undelivered:
     """Per batch processor, the sampled spans it was given against those its exporter was handed:
-    what is left at exit was never sent (the SDK's own counts die with the process). Wrappers
-    around each processor's ``on_end`` and its exporter's ``export``, public methods both."""
+    what is left at exit was never sent (the SDK's own counts die with the process)."""
 
     def __init__(self) -> None:
         self._counts: list[list[int]] = []  # [ended, handed] per processor
