@@ -28,7 +28,7 @@ def doctor(*args: str, script: bool = False, **env: str) -> subprocess.Completed
     """The doctor in a fresh process, with only these OTEL_* variables."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SGLANG_PLUGINS"))}
     command = [str(SCRIPT), "doctor"] if script else [sys.executable, "-m", "otel_hicache.doctor"]
-    return subprocess.run([*command, "--skip-sglang", "--timeout", "5", *args], env={**clean, **env},
+    return subprocess.run([*command, "--skip-adapters", "--timeout", "5", *args], env={**clean, **env},
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
@@ -205,37 +205,49 @@ def test_console_script_is_declared_and_installed():
 
 # -- SGLang, in-process ---------------------------------------------------------------
 
+def _adapter_section(check: bool) -> str:
+    """The doctor's adapter sections, as it prints them (entry-point group otel_hicache.adapters)."""
+    from otel_hicache import adapters
+
+    out = io.StringIO()
+    for _, registration in adapters.registered():
+        registration.doctor(out, check)
+    return out.getvalue()
+
+
 def test_sglang_patch_groups_on_the_real_sglang(monkeypatch):
     pytest.importorskip("otel_hicache_sglang")
     monkeypatch.syspath_prepend(str(ADAPTER_TESTS))
     sglang_cpu = pytest.importorskip("sglang_cpu")
     sglang_cpu.install_cpu_support()  # importing SGLang 0.5.23 on CPU (seconds, once per session)
-    from otel_hicache import doctor as module
-    out = io.StringIO()
-    module._sglang(out, check_groups=True)
-    text = out.getvalue()
+    text = _adapter_section(check=True)
     assert "sglang          0.5.23 (supported; the adapter instruments sglang >= 0.5.20, < 0.5.24)" in text
     assert "SGLang plugin entry point registered" in text
     for group in ("L1<->L2 transfers", "transfer causes", "host residence"):
         assert f"{group}: would apply" in text, text
     monkeypatch.setenv("SGLANG_PLUGINS", "something_else")
-    out = io.StringIO()
-    module._sglang(out, check_groups=False)
-    assert "does not list otel_hicache" in out.getvalue()
-    assert "not checked (--skip-sglang)" in out.getvalue()
+    text = _adapter_section(check=False)
+    assert "does not list otel_hicache" in text and "patch groups    not checked" in text
 
 
 def test_sglang_not_installed(monkeypatch):
     import importlib.metadata
 
-    from otel_hicache import doctor as module
+    pytest.importorskip("otel_hicache_sglang")
+
     def version(name: str) -> str:
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    out = io.StringIO()
-    module._sglang(out, check_groups=True)
-    assert "sglang          not installed" in out.getvalue()
+    assert "sglang          not installed" in _adapter_section(check=True)
+
+
+def test_skip_adapters_and_its_old_name():
+    from otel_hicache.doctor import _parser
+
+    for flag in ("--skip-adapters", "--skip-sglang"):
+        assert _parser("doctor").parse_args([flag]).skip_adapters is True
+    assert "--skip-sglang" not in _parser("doctor").format_help()
 
 
 def test_why_not_applied_is_the_patchers_check():

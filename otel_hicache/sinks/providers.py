@@ -116,7 +116,7 @@ def _entry_point(group: str, name: str) -> Any:
 
 
 def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | None = None,
-              wrap_export: Callable[[Any], Any] | None = None, own_process: bool = True) -> list[Any]:
+              wrap_export: Callable[[Any], Any] | None = None, own_process: bool = False) -> list[Any]:
     """The exporters (or, for metrics, pull readers) ``names`` (default: what
     ``OTEL_{TRACES,METRICS}_EXPORTER`` names) stand for, built as configure() builds them."""
     variable, group = EXPORTER_GROUPS[signal]
