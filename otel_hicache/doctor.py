@@ -635,13 +635,18 @@ def doctor(timeout_s: float = CAP_S, check_adapters: bool = True, out: TextIO | 
             p(line + (f" ({times} times)" if times > 1 else ""))
         p("  (none)\n" if not seen else "")
         trace_id = _exports(p, checks, problems, logs, cap_s=timeout_s, notes=notes)
-        for name, registration in adapters.registered():  # each adapter's own section
-            try:
-                registration.doctor(report, check_adapters)
-            except Exception as exc:  # pylint: disable=broad-except
-                p(f"  adapter {name}: its section failed ({type(exc).__name__}: {exc})")
+        _adapters(report, check_adapters)
         p("\n")
         return _verdict(p, notes, problems, checks, trace_id)
+
+
+def _adapters(out: TextIO, check: bool) -> None:
+    """Each installed adapter's own section (entry-point group ``otel_hicache.adapters``)."""
+    for name, registration in adapters.registered():
+        try:
+            registration.doctor(out, check)
+        except Exception as exc:  # pylint: disable=broad-except
+            print(f"  adapter {name}: its section failed ({type(exc).__name__}: {exc})", file=out)
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:

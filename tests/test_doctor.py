@@ -207,11 +207,10 @@ def test_console_script_is_declared_and_installed():
 
 def _adapter_section(check: bool) -> str:
     """The doctor's adapter sections, as it prints them (entry-point group otel_hicache.adapters)."""
-    from otel_hicache import adapters
+    from otel_hicache.doctor import _adapters
 
     out = io.StringIO()
-    for _, registration in adapters.registered():
-        registration.doctor(out, check)
+    _adapters(out, check)
     return out.getvalue()
 
 
