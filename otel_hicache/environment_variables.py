@@ -7,9 +7,6 @@ its default is used. Booleans are ``true`` or ``false`` in any case, as the spec
 OTEL_HICACHE_ENABLED = "OTEL_HICACHE_ENABLED"
 """``false``: every ``submit()`` returns at once. Default: ``true``"""
 
-OTEL_HICACHE_STRICT = "OTEL_HICACHE_STRICT"
-"""``true``: API misuse raises in the caller (for tests). Default: ``false``"""
-
 OTEL_HICACHE_MAX_QUEUE_SIZE = "OTEL_HICACHE_MAX_QUEUE_SIZE"
 """Most records held before their span; beyond it new ones are dropped and counted. Default: ``16384``"""
 
@@ -37,7 +34,6 @@ Default: unset (the telemetry process when an exporter sends over OTLP)"""
 
 DEFAULTS = {
     OTEL_HICACHE_ENABLED: True,
-    OTEL_HICACHE_STRICT: False,
     OTEL_HICACHE_MAX_QUEUE_SIZE: 16384,
     OTEL_HICACHE_POLL_INTERVAL_MS: 10.0,
     OTEL_HICACHE_ACK_TIMEOUT_S: 30.0,
