@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import subprocess
 import sys
 import time
@@ -146,25 +145,15 @@ def test_nothing_to_export_exits_0_and_says_why():
     assert none.returncode == 0 and "NOTE: nothing to check" in result(none)
     disabled = doctor(OTEL_SDK_DISABLED="true")
     assert disabled.returncode == 0
-    assert "OTEL_SDK_DISABLED                          true (OTEL_SDK_DISABLED)" in disabled.stdout
+    assert "OTEL_SDK_DISABLED   true (OTEL_SDK_DISABLED)" in disabled.stdout
     assert "NOTE: nothing is exported: OTEL_SDK_DISABLED=true" in result(disabled)
 
 
-def test_the_sinks_channel_sdk_and_features_off_are_said_with_why():
-    import opentelemetry.sdk.version as sdk
-
+def test_where_the_sinks_run_is_said_with_why():
     default = doctor(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
-    assert (f"    sinks           embedded in the serving process (no exporter sends over the network); "
-            f"OpenTelemetry SDK {sdk.__version__}\n") in default.stdout
-    assert "    host residence  on\n" in default.stdout
-    assert re.search(r"^    OTEL_HICACHE_TELEMETRY_PROCESS +auto \(default\)$", default.stdout, re.M), default.stdout
-    off = doctor(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_HICACHE_TELEMETRY_PROCESS="true",
-                 OTEL_HICACHE_HOST_RESIDENCE="false")
-    assert "    sinks           a telemetry process of their own (OTEL_HICACHE_TELEMETRY_PROCESS)" in off.stdout
-    assert "    host residence  off (OTEL_HICACHE_HOST_RESIDENCE=false)\n" in off.stdout
-    # no GPU on the test machines: the timing line says the host clock is used, and how the data says so
-    assert "    timing          host clock: torch " in default.stdout or "    timing          device events" \
-        in default.stdout
+    assert "    sinks           embedded (no exporter sends over the network)\n" in default.stdout
+    forced = doctor(OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none", OTEL_HICACHE_TELEMETRY_PROCESS="true")
+    assert "    sinks           a telemetry process of their own (OTEL_HICACHE_TELEMETRY_PROCESS)" in forced.stdout
 
 
 def test_settings_and_otel_hicache_warnings_are_reported():
@@ -176,14 +165,11 @@ def test_settings_and_otel_hicache_warnings_are_reported():
                       OTEL_TRACES_SAMPLER="traceidratio", OTEL_TRACES_SAMPLER_ARG="0.25",
                       OTEL_METRIC_EXPORT_INTERVAL="1500", OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED="true", **FAST)
         out = done.stdout
-        assert "OTEL_HICACHE_MAX_QUEUE_SIZE" in out and "16384 (set: 'lots')" in out
-        assert "2.5 (set: '2.5')" in out
-        assert "OTEL_HICACHE_MAX_QUEUE_SIZE='lots' is not an integer >= 1; using the default 16384" in out
+        assert "OTEL_HICACHE_MAX_QUEUE_SIZE 'lots'" in out and "OTEL_HICACHE_ACK_TIMEOUT_S '2.5'" in out
         assert "unknown exporter 'zipkin'" in out
         assert "traceidratio, arg 0.25 (OTEL_TRACES_SAMPLER): TraceIdRatioBased{0.25}" in out
         assert "export interval 1500 ms (OTEL_METRIC_EXPORT_INTERVAL)" in out
-        assert "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED   true" in out
-        assert "prometheus      a pull reader" in out
+        assert "prometheus      not checked" in out
         assert "traces   ACCEPTED" in out and "metrics  ACCEPTED" in out
         assert done.returncode == 1  # zipkin is not installed
         assert "OTEL_TRACES_EXPORTER names 'zipkin', which is not installed" in result(done)
@@ -262,38 +248,20 @@ def test_why_not_applied_is_the_patchers_check():
                                                    check=too_old)) == "HiCacheAck has no field num_bytes"
 
 
-def test_the_telemetry_process_is_checked_when_configure_would_use_it():
+def test_the_sinks_line_says_a_telemetry_process_when_an_exporter_sends_over_otlp():
     receiver = HttpReceiver()
     try:
         done = doctor(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
                       **FAST)
-        out = done.stdout + done.stderr
-        assert done.returncode == 0, out
-        assert "sinks           a telemetry process of their own (an exporter sends over OTLP)" in done.stdout, out
-        assert re.search(r"the telemetry process \(pid \d+\) started and flushed its exporters", done.stdout), out
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "sinks           a telemetry process of their own (an exporter sends over OTLP)" in done.stdout
     finally:
         receiver.stop()
 
 
-def test_embedded_sinks_start_no_telemetry_process():
+def test_embedded_sinks():
     done = doctor(OTEL_TRACES_EXPORTER="console", OTEL_METRICS_EXPORTER="none", **FAST)
-    assert "sinks           embedded in the serving process (no exporter sends over the network)" in done.stdout
-    assert "telemetry process (pid" not in done.stdout
-
-
-def test_a_telemetry_process_that_fails_is_a_problem_with_a_fix(monkeypatch):
-    from otel_hicache import doctor as doctor_module
-    from otel_hicache.capture import channel
-
-    lines: list[str] = []
-    for command in (["/nonexistent/python"], [sys.executable, "-c", "raise SystemExit(3)"]):
-        monkeypatch.setattr(channel, "telemetry_process_command", lambda command=command: command)
-        problem = doctor_module._telemetry_process(lines.append, 2.0)  # noqa: SLF001
-        assert problem is not None, lines
-        what, fix = problem
-        assert "telemetry process" in what and "OTEL_HICACHE_TELEMETRY_PROCESS=false" in fix
-        assert "NOT working" in lines[-1]
-    assert "could not be started" in lines[0]
+    assert "sinks           embedded (no exporter sends over the network)" in done.stdout
 
 
 # -- a collector that answers outside 2xx, and secrets ------------------------------------------
