@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import re
+import shlex
 import sys
 import threading
 import time
@@ -354,7 +355,34 @@ def _exports(p: Any, checks: list[Check], problems: list[Problem], logs: _Captur
             problems.append((check.signal, what, fix))
         with contextlib.suppress(Exception):
             check.exporter.shutdown()
+    if (problem := _telemetry_process(p, cap_s)) is not None:
+        problems.append(("traces", *problem))
     return trace_id
+
+
+def _telemetry_process(p: Any, cap_s: float) -> tuple[str, str] | None:
+    """When the sinks would run in a telemetry process: start one as the capture would and have it
+    flush its exporters; (what, fix) when it does not answer."""
+    if not configuration.uses_telemetry_process():
+        return None
+    from .capture.channel import ProcessChannel, telemetry_process_command
+
+    started, channel = time.monotonic(), ProcessChannel(configuration.hello({}), 1, lambda: None)
+    try:
+        answered = channel.flush(cap_s)
+        pid = channel.process.pid if channel.process is not None else None
+    except Exception:  # pylint: disable=broad-except
+        answered, pid = False, None
+    finally:
+        with contextlib.suppress(Exception):
+            channel.stop(1.0)
+    if answered:
+        p(f"  sinks    the telemetry process (pid {pid}) started and flushed in {time.monotonic() - started:.2f} s")
+        return None
+    what = "the telemetry process " + ("could not be started" if pid is None else f"did not answer in {cap_s:g} s")
+    p(f"  sinks    NOT working: {what} (the serving process would fall back to exporting itself)")
+    return what, (f"run `{shlex.join(telemetry_process_command())} < /dev/null` to see its error, "
+                  f"or set {ev.OTEL_HICACHE_TELEMETRY_PROCESS}=false")
 
 
 def _verdict(p: Any, notes: list[str], problems: list[Problem], checks: list[Check], trace_id: str) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import time
@@ -248,20 +249,38 @@ def test_why_not_applied_is_the_patchers_check():
                                                    check=too_old)) == "HiCacheAck has no field num_bytes"
 
 
-def test_the_sinks_line_says_a_telemetry_process_when_an_exporter_sends_over_otlp():
+def test_the_telemetry_process_is_checked_when_configure_would_use_it():
     receiver = HttpReceiver()
     try:
         done = doctor(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
                       **FAST)
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert "sinks           a telemetry process of their own (an exporter sends over OTLP)" in done.stdout
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out
+        assert "sinks           a telemetry process of their own (an exporter sends over OTLP)" in done.stdout, out
+        assert re.search(r"the telemetry process \(pid \d+\) started and flushed", done.stdout), out
     finally:
         receiver.stop()
 
 
-def test_embedded_sinks():
+def test_embedded_sinks_start_no_telemetry_process():
     done = doctor(OTEL_TRACES_EXPORTER="console", OTEL_METRICS_EXPORTER="none", **FAST)
     assert "sinks           embedded (no exporter sends over the network)" in done.stdout
+    assert "telemetry process (pid" not in done.stdout
+
+
+def test_a_telemetry_process_that_fails_is_a_problem_with_a_fix(monkeypatch):
+    from otel_hicache import doctor as doctor_module
+    from otel_hicache.capture import channel
+
+    lines: list[str] = []
+    for command in (["/nonexistent/python"], [sys.executable, "-c", "raise SystemExit(3)"]):
+        monkeypatch.setattr(channel, "telemetry_process_command", lambda command=command: command)
+        problem = doctor_module._telemetry_process(lines.append, 2.0)  # noqa: SLF001
+        assert problem is not None, lines
+        what, fix = problem
+        assert "telemetry process" in what and "OTEL_HICACHE_TELEMETRY_PROCESS=false" in fix
+        assert "NOT working" in lines[-1]
+    assert "could not be started" in lines[0]
 
 
 # -- a collector that answers outside 2xx, and secrets ------------------------------------------

@@ -1,22 +1,17 @@
-"""The ``requests`` session of the OTLP/HTTP exporters, for three SDK gaps.
-
-* ``REQUESTS_CA_BUNDLE`` or ``CURL_CA_BUNDLE`` would override the OTLP certificate on the
-  session's ``verify``: the OTLP certificate wins here.
-* The SDK takes any status below 400 as a delivery (a 308 to ``https://`` included) and counts
-  an error status as exported in its self-metrics: redirects are not followed here, and an
-  answer outside 2xx raises :class:`Refused` (warned once per endpoint and status).
-* The statuses the OTLP specification says to retry raise :class:`Busy`, retried with the
-  exporter's backoff; a retry sooner than the collector's ``Retry-After`` is not sent.
-"""
+"""The ``requests`` session of the OTLP/HTTP exporters, for three SDK gaps: ``REQUESTS_CA_BUNDLE``
+would override the OTLP certificate (it wins here); the SDK takes a 3xx as a delivery and counts an
+error status as exported in its self-metrics (here no redirect is followed, and an answer outside 2xx
+raises ``Refused``, warned once per endpoint and status); a retryable status raises ``Busy``, retried
+with the exporter's backoff but never sooner than the collector's ``Retry-After``."""
 
 from __future__ import annotations
 
 import functools
-import re
 import os
+import re
 import threading
-import weakref
 import time
+import weakref
 from email.utils import parsedate_to_datetime
 from http import HTTPStatus
 from typing import Any
@@ -24,16 +19,11 @@ from typing import Any
 from ..diagnostics import warn_once
 from .redaction import without_userinfo
 
-RETRYABLE = frozenset({429, 502, 503, 504})
-"""The statuses the OTLP/HTTP specification says a client retries (with backoff)."""
-RETRY_GAP_S = 0.5
-"""The exporter's repeat at once of a connection error is not sent this soon after a retryable refusal."""
+RETRYABLE = frozenset({429, 502, 503, 504})  # what the OTLP/HTTP specification says a client retries
+RETRY_GAP_S = 0.5  # the exporter's repeat at once of a connection error is held back this long after a Busy
 MAX_RETRY_AFTER_S = 3600.0
-"""A longer ``Retry-After`` is taken as this."""
-WANTS_TLS = "the collector wants TLS; set an https endpoint"
-"""What a redirect from ``http://`` to ``https://`` means (:func:`describe`)."""
-REFUSAL = re.compile(r"HTTP (?P<status>\d{3})(?: [\w'-]+)*(?: \(to [^()]*\))?")
-"""How a refusal is named (:func:`describe`), in the exception and the warning: what the doctor reads."""
+WANTS_TLS = "the collector wants TLS; set an https endpoint"  # a redirect from http:// to https://
+REFUSAL = re.compile(r"HTTP (?P<status>\d{3})(?: [\w'-]+)*(?: \(to [^()]*\))?")  # what describe() says
 
 
 @functools.cache
@@ -62,12 +52,9 @@ def describe(status: int, reason: str | None, location: str | None, url: str) ->
     text = f"HTTP {status} {phrase}".rstrip()
     if 300 <= status < 400:
         target = without_userinfo(location.strip())[:200] if location else None
-        if target and target.lower().startswith("https://") and url.lower().startswith("http://"):
-            advice = WANTS_TLS
-        elif target:
-            advice = "redirects are not followed; set the endpoint to where it points"
-        else:
-            advice = "redirects are not followed; check the endpoint"
+        advice = WANTS_TLS if target and target.lower().startswith("https://") and url.lower().startswith(
+            "http://") else "redirects are not followed; " + ("set the endpoint to where it points" if target
+                                                              else "check the endpoint")
         text += f" (to {(target or 'nowhere given').replace('(', '%28').replace(')', '%29')}: {advice})"
     return text
 
