@@ -117,23 +117,16 @@ class Otlp:
         found = oe.first(self.signal, suffix)
         return found[0] if found else f"OTEL_EXPORTER_OTLP_{suffix}"
 
-
-def _otlp(p: Any, otlp: Otlp) -> Otlp:
-    """Print what the exporter will use."""
-    signal, protocol = otlp.signal, otlp.protocol
-    pairs, _ = oe.headers(signal)
-    headers = "none" if pairs is None else (", ".join(f"{k}=***" for k in pairs) or "none parsed") + \
-        f" ({otlp.variable('HEADERS')}; values masked)"
-    p(f"      endpoint      {otlp.endpoint} {_source(otlp.variable('ENDPOINT'))}")
-    p(f"      TLS           {'yes' if otlp.tls else 'no'}")
-    p(f"      headers       {headers}")
-    for suffix in oe.FILES:
-        if (found := oe.first(signal, suffix)) is not None:
-            path = found[1].strip()
-            problem = oe.unreadable(path, directory_ok=protocol != "grpc" and suffix == "CERTIFICATE")
-            p(f"      {suffix.lower().replace('_', ' '):<13} {path} ({found[0]}): "
+    def show(self, p: Any) -> Otlp:
+        pairs, _ = oe.headers(self.signal)
+        headers = "none" if pairs is None else (", ".join(f"{k}=***" for k in pairs) or "none parsed") + \
+            f" ({self.variable('HEADERS')}; values masked)"
+        p(f"      endpoint      {self.endpoint} {_source(self.variable('ENDPOINT'))}")
+        p(f"      TLS           {'yes' if self.tls else 'no'}\n      headers       {headers}")
+        for suffix, name, path, problem in oe.tls_files(self.signal, self.protocol):
+            p(f"      {suffix.lower().replace('_', ' '):<13} {path} ({name}): "
               + (f"NOT readable: {problem}" if problem else "readable"))
-    return otlp
+        return self
 
 
 Planned = tuple[str, str, "Otlp | None"]
@@ -162,7 +155,7 @@ def _configuration(p: Any, notes: list[str]) -> list[Planned]:
                 continue
             otlp = Otlp(signal, protocol)
             p(f"    {name:<15} OTLP over {protocol} {_source(otlp.variable('PROTOCOL'))}")
-            planned.append((signal, name, _otlp(p, otlp)))
+            planned.append((signal, name, otlp.show(p)))
         if signal == "traces":
             _sampler(p, notes, names != ["none"])
         else:

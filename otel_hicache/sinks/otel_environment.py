@@ -233,18 +233,23 @@ def unreadable(path: str, directory_ok: bool = False) -> str | None:
     return None
 
 
+def tls_files(signal: str, protocol: str) -> list[tuple[str, str, str, str | None]]:
+    """(suffix, variable, path, why it cannot be used or None) of each file variable set for the signal."""
+    found = [(suffix, *pair) for suffix in FILES if (pair := first(signal, suffix)) is not None]
+    return [(suffix, name, path.strip(), unreadable(path.strip(), directory_ok=protocol != "grpc" and
+                                                    suffix == "CERTIFICATE"))  # (requests takes a directory)
+            for suffix, name, path in found]
+
+
 def certificate_usable(signal: str, protocol: str) -> bool:
     """False, warned once, when a file of the signal cannot be read and the connection uses TLS: no
     default is safe (gRPC would trust the system's CAs, HTTP fail every export, either block on a FIFO)."""
-    for suffix, what in FILES.items():
-        if (found := first(signal, suffix)) is None:
-            continue
-        name, path = found  # (requests takes a directory of CA certificates)
-        problem = unreadable(path.strip(), directory_ok=protocol != "grpc" and suffix == "CERTIFICATE")
+    for suffix, name, path, problem in tls_files(signal, protocol):
         if problem is not None:
             if tls(signal, protocol):
                 warn_once(f"certificate:{name}", "otel-hicache: %s=%s %s; there is no safe default for a %s, so what "
-                          "would be exported with it over TLS is not exported", name, shown(path), problem, what)
+                          "would be exported with it over TLS is not exported", name, shown(path), problem,
+                          FILES[suffix])
             return not tls(signal, protocol)  # plain text: the files are unused
     return True
 
