@@ -1,12 +1,9 @@
-"""``configure()``: telemetry from the standard ``OTEL_*`` variables, once per process.
+"""``configure()``: where the sinks run, once per process; where the capture and the sinks meet.
 
-It decides where the sinks run (:envvar:`OTEL_HICACHE_TELEMETRY_PROCESS`): in a telemetry
-process of their own when an exporter sends over the network, which the capture starts
-at its first batch with this process's resource (:mod:`otel_hicache.capture.channel`);
-else embedded, on providers built here (:mod:`otel_hicache.sinks.providers`: privately,
-the host's global providers are left alone). A forked child gets its own. This module is
-where the two sides meet: the capture asks it for a channel (:func:`open_channel`).
-``docs/configuration.md`` has the details.
+In a telemetry process of their own when an exporter sends over OTLP (the capture starts it,
+:mod:`otel_hicache.capture.channel`), else embedded on private providers (the host's global
+ones are left alone). A forked child gets its own. The capture asks for a channel here
+(:func:`open_channel`).
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ from .settings import env_bool, env_float, sdk_disabled
 
 @dataclass
 class Configuration:
-    """What :func:`configure` chose for this process: the telemetry process, or the embedded
-    providers it built (``tracer_provider``/``meter_provider``; None with the telemetry process)."""
+    """What :func:`configure` chose: the telemetry process, or the embedded providers it built."""
 
     telemetry_process: bool
     built: Any  # sinks.providers.Providers, or None
@@ -55,9 +51,8 @@ _fork_registered = False
 
 
 def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Configuration:
-    """Choose (once per process) where the sinks run and build what that needs from the
-    ``OTEL_*`` variables; ``metric_readers`` (added to the meter provider's own) keep the
-    sinks embedded: they read in this process."""
+    """Choose (once per process) where the sinks run, and build what that needs; ``metric_readers``
+    (added to the meter provider's own) keep the sinks embedded: they read in this process."""
     global _configured, _fork_registered
     with _lock:
         previous = _configured
@@ -121,8 +116,7 @@ def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
 def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str, Any],
                  max_ops: int, clock: Callable[[], int] = time.time_ns) -> Callable[[], Any]:
     """The channel a ``TransferTelemetry`` writes to, opened on its poller thread: embedded on the
-    providers passed (either one; the other from configure(), else the global one), else what
-    :func:`configure` chose (called here first in a forked child that used it)."""
+    providers passed (the other from configure(), else the global one), else configure()'s choice."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
 

@@ -1,14 +1,9 @@
-"""One-time warnings, strict mode, and what a log line may show of a setting.
+"""One-time warnings, and what a log line may show of a setting.
 
-Instrumentation must never raise into the host application: misuse and
-failures are reported once per distinct problem through the ``otel_hicache``
-logger, and counted in self-metrics. ``OTEL_HICACHE_STRICT=true`` turns API misuse
-into exceptions for tests.
-
-A value quoted in a log line is shown by :func:`shown` (a short prefix: a
-setting can be megabytes long). Secrets a setting holds (header values, the
-userinfo of an endpoint URL) are withheld from every record of the
-``otel_hicache`` logger and of the OpenTelemetry SDK's loggers by :func:`withhold`.
+Misuse and failures are reported once per distinct problem through the ``otel_hicache``
+logger, never raised into the host. A quoted value is cut short (:func:`shown`); secrets a
+setting holds are withheld (:func:`withhold`) from our logger, and in the telemetry process,
+which is ours, from the SDK's loggers too: the host's loggers get no filter.
 """
 
 from __future__ import annotations
@@ -105,15 +100,14 @@ class _Withhold(logging.Filter):
 _withhold = _Withhold()
 
 
-def withhold(secrets: Iterable[str], prefixes: tuple[str, ...] = ("opentelemetry", "otel_hicache")) -> None:
-    """From now on, records of the loggers named ``prefixes...`` (those that exist: the SDK's
-    are made when its modules are imported) show none of ``secrets`` and no long string whole.
-    The SDK logs a malformed header entry, the endpoint it failed to reach and most values it
-    could not parse in full, once per exporter."""
+def withhold(secrets: Iterable[str], sdk_loggers: bool = False) -> None:
+    """From now on, records of our logger (and with ``sdk_loggers``, of every ``opentelemetry*``
+    logger that exists: only in our own telemetry process) show none of ``secrets`` and no long
+    string whole. The SDK logs a malformed header entry and the endpoint it failed to reach in full."""
     with _lock:
         _withhold.secrets = _withhold.secrets | {s for s in secrets if len(s) >= SECRET_CHARACTERS}
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-               if name.split(".", 1)[0] in prefixes]
+               if sdk_loggers and name.split(".", 1)[0] == "opentelemetry"]
     for each in [*loggers, logger]:
         if _withhold not in each.filters:
             each.addFilter(_withhold)

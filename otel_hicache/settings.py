@@ -1,10 +1,7 @@
-"""Typed reading of the ``OTEL_HICACHE_*`` variables, and of ``OTEL_SDK_DISABLED``.
+"""Typed reading of the ``OTEL_HICACHE_*`` variables and ``OTEL_SDK_DISABLED``, never raising.
 
-Every reader falls back to the documented default (:data:`DEFAULTS`) and warns
-once, naming the variable and a short prefix of the value, when a value is
-malformed; none of them raises. An empty or blank value means unset.
-Booleans are the OTel specification's: ``true`` or ``false``, any case (as the
-SDK reads ``OTEL_SDK_DISABLED``); ``1``, ``yes`` or ``on`` are malformed.
+A malformed value warns once (naming the variable, quoting a short prefix) and the default
+is used; a blank one means unset. Booleans are ``true`` or ``false`` in any case.
 """
 
 from __future__ import annotations
@@ -57,27 +54,6 @@ def env_float(name: str, default: float | None = None, minimum: float = 0.0) -> 
 
 def env_int(name: str, default: int | None = None, minimum: int = 1) -> int:
     return _number(name, default, int, minimum)
-
-
-def env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """One of ``choices`` (lower case; the value is matched in any case)."""
-    def parse(raw: str) -> str:
-        if raw.lower() not in choices:
-            raise ValueError(raw)
-        return raw.lower()
-
-    return _read(name, DEFAULTS[name], parse, "one of " + ", ".join(choices))
-
-
-def env_fraction(name: str) -> float:
-    """A number ``>= 0`` and ``< 1`` (a quantile; 0 meaning off)."""
-    def parse(raw: str) -> float:
-        value = float(raw)
-        if not 0.0 <= value < 1.0:  # NaN too
-            raise ValueError(raw)
-        return value
-
-    return _read(name, DEFAULTS[name], parse, "a number >= 0 and < 1")
 
 
 def sdk_disabled() -> bool:

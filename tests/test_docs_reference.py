@@ -452,6 +452,8 @@ def standard_variables() -> set[str]:
     for signal in ("traces", "metrics"):
         found |= set(otel_environment.otlp_exporter(signal, "grpc"))
         found |= set(otel_environment.file_variables(signal))
+        for suffix in ("PROTOCOL", "HEADERS"):
+            found |= set(otel_environment.signal_variable(signal, suffix))
     return found
 
 

@@ -107,7 +107,9 @@ def _everything():
 @pytest.mark.parametrize("variable", STANDARD + sorted(DEFAULTS))
 def test_configure_survives_every_hostile_value(monkeypatch, records, special_files, variable):
     """Empty, blank, Unicode digits, 5,000 digits, 10 MB (and a FIFO and a device for a file
-    variable): configure() returns, raises nothing, and no log record is long."""
+    variable): configure() returns, raises nothing, and no record of otel-hicache is long. (The
+    SDK's own records here are the host's: its loggers get no filter; in the telemetry process,
+    ours, they are cut: the test below.)"""
     values = dict(HOSTILE)
     if variable.endswith(FILE_SUFFIXES):
         values.update(special_files)
@@ -125,8 +127,30 @@ def test_configure_survives_every_hostile_value(monkeypatch, records, special_fi
             how, result = _bounded(_everything)
             assert how == "returned", (label, protocol, result)
             _bounded(lambda: configuration.shutdown(0.2))
-            longest = max(records.lines, key=len, default="")
+            longest = max((line for line in records.lines if line.split(" ", 2)[1].startswith("otel_hicache")),
+                          key=len, default="")
             assert len(longest) <= LONGEST_RECORD, (label, protocol, longest[:300], len(longest))
+
+
+LONG = {"OTEL_TRACES_SAMPLER": "9" * 5000, "OTEL_EXPORTER_OTLP_HEADERS": "9" * 5000,
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "x" * 100_000, "OTEL_EXPORTER_OTLP_COMPRESSION": "9" * 5000,
+        "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE": "9" * 5000,
+        "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION": "9" * 5000,
+        "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "9" * 5000}
+"""Values the SDK quotes whole in a log line of its own (the resource's would be quoted by the host's SDK)."""
+
+
+def test_the_telemetry_process_cuts_the_sdks_long_lines(tmp_path):
+    """In the telemetry process, which is ours, every record of the SDK's loggers too is short."""
+    script = tmp_path / "host.py"
+    script.write_text(HOST)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(LONG, PYTHONPATH=ROOT, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf", OTEL_HICACHE_SHUTDOWN_TIMEOUT_S="1",
+               OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{closed_port()}")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Couldn't recognize sampler" in done.stderr and "(100000 characters)" in done.stderr  # cut, not left out
+    assert max(map(len, done.stderr.splitlines())) <= LONGEST_RECORD, max(done.stderr.splitlines(), key=len)[:300]
 
 
 # -- a value never costs a signal it did not concern ----------------------------------------------
@@ -215,8 +239,9 @@ def test_no_header_value_or_userinfo_reaches_a_log_line(tmp_path, protocol):
     assert "entry 1 (not key=value)" in warned
 
 
-def test_in_process_records_hold_no_secret(monkeypatch, records):
-    """The same in the test's own process: the root logger sees every record."""
+def test_in_process_records_hold_no_secret_and_the_host_loggers_get_no_filter(monkeypatch, records):
+    """Embedded, in the host's own process: no record of ours holds a secret, and the host's
+    ``opentelemetry*`` loggers get no filter (what the SDK logs there is the host's business)."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "Authorization:Bearer-s3cr3t,x-tenant=tenant-token-value")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://admin:hunter22@127.0.0.1:{closed_port()}")
@@ -227,7 +252,11 @@ def test_in_process_records_hold_no_secret(monkeypatch, records):
     tracer = conf.tracer_provider.get_tracer("t")
     tracer.start_span("s").end()
     conf.tracer_provider.force_flush(3000)
-    text = "\n".join(records.lines)
-    assert "Header format invalid" in text or "not key=value" in text
+    ours = "\n".join(line for line in records.lines if "otel_hicache" in line or "otel-hicache" in line)
+    assert "not key=value" in ours
     for secret in SECRETS:
-        assert secret not in text, (secret, text[-2000:])
+        assert secret not in ours, (secret, ours[-2000:])
+    import logging
+    filtered = [name for name, found in logging.root.manager.loggerDict.items() if name.startswith("opentelemetry")
+                and isinstance(found, logging.Logger) and any(type(f).__name__ == "_Withhold" for f in found.filters)]
+    assert filtered == []

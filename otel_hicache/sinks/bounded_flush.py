@@ -1,12 +1,8 @@
-"""Flushing and shutting down providers within a time bound.
+"""Flush and shutdown within a time bound: the SDK's waits on an unreachable collector have none.
 
-The SDK's OTLP exporters retry with backoff for up to their timeout (and the
-span processor's final export can take as long again); a server's exit must not
-wait for an unreachable collector. Each flush or shutdown runs on a daemon
-thread that is given up on after the bound, and while one for the same
-providers is still blocked, later ones are not waited for at all: a shutdown
-sequence of several bounded steps costs one timeout, not one per step. A
-shutdown behind a blocked call still runs once that call returns.
+Each runs on a daemon thread given up on after the bound; while one for the same providers is
+blocked, later ones are not waited for (several steps cost one bound); a shutdown behind a
+blocked call still runs once it returns.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The embedded channel: the sinks on the poller thread of the serving process.
+"""The embedded channel: the telemetry process's consumer on the poller thread of the serving process.
 
-For providers the caller passes (their own, or the tests'), for ``configure()`` when it
-exports nothing over the network (``OTEL_HICACHE_TELEMETRY_PROCESS``), and as the
-fallback when no telemetry process can be started or after it died repeatedly. The same
-consumer as the telemetry process's (:mod:`.consumer`): each batch is applied as the
-poller writes it.
+For providers the caller passes, for ``configure()`` when nothing is exported over OTLP, and
+as the fallback when no telemetry process can start (on private providers: never the host's).
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ class EmbeddedChannel:
             self.consumer.apply(batch)
 
     def send(self) -> None:
-        """The poller's periodic send: applied at write already, the counters summed since are handed
-        over once the interval passed (the poller sends after its last batch too)."""
+        """The poller's periodic send: the counters summed since, once the interval passed."""
         with self._lock:
             self.consumer.idle()
 
@@ -48,8 +44,7 @@ class EmbeddedChannel:
         return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
-        """Ends the ack waits and exports; the providers stay up (they are the caller's, or
-        ``configure()``'s, shut down at exit)."""
+        """Ends the ack waits and exports; the providers stay up (the caller's, or configure()'s)."""
         with self._lock:
             self.consumer.close()
         return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)

@@ -1,35 +1,17 @@
-"""The ``requests`` session of the OTLP/HTTP exporters: the OTLP certificate wins, and only a 2xx answer is a delivery.
-
-The certificate: the SDK's HTTP exporters put the certificate from
-``OTEL_EXPORTER_OTLP_CERTIFICATE`` (or its per-signal form) on ``Session.verify``.
-``requests`` then lets ``REQUESTS_CA_BUNDLE`` or ``CURL_CA_BUNDLE``, set machine-wide in
-many containers and corporate images, override a session's ``verify``, so the
-collector's self-signed certificate is silently ignored and every export fails with
-``CERTIFICATE_VERIFY_FAILED`` (gRPC is not affected). This session keeps the
-certificate the OTLP variables named; everything else the environment sets (proxies,
-``NO_PROXY``) still applies.
-
-The answer: the SDK's HTTP exporters take any status below 400 as success, so a
-collector answering a redirect (a 308 to ``https://`` is what many proxies say to
-plain text) has every span and point counted as exported while none arrived; and for
-an error status (429, 500, ...) their ``otel.sdk.exporter.*.exported`` self-metrics
-carry no ``error.type``, so the loss is counted as exported too. This session follows
-no redirect, and turns every answer outside 2xx into an exception the exporter
-reports as a failed export (:class:`Refused`, with the status named, also in the
-self-metrics' ``error.type``), warned about once per endpoint and status. The
-statuses the OTLP specification says to retry raise :class:`Busy`, which the
-exporter retries with its own backoff; the collector's ``Retry-After`` is kept by
-refusing, without a request, any retry sooner than it asked (:data:`RETRY_GAP_S`).
-"""
+"""The ``requests`` session of the OTLP/HTTP exporters, for three SDK gaps: ``REQUESTS_CA_BUNDLE``
+would override the OTLP certificate (it wins here); the SDK takes a 3xx as a delivery and counts an
+error status as exported in its self-metrics (here no redirect is followed, and an answer outside 2xx
+raises ``Refused``, warned once per endpoint and status); a retryable status raises ``Busy``, retried
+with the exporter's backoff but never sooner than the collector's ``Retry-After``."""
 
 from __future__ import annotations
 
 import functools
-import re
 import os
+import re
 import threading
-import weakref
 import time
+import weakref
 from email.utils import parsedate_to_datetime
 from http import HTTPStatus
 from typing import Any
@@ -37,33 +19,23 @@ from typing import Any
 from ..diagnostics import warn_once
 from .redaction import without_userinfo
 
-RETRYABLE = frozenset({429, 502, 503, 504})
-"""The statuses the OTLP/HTTP specification says a client retries (with backoff)."""
-RETRY_GAP_S = 0.5
-"""A request this soon after a retryable refusal, the first only, is not sent: the exporter
-repeats a failed request at once when it was a connection error (a stale pooled
-connection), which to a collector that answered only adds load; its backoff, from 0.8 s,
-is longer."""
+RETRYABLE = frozenset({429, 502, 503, 504})  # what the OTLP/HTTP specification says a client retries
+RETRY_GAP_S = 0.5  # the exporter's repeat at once of a connection error is held back this long after a Busy
 MAX_RETRY_AFTER_S = 3600.0
-"""A longer ``Retry-After`` is taken as this: a misbehaving collector cannot hold exports back longer."""
-WANTS_TLS = "the collector wants TLS; set an https endpoint"
-"""What a redirect from ``http://`` to ``https://`` means (:func:`describe`)."""
-REFUSAL = re.compile(r"HTTP (?P<status>\d{3})(?: [\w'-]+)*(?: \(to [^()]*\))?")
-"""How a refusal is named (:func:`describe`), in the exception and the warning: what the doctor reads."""
+WANTS_TLS = "the collector wants TLS; set an https endpoint"  # a redirect from http:// to https://
+REFUSAL = re.compile(r"HTTP (?P<status>\d{3})(?: [\w'-]+)*(?: \(to [^()]*\))?")  # what describe() says
 
 
 @functools.cache
 def errors() -> tuple[type, type]:
-    """(``Refused``, ``Busy``): the exceptions a refusal raises; their names are the ``error.type``
-    of the SDK's self-metrics. Made on first use: ``requests`` is imported only for OTLP/HTTP."""
+    """(``Refused``, ``Busy``), the ``error.type`` of the SDK's self-metrics; made at first use."""
     import requests
 
     class Refused(requests.exceptions.HTTPError):
         """The collector answered outside 2xx: nothing in that request was delivered."""
 
     class Busy(Refused, requests.exceptions.ConnectionError):
-        """A retryable refusal (:data:`RETRYABLE`): a connection error is what the SDK's HTTP
-        exporters retry with their backoff, when they are handed an exception."""
+        """A retryable refusal: the SDK's HTTP exporters retry a connection error with their backoff."""
 
     for cls in (Refused, Busy):
         cls.__qualname__ = cls.__name__
@@ -72,8 +44,7 @@ def errors() -> tuple[type, type]:
 
 
 def describe(status: int, reason: str | None, location: str | None, url: str) -> str:
-    """``HTTP 308 Permanent Redirect (to https://...: ...)``: the status, its meaning, and for a
-    redirect where it points and what to do (no userinfo of either URL)."""
+    """``HTTP 308 Permanent Redirect (to https://...: ...)``, without userinfo."""
     try:
         phrase = HTTPStatus(status).phrase
     except ValueError:
@@ -81,18 +52,15 @@ def describe(status: int, reason: str | None, location: str | None, url: str) ->
     text = f"HTTP {status} {phrase}".rstrip()
     if 300 <= status < 400:
         target = without_userinfo(location.strip())[:200] if location else None
-        if target and target.lower().startswith("https://") and url.lower().startswith("http://"):
-            advice = WANTS_TLS
-        elif target:
-            advice = "redirects are not followed; set the endpoint to where it points"
-        else:
-            advice = "redirects are not followed; check the endpoint"
+        advice = WANTS_TLS if target and target.lower().startswith("https://") and url.lower().startswith(
+            "http://") else "redirects are not followed; " + ("set the endpoint to where it points" if target
+                                                              else "check the endpoint")
         text += f" (to {(target or 'nowhere given').replace('(', '%28').replace(')', '%29')}: {advice})"
     return text
 
 
 def _retry_after_s(value: str | None) -> float:
-    """The seconds a ``Retry-After`` header asks for (a number or an HTTP date), 0 when none or unreadable."""
+    """The seconds a ``Retry-After`` asks for (a number or an HTTP date); 0 when none or unreadable."""
     if not value:
         return 0.0
     try:
@@ -107,11 +75,11 @@ def _retry_after_s(value: str | None) -> float:
 
 def otlp_session() -> Any:
     """A ``requests.Session`` for one OTLP/HTTP exporter (see the module docstring)."""
-    # requests imports netrc at its first request: were that on a thread of the parent at a
-    # fork, the child would keep the module's import lock held, and hang in its own first export
-    import netrc  # noqa: F401  # pylint: disable=unused-import
+    import importlib
 
     import requests
+
+    importlib.import_module("netrc")  # requests imports it at its first request: a fork then would hang the child
 
     refused, busy = errors()
 
@@ -127,9 +95,7 @@ def otlp_session() -> Any:
                 os.register_at_fork(after_in_child=lambda: (own() or (lambda: None))())
 
         def _after_fork_in_child(self) -> None:
-            # Another thread of the parent may have been inside a request at the fork, holding
-            # a connection pool's lock, which would then stay held in the child forever: new
-            # pools (and gate), without touching the old ones.
+            # a pool's lock held by another thread at the fork stays held in the child: new pools
             self._gate = threading.Lock()
             for prefix in list(self.adapters):
                 self.mount(prefix, requests.adapters.HTTPAdapter())

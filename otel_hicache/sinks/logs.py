@@ -1,15 +1,13 @@
-"""The two DEBUG log lines per completed op (per-op and cumulative).
+"""The two DEBUG log lines per completed op (per op and cumulative), only when DEBUG is on.
 
-Same fields as the SGLang seed's lines, plus the timing source and the trace
-and span ids of the op's span. Emitted by the sinks, and only
-when ``otel_hicache`` is enabled for DEBUG: no formatting cost otherwise.
-Cumulative bandwidth is total bytes over the *busy* time (union of intervals),
-not over the sum of durations, so it stays right when ops overlap.
+The SGLang seed's fields, the timing source and the span's ids; the cumulative bandwidth is
+bytes over the busy time (the union of intervals), right when ops overlap.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from ..diagnostics import logger
 from ..record import DIRECTIONS, TIERS
@@ -19,11 +17,7 @@ class CumulativeTotals:
     __slots__ = ("events", "blocks", "bytes", "tokens", "busy_ns")
 
     def __init__(self) -> None:
-        self.events = 0
-        self.blocks = 0
-        self.bytes = 0
-        self.tokens = 0
-        self.busy_ns = 0
+        self.events = self.blocks = self.bytes = self.tokens = self.busy_ns = 0
 
 
 class TransferLog:

@@ -147,7 +147,8 @@ def main() -> int:
     from .spans import OpIds
 
     ids = OpIds(bytes.fromhex(hello.get("key") or "") or os.urandom(16))
-    providers = build(_resource(hello), id_generator=ids, counters_since_ns=hello.get("start_ns"))
+    providers = build(_resource(hello), id_generator=ids, counters_since_ns=hello.get("start_ns"),
+                      own_process=True)
     bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
     consumer = Consumer(providers.tracer_provider, providers.meter_provider, hello, ids=ids)
     _answer(answers, b"hello\n")

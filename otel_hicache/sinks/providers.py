@@ -1,17 +1,12 @@
-"""Tracer and meter providers from the standard ``OTEL_*`` variables, built of the SDK's parts.
-
-As the SDK's configurator does, privately (the host's global providers are left alone)
-and per process: exporters by the SDK's entry-point names, each SDK object reading its
-own variables (:mod:`.otel_environment` retries what a constructor rejects), and this
-meter provider handed to them for the SDK's ``otel.sdk.*`` self-metrics. Added where the
-SDK lacks it: a bounded shutdown. ``docs/configuration.md`` has the details.
-"""
+"""Tracer and meter providers from the standard ``OTEL_*`` variables, as the SDK's configurator builds
+them but privately (never the host's globals): exporters by the SDK's entry-point names, each object
+reading its own variables (:mod:`.otel_environment` retries what a constructor rejects)."""
 
 from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..diagnostics import logger, shown, warn_once, withhold
@@ -21,50 +16,40 @@ from .bounded_flush import bounded
 from .http_session import otlp_session
 
 
-class Undelivered:
-    """Per batch processor, the sampled spans it was given against those its exporter was handed:
-    what is left at exit was never sent (the SDK's own counts die with the process). Wrappers
-    around each processor's ``on_end`` and its exporter's ``export``, public methods both."""
+def _counting(counts: list[list[int]], processor: Any, exporter: Any) -> Any:
+    """``processor``, counting in ``counts`` the sampled spans it was given and those its exporter was
+    handed: what is left at exit was never sent (the SDK's own counts die with the process)."""
+    ended_handed = [0, 0]
+    counts.append(ended_handed)
+    on_end, export = processor.on_end, exporter.export
 
-    def __init__(self) -> None:
-        self._counts: list[list[int]] = []  # [ended, handed] per processor
+    def ended(span: Any) -> Any:
+        if span.context is not None and span.context.trace_flags.sampled:
+            ended_handed[0] += 1
+        return on_end(span)
 
-    def counting(self, processor: Any, exporter: Any) -> Any:
-        counts = [0, 0]
-        self._counts.append(counts)
-        on_end, export = processor.on_end, exporter.export
+    def handed(spans: Any, *args: Any, **kwargs: Any) -> Any:
+        ended_handed[1] += len(spans)
+        return export(spans, *args, **kwargs)
 
-        def ended(span: Any) -> Any:
-            if span.context is not None and span.context.trace_flags.sampled:
-                counts[0] += 1
-            return on_end(span)
-
-        def handed(spans: Any, *args: Any, **kwargs: Any) -> Any:
-            counts[1] += len(spans)
-            return export(spans, *args, **kwargs)
-
-        processor.on_end, exporter.export = ended, handed
-        return processor
-
-    def left(self) -> int:
-        return max((ended - handed for ended, handed in self._counts), default=0)
+    processor.on_end, exporter.export = ended, handed
+    return processor
 
 
 @dataclass
 class Providers:
-    """A tracer and a meter provider, and what they export with."""
+    """A tracer and a meter provider, and what they export with; shutdown and flush bounded in time."""
 
     tracer_provider: Any
     meter_provider: Any
     disabled: bool
     metric_readers: Sequence[Any] = ()
     span_processors: Sequence[Any] = ()
-    undelivered: Undelivered | None = None
+    undelivered: list[list[int]] = field(default_factory=list)  # [ended, handed] per span processor
 
     def shutdown(self, timeout_s: float) -> bool:
         done = bounded("shutdown", self.tracer_provider, self.meter_provider, timeout_s)
-        left = self.undelivered.left() if self.undelivered is not None else 0
-        if left:  # no metric can carry this any more
+        if left := max((ended - handed for ended, handed in self.undelivered), default=0):  # no metric can carry it
             logger.warning("otel-hicache: %d spans ended but were never handed to the exporter: dropped by the "
                            "SDK's full span queue (also in its own otel.sdk.processor.span.processed, "
                            "error.type=queue_full, where enabled) or still queued at exit", left)
@@ -90,11 +75,9 @@ def exporter_names(signal: str) -> list[str]:
 
 def otlp_protocol(signal: str, name: str) -> str | None:
     """The OTLP protocol exporter ``name`` uses (``otlp``: by the protocol variables); None if not OTLP."""
-    return protocol(signal) if name == "otlp" else {v: k for k, v in OTLP_EXPORTERS.items()}.get(name)
-
-
-def protocol(signal: str) -> str:
-    for variable in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+    if name != "otlp":
+        return {v: k for k, v in OTLP_EXPORTERS.items()}.get(name)
+    for variable in otel_environment.signal_variable(signal, "PROTOCOL"):
         value = (otel_environment.raw(variable) or "").strip().lower()
         if value in OTLP_EXPORTERS:
             return value
@@ -119,7 +102,7 @@ def _entry_point(group: str, name: str) -> Any:
 
 
 def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | None = None,
-              wrap_export: Callable[[Any], Any] | None = None) -> list[Any]:
+              wrap_export: Callable[[Any], Any] | None = None, own_process: bool = False) -> list[Any]:
     """The exporters (or, for metrics, pull readers) ``names`` (default: what
     ``OTEL_{TRACES,METRICS}_EXPORTER`` names) stand for, built as configure() builds them."""
     variable, group = EXPORTER_GROUPS[signal]
@@ -137,7 +120,7 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
         cls = otel_environment.build(f"{name} {signal} exporter class", found.load, {})
         fixed = {"session": otlp_session()} if otlp == "http/protobuf" else {}
         if otlp is not None:  # its headers, parsed here (none of their values reaches a log line)
-            fixed.update(otel_environment.otlp_keywords(signal, otlp))
+            fixed.update(otel_environment.otlp_keywords(signal, otlp, own_process))
         if meter_provider is not None:
             fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
         retries = otel_environment.otlp_exporter(signal, otlp) if otlp else {}
@@ -156,77 +139,68 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
 
 def build(resource: Any = None, extra_readers: Sequence[Any] = (),
           wrap_export: Callable[[Any], Any] | None = None, id_generator: Any = None,
-          counters_since_ns: int | None = None) -> Providers:
-    """Providers from the ``OTEL_*`` variables, on ``resource`` (default: the SDK's, from
-    ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME``); ``wrap_export(export)`` wraps
-    each gRPC exporter's ``export`` (the bootstrap's fork guard). ``counters_since_ns``: the
-    start time of every monotonic sum exported (counters that go on from a predecessor's)."""
+          counters_since_ns: int | None = None, own_process: bool = False) -> Providers:
+    """Providers from the ``OTEL_*`` variables, on ``resource`` (default: the SDK's); ``wrap_export(export)``
+    wraps each gRPC exporter's ``export`` (the bootstrap's fork guard); ``counters_since_ns``: the start
+    time of every monotonic sum exported; ``own_process``: the telemetry process, whose SDK loggers are
+    ours to filter (never the host's)."""
     from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.trace import NoOpTracerProvider
 
     if sdk_disabled():
         return Providers(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
-    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-
-    withhold(())  # no SDK log line quotes a whole value from now on
-    build_ = otel_environment.build
-    if resource is None:
-        resource = otel_environment.resource()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES: the SDK's rules
-    readers, meter_provider = _meter_provider(resource, extra_readers, wrap_export=wrap_export,
-                                              counters_since_ns=counters_since_ns)
+    withhold((), own_process)  # no log line of ours (in our own process, the SDK's too) quotes a whole value
+    oe = otel_environment
+    resource = resource if resource is not None else oe.resource()
+    readers: list[Any] = []
+    metric_exporters = []
+    for made in exporters("metrics", wrap_export=wrap_export, own_process=own_process):
+        if isinstance(made, MetricReader):
+            readers.append(made)  # a pull reader (prometheus) serving its own endpoint
+            continue
+        if counters_since_ns is not None:
+            made.export = _counters_since(made.export, counters_since_ns)
+        reader = oe.build("periodic metric reader", lambda **kw: PeriodicExportingMetricReader(made, **kw),
+                          oe.METRIC_READER)
+        if reader is not None:
+            readers.append(reader)
+            metric_exporters.append(made)
+    readers += extra_readers
+    meter_provider = oe.build("meter provider", lambda **kw: MeterProvider(
+        metric_readers=readers, resource=resource, shutdown_on_exit=False, **kw), oe.METER_PROVIDER)
+    meter_provider = meter_provider or NoOpMeterProvider()  # (warned)
+    for exporter in metric_exporters:  # the OTLP metric exporters' self-metrics
+        if callable(getattr(exporter, "set_meter_provider", None)):
+            exporter.set_meter_provider(meter_provider)
     # Not this meter provider: otel.sdk.span.started/live would cost the sinks two SDK calls a span, and
     # their own counters already count every op; nor the host's global one.
     own = _accepted(TracerProvider, meter_provider=NoOpMeterProvider())
-    tracer_provider = build_("tracer provider", lambda **limits: TracerProvider(
+    tracer_provider = oe.build("tracer provider", lambda **limits: TracerProvider(
         resource=resource, shutdown_on_exit=False, span_limits=SpanLimits(**limits) if limits else None,
-        sampler=otel_environment.sampler(), **({"id_generator": id_generator} if id_generator else {}), **own),
-        otel_environment.SPAN_LIMITS) or NoOpTracerProvider()
-    undelivered = Undelivered()
+        sampler=oe.sampler(), **({"id_generator": id_generator} if id_generator else {}), **own),
+        oe.SPAN_LIMITS) or NoOpTracerProvider()
+    batch = _accepted(BatchSpanProcessor, meter_provider=meter_provider)
+    if "OTEL_BSP_MAX_EXPORT_BATCH_SIZE" not in os.environ:  # at most the queue size (the SDK raises); blank: build()
+        batch["max_export_batch_size"] = oe.BATCH_SPAN_PROCESSOR["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1]()
+    undelivered: list[list[int]] = []
     processors = []
-    for exporter in exporters("traces", meter_provider, wrap_export=wrap_export):
-        for processor in span_processors([exporter], meter_provider):
-            processors.append(undelivered.counting(processor, exporter))
+    for exporter in exporters("traces", meter_provider, wrap_export=wrap_export, own_process=own_process):
+        processor = oe.build("batch span processor", lambda **kw: BatchSpanProcessor(exporter, **batch, **kw),
+                             oe.BATCH_SPAN_PROCESSOR)
+        if processor is not None:
+            processors.append(_counting(undelivered, processor, exporter))
             tracer_provider.add_span_processor(processor)
     return Providers(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
                      span_processors=processors, undelivered=undelivered)
 
 
-def _meter_provider(resource: Any, extra_readers: Sequence[Any] = (), names: Sequence[str] | None = None,
-                    wrap_export: Callable[[Any], Any] | None = None,
-                    counters_since_ns: int | None = None) -> tuple[list[Any], Any]:
-    """The readers ``OTEL_METRICS_EXPORTER`` names (or ``names``), ``extra_readers``, and a meter provider of them."""
-    from opentelemetry.metrics import NoOpMeterProvider
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
-
-    build_ = otel_environment.build
-    readers: list[Any] = []
-    metric_exporters = []
-    for made in exporters("metrics", names=names, wrap_export=wrap_export):
-        if isinstance(made, MetricReader):
-            readers.append(made)  # a pull reader (prometheus) serving its own endpoint
-        else:
-            if counters_since_ns is not None:
-                made.export = _counters_since(made.export, counters_since_ns)
-            reader = build_("periodic metric reader", lambda **kw: PeriodicExportingMetricReader(made, **kw),
-                           otel_environment.METRIC_READER)
-            if reader is not None:
-                readers.append(reader)
-                metric_exporters.append(made)
-    readers += extra_readers
-    meter_provider = build_("meter provider", lambda **kw: MeterProvider(
-        metric_readers=readers, resource=resource, shutdown_on_exit=False, **kw), otel_environment.METER_PROVIDER)
-    meter_provider = meter_provider or NoOpMeterProvider()  # (warned)
-    for exporter in metric_exporters:  # the OTLP metric exporters' self-metrics
-        if callable(getattr(exporter, "set_meter_provider", None)):
-            exporter.set_meter_provider(meter_provider)
-    return readers, meter_provider
-
-
 def _counters_since(export: Callable[..., Any], start_ns: int) -> Callable[..., Any]:
-    """``export`` of metrics whose monotonic sums all say they count since ``start_ns``: a
-    successor's counters go on from its predecessor's totals, so they must not look restarted
-    (a start time later than the previous point's is a reset to ``rate()`` and delta converters)."""
+    """``export`` of metrics whose monotonic sums all count since ``start_ns``: a successor's counters go on
+    from its predecessor's totals, and a later start time is a reset to ``rate()`` and delta converters."""
     from dataclasses import replace
 
     from opentelemetry.sdk.metrics.export import Sum
@@ -242,16 +216,3 @@ def _counters_since(export: Callable[..., Any], start_ns: int) -> Callable[..., 
         return export(data, *args, **kwargs)
 
     return exported
-
-
-def span_processors(span_exporters: Sequence[Any], meter_provider: Any) -> list[Any]:
-    """A ``BatchSpanProcessor`` per exporter, each reading the ``OTEL_BSP_*`` variables."""
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    batch = otel_environment.BATCH_SPAN_PROCESSOR
-    own = _accepted(BatchSpanProcessor, meter_provider=meter_provider)
-    if "OTEL_BSP_MAX_EXPORT_BATCH_SIZE" not in os.environ:  # at most the queue size (the SDK raises); blank: build()
-        own["max_export_batch_size"] = batch["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1]()
-    return [p for p in (otel_environment.build("batch span processor",
-                                               lambda **kw: BatchSpanProcessor(e, **own, **kw), batch)
-                        for e in span_exporters) if p is not None]

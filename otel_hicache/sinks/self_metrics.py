@@ -1,16 +1,9 @@
-"""What otel-hicache costs, as counters of CPU seconds.
+"""What otel-hicache costs, as observable counters of CPU seconds, and where its sinks run.
 
-* ``otel_hicache.worker.cpu_time``: the poller thread in the serving process (intake,
-  completion, timing; embedded, the sinks' work too), from the thread CPU clock the
-  poller reads itself and sends with its state;
-* ``otel_hicache.export.cpu_time{thread=telemetry_process}``: the whole telemetry
-  process (sinks, encoding, export), from its process CPU clock. Embedded there is no
-  such point: the SDK's export threads are not ours to find through its public API.
-
-Observable counters, read at collection: nothing per op. ``rate(...)`` of either is the
-share of one core it uses. Beside them the gauge ``otel_hicache.sinks{location}``: where the
-sinks run, so that a fallback to embedded sinks (their cost on the serving process) shows
-on a dashboard, not only in a log line. Every point carries the static attributes (ranks).
+``otel_hicache.worker.cpu_time``: the poller thread (its CPU clock, sent with its state);
+``otel_hicache.export.cpu_time{thread=telemetry_process}``: the whole telemetry process (none
+embedded: the SDK's threads are not ours to find). The gauge ``otel_hicache.sinks{location}``
+shows a fallback to embedded sinks on a dashboard, not only in a log line.
 """
 
 from __future__ import annotations
