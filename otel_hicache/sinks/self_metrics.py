@@ -1,6 +1,6 @@
 """What otel-hicache costs, as observable counters of CPU seconds, and where its sinks run.
 
-``otel_hicache.worker.cpu_time``: the poller thread (its CPU clock, sent with its state);
+``otel_hicache.poller.cpu_time``: the poller thread (its CPU clock, sent with its state);
 ``otel_hicache.export.cpu_time{thread=telemetry_process}``: the whole telemetry process (none
 embedded: the SDK's threads are not ours to find). The gauge ``otel_hicache.sinks{location}``
 shows a fallback to embedded sinks on a dashboard, not only in a log line.
