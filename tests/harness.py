@@ -37,11 +37,7 @@ class Harness:
         """Wait for the poller and the sinks to process everything completed (no metric
         collection: each collection resets exemplars)."""
         pipeline = self.tel._pipeline  # pylint: disable=protected-access
-        done = pipeline.flush(timeout_s) if pipeline is not None else True
-        channel = self.tel.channel
-        if channel is not None:
-            channel.hand_over()  # what the sinks summed, to the SDK (also what a poller that stopped wrote)
-        return done
+        return pipeline.flush(timeout_s) if pipeline is not None else True
 
     def finished(self) -> list[Any]:
         assert self.flush()

@@ -383,7 +383,6 @@ class Sinks:
         self.consumer = Consumer(self.tracer_provider, self.meter_provider, {"attributes": {"tp_rank": 0}})
 
     def points(self, name):
-        self.consumer.flush()
         return [p for rm in self.reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
                 for m in sm.metrics if m.name == name for p in m.data.data_points]
 

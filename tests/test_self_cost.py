@@ -2,19 +2,12 @@
 
 * The poller's wake-up (``poller._Wake``): one C call per wait, a ``set()`` never lost; idle, the
   poller waits with no timeout until a submit() wakes it.
-* The poller's own CPU per op (intake, completion, timing, the OP message), measured with
-  the thread CPU clock on the thread that runs the cycles, only as ratios, never as absolute
-  times: it stays linear in the ops of a cycle, and it is a small fraction of what the same
-  ops cost with the sinks embedded on the poller thread (spans and metrics of every op), the
-  work a telemetry process takes out of the serving process.
+* What the poller and the sinks cost per op is a benchmark's to report, side by side in one
+  run (benchmarks/serving_cpu.py, benchmarks/sinks_cpu.py), never a unit test's to assert.
 * The sinks' counters (``sinks.metrics``): totals read at each collection, no SDK call per op.
 * Its CPU as counters (``sinks.self_metrics``): ``otel_hicache.poller.cpu_time``, the poller
   thread's CPU clock as sent in its STATE, and ``otel_hicache.export.cpu_time``, the whole
   telemetry process's (none when the sinks are embedded).
-
-What the old module measured of deleted machinery is gone with it: the GIL slices, the
-metrics fast path (its bindings' revalidation) and the step-wise counter hand-off spread over
-cycles, and the SDK export threads found through its internals.
 """
 
 from __future__ import annotations
@@ -36,9 +29,7 @@ from otel_hicache import record as rec
 from otel_hicache import semconv as sc
 from otel_hicache.capture import poller
 from otel_hicache.capture.poller import PollerSettings, Poller
-from otel_hicache.capture.records import submission
 from otel_hicache.sinks.consumer import Consumer
-from otel_hicache.sinks.embedded import EmbeddedChannel
 
 
 @pytest.fixture(autouse=True)
@@ -133,57 +124,6 @@ def _providers() -> tuple[TracerProvider, MeterProvider]:
     tracer_provider = TracerProvider(shutdown_on_exit=False)
     tracer_provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
     return tracer_provider, MeterProvider(metric_readers=[InMemoryMetricReader()], shutdown_on_exit=False)
-
-
-def _cpu_per_op(ops: int, channel: Any, per_cycle: int | None = None) -> float:
-    """Thread CPU seconds per op of the cycles that take ``ops`` host-timed ops in, complete
-    them and write them to ``channel`` (all in one cycle, or ``per_cycle`` at a time)."""
-    p = Manual(PollerSettings(max_queue_size=10**6), lambda: channel, time.time_ns)
-    p._cycle()  # the channel opened, the first STATE sent
-    now = time.time_ns()
-    items = [submission("offload", {"kv": 64}, 4096, 64, expect_ack=False, submit_ns=now,
-                        host_start_ns=now - 1000, host_end_ns=now) for _ in range(ops)]
-    step = per_cycle or ops
-    began = time.thread_time()
-    for first in range(0, ops, step):
-        p.queue.extend(items[first:first + step])
-        p._cycle()
-    spent = time.thread_time() - began
-    assert not p.queue and not p._pending
-    return spent / ops
-
-
-def _best(measure: Any, repeats: int = 5) -> float:
-    """The least of a few measurements: what the work costs, less what the machine added."""
-    return min(measure() for _ in range(repeats))
-
-
-def test_the_pollers_cpu_per_op_does_not_grow_with_the_ops_of_a_cycle():
-    def per_op(ops: int) -> Any:
-        def measure() -> float:
-            channel = NullChannel()
-            cost = _cpu_per_op(ops, channel)
-            assert channel.ops == ops  # every op written, once
-            return cost
-        return measure
-
-    small, large = _best(per_op(400)), _best(per_op(4000), repeats=3)
-    assert large / small < 2.0, f"per op: {large * 1e6:.1f} us in cycles of 4000 vs {small * 1e6:.1f} us of 400"
-
-
-def test_the_pollers_cpu_per_op_is_a_small_fraction_of_the_embedded_sinks():
-    def embedded() -> float:
-        tracer_provider, meter_provider = _providers()
-        try:
-            return _cpu_per_op(500, EmbeddedChannel(tracer_provider, meter_provider, {"attributes": STATIC}), 50)
-        finally:
-            tracer_provider.shutdown()
-            meter_provider.shutdown()
-
-    capture = _best(lambda: _cpu_per_op(500, NullChannel(), 50))
-    with_sinks = _best(embedded, repeats=3)
-    # measured about 0.05 (some 6 us of ~100 us per op); the bound leaves room for any machine
-    assert capture / with_sinks < 0.3, f"capture {capture * 1e6:.1f} us vs embedded {with_sinks * 1e6:.1f} us per op"
 
 
 # -- the sinks' counters ------------------------------------------------------------------------------

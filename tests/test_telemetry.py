@@ -564,7 +564,6 @@ def test_a_submit_racing_shutdown_is_counted_not_lost(harness):
     pipeline.queue.append(submission("offload", {"kv": 64}, 4096, 64, submit_ns=h.device.time_ns()))
     pipeline._drop_queued()  # what stop() does when it finds such a record
     pipeline._write()
-    pipeline.channel.hand_over()
     assert not pipeline.queue
     assert h.value("otel_hicache.records.dropped", reason="shutdown") == 1
 

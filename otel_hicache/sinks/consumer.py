@@ -83,11 +83,6 @@ class Consumer:
                           "reported (%r); counted in otel_hicache.records.dropped{reason=internal_error}", exc)
                 logger.debug("otel-hicache consumer error", exc_info=True)
 
-    def flush(self) -> None:
-        """Nothing waits here: counters are observed from their totals when the SDK collects."""
-
-    idle = flush
-
     def checkpoint(self) -> list[Any]:
         """A ``record.CHECKPOINT`` of now (the counters' totals, the ops waiting for an ack): where a
         successor goes on from once the spans of the ops taken in so far are exported."""

@@ -28,19 +28,7 @@ class EmbeddedChannel:
         with self._lock:
             self.consumer.apply(batch)
 
-    def send(self) -> None:
-        """The poller's periodic send: the counters summed since, once the interval passed."""
-        with self._lock:
-            self.consumer.idle()
-
-    def hand_over(self) -> None:
-        """What the consumer summed, to the SDK now (no export)."""
-        with self._lock:
-            self.consumer.flush()
-
     def flush(self, timeout_s: float) -> bool:
-        with self._lock:
-            self.consumer.flush()
         return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:

@@ -70,3 +70,20 @@ def scheduler_rank(results: Any, tp_rank: int, dp_attention: bool, tokens: int) 
                                                    "attn_dp_rank": parallel.attn_dp_rank},
                  "offload_tokens": did["offload_tokens"], "onboard_tokens": did["onboard_tokens"],
                  "offload_bytes": did["offload_bytes"]})
+
+
+def collect(results: Any, children: list[Any], timeout_s: float = 180.0) -> list[Any]:
+    """One report per child, read in the parent: a child that dies before it reports fails the
+    test at once rather than after ``timeout_s``."""
+    import queue
+    import time
+
+    reports, deadline = [], time.monotonic() + timeout_s
+    while len(reports) < len(children):
+        try:
+            reports.append(results.get(timeout=0.2))
+        except queue.Empty:
+            dead = [child.exitcode for child in children if child.exitcode not in (None, 0)]
+            assert not dead, f"a child died before it reported (exit codes {dead})"
+            assert time.monotonic() < deadline, f"no report within {timeout_s} s"
+    return reports

@@ -43,7 +43,7 @@ def _spawn_scheduler() -> tuple[dict[str, Any], int]:
     child = ctx.Process(target=sglang_child.scheduler_like, args=(results,))
     child.start()
     try:
-        report = results.get(timeout=SPAWN_TIMEOUT_S)
+        [report] = sglang_child.collect(results, [child], SPAWN_TIMEOUT_S)
     finally:
         child.join(SPAWN_TIMEOUT_S)
     return report, child.exitcode

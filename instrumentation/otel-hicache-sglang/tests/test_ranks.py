@@ -41,7 +41,7 @@ def _spawn_ranks(dp_attention: bool) -> list[dict[str, Any]]:
     for child in children:
         child.start()
     try:
-        reports = [results.get(timeout=SPAWN_TIMEOUT_S) for _ in children]
+        reports = sglang_child.collect(results, children, SPAWN_TIMEOUT_S)
     finally:
         for child in children:
             child.join(SPAWN_TIMEOUT_S)

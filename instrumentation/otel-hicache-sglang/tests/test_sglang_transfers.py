@@ -56,8 +56,8 @@ def test_write_through_and_load_back_match_sglang_counters(instrumented, sglang_
         assert a["hicache.controller"] == type(stack.controller).__name__
         # CPU: torch.cpu events cannot time, the copy ran inside the submit call
         assert a["hicache.timing_source"] == "host_clock"
-        # consumed by check_hicache_events(): the ack left its queue
-        assert a["hicache.acked"] is True and a["hicache.ack_delay_us"] >= 0
+        # consumed by check_hicache_events(): the ack left its queue, its delay known
+        assert a["hicache.acked"] is True and isinstance(a["hicache.ack_delay_us"], float)
         assert all(a[r] == 0 for r in RANKS)
         assert span.end_time >= span.start_time
 

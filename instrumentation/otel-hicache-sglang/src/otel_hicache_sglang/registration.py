@@ -54,9 +54,9 @@ def doctor(out: TextIO, check: bool) -> None:
         print(f"  WARNING         SGLANG_PLUGINS={os.environ['SGLANG_PLUGINS']!r} does not list otel_hicache: SGLang "
               f"will not load the adapter (add otel_hicache, or use opentelemetry-instrument)", file=out)
     if not check:
-        print("  patch groups    not checked (--skip-sglang)", file=out)
+        print("  patch groups    not checked (--skip-adapters)", file=out)
         return
-    print("  patch groups    (importing SGLang's modules: seconds; --skip-sglang skips it)", file=out)
+    print("  patch groups    (importing SGLang's modules: seconds; --skip-adapters skips it)", file=out)
     out.flush()
     try:
         groups = adapter.patch_groups()
