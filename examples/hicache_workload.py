@@ -45,7 +45,7 @@ TRUTH = ("ops", "tokens", "blocks", "bytes", "bytes_by_cause", "host_bytes", "re
 
 
 def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float:
-    """Prometheus' histogram_quantile: linear in the bucket holding rank q * count."""
+    """Prometheus' histogram_quantile: linear in rank q * count's bucket."""
     total = sum(counts)
     if total == 0:
         return math.nan
@@ -64,15 +64,15 @@ class DirectionSummary:
 
     direction: str
     ops: int = 0
-    tokens: dict[str, int] = field(default_factory=Counter)
+    tokens: dict = field(default_factory=Counter)
     blocks: int = 0
     bytes: int = 0
-    bytes_by_cause: dict[str, int] = field(default_factory=Counter)
+    bytes_by_cause: dict = field(default_factory=Counter)
     host_bytes: int = 0  # offload: overwritten in L2 unread; onboard: read back
     residence_count: int = 0  # onboard: load-back x writing-offload pairs
     request_links: int = 0  # spans linked to the request they served
     busy_s: float = 0.0
-    timing_sources: dict[str, int] = field(default_factory=Counter)
+    timing_sources: dict = field(default_factory=Counter)
     p50_s: float | None = None
     p99_s: float | None = None
 
@@ -84,12 +84,12 @@ class DirectionSummary:
 @dataclass
 class MetricsSummary:
     directions: dict[str, DirectionSummary]
-    dropped: dict[str, int] = field(default_factory=Counter)  # dropped or failed, by reason
+    dropped: dict = field(default_factory=Counter)  # dropped or failed, by reason
     residence_s: tuple[float, float] | None = None  # p50, p99
 
 
 def summarize(metrics_data) -> MetricsSummary:
-    """Per-direction totals of the exported metrics, as a backend computes them."""
+    """Per-direction totals of the exported metrics, as a backend sees them."""
     summary = MetricsSummary({d: DirectionSummary(d) for d in DIRECTIONS})
     buckets = {}  # series key -> (bounds, summed counts)
     for resource_metrics in metrics_data.resource_metrics:
@@ -108,28 +108,29 @@ def summarize(metrics_data) -> MetricsSummary:
 
 def _add_point(summary, buckets, name, point):
     attrs = point.attributes or {}
+    n = int(point.value if hasattr(point, "value") else point.count)  # a sum's value, a histogram's count
     row = summary.directions.get(attrs.get(sc.DIRECTION))
     if name in (sc.RECORDS_DROPPED[0], sc.RECORDS_FAILED[0]):
-        summary.dropped[str(attrs.get(sc.REASON))] += int(point.value)
+        summary.dropped[str(attrs.get(sc.REASON))] += n
     elif name in (sc.HOST_WASTED_BYTES[0], sc.HOST_RELOADED_BYTES[0]):
-        summary.directions[OFFLOAD if name == sc.HOST_WASTED_BYTES[0] else ONBOARD].host_bytes += int(point.value)
+        summary.directions[OFFLOAD if name == sc.HOST_WASTED_BYTES[0] else ONBOARD].host_bytes += n
     elif name == sc.HOST_RESIDENCE_TIME[0]:
-        summary.directions[ONBOARD].residence_count += int(point.count)
+        summary.directions[ONBOARD].residence_count += n
         _add_buckets(buckets, "residence", point)
     elif row is None:
         return
     elif name == sc.TRANSFER_DURATION[0]:
-        row.ops += int(point.count)
-        if point.count:
-            row.timing_sources[str(attrs.get(sc.TIMING_SOURCE))] += int(point.count)
+        row.ops += n
+        if n:
+            row.timing_sources[str(attrs.get(sc.TIMING_SOURCE))] += n
         _add_buckets(buckets, row.direction, point)
     elif name == sc.TRANSFER_TOKENS[0]:
-        row.tokens[str(attrs.get(sc.POOL))] += int(point.value)
+        row.tokens[str(attrs.get(sc.POOL))] += n
     elif name == sc.TRANSFER_BLOCKS[0]:
-        row.blocks += int(point.value)
-    elif name == sc.TRANSFER_BYTES[0] and point.value:
-        row.bytes += int(point.value)
-        row.bytes_by_cause[str(attrs.get(sc.CAUSE))] += int(point.value)
+        row.blocks += n
+    elif name == sc.TRANSFER_BYTES[0] and n:
+        row.bytes += n
+        row.bytes_by_cause[str(attrs.get(sc.CAUSE))] += n
     elif name == sc.TRANSFER_BUSY_TIME[0]:
         row.busy_s += float(point.value)
 
@@ -168,7 +169,7 @@ def _ms(seconds):
     return "-" if seconds is None or math.isnan(seconds) else f"{seconds * 1e3:.3f}"
 
 
-def format_table(rows: Sequence[DirectionSummary], timing: bool = True) -> str:
+def format_table(rows, timing=True):
     """One fixed-width row per direction."""
     pools = list(dict.fromkeys(["kv", *(pool for row in rows for pool in row.tokens)]))
     lines = [["direction", "ops", *(f"tokens {p}" for p in pools), "blocks", "GB"]
@@ -186,7 +187,7 @@ def format_table(rows: Sequence[DirectionSummary], timing: bool = True) -> str:
 
 
 def check_exported(embedded, truth, ops, flushed):
-    """Print what the embedded pipeline received; returns how it differs from the truth."""
+    """Print what the pipeline received; returns how it differs from the truth."""
     summary = summarize(embedded.metric_reader.get_metrics_data())
     exported = embedded.span_exporter.get_finished_spans()
     spans = [span for span in exported if span.name not in (STEP_SPAN, REQUEST_SPAN)]
@@ -275,14 +276,6 @@ class Pool:
         return pages[-self.window_pages:] if self.window_pages else pages
 
 
-def write_tags(tensor, pages, tags):
-    """Stamp each page's first and last 8 bytes, as a forward pass would."""
-    index = torch.tensor(list(pages), dtype=torch.long, device=tensor.device)
-    values = torch.tensor(list(tags), dtype=torch.int64).view(torch.uint8).view(len(tags), 8).to(tensor.device)
-    tensor[index, 0, :8] = values
-    tensor[index, -1, -8:] = values
-
-
 def read_tags(tensor):
     first = tensor[:, 0, :8].contiguous().view(torch.int64).view(-1).tolist()
     return list(zip(first, tensor[:, -1, -8:].contiguous().view(torch.int64).view(-1).tolist()))
@@ -330,9 +323,12 @@ class HiCacheWorkload:
             self._stamp(pool, range(cfg.device_pages))
 
     def _stamp(self, pool, pages):
+        """Tag L1 pages' first and last 8 bytes, as a forward pass writes KV."""
         tags = list(range(self.next_tag, self.next_tag + len(pages)))
         self.next_tag += len(pages)
-        write_tags(pool.device, pages, tags)
+        index = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        values = torch.tensor(tags, dtype=torch.int64).view(torch.uint8).view(len(tags), 8).to(self.device)
+        pool.device[index, 0, :8] = pool.device[index, -1, -8:] = values
         for page, tag in zip(pages, tags):
             pool.device_tags[page] = tag
 
@@ -355,7 +351,7 @@ class HiCacheWorkload:
         return pages
 
     def run(self, tel, tracer=None):
-        """Every op (under a step span with a tracer); returns the ground truth."""
+        """Every op, under a step span with a tracer; returns the ground truth."""
         started = time.monotonic()
         self.tracer = tracer
         self.host_pool = tel.host_pool(self.cfg.host_pages * PAGE_SIZE, PAGE_SIZE)
@@ -370,7 +366,7 @@ class HiCacheWorkload:
         return self.truth
 
     def _step(self, tel, i):
-        """One merged op: fresh pages to L2, or a prefix hit's L2 pages back to L1."""
+        """One merged op: new pages to L2, or a prefix hit's back to L1."""
         n = self.rng.randint(1, self.cfg.max_op_pages)
         if self.rng.random() < 0.5 or not self.host_valid:
             direction, device_pages = OFFLOAD, self.rng.sample(range(self.cfg.device_pages), n)
@@ -406,7 +402,12 @@ class HiCacheWorkload:
                 self._copy(plan, direction, non_blocking=False)
         if request is not None:
             request.end()
-        self._count(direction, tokens, num_bytes, cause)
+        truth = self.truth[direction]
+        truth.ops += 1
+        truth.tokens.update(tokens)
+        truth.blocks += -(-tokens["kv"] // PAGE_SIZE)
+        truth.bytes += num_bytes
+        truth.bytes_by_cause[cause] += num_bytes
 
     def _on_stream(self, tel, direction, plan, report):
         """Copies on the direction's stream, timed by device events."""
@@ -430,16 +431,8 @@ class HiCacheWorkload:
             for s, d in zip(src_pages, dst_pages):
                 dst_tags[d] = src_tags[s]
 
-    def _count(self, direction, tokens, num_bytes, cause):
-        truth = self.truth[direction]
-        truth.ops += 1
-        truth.tokens.update(tokens)
-        truth.blocks += -(-tokens["kv"] // PAGE_SIZE)
-        truth.bytes += num_bytes
-        truth.bytes_by_cause[cause] += num_bytes
-
     def _request(self, direction, index, cause):
-        """The span of the request the op serves, a trace's root (or None)."""
+        """The span of the request the op serves (a trace's root), or None."""
         if self.tracer is None or cause not in REQUEST_CAUSES:
             return None
         span = self.tracer.start_span(REQUEST_SPAN, context=otel_context.Context(), attributes={"example.step": index})
@@ -447,7 +440,7 @@ class HiCacheWorkload:
         return span
 
     def _host_slots(self, direction, host_pages, num_bytes):
-        """The op's L2 slots for host residence; its truth as otel-hicache computes it."""
+        """The op's L2 slots for host residence, and their truth."""
         if self.host_pool is None:  # host residence or otel-hicache off
             return None
         truth, pages = self.truth[direction], sorted(host_pages)
@@ -455,8 +448,8 @@ class HiCacheWorkload:
             self.offloads += 1
             base, extra = divmod(num_bytes, len(pages))
             for k, page in enumerate(pages):
-                old = self.page_state.get(page)
-                truth.host_bytes += old[0] if old is not None and old[1] == 0 else 0
+                written, reads, _ = self.page_state.get(page, (0, 0, 0))
+                truth.host_bytes += 0 if reads else written  # overwritten unread
                 self.page_state[page] = [base + (k < extra), 0, self.offloads]
         else:
             for page in pages:
@@ -466,7 +459,7 @@ class HiCacheWorkload:
         return self.host_pool, (torch.tensor(pages)[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
 
     def verify(self):
-        """Check every page's tags in both tiers: (tags checked, problems)."""
+        """Check every page's tags in both tiers."""
         checked, problems = 0, []
         for pool in self.pools:
             for tier, tensor, expected in (("L1", pool.device, pool.device_tags), ("L2", pool.host, pool.host_tags)):
@@ -480,7 +473,7 @@ class HiCacheWorkload:
 def parse_args(argv):
     defaults = WorkloadConfig()
     parser = argparse.ArgumentParser(prog="hicache_workload.py", description=__doc__.split("\n\n")[0],
-                                     epilog="With OTEL_EXPORTER_OTLP_ENDPOINT set, it is exported there.")
+                                     epilog="With OTEL_EXPORTER_OTLP_ENDPOINT set, telemetry is exported there.")
     for flag, kind, default, what in (("--ops", int, defaults.ops, "merged ops"), ("--seed", int, 0, "RNG seed"),
                                       ("--layers", int, defaults.layers, "layers of the kv pool"),
                                       ("--pool-tokens", int, defaults.pool_tokens, "L1 tokens (L2: twice)"),
@@ -496,7 +489,7 @@ def parse_args(argv):
 
 
 def telemetry(attributes):
-    """otel-hicache (OTEL_* or embedded), a tracer, the embedded pipeline, closers."""
+    """otel-hicache (OTEL_* or embedded), a tracer, the pipeline, closers."""
     if not export_requested():
         embedded = EmbeddedPipeline()
         tel = TransferTelemetry(tracer_provider=embedded.tracer_provider, meter_provider=embedded.meter_provider,
