@@ -32,7 +32,7 @@ from otel_hicache.record import DIRECTIONS, OFFLOAD, ONBOARD
 from otel_hicache.sinks.providers import build as build_providers
 
 STEP_SPAN = "example.scheduler_step"  # the scheduler step an op runs in
-REQUEST_SPAN = "example.request"  # the root span of the request an op serves
+REQUEST_SPAN = "example.request"  # the root span of an op's request
 REQUEST_CAUSES = frozenset(("write_through", "prefix_hit"))  # ops serving one request
 TRANSFER_EVERY = 4  # every fourth op takes the other reporting path
 PAGE_SIZE = 64  # tokens per page
@@ -68,7 +68,7 @@ class DirectionSummary:
     blocks: int = 0
     bytes: int = 0
     bytes_by_cause: dict = field(default_factory=Counter)
-    host_bytes: int = 0  # offload: overwritten in L2 unread; onboard: read back
+    host_bytes: int = 0  # offload: overwritten unread; onboard: read back
     residence_count: int = 0  # onboard: load-back x writing-offload pairs
     request_links: int = 0  # spans linked to the request they served
     busy_s: float = 0.0
@@ -197,9 +197,8 @@ def check_exported(embedded, truth, ops, flushed):
     print(format_table(rows))
     print("bytes by cause (hicache.cause):")
     for row in rows:
-        causes = sorted(row.bytes_by_cause.items(), key=lambda kv: -kv[1])
-        print(f"  {row.direction}: " + (", ".join(f"{c} {n / 1e9:.3f} GB ({n / row.bytes:.0%})" for c, n in causes)
-                                        or "-"))
+        causes = ", ".join(f"{c} {n / 1e9:.3f} GB ({n / row.bytes:.0%})" for c, n in row.bytes_by_cause.most_common())
+        print(f"  {row.direction}: {causes or '-'}")
     p50, p99 = summary.residence_s or (None, None)
     print("host residence (hicache.host.*):")
     print(f"  {onboard.residence_count:,} load-back x writing-offload pairs, residence p50 {_ms(p50)} ms, p99 "
@@ -410,7 +409,7 @@ class HiCacheWorkload:
         truth.bytes_by_cause[cause] += num_bytes
 
     def _on_stream(self, tel, direction, plan, report):
-        """Copies on the direction's stream, timed by device events."""
+        """Copies on the direction's stream, timed by events."""
         stream, compute = self.streams[direction], torch.cuda.current_stream(self.device)
         # both ways: no op touches a page another still moves
         stream.wait_stream(compute)
@@ -498,7 +497,7 @@ def telemetry(attributes):
     conf = otel_hicache.configure()
     tel = TransferTelemetry(attributes=attributes)
     closing, tracer_provider = [tel.shutdown, otel_hicache.shutdown], conf.tracer_provider
-    if tracer_provider is None:  # otel-hicache's spans leave from a telemetry process
+    if tracer_provider is None:  # a telemetry process exports otel-hicache's spans
         application = build_providers(conf.resource)
         tracer_provider = application.tracer_provider
         closing.append(lambda: application.shutdown(5.0))
