@@ -1,13 +1,11 @@
 """The shared harness of the benchmarks in this folder: CPU clocks, pacing, an OTLP sink that
 counts, the machine's description and plain-text tables.
 
-The benchmarks run as scripts (``python benchmarks/serving_cpu.py``), so Python puts this
-folder first on ``sys.path`` and they import it as ``bench_common`` from any working directory.
-It imports only the standard library and the OpenTelemetry protocol packages. Run as a script it
-is an OTLP/HTTP span counter in a process of its own (:class:`SpanCounter`).
+The benchmarks run as scripts, so Python puts this folder first on ``sys.path`` and they import
+it as ``bench_common`` from any directory. It imports only the standard library and the
+OpenTelemetry protocol packages. Run as a script it is an OTLP/HTTP span counter
+(:class:`SpanCounter`).
 """
-
-from __future__ import annotations
 
 import os
 import platform
@@ -24,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 HERE = Path(__file__).resolve().parent
 
 
-# -- clocks and pacing ------------------------------------------------------------------
+# -- clocks and pacing
 
 def thread_cpu_s(name: str) -> float:
     """CPU seconds of the live threads whose name starts with ``name`` (their own clocks)."""
@@ -83,7 +81,7 @@ def env(**values: str) -> Iterator[None]:
                 os.environ[key] = old
 
 
-# -- statistics -------------------------------------------------------------------------
+# -- statistics
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``sorted_values``: the nearest rank, no interpolation."""
@@ -100,7 +98,7 @@ def spread_text(s: dict[str, Any] | None, digits: int = 1) -> str:
     return "" if not s else f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
 
 
-# -- an OTLP/HTTP sink that counts ------------------------------------------------------
+# -- an OTLP/HTTP sink that counts
 
 class CountingSink:
     """OTLP/HTTP receiver that counts spans and hands each metrics request to ``on_metrics``
@@ -175,7 +173,7 @@ def _serve_counting_sink() -> None:
     print(sink.spans, flush=True)
 
 
-# -- report -----------------------------------------------------------------------------
+# -- report
 
 def machine(package: str, version: str, **versions: str) -> dict[str, Any]:
     """What ran: ``package`` at ``version`` and this checkout's git revision, other packages'

@@ -1,19 +1,19 @@
 """Validate otel-hicache's device timing on a real GPU, against independent measurements.
 
-Pinned host <-> device copies (1 MiB to 1 GiB, both directions) on a side stream, each reported
-through a real ``TransferTelemetry`` (private SDK providers, spans at 100%), are checked against
-a second event pair bracketing the telemetry's and ``triton.testing.do_bench``; so are the
-wall-clock anchor, ``submit()``'s cost with real events, a late ack, and the wiring (one
-device-timed, anchored span per op; durations equal to the events'; metrics equal to the spans).
-Without CUDA, or with ``--dry``, the same code runs on a CPU stand-in backend (torch CPU copies,
-events on the host's monotonic clock): targets are printed but labelled, and only the wiring
-decides the exit status. docs/gpu-validation.md has the protocol, the checks and the results.
+Pinned host <-> device copies (1 MiB to 1 GiB, both ways) on a side stream, each reported through
+a real ``TransferTelemetry`` (private SDK providers, spans at 100%), are checked against a second
+event pair bracketing the telemetry's and ``triton.testing.do_bench``; so are the wall-clock
+anchor, ``submit()``'s cost with real events, a late ack, and the wiring (one device-timed,
+anchored span per op; durations equal to the events'; metrics equal to the spans). Without CUDA,
+or with ``--dry``, the same code runs on a CPU stand-in (torch CPU copies, host monotonic clock
+events): targets are labelled, only the wiring decides the exit status. docs/gpu-validation.md
+has the protocol, the checks and the results.
 
     python benchmarks/gpu_validate.py --out docs/gpu-results/<date>-<gpu>.json   # CUDA
     python benchmarks/gpu_validate.py --dry --out /tmp/r.json                     # CPU, seconds
 
-The table of checks is printed last; ``--out`` gets every op and the environment, rewritten
-after each phase. Exit status: 1 if a check fails (CUDA: wiring and targets; dry: wiring and
+The table of checks is printed last; ``--out`` gets every op and the environment after each
+phase. Exit status: 1 if a check fails (CUDA: wiring and targets; dry: wiring and
 checks that raised), 2 for usage errors.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 
-_STARTED = time.perf_counter()  # the run's runtime counts the imports too (torch, triton)
+_STARTED = time.perf_counter()  # the runtime counts the imports (torch, triton)
 
 import argparse  # noqa: E402
 import datetime
@@ -73,7 +73,7 @@ METRIC_SUM_TOLERANCE_S = 1e-6
 DRY_LABEL = "dry (not a GPU measurement)"
 
 
-# -- backends: the only part that differs between a GPU run and the dry run -------------
+# -- backends: the only part that differs between a GPU run and the dry run
 
 class CudaBackend:
     """Real CUDA: side streams, ``torch.cuda.Event(enable_timing=True)``, pinned host buffers."""
@@ -161,9 +161,9 @@ class CudaBackend:
 
 
 class StandInEvent:
-    """Duck-typed like ``torch.cuda.Event(enable_timing=True)`` for the dry run. Its "device
-    clock" is ``perf_counter_ns``, not the wall clock, so the wall-clock anchor really maps one
-    to the other; CPU copies are synchronous, so an event is complete once recorded."""
+    """``torch.cuda.Event(enable_timing=True)`` for the dry run. Its "device clock" is
+    ``perf_counter_ns``, not the wall clock, so the anchor really maps one to the other; CPU
+    copies are synchronous, so an event is complete once recorded."""
 
     def __init__(self) -> None:
         self.at_ns: int | None = None
@@ -236,7 +236,7 @@ class DryBackend:
         return {"backend": "dry", "device_name": "none (CPU stand-in)", "cuda_available": torch.cuda.is_available()}
 
 
-# -- the table of checks ----------------------------------------------------------------
+# -- the table of checks
 
 class Report:
     """Check rows: ``wiring`` (always decide the exit), ``target`` (decide it on CUDA), ``info``
@@ -304,7 +304,7 @@ def _jsonable(obj: Any) -> Any:
     return obj if obj is None or isinstance(obj, (str, int, bool)) else repr(obj)
 
 
-# -- the run ----------------------------------------------------------------------------
+# -- the run
 
 class Validation:
     """One run: a telemetry instance on private SDK providers, the phases, the checks."""
@@ -312,19 +312,19 @@ class Validation:
     def __init__(self, backend: Any, args: argparse.Namespace, report: Report) -> None:
         self.backend, self.args, self.report, self.sizes = backend, args, report, [int(m * MIB) for m in args.sizes]
         self.ops: list[dict[str, Any]] = []  # every submit, by id
-        self._events: dict[int, tuple[Any, Any]] = {}  # an op's events until its own reading is taken
+        self._events: dict[int, tuple[Any, Any]] = {}  # an op's events until read
         self.bench: list[dict[str, Any]] = []
         self.overhead: dict[str, Any] = {}
         self.analysis: dict[str, Any] = {}
         self.worker_seen, self.stray, self.span_count = False, 0, 0  # stray: spans of no op
-        self.stream = backend.stream()  # first: if the device is unusable, nothing else was started
+        self.stream = backend.stream()  # first: an unusable device leaves nothing started
         self.exporter = InMemorySpanExporter()
         self.tracer_provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)
         self.tracer_provider.add_span_processor(
             BatchSpanProcessor(self.exporter, max_queue_size=1 << 17, max_export_batch_size=512))
         self.reader = InMemoryMetricReader()
         self.meter_provider = MeterProvider(metric_readers=[self.reader], shutdown_on_exit=False)
-        # whatever the caller's environment says: enabled, SDK on (spans at 100% by the sampler)
+        # whatever the environment says: enabled, SDK on (spans at 100% by the sampler)
         with bench_common.env(OTEL_HICACHE_ENABLED="true", OTEL_SDK_DISABLED="false"):
             self.tel = TransferTelemetry(self.tracer_provider, self.meter_provider,
                                          {"tp_rank": 0, "gpu_validate.backend": backend.name})
@@ -383,11 +383,11 @@ class Validation:
             del dev, host  # no reference left: free() can give the memory back
             self.backend.free()
 
-    # -- phases --------------------------------------------------------------------------
+    # -- phases
     def phase_copies(self) -> None:
         for nbytes in self.sizes:
             print(f"[gpu_validate] copies: {_mib(nbytes)} x {self.args.reps} per direction", flush=True)
-            with self.report.guard(f"phase: copies, {_mib(nbytes)}"):  # one size failing: the others still run
+            with self.report.guard(f"phase: copies, {_mib(nbytes)}"):  # a failing size stops no other
                 self._each_direction(nbytes, lambda d, dst, src: self._copies(d, nbytes, dst, src))
 
     def _copies(self, direction: str, nbytes: int, dst: Any, src: Any) -> None:
@@ -405,7 +405,7 @@ class Validation:
         try:
             non_blocking = not self.backend.dry
             entry.update(self.backend.bench(lambda: dst.copy_(src, non_blocking=non_blocking), self.stream))
-        except Exception as exc:  # reported, never fatal: the 2% target uses the event reference
+        except Exception as exc:  # reported, not fatal: the 2% target uses the event reference
             entry["error"] = repr(exc)
             self.report.errors.append({"where": f"do_bench {direction} {_mib(nbytes)}", "error": repr(exc),
                                        "traceback": traceback.format_exc()})
@@ -425,7 +425,7 @@ class Validation:
             self.backend.synchronize()
             for _ in range(args.ack_reps):
                 op, handle = self._timed_copy("late_ack", direction, nbytes, dst, src, expect_ack=True)
-                time.sleep(args.ack_delay_ms / 1e3)  # the copy finished at host_after at the latest
+                time.sleep(args.ack_delay_ms / 1e3)  # the copy finished by host_after
                 op["ack_host_ns"] = time.time_ns()
                 self.tel.ack(handle)
                 self._check_worker()
@@ -434,8 +434,8 @@ class Validation:
 
     def phase_overhead(self) -> None:
         """``submit()`` alone, with real recorded events and a small copy in flight, one op every
-        ``--interval-us`` (the worker runs between ops, as in production), against an empty call
-        with the same arguments; which goes first alternates."""
+        ``--interval-us`` (the worker runs between ops), against an empty call with the same
+        arguments; which goes first alternates."""
         backend, stream, args, perf = self.backend, self.stream, self.args, time.perf_counter_ns
         n, nbytes, tokens = args.overhead_ops, 64 * 1024, {"kv": 1}
         print(f"[gpu_validate] caller overhead: {n} submit() calls, one every {args.interval_us} us", flush=True)
@@ -506,7 +506,7 @@ class Validation:
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown()
 
-    # -- analysis and checks -------------------------------------------------------------
+    # -- analysis and checks
     def attach_spans(self, spans: list[Any]) -> None:
         """Each op's span (by ``gpu_validate.id``), and what follows from it."""
         by_id: dict[Any, list[Any]] = {}
@@ -619,7 +619,7 @@ class Validation:
                                 target, all(abs(r - 1.0) <= TARGET_RATIO for r in big))
             else:
                 self.report.add(name, "target", f"no copies >= {TARGET_MIN_MIB} MiB (--sizes)", target, "SKIP")
-            if gaps:  # the bracket's own cost: constant over sizes, or the spans miss part of the copy
+            if gaps:  # the bracket's cost: constant over sizes, else spans miss part of a copy
                 self.report.add(f"independent - span, {direction}, all sizes", "info",
                                 f"median {_median(gaps):.1f} us, max {max(gaps):.1f} us (n={len(gaps)})", "report",
                                 None)
@@ -749,7 +749,7 @@ class Validation:
                 ("check: late ack", self.check_late_ack, "target", f"within {TARGET_RATIO:.0%}")]
 
 
-# -- main -------------------------------------------------------------------------------
+# -- main
 
 def _sizes(text: str) -> list[float]:
     sizes = [float(x) for x in text.split(",") if x.strip()]
@@ -797,7 +797,7 @@ def environment(backend: Any) -> dict[str, Any]:
         triton_version = "not installed"
     env = bench_common.machine("otel_hicache", otel_hicache.__version__, torch=torch.__version__, triton=triton_version)
     env["timestamp_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    # OTEL_HICACHE_* values (they tune the pipeline); other OTEL_* names only (headers may hold secrets)
+    # OTEL_HICACHE_* values (they tune the pipeline); other OTEL_* names only (headers hold secrets)
     env["otel_hicache_variables"] = {k: v for k, v in os.environ.items() if k.startswith("OTEL_HICACHE_")}
     env["other_otel_variables_set"] = sorted(k for k in os.environ
                                              if k.startswith("OTEL_") and not k.startswith("OTEL_HICACHE_"))
@@ -929,8 +929,8 @@ def print_table(results: dict[str, Any], report: Report, out: Path) -> None:
 
 if __name__ == "__main__":
     status = main(started=_STARTED)
-    # The table stays the last thing printed: leave without interpreter teardown, where extension
-    # modules (triton's nanobind) may print notices. Everything was shut down, flushed and written.
+    # the table stays last: no interpreter teardown, where extensions (triton's nanobind) may print;
+    # everything was shut down, flushed and written
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

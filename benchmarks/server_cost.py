@@ -10,8 +10,6 @@ time to first token and per output token (streamed), the scheduler process's CPU
 the telemetry process's. Prints on/off ratios with their spread and CPU per merged op; asserts
 nothing (a CPU model's forward pass dwarfs the cost, and shared cores add noise).
 """
-from __future__ import annotations
-
 import argparse
 import statistics
 import sys

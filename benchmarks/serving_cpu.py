@@ -21,28 +21,25 @@ process's (``/proc``). Net = minus the control of the same round.
    span exported): CPU per op;
 2. core turns only: 30 ops/s for ``--slow-seconds``, then idle (no op) for as long: % of a core.
 
-The reference op is a fixed piece of plain Python (:func:`reference_op`) timed back to back on
-this thread's clock at each round's start: per-op figures in reference ops compare across machines.
+The reference op, plain Python (:func:`reference_op`) timed on this thread's clock at each
+round's start, makes per-op figures compare across machines.
 
-Goals, printed with this run's medians; a missed one makes the run exit 1. Each holds with
-margin on a shared 2-core machine (limits in :data:`GOALS`):
+Goals (limits in :data:`GOALS`, each with margin on a shared 2-core machine), printed with this
+run's medians; a missed one makes the run exit 1:
 
 * serving-process CPU per op at 1,000 ops/s (core), in reference ops;
 * at 30 ops/s, the serving process's % of a core, and both processes' together;
 * idle, the serving process's % of a core, and both processes' together.
 
-Reported without a goal (:data:`REPORTED`): the real SGLang path's serving-process CPU per merged
-op over direct ``submit()``'s. Its net is the difference of two figures several times its size
-(SGLang's own op runs on this CPU), which on a shared 2-core machine moves by more than the net
-between rounds: no limit holds there with margin and still says something. Also reported, as
-context: the telemetry process's CPU per op at 1,000 ops/s, the poller thread's (its own clock),
-and each control's. Every span must reach the counter (else exit 1).
+Reported without a goal (:data:`REPORTED`), as its net is the difference of two figures several
+times its size that moves more than itself between rounds on 2 shared cores: the real SGLang path's
+serving-process CPU per merged op over direct ``submit()``'s. Also reported as context: the
+telemetry process's CPU per op at 1,000 ops/s, the poller thread's, and each control's. Every span
+must reach the counter (else exit 1).
 
     python benchmarks/serving_cpu.py            # 3 rounds of 10 s windows, ~5 minutes
     python benchmarks/serving_cpu.py --quick    # 3 rounds of 2-3 s windows, ~90 s (CI)
 """
-
-from __future__ import annotations
 
 import argparse
 import gc
@@ -96,7 +93,7 @@ def reference_us(batches: int = 5, calls: int = 400) -> float:
     return statistics.median(per_call)
 
 
-# -- the ops ----------------------------------------------------------------------------
+# -- the ops
 
 class CoreOps:
     """Direct ``submit()`` + ``ack()`` of the core's op (``instrumented=False``: the same
@@ -159,7 +156,7 @@ class SGLangOps:
             self.instrumentor.uninstrument()  # shuts its telemetry down: the telemetry process ends
 
 
-# -- one turn ---------------------------------------------------------------------------
+# -- one turn
 
 def paced(op: Callable[[int], None], rate: float, seconds: float) -> int:
     """``rate`` ops a second on a fixed schedule for ``seconds`` (an even count: whole round
@@ -206,7 +203,7 @@ def run_turn(variant: str, args: argparse.Namespace, endpoint: str) -> dict[str,
         ops = kind(instrumented, args.tokens)
         try:
             warm = paced(ops, args.rate, args.warmup_s)
-            flush()  # the telemetry process started and its exporters connected before the windows
+            flush()  # the telemetry process and its exporters up before the windows
             process = getattr(getattr(ops.telemetry, "channel", None), "process", None)
             if instrumented and process is None:
                 raise RuntimeError(f"{variant}: no telemetry process after the warm-up")
@@ -228,7 +225,7 @@ def otel_variables(endpoint: str) -> dict[str, str]:
             "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
 
 
-# -- figures and goals ------------------------------------------------------------------
+# -- figures and goals
 
 def summarize(turns: dict[str, list[dict[str, Any]]], reference: list[float]) -> dict[str, Any]:
     """Per variant and round, CPU per op at ``--rate`` and % of a core at 30 ops/s and idle, the
@@ -332,14 +329,14 @@ def run_rounds(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    for name in [k for k in os.environ if k.startswith("OTEL_")]:  # configured by this script's variables only
+    for name in [k for k in os.environ if k.startswith("OTEL_")]:  # only this script's variables
         del os.environ[name]
     started = time.perf_counter()
     import sglang_cpu
 
     sglang_cpu.install_cpu_support()  # before anything imports SGLang or the adapter
     gc.collect()
-    gc.freeze()  # SGLang and torch: a full collection would otherwise scan them, in the windows too
+    gc.freeze()  # SGLang and torch: or a full collection scans them, in the windows too
     from otel_hicache import __version__
 
     info = machine("otel_hicache", __version__)

@@ -5,17 +5,15 @@ ops/s, side by side in one run.
    metric reader collected once a round), ``TransferTelemetry.submit()`` + ``ack()`` of host-clock
    merged ops (2 pools, ranks as static attributes, a cause), drained by ``force_flush()``; this
    process's CPU per op (every thread: the poller runs the sinks). ``naive``: the same op reported
-   on the caller's thread with the public API as a plain instrumentation would: one span with a
-   handful of attributes, one histogram record, three counter adds. Turns alternate, ``--rounds``
-   rounds; the goal is on the median of the rounds' ratios.
+   on the caller's thread by the public API as a plain instrumentation would (a span with a few
+   attributes, a histogram record, three counter adds). Turns alternate for ``--rounds`` rounds;
+   the goal is on the median of the rounds' ratios.
 2. ``telemetry process``: ``configure()`` from ``OTEL_*`` (OTLP/HTTP to a span counter in another
    process), ``--burst`` ops submitted at once, timed until ``force_flush()`` returns: the ops/s
    the telemetry process took them at, and its CPU per op. Every span must arrive.
 
     python benchmarks/sinks_cpu.py [--rounds 3] [--ops 20000] [--burst 30000]
 """
-
-from __future__ import annotations
 
 import argparse
 import os

@@ -2,10 +2,9 @@
 
     tests/paced_workload.py --OTLP gRPC--> Collector (deploy/local/stack.sh) --OTLP/HTTP--> counting sink
 
-Default: 5 minutes at 1,500 merged ops/s (450k ops), every op a span (spans at 100%),
-metrics every 5 s, configured only by ``OTEL_*`` variables. The sink (in this process)
-counts every span and keeps the newest cumulative point of every series. Checks, printed
-as a table:
+Default: 5 minutes at 1,500 merged ops/s (450k ops), spans at 100%, metrics every 5 s,
+configured only by ``OTEL_*``. The sink (in this process) counts every span and keeps each
+series' newest cumulative point. Checks, printed as a table:
 
 * the transfer counters at the sink equal the workload's ground truth, exactly;
 * every span arrived, and the SDK's own self-metrics (``otel.sdk.*``, on with
@@ -16,11 +15,9 @@ as a table:
   completion pipeline's and the span processor's queue depths and the completion
   worker's CPU time per op.
 
-Run ``bash deploy/local/stack.sh install`` first. ``--seconds``/``--rate`` shorten it; exit status 1 when a
-check fails.
+Run ``bash deploy/local/stack.sh install`` first. ``--seconds``/``--rate`` shorten it; exit status 1
+when a check fails.
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -62,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             return points.counters()
 
     collector = Collector(tmp, sink.endpoint)
-    try:  # the Collector and the sink stop whatever happens (a crash here once left the Collector running)
+    try:  # the Collector and the sink stop whatever happens (a crash once left it running)
         collector.start()
         env = {
             "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "true",  # the delivery counts (run_workload's default too)

@@ -1,6 +1,5 @@
-"""The real Collector, Jaeger and Prometheus from the shipped configs (after `bash deploy/local/
-stack.sh install`), their API clients, and a workload sending into them with its ground truth."""
-from __future__ import annotations
+"""The real Collector, Jaeger and Prometheus from the shipped configs (`bash deploy/local/stack.sh
+install`), their API clients, and a workload sending into them with its ground truth."""
 
 import json
 import os
@@ -10,12 +9,12 @@ import sys
 import pytest
 from helpers import ROOT, SERVICE, STACK, Jaeger, Proc, Prom, clean_env
 
-sys.path.insert(0, str(ROOT / "tests"))  # the helpers shared with tests/ (otlp_receiver...)
+sys.path.insert(0, str(ROOT / "tests"))  # helpers shared with tests/ (otlp_receiver...)
 
 
 @pytest.fixture(scope="session")
 def stack(request, tmp_path_factory):
-    """stack.sh up in a temp dir (waits until Prometheus scrapes); down -v after, logs shown on failure."""
+    """stack.sh up in a temp dir (until Prometheus scrapes); down -v after, logs shown on failure."""
     env = {**os.environ, "HICACHE_STACK_STATE": str(state := tmp_path_factory.mktemp("stack"))}
     up = subprocess.run(["bash", STACK, "up"], env=env, capture_output=True, text=True)
     try:
@@ -39,7 +38,7 @@ def jaeger(stack) -> Jaeger:
 
 @pytest.fixture(scope="session")
 def truth(stack, tmp_path_factory) -> dict:
-    """The example workload's ground truth: 600 ops at 40/s, so rate() sees several scrapes."""
+    """The example workload's ground truth: 600 ops at 40/s, for rate() to see several scrapes."""
     out = tmp_path_factory.mktemp("workload")
     args = "--ops 600 --rate 40 --layers 2 --pool-tokens 2048 --truth-json".split()
     workload = Proc("workload", [sys.executable, "examples/hicache_workload.py", *args, str(out / "truth")], clean_env(

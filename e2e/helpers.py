@@ -1,5 +1,4 @@
 """Clients of the HTTP APIs the UIs use (Prometheus, Jaeger), a bounded poll, child processes."""
-from __future__ import annotations
 
 import json
 import os
@@ -29,7 +28,7 @@ def binary(name: str) -> str:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without OTEL_* and the stack's variables, plus extra."""
+    """This environment less OTEL_* and the stack's variables, plus extra."""
     return {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "JAEGER_", "HICACHE_"))} | extra
 
 
@@ -40,7 +39,7 @@ def free_port() -> int:
 
 
 def get(url: str, **params: Any) -> Any:
-    """GET url?params as JSON, an error's too (the API says what)."""
+    """GET url?params as JSON, an error's too (it says what)."""
     try:
         with urllib.request.urlopen(f"{url}?{urllib.parse.urlencode(params)}", timeout=60) as r:
             return json.load(r)
@@ -50,7 +49,7 @@ def get(url: str, **params: Any) -> Any:
 
 def settle(fetch: Callable[[], Any], done: Callable[[Any], bool], timeout: float, procs: tuple = (),
            every: float = 0.5) -> Any:
-    """fetch() until done(value) or timeout: the last value, to assert on. A dead one of procs fails."""
+    """fetch() until done(value) or timeout, failing if one of procs died; the last value."""
     deadline = time.monotonic() + timeout
     while not done(value := fetch()) and time.monotonic() < deadline:
         for proc in procs:
@@ -73,7 +72,7 @@ class Prom:
         return data["result"] if data["resultType"] == "vector" else [{"metric": {}, "value": data["result"]}]
 
     def by(self, expr: str, *labels: str) -> dict[tuple, float]:
-        """{label values: value}, zeros left out (series made before their first use)."""
+        """{label values: value}, zeros (series made before first use) left out."""
         return {tuple(s["metric"].get(k, "") for k in labels): float(s["value"][1])
                 for s in self.query(expr) if float(s["value"][1])}
 
@@ -91,7 +90,7 @@ class Jaeger:
         return body["data"]
 
     def spans(self, service: str, operation: str | None = None, **params: Any) -> list[dict]:
-        """The service's spans named operation (or hicache.*) with "attrs", "service" and "parent"."""
+        """The service's spans named operation (or hicache.*) plus "attrs", "service", "parent"."""
         found = {}
         for trace in self.traces(service, **params, **{"operation": operation} if operation else {}):
             names = {s["spanID"]: s["operationName"] for s in trace["spans"]}
@@ -103,7 +102,7 @@ class Jaeger:
         return list(found.values())
 
     def trace(self, trace_id: str) -> dict[str, dict]:
-        """spanID -> span (with its "service") of a trace; {} when Jaeger has none."""
+        """spanID -> span (with "service") of a trace; {} when Jaeger has none."""
         trace = (get(f"{self.url}/api/traces/{trace_id}").get("data") or [{}])[0]
         return {s["spanID"]: s | {"service": _service(trace, s)} for s in trace.get("spans", [])}
 
@@ -113,12 +112,12 @@ def _service(trace: dict, span: dict) -> str:
 
 
 def refs(span: dict, kind: str = "FOLLOWS_FROM") -> list[tuple[str, str]]:
-    """(trace id, span id) of the span's references of a kind (links are FOLLOWS_FROM)."""
+    """(trace id, span id) of the span's references of a kind (links: FOLLOWS_FROM)."""
     return [(r["traceID"], r["spanID"]) for r in span.get("references") or [] if r["refType"] == kind]
 
 
 def shipped_queries() -> list[tuple[str, str, str]]:
-    """(kind, name, PromQL) of each shipped rule and panel; Grafana variables match anything."""
+    """(kind, name, PromQL) of each shipped rule and panel; Grafana variables match all."""
     import yaml
 
     def panels(items: list) -> list:
@@ -134,7 +133,7 @@ def shipped_queries() -> list[tuple[str, str, str]]:
 
 
 class Proc:
-    """A child process, started (and healthy); check() fails when it ended unasked: a server at all."""
+    """A child process; check() fails once it ended unasked (a server at all)."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, logs: Path, health: str = "") -> None:
         self.name, self.cmd, self.env, self.logs, self.health, self.process = name, cmd, env, logs, health, None
@@ -149,7 +148,7 @@ class Proc:
         assert code is None or code == 0 and not self.health, f"{self.name} ended ({code}):\n{self.log()}"
 
     def wait(self, timeout: float, procs: tuple = ()) -> None:
-        """Until it ends, with 0 (a dead one of procs fails first)."""
+        """Until it ends with 0 (a dead one of procs fails first)."""
         settle(lambda: self.process.poll() is not None, bool, timeout, procs)
         assert self.process.poll() == 0, f"{self.name} ended ({self.process.poll()}):\n{self.log()}"
 

@@ -1,4 +1,4 @@
-"""The real Collector (tests/collector_process.py) before the test's own OTLP receiver: killed and
+"""The real Collector (tests/collector_process.py) before the test's OTLP receiver: killed and
 restarted mid-run; TLS with its certificate and a wrong one."""
 import time
 
@@ -31,7 +31,7 @@ def test_collector_killed_and_restarted(protocol, sink, tmp_path):
     collector, times = Collector(tmp_path, sink.endpoint), {}
     collector.start()
 
-    def outage(process, _t0):  # once spans flow, the Collector is down for 3 s
+    def outage(process, _t0):  # once spans flow, 3 s without the Collector
         settle(lambda: len(op_ids(sink)) >= 300 or process.poll() is not None, bool, 30)
         times["kill"] = collector.kill()
         settle(lambda: time.time() - times["kill"] >= 3.0, bool, 5)
@@ -46,20 +46,20 @@ def test_collector_killed_and_restarted(protocol, sink, tmp_path):
         collector.stop()
     kill_ms, ready_ms = ((times[k] - run.result["start_unix_ns"] / 1e9) * 1e3 for k in ("kill", "ready"))
     assert 500 < kill_ms < ready_ms < run.result["elapsed_s"] * 1e3 - 2000, (kill_ms, ready_ms)
-    assert counters == truth, collector.log()  # metrics resumed, the cumulative counters exact
-    # spans sent after the restart arrive: after the first one, none is missing
+    assert counters == truth, collector.log()  # metrics resumed, cumulative counters exact
+    # after the restart, from the first span that arrives none is missing
     arrived, submit_ms = op_ids(sink), run.result["submit"]["ms"]
     after = [i for i, t in enumerate(submit_ms) if t >= ready_ms]
     first = next(i for i in after if i in arrived)
     assert [i for i in after if i >= first and i not in arrived] == []
-    # every span was delivered or counted as lost by the SDK, which said so
+    # every span delivered, or counted lost by the SDK, which said so
     counts = {k: run.spans(k) for k in ("exported", "export_failed", "queue_full", "queued", "in_export")}
     assert counts["queued"] == counts["in_export"] == 0 and len(arrived) <= counts["exported"], counts
     assert counts["exported"] + counts["export_failed"] + counts["queue_full"] == run.result["ops"], counts
     lost = counts["export_failed"] + counts["queue_full"]
     assert not lost or EXPORT_FAILED_LOG in run.stderr or QUEUE_FULL_LOG in run.stderr
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
-    # submit() costs what it did before (the second worst: one preemption is not its cost)
+    # submit() costs what it did before (second worst: one preemption is not its cost)
     before, during = run.costs_ns(0, kill_ms), run.costs_ns(kill_ms, ready_ms + 2000)
     assert quantile(during, 0.99) <= 3 * quantile(before, 0.99) + 20_000
     assert during[-2] <= 5 * before[-1] + 2_000_000
@@ -82,7 +82,7 @@ def test_tls_to_the_collector(protocol, sink, tmp_path):
                              "--rate", "200", "--seconds", "2", "--no-provider-flush", "--exit-without-shutdown")
     finally:
         collector.stop()
-    # a wrong certificate fails visibly: nothing delivered, failures counted, logged
+    # a wrong certificate fails visibly: nothing delivered, failures counted and logged
     assert "wrong-certificate" not in {kv.value.string_value for r, _ in sink.received.spans() for kv in r.attributes}
     assert wrong.spans("exported") == 0 < wrong.spans("export_failed")
     assert EXPORT_FAILED_LOG in wrong.stderr, wrong.stderr[-3000:]

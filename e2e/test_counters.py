@@ -7,7 +7,7 @@ from helpers import DIRECTIONS, ROOT, SERVICE, settle
 
 pytestmark = pytest.mark.stack
 SEL = f'service_name="{SERVICE}"'
-# test id: series, a label to sum by beside direction and rank, (truth, direction) -> {its value: n}
+# test id: series, a label to sum by beside direction and rank, (truth, direction) -> {value: n}
 CASES = {
     "bytes": ("transfer_bytes_total", "", lambda t, d: {"": t[d]["bytes"]}),
     "blocks": ("transfer_blocks_total", "", lambda t, d: {"": t[d]["blocks"]}),
@@ -24,7 +24,7 @@ CASES = {
 def test_counter_equals_ground_truth(case, prom, truth):
     series, by, want_of = CASES[case]
     labels = ["hicache_direction", "tp_rank"] + [by] * bool(by)
-    want = {("" if "host_" in series else d, "0", *[k] * bool(by)): n  # the host_* series have no direction
+    want = {("" if "host_" in series else d, "0", *[k] * bool(by)): n  # host_* have no direction
             for d in DIRECTIONS for k, n in want_of(truth, d).items() if n}
     expr = f"sum by ({', '.join(labels)}) (hicache_{series}{{{SEL}}})"
     assert want and settle(lambda: prom.by(expr, *labels), lambda got: got == want, 30) == want, expr
@@ -41,8 +41,8 @@ def test_nothing_lost(prom, truth):
 
 
 def test_collector_passed_every_span_on(prom, truth):
-    """The Collector's own metrics deploy/README.md lists: every span the workload made (2 per op and
-    the requests') accepted and sent on, none refused."""
+    """By the Collector's own metrics deploy/README.md lists, every span made (2 per op, and the
+    requests') was accepted and sent on, none refused."""
     section = (ROOT / "deploy/README.md").read_text().split("### The Collector's own metrics")[1]
     listed = re.findall(r"`(otelcol_\w+)`", section.split("Failures appear")[0])
     made = 2 * sum(truth[d]["ops"] for d in DIRECTIONS)
@@ -55,7 +55,7 @@ def test_collector_passed_every_span_on(prom, truth):
 
 
 def test_every_series_name_is_documented(prom, truth):
-    """Every hicache_*/otel_hicache_* name Prometheus stores is in docs/reference.md."""
+    """Every hicache_*/otel_hicache_* name in Prometheus is in docs/reference.md."""
     reference = (ROOT / "docs/reference.md").read_text()
     ours = [n for n in prom.api("/api/v1/label/__name__/values") if re.match(r"(otel_)?hicache_", n)]
     assert len(ours) > 20 and [n for n in ours if not re.search(rf"\b{n}\b", reference)] == []

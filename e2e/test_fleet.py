@@ -1,6 +1,5 @@
-"""The fleet of deploy/fleet.md from the shipped files, each part on a loopback address of its own.
+"""The fleet of deploy/fleet.md from the shipped files, each part on a loopback address of its own;
 A node alone: `python e2e/test_fleet.py OUT [RATE SECONDS]`."""
-from __future__ import annotations
 
 import json
 import random
@@ -16,35 +15,35 @@ from types import SimpleNamespace
 
 from helpers import DIRECTIONS, ROOT, Jaeger, Proc, Prom, binary, clean_env, settle
 
-SERVICE, PAGE, DECISION_WAIT_S = "hicache-fleet-test", 64, 5  # decision_wait: 10 s shipped, 5 s here
-RATE, SECONDS, KILL_AT_S, DOWN_S = 200, 36.0, 18.0, 4.0  # per node; the kill after the nodes' start
+SERVICE, PAGE, DECISION_WAIT_S = "hicache-fleet-test", 64, 5  # 10 s shipped
+RATE, SECONDS, KILL_AT_S, DOWN_S = 200, 36.0, 18.0, 4.0  # per node; kill after their start
 SERIES = {"ops": "duration_seconds_count", "bytes": "bytes_total", "blocks": "blocks_total", "tokens": "tokens_total"}
 
 
 def node(out: str, rate: str = RATE, seconds: str = SECONDS) -> None:
-    """Paced ops, a trace each (a step span, a transfer span); 1% fail, 1% slower than the gateways'
-    50 ms. Writes the ground truth and each op's (trace id, kind, end)."""
+    """Paced ops, a trace each (step and transfer spans), 1% failed, 1% over the gateways' 50 ms; writes
+    the ground truth and each op's (trace id, kind, end)."""
     sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
     import otel_hicache
     from bench_common import wait_until
     from sdk_delivery import read_sdk_delivery
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-    reader = InMemoryMetricReader()  # the SDK's self-metrics: what its OTLP exporter delivered
+    reader = InMemoryMetricReader()  # the SDK's self-metrics: what it delivered
     config = otel_hicache.configuration.configure(metric_readers=[reader])
     tracer, tel = config.tracer_provider.get_tracer("fleet"), otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
     rng, truth, ops, last, start = random.Random(out), Counter(), [], None, time.perf_counter_ns()
     for i in range(int(float(rate) * float(seconds))):
-        wait_until(start + int(i * 1e9 / float(rate)))  # a fixed schedule: a late op delays no other
+        wait_until(start + int(i * 1e9 / float(rate)))  # a late op delays no other
         d, pages, roll, end = DIRECTIONS[i % 2], 1 + rng.randrange(8), rng.random(), time.time_ns()
         kind = "error" if roll < 0.01 else "slow" if roll < 0.02 else "plain"
         begin = end - (int(rng.uniform(60e6, 150e6)) if kind == "slow" else 20_000 * pages)
         with tracer.start_as_current_span("example.scheduler_step", start_time=begin) as step:
             op = (d, {"kv": pages * PAGE}, pages * PAGE * 4096, PAGE)
-            if kind == "error":  # its finish event raises, as after a device fault
+            if kind == "error":  # its finish event raises, like a device fault
                 tel.submit(*op, finish_event=SimpleNamespace(query=lambda: 1 / 0), host_start_ns=begin)
             else:
-                tel.ack(last)  # the consumer takes the previous op's ack
+                tel.ack(last)  # the consumer acks the previous op
                 last = tel.submit(*op, host_start_ns=begin, host_end_ns=end)
                 truth.update({f"{k} {d}": n for k, n in zip(SERIES, (1, op[2], pages, pages * PAGE))})
         ops.append((f"{step.get_span_context().trace_id:032x}", kind, end))
@@ -60,11 +59,12 @@ def node(out: str, rate: str = RATE, seconds: str = SECONDS) -> None:
 if __name__ == "__main__":
     sys.exit(node(*sys.argv[1:]))
 
-import grpc  # noqa: E402  (the node above needs neither)
+import grpc  # noqa: E402  (node() needs neither)
 import pytest  # noqa: E402
 
 pytestmark = pytest.mark.fleet
-NAMES = ("gateway-1", "gateway-2", "jaeger", "agent-node-a", "agent-node-b", "prometheus")
+NODES = ("node-a", "node-b")
+NAMES = ("gateway-1", "gateway-2", "jaeger", *(f"agent-{n}" for n in NODES), "prometheus")
 HELD = "otelcol_processor_tail_sampling_sampling_traces_on_memory"  # a gateway's undecided traces
 
 
@@ -81,7 +81,7 @@ def export(host: str, auth: str | None, ca: str | None) -> str:
 
 
 def scrape(host: str, port: int = 8888) -> dict[str, float]:
-    """A Collector's metrics: {name{labels}: value}, without _total (Jaeger's Collector adds it)."""
+    """A Collector's metrics {name{labels}: value}, less _total (Jaeger's Collector adds it)."""
     text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
     samples = re.finditer(r"^(\w+)(\{.*\})? (\S+)$", text, re.M)
     return {m[1].removesuffix("_total") + (m[2] or ""): float(m[3]) for m in samples}
@@ -92,7 +92,7 @@ def total(metrics: list[dict[str, float]], name: str, having: str = "") -> float
 
 
 def in_namespace(hosts_file: Path) -> list[str]:
-    """A command prefix giving hosts_file as /etc/hosts (deploy/local/stack.sh's way)."""
+    """A command prefix with hosts_file as /etc/hosts (as deploy/local/stack.sh does)."""
     script = ["sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts_file)]
     for unshare in (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"]):
         if subprocess.run([*unshare, *script, "true"], capture_output=True).returncode == 0:
@@ -102,11 +102,11 @@ def in_namespace(hosts_file: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory) -> dict:
-    """The address of each part (NAMES), started and healthy; their "procs"."""
+    """Each part's address (NAMES), started and healthy; their "procs"."""
     from otlp_receiver import make_certificates
 
     tmp, net = tmp_path_factory.mktemp("fleet"), f"127.{random.randrange(64, 250)}.{random.randrange(250)}."
-    at = {name: net + str(i) for i, name in enumerate(NAMES, 1)}  # each one its default ports
+    at = {name: net + str(i) for i, name in enumerate(NAMES, 1)}  # each its default ports
     (tmp / "tls").mkdir()
     tls = make_certificates(tmp / "tls", hosts=(at["gateway-1"], at["gateway-2"]))
     (tmp / "token").write_text(token := secrets.token_urlsafe(32))
@@ -140,19 +140,19 @@ def test_gateways_take_only_tls_with_the_token(fleet):
     for gateway in NAMES[:2]:
         answers = [export(fleet[gateway], auth, tls) for auth, tls in [
             (f"Bearer {token}", ca), (None, ca), (f"Bearer {token[::-1]}", ca), (token, ca), (f"Bearer {token}", None)]]
-        assert answers == ["OK"] + ["UNAUTHENTICATED"] * 3 + ["UNAVAILABLE"], gateway  # the last: plaintext
+        assert answers == ["OK"] + ["UNAUTHENTICATED"] * 3 + ["UNAVAILABLE"], gateway  # last: plaintext
 
 
 @pytest.fixture(scope="module")
 def run(fleet, tmp_path_factory) -> SimpleNamespace:
-    """The nodes' workloads; the gateway carrying node-a's metrics killed mid-run and restarted."""
+    """The nodes' workloads; the gateway carrying node-a's metrics killed mid-run, restarted."""
     tmp, procs = tmp_path_factory.mktemp("nodes"), fleet["procs"]
     nodes = [Proc(n, [sys.executable, __file__, str(tmp / n)], clean_env(
         OTEL_SERVICE_NAME=SERVICE, OTEL_RESOURCE_ATTRIBUTES=f"host.name={n}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://{fleet['agent-' + n]}:4317", OTEL_METRIC_EXPORT_INTERVAL="1000",
         OTEL_BSP_SCHEDULE_DELAY="200", OTEL_HICACHE_SHUTDOWN_TIMEOUT_S="10",
         OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED="true"),
-        tmp) for n in ("node-a", "node-b")]  # the SDK's self-metrics count spans exported
+        tmp) for n in NODES]  # the SDK's self-metrics count spans exported
     every = (*procs.values(), *nodes)
     try:
         t0 = time.time_ns()
@@ -172,12 +172,12 @@ def run(fleet, tmp_path_factory) -> SimpleNamespace:
     finally:
         for proc in nodes:
             proc.stop()
-    return SimpleNamespace(nodes=[json.loads((tmp / n).read_text()) for n in ("node-a", "node-b")], victim=victim,
+    return SimpleNamespace(nodes=[json.loads((tmp / n).read_text()) for n in NODES], victim=victim,
                            t_kill=t_kill, before=before, every=every)
 
 
 def test_metrics_lose_nothing(fleet, run):
-    """The agents queue and retry per gateway: the counters equal the nodes' ground truth."""
+    """The agents queue and retry per gateway: the counters equal the nodes' truth."""
     prom, sel = Prom(f"http://{fleet['prometheus']}:9090"), f'service_name="{SERVICE}"'
     failed = Counter(failed=sum(k == "error" for r in run.nodes for _, k, _ in r["ops"]))
     want = sum((Counter(r["truth"]) for r in run.nodes), failed)
@@ -188,9 +188,9 @@ def test_metrics_lose_nothing(fleet, run):
 
 
 def test_the_traces_the_policy_keeps(fleet, run):
-    """Every error and slow trace is in Jaeger, whole, but those the dead gateway held undecided; the
-    base rate holds."""
-    def state() -> tuple:  # once the gateways decided every trace and Jaeger stored all it took
+    """Every error and slow trace is in Jaeger, whole, but those the dead gateway held; the base rate
+    holds."""
+    def state() -> tuple:  # the gateways decided every trace, Jaeger stored all it took
         traces = Jaeger(f"http://{fleet['jaeger']}:16686").traces(SERVICE, limit=15000)
         stored = {int(t["traceID"], 16): len(t["spans"]) for t in traces}
         return [scrape(fleet[g]) for g in NAMES[:2]], scrape(fleet["jaeger"]), stored
@@ -202,7 +202,7 @@ def test_the_traces_the_policy_keeps(fleet, run):
     assert [tid for tid, kind, inside in ops if kind != "plain" and not inside and stored.get(tid) != 2] == []
     assert min(Counter(kind for _, kind, inside in ops if not inside)[k] for k in ("error", "slow")) >= 20
     plain = [tid in stored for tid, kind, inside in ops if kind == "plain" and not inside]
-    assert abs(sum(plain) - len(plain) / 100) <= 5 * (len(plain) / 100) ** 0.5 + 5  # the base rate, 1%
+    assert abs(sum(plain) - len(plain) / 100) <= 5 * (len(plain) / 100) ** 0.5 + 5  # base rate 1%
     lost = sum(kind != "plain" and inside and tid not in stored for tid, kind, inside in ops)
     assert lost <= total([run.before], HELD)
     assert total(gateways, "otelcol_exporter_send_failed_spans") == 0
@@ -210,7 +210,7 @@ def test_the_traces_the_policy_keeps(fleet, run):
 
 def test_the_agents_passed_every_span_on(fleet, run):
     """By their own metrics, to the gateways that were up, retrying the dead one."""
-    agents = [scrape(fleet["agent-" + n]) for n in ("node-a", "node-b")]
+    agents = [scrape(fleet["agent-" + n]) for n in NODES]
     sent = total(agents, "otelcol_exporter_sent_spans", "load_balancing/traces")
     assert sum(r["exported"] for r in run.nodes) == sum(2 * len(r["ops"]) for r in run.nodes) == sent
     assert total(agents, "otelcol_receiver_accepted_spans") == sent

@@ -8,8 +8,8 @@ from real_server import server as rs
 
 pytestmark = pytest.mark.real_server
 CASES = {  # policy, page size, tensor parallelism, SGLang's request tracing, shared prefix
-    "write_through": ("write_through", 1, 1, True, 400),  # links to SGLang's request spans
-    "write_back-page16": ("write_back", 16, 1, False, 410),  # a prefix not a multiple of the page
+    "write_through": ("write_through", 1, 1, True, 400),  # links to SGLang's requests
+    "write_back-page16": ("write_back", 16, 1, False, 410),  # not a multiple of the page
     "tp2": ("write_through", 1, 2, False, 400),  # two schedulers, two telemetry processes
 }
 
@@ -35,7 +35,7 @@ def run(request, stack, jaeger, model, tmp_path_factory):
 
 
 def test_spans_equal_sglang_counters(run):
-    """Per direction and rank, span tokens and bytes equal SGLang's own counters exactly."""
+    """Per direction and rank, span tokens and bytes equal SGLang's own counters."""
     assert run.sglang.get(("offload", "tokens", "0")) and run.sglang.get(("onboard", "tokens", "0")), run.sglang
     assert {k[2] for k in run.sglang} == {str(r) for r in range(run.tp)}
     assert rs.span_sums(run.spans) == run.sglang
@@ -62,15 +62,15 @@ def test_prometheus_series_equal_spans(run, prom):
 
 
 def test_telemetry_process_per_scheduler(run):
-    """One telemetry process per scheduler, its child; nothing of the server left once it stopped."""
+    """One telemetry process per scheduler, its child; nothing of the server left after."""
     assert len(run.schedulers) == run.tp, run.schedulers
     assert sorted(run.telemetry.values()) == sorted(run.schedulers)
     assert run.left == []
 
 
 def test_request_links(run, jaeger):
-    """With SGLang's request tracing on, every hicache span links to an SGLang request span; without,
-    to none (a load-back's links to the offloads that wrote its pages open hicache spans)."""
+    """With SGLang's request tracing, every hicache span links to an SGLang request span; without, to
+    none (a load-back's links to the offloads that wrote its pages open hicache spans)."""
     spans = [s for d in DIRECTIONS for s in run.spans[d]]
     names = {(tid, sid): s["operationName"] for tid in {r["traceID"] for s in spans for r in s["references"]}
              for sid, s in jaeger.trace(tid).items()}
@@ -79,7 +79,7 @@ def test_request_links(run, jaeger):
 
 
 def test_dashboard_and_alerts_evaluate(run, prom):
-    """Every query evaluates on this data; the transfer panels have data for this server (not GPU-only)."""
+    """Every query evaluates on this data; transfer panels (not GPU-only) have this server's."""
     queries = shipped_queries()
     for _, _, expr in queries:
         prom.query(expr)

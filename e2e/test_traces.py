@@ -10,13 +10,13 @@ from helpers import DIRECTIONS, ROOT, SERVICE, SPAN_NAMES, refs, settle
 
 pytestmark = pytest.mark.stack
 TIERS = {"offload": ("L1", "L2"), "onboard": ("L2", "L1")}
-# the span attributes docs/reference.md's table says every transfer span carries
+# the attributes every transfer span carries, per docs/reference.md's table
 ALWAYS = re.findall(r"^\| `(hicache\.[\w.]+)` \| [\w\[\]]+ \| always", (ROOT / "docs/reference.md").read_text(), re.M)
 
 
 @pytest.fixture(scope="module")
 def spans(jaeger, truth) -> dict[str, list[dict]]:
-    """Each direction's transfer spans, once Jaeger has one per op (or 90 s passed)."""
+    """Each direction's transfer spans, once Jaeger has one per op (or after 90 s)."""
     return settle(lambda: {d: jaeger.spans(SERVICE, SPAN_NAMES[d]) for d in DIRECTIONS},
                   lambda got: all(len(got[d]) >= truth[d]["ops"] for d in DIRECTIONS), 90, every=2)
 
@@ -49,8 +49,8 @@ def test_attributes_sum_to_truth(spans, truth):
 
 
 def test_links(spans, truth, jaeger):
-    """A load-back links to the offloads that wrote its pages (one per residence value); write-throughs
-    and prefix hits to the example.request root each served."""
+    """A load-back links to the offloads that wrote its pages (one per residence); write-throughs and
+    prefix hits to the example.request root each served."""
     offloads = {(s["traceID"], s["spanID"]) for s in spans["offload"]}
     links = {d: [[r for r in refs(s) if r not in offloads] for s in spans[d]] for d in DIRECTIONS}
     assert sum(r in offloads for s in spans["onboard"] for r in refs(s)) == truth["onboard"]["residence_count"]
@@ -65,8 +65,8 @@ def test_exemplars_open_their_span(spans, prom, jaeger):
                     query=f'hicache_transfer_duration_seconds_bucket{{service_name="{SERVICE}"}}')
     exemplars = [(s["seriesLabels"], e) for s in data for e in s["exemplars"]]
     assert exemplars and all({"trace_id", "span_id"} <= set(e["labels"]) for _, e in exemplars)
-    for series, e in exemplars[:: max(1, len(exemplars) // 5)]:  # spread over buckets and series
+    for series, e in exemplars[:: max(1, len(exemplars) // 5)]:  # over buckets and series
         span = jaeger.trace(e["labels"]["trace_id"]).get(e["labels"]["span_id"]) or {}
         assert span.get("operationName") == SPAN_NAMES[series["hicache_direction"]], e
-        # Jaeger keeps the span's duration in microseconds, the exemplar the op's in seconds
+        # Jaeger keeps the duration in microseconds, the exemplar in seconds
         assert abs(float(e["value"]) * 1e6 - span["duration"]) <= 2 and float(e["value"]) <= float(series["le"])

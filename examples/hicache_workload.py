@@ -1,12 +1,7 @@
 """A HiCache-shaped KV-cache workload on real torch tensors, reported by otel-hicache.
 
-Merged ops move KV pages between L1 (device) and L2 (host) pools shaped like Qwen3-0.6B's (``kv``,
-a sliding-window ``swa``, a ``draft`` counted in bytes), each a real ``copy_`` checked by page tags.
-Without an OTEL_* exporter the summary comes from an in-memory pipeline, checked against the
-workload's own totals.   python examples/hicache_workload.py [--ops 1000] [--device cuda]
-"""
-
-from __future__ import annotations
+Merged ops copy KV pages between L1 (device) and L2 (host) pools shaped like Qwen3-0.6B's; without
+an OTEL_* exporter an in-memory pipeline is checked against the workload's own totals."""
 
 import argparse
 import contextlib
@@ -18,11 +13,11 @@ import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 try:
     import otel_hicache
-except ImportError:  # run as a script from a checkout where the package is not installed
+except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import otel_hicache
 import torch
@@ -32,32 +27,25 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, export as trace_export
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from otel_hicache import TransferTelemetry
-from otel_hicache import environment_variables as ev
-from otel_hicache import semconv as sc
+from otel_hicache import TransferTelemetry, environment_variables as ev, semconv as sc
 from otel_hicache.record import DIRECTIONS, OFFLOAD, ONBOARD
 from otel_hicache.sinks.providers import build as build_providers
 
-STEP_SPAN = "example.scheduler_step"  # each op runs under one, standing in for a scheduler step
-REQUEST_SPAN = "example.request"  # the root span of the request an op serves
-REQUEST_CAUSES = frozenset(("write_through", "prefix_hit"))  # an op of these serves one request
-IO_BACKEND = "direct"
+STEP_SPAN = "example.scheduler_step"  # the scheduler step an op runs in
+REQUEST_SPAN = "example.request"  # the root span of an op's request
+REQUEST_CAUSES = frozenset(("write_through", "prefix_hit"))  # ops serving one request
 TRANSFER_EVERY = 4  # every fourth op takes the other reporting path
 PAGE_SIZE = 64  # tokens per page
 KV_HEADS, HEAD_DIM, DTYPE_BYTES = 8, 128, 2  # Qwen3-0.6B's, in bf16
 HOST_RATIO = 2  # L2 pages per L1 page
-SWA_WINDOW = 256  # the tokens of an op the sliding-window pool keeps
+SWA_WINDOW = 256  # an op's tokens the sliding-window pool keeps
 EXPORT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
                "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER")
 TRUTH = ("ops", "tokens", "blocks", "bytes", "bytes_by_cause", "host_bytes", "residence_count", "request_links")
 
 
-def _add(counts, key, n):
-    counts[key] = counts.get(key, 0) + n
-
-
 def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float:
-    """Prometheus' ``histogram_quantile``: linear in the bucket holding rank ``q * count``."""
+    """Prometheus' histogram_quantile: linear in rank q * count's bucket."""
     total = sum(counts)
     if total == 0:
         return math.nan
@@ -72,38 +60,38 @@ def histogram_quantile(q: float, bounds: Sequence[float], counts: Sequence[float
 
 @dataclass
 class DirectionSummary:
-    """Totals of one direction, from the exported metrics or from the workload itself."""
+    """One direction's totals, exported or the workload's own."""
 
     direction: str
     ops: int = 0
-    tokens: dict[str, int] = field(default_factory=dict)
+    tokens: dict = field(default_factory=Counter)
     blocks: int = 0
     bytes: int = 0
-    bytes_by_cause: dict[str, int] = field(default_factory=dict)
-    host_bytes: int = 0  # offload: overwritten in L2 unread; onboard: read back from L2
+    bytes_by_cause: dict = field(default_factory=Counter)
+    host_bytes: int = 0  # offload: overwritten unread; onboard: read back
     residence_count: int = 0  # onboard: load-back x writing-offload pairs
-    request_links: int = 0  # spans that link to the request they served
+    request_links: int = 0  # spans linked to the request they served
     busy_s: float = 0.0
-    timing_sources: dict[str, int] = field(default_factory=dict)
+    timing_sources: dict = field(default_factory=Counter)
     p50_s: float | None = None
     p99_s: float | None = None
 
     @property
-    def bandwidth(self) -> float | None:  # bytes per second of busy time (overlaps counted once)
+    def bandwidth(self) -> float | None:  # per second busy (overlaps counted once)
         return self.bytes / self.busy_s if self.busy_s else None
 
 
 @dataclass
 class MetricsSummary:
     directions: dict[str, DirectionSummary]
-    dropped: dict[str, int] = field(default_factory=dict)  # records dropped or failed, by reason
-    residence_s: tuple[float, float] | None = None  # host residence p50 and p99
+    dropped: dict = field(default_factory=Counter)  # dropped or failed, by reason
+    residence_s: tuple[float, float] | None = None  # p50, p99
 
 
-def summarize(metrics_data: Any) -> MetricsSummary:
-    """Per-direction totals from what otel-hicache exported, as a backend computes them."""
+def summarize(metrics_data) -> MetricsSummary:
+    """Per-direction totals of the exported metrics, as a backend sees them."""
     summary = MetricsSummary({d: DirectionSummary(d) for d in DIRECTIONS})
-    buckets: dict[str, tuple[Sequence[float], list[float]]] = {}
+    buckets = {}  # series key -> (bounds, summed counts)
     for resource_metrics in metrics_data.resource_metrics:
         for scope_metrics in resource_metrics.scope_metrics:
             for metric in scope_metrics.metrics if scope_metrics.scope.name == sc.SCOPE_NAME else ():
@@ -120,53 +108,53 @@ def summarize(metrics_data: Any) -> MetricsSummary:
 
 def _add_point(summary, buckets, name, point):
     attrs = point.attributes or {}
+    n = int(point.value if hasattr(point, "value") else point.count)  # a sum's value, a histogram's count
     row = summary.directions.get(attrs.get(sc.DIRECTION))
     if name in (sc.RECORDS_DROPPED[0], sc.RECORDS_FAILED[0]):
-        _add(summary.dropped, str(attrs.get(sc.REASON)), int(point.value))
+        summary.dropped[str(attrs.get(sc.REASON))] += n
     elif name in (sc.HOST_WASTED_BYTES[0], sc.HOST_RELOADED_BYTES[0]):
-        summary.directions[OFFLOAD if name == sc.HOST_WASTED_BYTES[0] else ONBOARD].host_bytes += int(point.value)
+        summary.directions[OFFLOAD if name == sc.HOST_WASTED_BYTES[0] else ONBOARD].host_bytes += n
     elif name == sc.HOST_RESIDENCE_TIME[0]:
-        summary.directions[ONBOARD].residence_count += int(point.count)
+        summary.directions[ONBOARD].residence_count += n
         _add_buckets(buckets, "residence", point)
     elif row is None:
         return
     elif name == sc.TRANSFER_DURATION[0]:
-        row.ops += int(point.count)
-        if point.count:
-            _add(row.timing_sources, str(attrs.get(sc.TIMING_SOURCE)), int(point.count))
+        row.ops += n
+        if n:
+            row.timing_sources[str(attrs.get(sc.TIMING_SOURCE))] += n
         _add_buckets(buckets, row.direction, point)
     elif name == sc.TRANSFER_TOKENS[0]:
-        _add(row.tokens, str(attrs.get(sc.POOL)), int(point.value))
+        row.tokens[str(attrs.get(sc.POOL))] += n
     elif name == sc.TRANSFER_BLOCKS[0]:
-        row.blocks += int(point.value)
-    elif name == sc.TRANSFER_BYTES[0] and point.value:
-        row.bytes += int(point.value)
-        _add(row.bytes_by_cause, str(attrs.get(sc.CAUSE)), int(point.value))
+        row.blocks += n
+    elif name == sc.TRANSFER_BYTES[0] and n:
+        row.bytes += n
+        row.bytes_by_cause[str(attrs.get(sc.CAUSE))] += n
     elif name == sc.TRANSFER_BUSY_TIME[0]:
         row.busy_s += float(point.value)
 
 
 def _add_buckets(buckets, key, point):
-    """Sum a histogram's series: one view, so one set of bounds."""
     _, counts = buckets.setdefault(key, (tuple(point.explicit_bounds), [0.0] * len(point.bucket_counts)))
     for i, count in enumerate(point.bucket_counts):
         counts[i] += count
 
 
-def compare(summary: MetricsSummary, truth: Mapping[str, DirectionSummary]) -> list[str]:
-    """How the exported counters differ from the workload's ground truth (empty: they match)."""
+def compare(summary, truth):
+    """How the exported counters differ from the ground truth."""
     def value(row, attr):
         got = getattr(row, attr)
         return {k: v for k, v in got.items() if v} if isinstance(got, dict) else got
 
     problems = [f"{d} {attr.replace('_', ' ').replace('tokens', 'tokens by pool')}: metrics {got} != workload {want}"
-                for d in DIRECTIONS for attr in TRUTH[:-1]  # request links: checked on the spans
+                for d in DIRECTIONS for attr in TRUTH[:-1]  # request links: from the spans
                 if (got := value(summary.directions[d], attr)) != (want := value(truth[d], attr))]
     return problems + [f"{n:,} records dropped/failed ({reason})" for reason, n in sorted(summary.dropped.items()) if n]
 
 
-def request_links(spans: Sequence[Any]) -> tuple[dict[str, int], int]:
-    """Per direction, the spans linked to a request, and the links to no exported request span."""
+def request_links(spans):
+    """Spans linked to a request per direction, and dangling links."""
     requests = {(s.context.trace_id, s.context.span_id) for s in spans if s.name == REQUEST_SPAN}
     linked, dangling = dict.fromkeys(DIRECTIONS, 0), 0
     for span in spans:
@@ -181,8 +169,8 @@ def _ms(seconds):
     return "-" if seconds is None or math.isnan(seconds) else f"{seconds * 1e3:.3f}"
 
 
-def format_table(rows: Sequence[DirectionSummary], timing: bool = True) -> str:
-    """One fixed-width row per direction; the ground truth has no timing."""
+def format_table(rows, timing=True):
+    """One fixed-width row per direction."""
     pools = list(dict.fromkeys(["kv", *(pool for row in rows for pool in row.tokens)]))
     lines = [["direction", "ops", *(f"tokens {p}" for p in pools), "blocks", "GB"]
              + (["p50 ms", "p99 ms", "busy ms", "GB/s", "timing"] if timing else [])]
@@ -193,21 +181,24 @@ def format_table(rows: Sequence[DirectionSummary], timing: bool = True) -> str:
             lines[-1] += [_ms(row.p50_s), _ms(row.p99_s), f"{row.busy_s * 1e3:.1f}",
                           f"{row.bandwidth / 1e9:.2f}" if row.bandwidth else "-", "/".join(row.timing_sources) or "-"]
     widths = [max(len(cell) for cell in column) for column in zip(*lines)]
-    left = {0, len(widths) - 1} if timing else {0}  # the direction and timing columns
+    left = {0, len(widths) - 1} if timing else {0}  # direction and timing
     return "\n".join("  ".join(cell.ljust(w) if i in left else cell.rjust(w)
                                for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in lines)
 
 
-def print_summary(summary, spans, linked, dangling):
-    rows = [summary.directions[d] for d in DIRECTIONS]
-    offload, onboard = rows
+def check_exported(embedded, truth, ops, flushed):
+    """Print what the pipeline received; returns how it differs from the truth."""
+    summary = summarize(embedded.metric_reader.get_metrics_data())
+    exported = embedded.span_exporter.get_finished_spans()
+    spans = [span for span in exported if span.name not in (STEP_SPAN, REQUEST_SPAN)]
+    linked, dangling = request_links(exported)
+    offload, onboard = rows = [summary.directions[d] for d in DIRECTIONS]
     print("from the exported OTel metrics (p50/p99 interpolated in histogram buckets, GB/s = bytes / busy time):")
     print(format_table(rows))
     print("bytes by cause (hicache.cause):")
     for row in rows:
-        causes = sorted(row.bytes_by_cause.items(), key=lambda kv: -kv[1])
-        print(f"  {row.direction}: " + (", ".join(f"{c} {n / 1e9:.3f} GB ({n / row.bytes:.0%})" for c, n in causes)
-                                        or "-"))
+        causes = ", ".join(f"{c} {n / 1e9:.3f} GB ({n / row.bytes:.0%})" for c, n in row.bytes_by_cause.most_common())
+        print(f"  {row.direction}: {causes or '-'}")
     p50, p99 = summary.residence_s or (None, None)
     print("host residence (hicache.host.*):")
     print(f"  {onboard.residence_count:,} load-back x writing-offload pairs, residence p50 {_ms(p50)} ms, p99 "
@@ -218,19 +209,28 @@ def print_summary(summary, spans, linked, dangling):
           f"every link to an exported {REQUEST_SPAN} span: {'yes' if not dangling else f'NO ({dangling:,} not)'}")
     names = sorted(Counter(span.name for span in spans).items())
     print(f"spans exported: {len(spans):,} (" + ", ".join(f"{name} {n:,}" for name, n in names) + ")")
+    problems = compare(summary, truth)
+    if not os.environ.get("OTEL_TRACES_SAMPLER", "").strip():  # every span kept
+        if len(spans) != ops:
+            problems.append(f"spans: exported {len(spans):,} != ops {ops:,}")
+        problems += [f"{d} spans linked to a request: {linked[d]:,} != workload {truth[d].request_links:,}"
+                     for d in DIRECTIONS if linked[d] != truth[d].request_links]
+    if dangling:
+        problems.append(f"{dangling:,} links to requests point at no exported {REQUEST_SPAN} span")
+    return problems + ([] if flushed else ["force_flush did not complete"])
 
 
-def export_requested(environ: Mapping[str, str] = os.environ) -> bool:
-    """True when the OTEL_* variables name an OTLP endpoint or an exporter."""
+def export_requested(environ=os.environ):
+    """Whether OTEL_* names an OTLP endpoint or an exporter."""
     return any(environ.get(name, "").strip() for name in EXPORT_VARS)
 
 
 class EmbeddedPipeline:
-    """SDK providers that keep spans and metrics in memory: no collector needed."""
+    """In-memory SDK providers: no collector needed."""
 
     def __init__(self):
         resource = Resource.create()
-        if str(resource.attributes.get("service.name")).startswith("unknown_service"):  # no OTEL_SERVICE_NAME
+        if str(resource.attributes.get("service.name")).startswith("unknown_service"):
             resource = resource.merge(Resource({"service.name": "otel-hicache-demo"}))
         self.span_exporter, self.metric_reader = InMemorySpanExporter(), metrics_export.InMemoryMetricReader()
         self.tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
@@ -247,45 +247,32 @@ class WorkloadConfig:
     ops: int = 200
     seed: int = 0
     layers: int = 28  # of the kv pool: Qwen3-0.6B's
-    pool_tokens: int = 2048  # the L1 pool's; L2 holds HOST_RATIO times as many
-    max_op_pages: int = 12  # op sizes are uniform in [1, this] pages
-    rate: float = 0.0  # ops per second; 0: as fast as the copies go
+    pool_tokens: int = 2048  # L1's; L2 holds HOST_RATIO times more
+    max_op_pages: int = 12  # op sizes are uniform in [1, this]
+    rate: float = 0.0  # ops per second; 0: unpaced
 
-    @property
-    def device_pages(self):
-        return self.pool_tokens // PAGE_SIZE
-
-    @property
-    def host_pages(self):
-        return self.device_pages * HOST_RATIO
+    def __post_init__(self):
+        self.device_pages = self.pool_tokens // PAGE_SIZE
+        self.host_pages = self.device_pages * HOST_RATIO
+        self.max_op_pages = min(self.max_op_pages, self.device_pages // 2)
 
 
 class Pool:
-    """One KV pool in both tiers, and the tag each page is expected to hold."""
+    """One KV pool in both tiers, and each page's expected tag."""
 
     def __init__(self, name, layers, cfg, device, window_tokens=0):
-        self.name, self.layers, self.in_tokens = name, layers, name != "draft"  # draft KV: in bytes only
-        self.bytes_per_token = 2 * layers * KV_HEADS * HEAD_DIM * DTYPE_BYTES  # K and V
-        self.page_bytes = PAGE_SIZE * self.bytes_per_token
-        self.window_pages = -(-window_tokens // PAGE_SIZE)  # > 0: an op moves only its last window
-        shape = (PAGE_SIZE, self.bytes_per_token)
-        # real data in L1: copies from untouched memory would flatter the CPU
+        self.name, self.in_tokens = name, name != "draft"  # draft KV: in bytes only
+        shape = (PAGE_SIZE, 2 * layers * KV_HEADS * HEAD_DIM * DTYPE_BYTES)  # K and V per token
+        self.page_bytes, self.window_pages = shape[0] * shape[1], -(-window_tokens // PAGE_SIZE)
+        # real data: copies from untouched memory would flatter the CPU
         self.device = torch.full((cfg.device_pages, *shape), 0x5A, dtype=torch.uint8, device=device)
-        # written once, so no first-touch page fault lands in a timed copy (pinned memory is resident)
+        # zeroed: no first-touch page fault in a timed copy
         self.host = torch.zeros((cfg.host_pages, *shape), dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.device_tags: list[int | None] = [None] * cfg.device_pages
-        self.host_tags: list[int | None] = [None] * cfg.host_pages
+        self.device_tags = [None] * cfg.device_pages
+        self.host_tags = [None] * cfg.host_pages
 
-    def kept(self, pages):  # a sliding window moves only the last pages of an op
+    def kept(self, pages):  # a sliding window moves an op's last pages
         return pages[-self.window_pages:] if self.window_pages else pages
-
-
-def write_tags(tensor, pages, tags):
-    """Stamp each page's first and last 8 bytes, as a forward pass writes KV."""
-    index = torch.tensor(list(pages), dtype=torch.long, device=tensor.device)
-    values = torch.tensor(list(tags), dtype=torch.int64).view(torch.uint8).view(len(tags), 8).to(tensor.device)
-    tensor[index, 0, :8] = values
-    tensor[index, -1, -8:] = values
 
 
 def read_tags(tensor):
@@ -293,8 +280,8 @@ def read_tags(tensor):
     return list(zip(first, tensor[:, -1, -8:].contiguous().view(torch.int64).view(-1).tolist()))
 
 
-def copy_pages(dst: Any, dst_pages: Sequence[int], src: Any, src_pages: Sequence[int], non_blocking: bool) -> int:
-    """Pages to pages, one ``copy_`` per run of consecutive ones (SGLang's ``direct`` backend)."""
+def copy_pages(dst, dst_pages, src, src_pages, non_blocking):
+    """One copy_ per run of consecutive pages, like SGLang's direct backend."""
     pairs = sorted(zip(src_pages, dst_pages))
     moved = i = 0
     while i < len(pairs):
@@ -308,42 +295,44 @@ def copy_pages(dst: Any, dst_pages: Sequence[int], src: Any, src_pages: Sequence
 
 
 def _cause(direction, index):
-    """Op ``index``'s ``hicache.cause``, mixed as a server's might be."""
+    """Op index's hicache.cause, mixed as a server's might be."""
     if direction == OFFLOAD:
         return "write_back" if index % 5 == 0 else "write_through"
     return "storage_prefetch" if index % 7 == 0 else "prefix_hit"
 
 
 class HiCacheWorkload:
-    """A cache controller's merged ops between the pools' two tiers, and their ground truth."""
+    """A cache controller's merged ops between the tiers, and their ground truth."""
 
     def __init__(self, cfg, device):
         self.cfg, self.device, self.cuda = cfg, device, device.type == "cuda"
         self.rng = random.Random(cfg.seed)
-        # a full-attention pool, a sliding window of a quarter of its layers, a 1-layer draft model
-        self.pools = [Pool("kv", cfg.layers, cfg, device), Pool("swa", max(1, cfg.layers // 4), cfg, device,
-                                                                 SWA_WINDOW), Pool("draft", 1, cfg, device)]
+        swa = Pool("swa", max(1, cfg.layers // 4), cfg, device, SWA_WINDOW)
+        self.pools = [Pool("kv", cfg.layers, cfg, device), swa, Pool("draft", 1, cfg, device)]
         self.host_free = deque(range(cfg.host_pages))
-        self.host_valid: dict[int, None] = {}  # L2 pages holding data, least recently used first
-        self.pending: deque[tuple[Any, Any]] = deque()  # the ack queue: (handle, event the copies end with)
+        self.host_valid = {}  # L2 pages holding data, LRU first
+        self.pending = deque()  # the ack queue: (handle, copies' end event)
         self.next_tag, self.acked, self.offloads = 1, 0, 0
         self.truth = {d: DirectionSummary(d) for d in DIRECTIONS}
-        self.page_state: dict[int, list[int]] = {}  # L2 page -> [bytes its offload put there, reads, that offload]
-        self.tracer = self.host_pool = None  # run()'s
+        self.page_state = {}  # L2 page -> [bytes written, reads, writing offload]
+        self.tracer = self.host_pool = None
         if self.cuda:
             self.streams = {d: torch.cuda.Stream(device=device) for d in DIRECTIONS}
-        for pool in self.pools:  # a forward pass filled L1 once
+        for pool in self.pools:  # a forward pass filled L1
             self._stamp(pool, range(cfg.device_pages))
 
     def _stamp(self, pool, pages):
+        """Tag L1 pages' first and last 8 bytes, as a forward pass writes KV."""
         tags = list(range(self.next_tag, self.next_tag + len(pages)))
         self.next_tag += len(pages)
-        write_tags(pool.device, pages, tags)
+        index = torch.tensor(list(pages), dtype=torch.long, device=self.device)
+        values = torch.tensor(tags, dtype=torch.int64).view(torch.uint8).view(len(tags), 8).to(self.device)
+        pool.device[index, 0, :8] = pool.device[index, -1, -8:] = values
         for page, tag in zip(pages, tags):
             pool.device_tags[page] = tag
 
     def poll(self, tel, wait=False):
-        """The ack queue's consumer: ack the ops whose copies completed (with ``wait``, all)."""
+        """Ack the ops whose copies completed (with wait, all)."""
         while self.pending and (wait or self.pending[0][1] is None or self.pending[0][1].query()):
             handle, done = self.pending.popleft()
             if done is not None:
@@ -360,13 +349,13 @@ class HiCacheWorkload:
             pages.append(page)
         return pages
 
-    def run(self, tel: TransferTelemetry, tracer: Any = None) -> dict[str, DirectionSummary]:
-        """Every op, each under a scheduler-step span with a tracer; returns the ground truth."""
+    def run(self, tel, tracer=None):
+        """Every op, under a step span with a tracer; returns the ground truth."""
         started = time.monotonic()
         self.tracer = tracer
         self.host_pool = tel.host_pool(self.cfg.host_pages * PAGE_SIZE, PAGE_SIZE)
         for i in range(self.cfg.ops):
-            if self.cfg.rate > 0:  # paced: a serving process is never flat out
+            if self.cfg.rate > 0:  # a serving process is never flat out
                 time.sleep(max(0.0, started + i / self.cfg.rate - time.monotonic()))
             step = tracer.start_as_current_span(STEP_SPAN, attributes={"example.step": i}) if tracer else None
             with step or contextlib.nullcontext():
@@ -376,12 +365,12 @@ class HiCacheWorkload:
         return self.truth
 
     def _step(self, tel, i):
-        """One merged op: a forward pass's pages to L2, or L2 pages a prefix hit back to L1."""
+        """One merged op: new pages to L2, or a prefix hit's back to L1."""
         n = self.rng.randint(1, self.cfg.max_op_pages)
         if self.rng.random() < 0.5 or not self.host_valid:
             direction, device_pages = OFFLOAD, self.rng.sample(range(self.cfg.device_pages), n)
             host_pages = self._alloc_host(n)
-            for pool in self.pools:  # a forward pass just filled these pages
+            for pool in self.pools:  # a forward pass just wrote these
                 self._stamp(pool, device_pages)
         else:
             direction, host_pages = ONBOARD, self.rng.sample(list(self.host_valid), min(n, len(self.host_valid)))
@@ -397,13 +386,12 @@ class HiCacheWorkload:
         num_bytes = sum(len(dev) * pool.page_bytes for pool, dev, _ in plan)
         cause = _cause(direction, index)
         request = self._request(direction, index, cause)
-        report = dict(tokens_by_pool=tokens, num_bytes=num_bytes, page_size=PAGE_SIZE, io_backend=IO_BACKEND,
+        report = dict(tokens_by_pool=tokens, num_bytes=num_bytes, page_size=PAGE_SIZE, io_backend="direct",
                       cause=cause, host_slots=self._host_slots(direction, host_pages, num_bytes),
                       requests=None if request is None else [request.get_span_context()])
-        other_path = index % TRANSFER_EVERY == TRANSFER_EVERY - 1
         if self.cuda:
             self.pending.append(self._on_stream(tel, direction, plan, report))
-        elif other_path:  # synchronous copies with their host times: submit now, ack from the queue
+        elif index % TRANSFER_EVERY == TRANSFER_EVERY - 1:  # submit now, ack from the queue
             start = time.time_ns()
             self._copy(plan, direction, non_blocking=False)
             self.pending.append((tel.submit(direction, host_start_ns=start, host_end_ns=time.time_ns(), **report),
@@ -413,13 +401,17 @@ class HiCacheWorkload:
                 self._copy(plan, direction, non_blocking=False)
         if request is not None:
             request.end()
-        self._count(direction, tokens, num_bytes, cause)
+        truth = self.truth[direction]
+        truth.ops += 1
+        truth.tokens.update(tokens)
+        truth.blocks += -(-tokens["kv"] // PAGE_SIZE)
+        truth.bytes += num_bytes
+        truth.bytes_by_cause[cause] += num_bytes
 
     def _on_stream(self, tel, direction, plan, report):
-        """Copies on the direction's stream, timed by device events: the handle and the event to ack on."""
+        """Copies on the direction's stream, timed by events."""
         stream, compute = self.streams[direction], torch.cuda.current_stream(self.device)
-        # the compute stream waits for every op's copies, and each op for it: pages are written in
-        # issue order, so no op reads or overwrites a page another still moves
+        # both ways: no op touches a page another still moves
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
             start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -438,17 +430,8 @@ class HiCacheWorkload:
             for s, d in zip(src_pages, dst_pages):
                 dst_tags[d] = src_tags[s]
 
-    def _count(self, direction, tokens, num_bytes, cause):
-        truth = self.truth[direction]
-        truth.ops += 1
-        for pool, n in tokens.items():
-            _add(truth.tokens, pool, n)
-        truth.blocks += -(-tokens["kv"] // PAGE_SIZE)
-        truth.bytes += num_bytes
-        _add(truth.bytes_by_cause, cause, num_bytes)
-
     def _request(self, direction, index, cause):
-        """The span of the request the op serves, the root of a trace of its own (or None)."""
+        """The span of the request the op serves (a trace's root), or None."""
         if self.tracer is None or cause not in REQUEST_CAUSES:
             return None
         span = self.tracer.start_span(REQUEST_SPAN, context=otel_context.Context(), attributes={"example.step": index})
@@ -456,25 +439,25 @@ class HiCacheWorkload:
         return span
 
     def _host_slots(self, direction, host_pages, num_bytes):
-        """The op's L2 slots for host residence, and its truth, computed as otel-hicache does."""
-        if self.host_pool is None:  # host residence off, or otel-hicache disabled
+        """The op's L2 slots for host residence, and their truth."""
+        if self.host_pool is None:  # host residence or otel-hicache off
             return None
         truth, pages = self.truth[direction], sorted(host_pages)
         if direction == OFFLOAD:
             self.offloads += 1
             base, extra = divmod(num_bytes, len(pages))
             for k, page in enumerate(pages):
-                old = self.page_state.get(page)
-                truth.host_bytes += old[0] if old is not None and old[1] == 0 else 0
+                written, reads, _ = self.page_state.get(page, (0, 0, 0))
+                truth.host_bytes += 0 if reads else written  # overwritten unread
                 self.page_state[page] = [base + (k < extra), 0, self.offloads]
         else:
             for page in pages:
                 truth.host_bytes += self.page_state[page][0]
                 self.page_state[page][1] += 1
-            truth.residence_count += len({self.page_state[page][2] for page in pages})  # one per writing offload
+            truth.residence_count += len({self.page_state[page][2] for page in pages})
         return self.host_pool, (torch.tensor(pages)[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
 
-    def verify(self) -> tuple[int, list[str]]:
+    def verify(self):
         """Check every page's tags in both tiers."""
         checked, problems = 0, []
         for pool in self.pools:
@@ -505,7 +488,7 @@ def parse_args(argv):
 
 
 def telemetry(attributes):
-    """otel-hicache per OTEL_* or embedded, a tracer, the embedded pipeline, what to shut down."""
+    """otel-hicache (OTEL_* or embedded), a tracer, the pipeline, closers."""
     if not export_requested():
         embedded = EmbeddedPipeline()
         tel = TransferTelemetry(tracer_provider=embedded.tracer_provider, meter_provider=embedded.meter_provider,
@@ -514,7 +497,7 @@ def telemetry(attributes):
     conf = otel_hicache.configure()
     tel = TransferTelemetry(attributes=attributes)
     closing, tracer_provider = [tel.shutdown, otel_hicache.shutdown], conf.tracer_provider
-    if tracer_provider is None:  # a telemetry process exports otel-hicache's spans: ours need a provider
+    if tracer_provider is None:  # a telemetry process exports otel-hicache's spans
         application = build_providers(conf.resource)
         tracer_provider = application.tracer_provider
         closing.append(lambda: application.shutdown(5.0))
@@ -523,17 +506,16 @@ def telemetry(attributes):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault(ev.OTEL_HICACHE_HOST_RESIDENCE, "true")  # off by default in a server, shown here
+    os.environ.setdefault(ev.OTEL_HICACHE_HOST_RESIDENCE, "true")  # off by default in a server
     if args.device == "cuda" and not torch.cuda.is_available():
         print("hicache_workload.py: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     cuda = args.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    cfg = WorkloadConfig(args.ops, args.seed, args.layers, args.pool_tokens, rate=args.rate,
-                         max_op_pages=min(WorkloadConfig.max_op_pages, args.pool_tokens // PAGE_SIZE // 2))
+    cfg = WorkloadConfig(args.ops, args.seed, args.layers, args.pool_tokens, rate=args.rate)
     tel, tracer, embedded, closing = telemetry({"tp_rank": 0, "model": f"qwen3-like-{cfg.layers}L"})
     threads = torch.get_num_threads()
-    if not cuda:  # one thread, like one copy engine: far less noisy when cores are shared
+    if not cuda:  # one thread, like one copy engine: less noise
         torch.set_num_threads(1)
     try:
         return run(cfg, device, tel, tracer, embedded, args)
@@ -544,12 +526,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg, device, tel, tracer, embedded, args):
-    say = (lambda *_: None) if args.quiet else print
-    workload = HiCacheWorkload(cfg, device)
-    started = time.perf_counter()
+    workload, started = HiCacheWorkload(cfg, device), time.perf_counter()
     truth = workload.run(tel, tracer=tracer)
-    say(f"hicache_workload: {cfg.ops} ops, L1 {device} <-> L2 host, {sum(t.bytes for t in truth.values()) / 1e9:.2f} "
-        f"GB in {time.perf_counter() - started:.2f} s, {workload.acked} acked; torch {torch.__version__}")
+    if not args.quiet:
+        print(f"hicache_workload: {cfg.ops} ops, L1 {device} <-> L2 host, "
+              f"{sum(t.bytes for t in truth.values()) / 1e9:.2f} GB in {time.perf_counter() - started:.2f} s, "
+              f"{workload.acked} acked; torch {torch.__version__}")
     checked, copy_problems = workload.verify()
     if args.truth_json:
         with open(args.truth_json, "w", encoding="utf-8") as out:
@@ -570,24 +552,6 @@ def run(cfg, device, tel, tracer, embedded, args):
     for problem in problems:
         print(f"  {problem}")
     return 1 if problems or copy_problems else 0
-
-
-def check_exported(embedded, truth, ops, flushed):
-    """Print what the embedded pipeline received; returns how it differs from the truth."""
-    summary = summarize(embedded.metric_reader.get_metrics_data())
-    exported = embedded.span_exporter.get_finished_spans()
-    spans = [span for span in exported if span.name not in (STEP_SPAN, REQUEST_SPAN)]
-    linked, dangling = request_links(exported)
-    print_summary(summary, spans, linked, dangling)
-    problems = compare(summary, truth)
-    if not os.environ.get("OTEL_TRACES_SAMPLER", "").strip():  # every span kept: every link is there
-        if len(spans) != ops:
-            problems.append(f"spans: exported {len(spans):,} != ops {ops:,}")
-        problems += [f"{d} spans linked to a request: {linked[d]:,} != workload {truth[d].request_links:,}"
-                     for d in DIRECTIONS if linked[d] != truth[d].request_links]
-    if dangling:
-        problems.append(f"{dangling:,} links to requests point at no exported {REQUEST_SPAN} span")
-    return problems + ([] if flushed else ["force_flush did not complete"])
 
 
 if __name__ == "__main__":

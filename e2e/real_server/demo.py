@@ -1,6 +1,5 @@
 """otel-hicache on a real SGLang server on CPU (scripts/demo-server.sh): the stack, the server,
-requests forcing offload and load-back; what the spans say beside SGLang's counters, where to look."""
-from __future__ import annotations
+requests forcing offload and load-back; the spans beside SGLang's counters, where to look."""
 
 import argparse
 import os
@@ -39,7 +38,7 @@ def main() -> int:
 
 
 def report(spans: dict, sglang: dict) -> bool:
-    """Prints the spans per direction and cause, whether they equal SGLang's counters, where to look."""
+    """Print the spans per direction and cause, whether they equal SGLang's counters."""
     by_cause = rs.span_sums(spans, by="hicache.cause")
     print(f"{'direction':9} {'cause':14} {'spans':>5} {'tokens':>8} {'bytes':>11}")
     for d, _, cause in sorted(k for k in by_cause if k[1] == "tokens"):

@@ -1,6 +1,5 @@
 """`python -m sglang.launch_server` with HiCache on CPU, as users start it (a tiny local model, the
 stand-ins of cpu/): otel-hicache's plugin loaded by SGLang in each scheduler, configured by OTEL_*."""
-from __future__ import annotations
 
 import contextlib
 import json
@@ -56,7 +55,7 @@ class Server:
                  otlp_endpoint: str = "http://127.0.0.1:4317") -> None:
         self.port, self.log, self.tp, self.proc = free_port(), log, tp, None
         self.url = f"http://127.0.0.1:{self.port}"
-        self.tree: set[psutil.Process] = set()  # every process of it seen while it ran
+        self.tree: set[psutil.Process] = set()  # each process of it seen running
         self.args = [sys.executable, "-m", "sglang.launch_server", *FLAGS.split(), "--model-path", str(model),
                      "--port", str(self.port), "--tp", str(tp), "--page-size", str(page_size),
                      "--hicache-write-policy", policy]
@@ -65,13 +64,13 @@ class Server:
         self.env = base | {
             "PYTHONPATH": os.pathsep.join([str(HERE / "cpu"), *filter(None, [base.get("PYTHONPATH")])]),
             "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_NCCL_SO_PATH": str(HERE / "none.so"),  # gloo, not NCCL
-            # a core set per rank (SGLang refuses more ranks than NUMA nodes otherwise)
+            # a core set per rank, or SGLang refuses more ranks than NUMA nodes
             "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)),
             "OTEL_SERVICE_NAME": service, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
             "OTEL_METRIC_EXPORT_INTERVAL": "1000", "OTEL_BSP_SCHEDULE_DELAY": "500",
-        } | ({} if plugin else {"SGLANG_PLUGINS": "none"})  # SGLang loads only the plugins named
+        } | ({} if plugin else {"SGLANG_PLUGINS": "none"})  # only the plugins named load
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> "Server":
         self.start()
         return self
 
@@ -79,10 +78,10 @@ class Server:
         self.stop()
 
     def start(self) -> None:
-        with open(self.log, "ab") as log:  # its own session: a terminal's ^C stops it through stop()
+        with open(self.log, "ab") as log:  # its own session: a terminal's ^C goes through stop()
             self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
-        try:  # a cold start on 2 busy cores, tensor parallelism 2 included
+        try:  # a cold start on 2 busy cores, TP 2 included
             assert settle(self._answers, bool, 420, every=1), f"no answer (log {self.log})"
         except BaseException:
             self.stop()
@@ -105,7 +104,7 @@ class Server:
             if not settle(self.alive, lambda left: not left, 10 if kill else 30):
                 break
 
-    def alive(self) -> list[int]:  # the tree's pids still running (a zombie has ended)
+    def alive(self) -> list[int]:  # the tree's running pids (a zombie has ended)
         if self.proc:
             self.proc.poll()  # reaps the server itself
         return sorted(p.pid for p in self.tree if _is(p, "status") not in ("", psutil.STATUS_ZOMBIE))
@@ -115,7 +114,7 @@ class Server:
             return [root := psutil.Process(self.proc.pid), *root.children(recursive=True)]
         return []
 
-    def schedulers(self) -> dict[int, str]:  # {pid: its title, sglang::scheduler_TP0 ...}
+    def schedulers(self) -> dict[int, str]:  # {pid: title, sglang::scheduler_TP0 ...}
         return {p.pid: _is(p, "cmdline") for p in self.processes() if "scheduler" in _is(p, "cmdline")}
 
     def telemetry_processes(self) -> dict[int, int]:  # {pid: parent pid}
@@ -144,21 +143,21 @@ class Server:
         return out
 
     def settled_counters(self) -> dict[tuple[str, str, str], float]:
-        """hicache_counters() once two reads a second apart agree: the last acks are counted."""
+        """hicache_counters() once two reads a second apart agree (the last acks counted)."""
         seen: list = []
         read = lambda: seen.append(self.hicache_counters()) or seen[-1]  # noqa: E731
         return settle(read, lambda now: seen[-2:-1] == [now], 30, every=1)
 
 
-def _is(p: psutil.Process, what: str) -> str:  # its status or command line, "" once gone
+def _is(p: psutil.Process, what: str) -> str:  # status or command line, "" once gone
     with contextlib.suppress(psutil.Error):
         return p.status() if what == "status" else " ".join(p.cmdline())
     return ""
 
 
 def workload(server: Server, prefix: int = 400, fillers: int = 3, rounds: int = 2, seed: int = 0) -> list[dict]:
-    """A prefix (backed up to the host), fillers evicting it from the device, the prefix again (a load-
-    back), rounds times. Each request's timings."""
+    """rounds times: a prefix (backed up), fillers evicting it from the device, the prefix again (a
+    load-back). Each request's timings."""
     rng = random.Random(seed)
     tokens = lambda n: [rng.randrange(3, 2000) for _ in range(n)]  # noqa: E731
     timings = []
@@ -170,7 +169,7 @@ def workload(server: Server, prefix: int = 400, fillers: int = 3, rounds: int = 
 
 
 def transfer_spans(jaeger: Jaeger, service: str, sglang: dict) -> dict[str, list[dict]]:
-    """Each direction's hicache spans in Jaeger, once their tokens reach SGLang's count (or 90 s)."""
+    """Each direction's hicache spans in Jaeger once their tokens reach SGLang's (or 90 s)."""
     want = {d: sum(v for k, v in sglang.items() if k[:2] == (d, "tokens")) for d in DIRECTIONS}
     return settle(lambda: {d: jaeger.spans(service, op, limit=1000) for d, op in SPAN_NAMES.items()}, lambda got: all(
         sum(s["attrs"]["hicache.tokens"] for s in got[d]) >= want[d] for d in DIRECTIONS), 90, every=2)

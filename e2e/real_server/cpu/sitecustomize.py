@@ -1,10 +1,10 @@
-"""CPU stand-ins for a real SGLang server in tests, imported at start-up by every process of it
-(this directory is first on its PYTHONPATH). SGLang's files stay as they are: two functions are
-replaced when their module is imported, and sgl_kernel/ here stands in for two CPU ops.
+"""CPU stand-ins for a real SGLang server in tests, imported at start-up by each of its processes
+(this directory leads its PYTHONPATH). SGLang's files stay as they are: two functions are replaced
+on import, and sgl_kernel/ here stands in for two CPU ops.
   host pool  pool_host.common.ALLOC_MEMORY_FUNCS["cpu"] allocates unpinned (not registered with CUDA)
   KV copy    pool_host.mha.transfer_kv_direct in torch (the real one is a CUDA op), hence
              --hicache-io-backend direct --hicache-mem-layout layer_first
-Written against the releases in TESTED: another one stops the process rather than run unpatched.
+Another release than TESTED stops the process rather than run unpatched.
 """
 import os
 import sys
@@ -19,7 +19,7 @@ except metadata.PackageNotFoundError:
 if _release is not None and _release not in TESTED:
     sys.stderr.write(f"real_server/cpu: SGLang {_release} is not one of {TESTED}; "
                      "check these CPU stand-ins against it and add it to TESTED\n")
-    os._exit(3)  # loud: an exception here would only be printed, and SGLang would run unpatched
+    os._exit(3)  # an exception here would only be printed, SGLang run unpatched
 
 
 def _unpinned_host_pool(module):

@@ -1,6 +1,6 @@
-"""Stand-in for the two sgl_kernel CPU ops SGLang imports under SGLANG_USE_CPU_ENGINE=1 for a dense
-model; any other name is a function that raises. torch.ops.sgl_kernel stays unregistered, so
-SGLang's AMX probe is False and its torch-native layers run."""
+"""The two sgl_kernel CPU ops SGLang imports under SGLANG_USE_CPU_ENGINE=1 for a dense model; any
+other name is a function that raises. torch.ops.sgl_kernel stays unregistered: no AMX, so SGLang's
+torch-native layers run."""
 import ctypes
 
 __version__ = "0.0.0+cpu-stand-in"
@@ -8,7 +8,7 @@ __version__ = "0.0.0+cpu-stand-in"
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
                                  out_cache_loc, pool_len):
-    # req_to_token[row, start:end] = the next (end - start) slots of out_cache_loc, per request
+    # per request, req_to_token[row, start:end] = the next end - start slots of out_cache_loc
     offset = 0
     for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
         if end > start:
