@@ -51,8 +51,11 @@ SERVING = textwrap.dedent("""
             for data in frames:
                 pipe.write(struct.pack("<I", len(data)) + data)
     ops(%(ops)d)
-    with open(f"/proc/{child}/status") as f:
-        threads = int(next(line for line in f if line.startswith("Threads:")).split()[1])
+    seen = []  # the fewest threads over 0.2 s: an export thread comes and goes
+    for _ in range(10):
+        seen.append(len(os.listdir(f"/proc/{child}/task")))
+        time.sleep(0.02)
+    threads = min(seen)
     with open(OUT, "w") as f:
         json.dump({"child": child, "threads": threads}, f)
     tel.shutdown()
@@ -115,7 +118,8 @@ def test_working_directory_is_not_on_the_telemetry_process_path(tmp_path):
 
 def test_auto_instrumentation_stays_out_of_the_telemetry_process(tmp_path):
     """Under ``opentelemetry-instrument`` the telemetry process runs exactly as without it: no
-    second SDK pipeline of the distro's (its threads), every op delivered once."""
+    second SDK pipeline of the distro's (its threads: the fewest seen over 0.2 s, as an export
+    thread comes and goes), every op delivered once."""
     instrument = shutil.which("opentelemetry-instrument", path=os.path.dirname(sys.executable))
     assert instrument, "opentelemetry-instrument is in requirements/dev.txt"
     counts = {}
