@@ -32,6 +32,7 @@ from ..diagnostics import logger, warn_once
 
 RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # by deaths in a row within SHORT_LIFE_S of the start
 SHORT_LIFE_S = 60.0
+_KILLED = (-9, -15, -2)  # SIGKILL, SIGTERM, SIGINT before its hello: a death (restarted), not a child that cannot run
 _ANSWERS_INTERVAL_NS = 100_000_000
 _WRITE_BYTES = 1 << 20  # frames joined into one write, up to about this size
 MAX_BACKLOG_BYTES = 32 << 20  # what waits to be written or confirmed
@@ -294,11 +295,11 @@ class ProcessChannel:
         self._reset()
         self._backlog = deque(replay)
         self._backlog_ops = sum(entry[1] for entry in replay)
-        if ready:  # (one that never said hello gets the one warning of the fallback below)
+        if ready or code in _KILLED:  # (one that cannot run gets the one warning of the fallback below)
             warn_once(f"telemetry_process:died:{self._deaths}", "otel-hicache: the telemetry process ended (exit "
                       "code %s); another goes on from its last checkpoint, with the %d transfers written after it",
                       code, self._backlog_ops)
-        if not ready:  # it cannot run here (the interpreter, the path): another would not either
+        if not ready and code not in _KILLED:  # it cannot run here (the interpreter, the path): nor would another
             self._give_up(f"it ended before it was ready (exit code {code})")
 
     def _give_up(self, why: str) -> None:
