@@ -90,14 +90,16 @@ class Jaeger:
         return body["data"]
 
     def spans(self, service: str, operation: str | None = None, **params: Any) -> list[dict]:
-        """The service's spans named operation (or hicache.*) plus "attrs", "service", "parent"."""
+        """The service's spans named operation (or hicache.*) plus "attrs" (its process tags, the
+        resource's, with its own: ranks are process tags), "service", "parent"."""
         found = {}
         for trace in self.traces(service, **params, **{"operation": operation} if operation else {}):
             names = {s["spanID"]: s["operationName"] for s in trace["spans"]}
             for s in trace["spans"]:
                 if s["operationName"] == operation or not operation and s["operationName"].startswith("hicache."):
                     found[s["traceID"], s["spanID"]] = s | {
-                        "attrs": {t["key"]: t["value"] for t in s["tags"]}, "service": _service(trace, s),
+                        "attrs": {t["key"]: t["value"] for t in trace["processes"][s["processID"]].get("tags", [])
+                                  + s["tags"]}, "service": _service(trace, s),
                         "parent": next((names.get(p) for _, p in refs(s, "CHILD_OF")), None)}
         return list(found.values())
 

@@ -137,7 +137,8 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
                                      trace.get_tracer_provider())
         meter = meter_provider or (current.meter_provider if current and current.built else
                                    metrics.get_meter_provider())
-        # (embedded, the sinks use the providers' resource: none is detected, which an exit hook could not do)
+        # (embedded, the sinks use the providers' resource: none is detected, which an exit hook could not do;
+        # the static attributes go on every point, as these providers may serve other callers)
         return EmbeddedChannel(tracer, meter, hello_(current.resource if current else Resource.get_empty()), clock)
 
     opened.used_configure = configured() is not None  # type: ignore[attr-defined]
@@ -145,15 +146,17 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
 
 
 def _embedded_fallback(hello_: dict[str, Any], resource: Any) -> Any:
-    """Providers built here after all, for the sinks the telemetry process could not run."""
+    """Providers built here after all, for the sinks the telemetry process could not run (the static
+    attributes in their resource, as there)."""
     from .sinks import providers
     from .sinks.embedded import EmbeddedChannel
 
-    built = providers.build(resource, wrap_export=fork.quiet_at_fork)
+    built = providers.build(resource, wrap_export=fork.quiet_at_fork, static=hello_["attributes"])
     with _lock:
         if _configured is not None and _configured.pid == os.getpid() and _configured.built is None:
             _configured.built = built  # shut down with the rest at exit
-    return EmbeddedChannel(built.tracer_provider, built.meter_provider, hello_)
+    return EmbeddedChannel(built.tracer_provider, built.meter_provider,
+                           {**hello_, "in_resource": built.static_in_resource})
 
 
 def _after_fork_in_child() -> None:

@@ -132,6 +132,55 @@ def test_prometheus_metrics_exporter_serves_the_exact_counters(monkeypatch, harn
     assert 'tp_rank="3"' in line and 'hicache_origin="direct"' in line and line.endswith(" 3000.0")
 
 
+def test_static_attributes_go_into_the_resource_unless_a_pull_reader_serves_the_metrics(monkeypatch):
+    """Providers built for one serving process (its telemetry process): its static attributes in
+    the resource, not on the points; with the SDK's prometheus reader (the resource on target_info
+    only) on the points, so tp_rank stays a label of every series either way."""
+    import socket
+    import urllib.request
+
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.resources import Resource
+
+    from otel_hicache.sinks.consumer import Consumer
+
+    static = {"tp_rank": 3, "hicache.io_backend": "kernel"}
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "console")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")
+    built = providers.build(Resource({"service.name": "sglang"}), static=static)
+    try:
+        assert built.static_in_resource
+        assert built.tracer_provider.resource.attributes["tp_rank"] == 3
+        assert built.tracer_provider.resource.attributes["service.name"] == "sglang"
+    finally:
+        built.shutdown(2.0)
+    reader = InMemoryMetricReader()
+    built = providers.build(Resource({"service.name": "sglang"}), [reader], static=static)  # a reader of its own
+    try:
+        assert not built.static_in_resource and "tp_rank" not in built.tracer_provider.resource.attributes
+    finally:
+        built.shutdown(2.0)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_HOST", "127.0.0.1")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", str(port))
+    built = providers.build(Resource({"service.name": "sglang"}), static=static)
+    try:
+        assert not built.static_in_resource and "tp_rank" not in built.tracer_provider.resource.attributes
+        consumer = Consumer(built.tracer_provider, built.meter_provider,
+                            {"attributes": static, "in_resource": built.static_in_resource})
+        assert consumer.metrics._default_io_backend == "kernel"  # pylint: disable=protected-access
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        built.shutdown(2.0)
+    lines = [l for l in body.splitlines() if l.startswith("hicache_transfer_bytes_total{")]
+    assert lines and all('tp_rank="3"' in l for l in lines)
+
+
 def test_exponential_histogram_preference_is_honoured_by_the_otlp_exporter_only(monkeypatch):
     """The variable is the OTLP exporters' (as the SDK reads it); the console exporter
     keeps the instruments' explicit advisory buckets."""

@@ -242,7 +242,7 @@ def test_metric_section_matches_the_code(const, emitted, reference):
     assert _row(section, "Instrument") == _KIND_WORD[actual["kind"]]
 
     attributes_cell = _row(section, "Attributes")
-    assert "static attributes on every point" in attributes_cell
+    assert "the static attributes" in attributes_cell
     assert set(_ticked(attributes_cell)) == actual["attributes"], name
 
     expected_series = prometheus_series(name, unit, actual["kind"])

@@ -115,6 +115,21 @@ def test_a_serving_process_killed_mid_run_loses_nothing_it_had_written(tmp_path,
     assert len({s.span_id for s in spans}) == len(spans)
     sent = max((p.as_int for p in receiver.received.last_points("hicache.transfer.bytes")), default=0)
     assert sent == len(spans) * BYTES  # the counters of exactly those ops
+    _assert_static_in_resource(receiver)
+
+
+def _assert_static_in_resource(receiver: HttpReceiver) -> None:
+    """The static attributes (tp_rank) are in the resource of every span and series, on none of them."""
+    with receiver.received.lock:
+        spans = [(rs.resource, ss.spans) for r in receiver.received.traces for rs in r.resource_spans
+                 for ss in rs.scope_spans]
+        metrics = [(rm.resource, [p for sm in rm.scope_metrics for m in sm.metrics
+                                  for p in getattr(m, m.WhichOneof("data")).data_points])
+                   for r in receiver.received.metrics for rm in r.resource_metrics]
+    assert spans and metrics
+    for resource, items in spans + metrics:
+        assert attributes(resource.attributes)["tp_rank"] == 0
+        assert not any("tp_rank" in attributes(item.attributes) for item in items)
 
 
 def _books(receiver: HttpReceiver) -> dict[str, Any]:
@@ -261,6 +276,7 @@ def test_no_telemetry_process_means_embedded_sinks_at_once_warned_once(monkeypat
     assert len(ours) == 1 and why in ours[0] and "the sinks run embedded" in ours[0], ours
     where = [attributes(p.attributes) for p in receiver.received.last_points("otel_hicache.sinks")]
     assert [a["location"] for a in where] == ["embedded_fallback"], where  # visible, not only in a log line
+    _assert_static_in_resource(receiver)  # providers built for this TransferTelemetry alone, as there
 
 
 def test_a_telemetry_process_that_keeps_dying_is_restarted_later_and_later(monkeypatch, receiver, warnings_log):

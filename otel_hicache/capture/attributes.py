@@ -1,6 +1,6 @@
 """Attributes a caller passes, checked in the serving process: the static ones (every span and
-point) and each call's own (its span), within the SDK's span attribute limits already, so that a
-huge value never reaches the channel. A value is a str, bool, int64 or float, or a list of them."""
+point, or the resource) and each call's own (its span), within the SDK's span attribute limits
+already, so that a huge value never reaches the channel. A value is a str, bool, int64 or float, or a list of them."""
 
 from __future__ import annotations
 

@@ -42,7 +42,8 @@ class TransferTelemetry:
     """Turns L1<->L2 transfers into device-timed spans and exact metrics.
 
     ``tracer_provider``/``meter_provider`` default to those :func:`otel_hicache.configure` built, else
-    the global ones; ``attributes`` go on every span and point; ``clock`` is the host clock in ns;
+    the global ones; ``attributes`` go on every span and point (into the resource, where the sinks build
+    providers for this process alone); ``clock`` is the host clock in ns;
     ``anchor_event_factory`` returns a freshly recorded timing event for the wall-clock anchor
     (derived from the events when omitted).
     """

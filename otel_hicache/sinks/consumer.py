@@ -48,13 +48,16 @@ def span_context(values: tuple[Any, ...]) -> SpanContext:
 
 
 class Consumer:
-    """The sinks of one serving process; ``hello``: its static ``attributes`` and earlier ``pools``."""
+    """The sinks of one serving process; ``hello``: its static ``attributes`` (on every span and point
+    unless ``in_resource``: in the resource of providers built for it) and earlier ``pools``."""
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns, ids: Any = None) -> None:
         # (a list arrives for a tuple: metric points need hashable attribute values)
-        static = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
-        self.metrics = TransferMetrics(meter_provider, static, clock)  # (the ages: on the capture's clock)
+        attributes = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
+        static = {} if hello.get("in_resource") else attributes
+        self.metrics = TransferMetrics(meter_provider, static, clock,  # (the ages: on the capture's clock)
+                                       str(attributes.get(sc.IO_BACKEND, "unknown")))
         self.spans = SpanBuilder(tracer_provider, static, ids)
         self.log = TransferLog()
         location = (sc.LOCATION_EMBEDDED_FALLBACK if hello.get("fallback") else

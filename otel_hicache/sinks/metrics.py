@@ -2,8 +2,8 @@
 keeps. Counters are exact: the sinks keep each one's total per series and report it when the SDK
 collects (observable counters, no SDK call per op). Only duration and ack delay are recorded in
 the op's sampled span's context, so only they carry exemplars (a slow bucket's trace: the
-dashboard and alerts open them). Every point carries the static attributes; zero series exist
-from start-up. The gauges show the capture's ``record.STATE``.
+dashboard and alerts open them). Every point carries the ``static`` attributes (none when they
+are in the resource); zero series exist from start-up. The gauges show the capture's ``record.STATE``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _tiers(direction: str) -> tuple[tuple[str, str], ...]:
 class TransferMetrics:
     """Every otel-hicache transfer instrument on one meter provider, as ``semconv`` defines them."""
 
-    def __init__(self, meter_provider: Any, static: Mapping[str, Any], clock: Callable[[], int] = time.time_ns) -> None:
+    def __init__(self, meter_provider: Any, static: Mapping[str, Any], clock: Callable[[], int] = time.time_ns,
+                 io_backend: str = "unknown") -> None:
         from opentelemetry.metrics import Observation
 
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
@@ -48,7 +49,7 @@ class TransferMetrics:
         self._totals: dict[str, dict[int, list[Any]]] = {}  # counter -> id(attributes) -> [attributes, total]
         self._queue_size, self._inflight = 0, dict.fromkeys(DIRECTIONS, 0)
         self._oldest: tuple[Mapping[str, Any], Mapping[str, Any]] = ({}, {})
-        self._default_io_backend = str(self._static.get(sc.IO_BACKEND, "unknown"))
+        self._default_io_backend = io_backend  # of an op that names none: the static attribute's, if any
 
         def histogram(spec: tuple[str, str, str], buckets: tuple[float, ...]) -> Any:
             return meter.create_histogram(spec[0], unit=spec[1], description=spec[2],

@@ -3,7 +3,8 @@
 and environment, at a lower CPU priority, ignoring the terminal's Ctrl-C.
 
 Its input is frames (:mod:`..record`): the hello (the serving process's resource, so both
-processes' telemetry joins; its providers come from the same ``OTEL_*`` variables), then
+processes' telemetry joins, plus its static attributes; its providers come from the same
+``OTEL_*`` variables), then
 batches for the consumer; a frame that is not the capture's is counted and skipped. A ``FLUSH``
 is answered once what came before it is exported, and at most every ``CHECKPOINT_S`` a
 checkpoint goes back, where a successor goes on from if this process dies (span ids come from
@@ -148,9 +149,10 @@ def main() -> int:
 
     ids = OpIds(bytes.fromhex(hello.get("key") or "") or os.urandom(16))
     providers = build(_resource(hello), id_generator=ids, counters_since_ns=hello.get("start_ns"),
-                      own_process=True)
+                      own_process=True, static=hello.get("attributes"))
     bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
-    consumer = Consumer(providers.tracer_provider, providers.meter_provider, hello, ids=ids)
+    consumer = Consumer(providers.tracer_provider, providers.meter_provider,
+                        {**hello, "in_resource": providers.static_in_resource}, ids=ids)
     _answer(answers, b"hello\n")
     for batch in frames:
         done["frames"] += 1

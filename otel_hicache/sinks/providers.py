@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..diagnostics import logger, shown, warn_once, withhold
 from ..settings import sdk_disabled
@@ -46,6 +46,7 @@ class Providers:
     metric_readers: Sequence[Any] = ()
     span_processors: Sequence[Any] = ()
     undelivered: list[list[int]] = field(default_factory=list)  # [ended, handed] per span processor
+    static_in_resource: bool = False  # build()'s ``static`` attributes went into the resource, not the points
 
     def shutdown(self, timeout_s: float) -> bool:
         done = bounded("shutdown", self.tracer_provider, self.meter_provider, timeout_s)
@@ -139,14 +140,18 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
 
 def build(resource: Any = None, extra_readers: Sequence[Any] = (),
           wrap_export: Callable[[Any], Any] | None = None, id_generator: Any = None,
-          counters_since_ns: int | None = None, own_process: bool = False) -> Providers:
+          counters_since_ns: int | None = None, own_process: bool = False,
+          static: Mapping[str, Any] | None = None) -> Providers:
     """Providers from the ``OTEL_*`` variables, on ``resource`` (default: the SDK's); ``wrap_export(export)``
     wraps each gRPC exporter's ``export`` (the bootstrap's fork guard); ``counters_since_ns``: the start
     time of every monotonic sum exported; ``own_process``: the telemetry process, whose SDK loggers are
-    ours to filter (never the host's)."""
+    ours to filter (never the host's); ``static``: the attributes of the one serving process they are
+    for, added to the resource (not where a pull reader serves the metrics: it shows the resource on
+    ``target_info`` only)."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.trace import NoOpTracerProvider
@@ -170,6 +175,9 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
             readers.append(reader)
             metric_exporters.append(made)
     readers += extra_readers
+    in_resource = bool(static) and len(metric_exporters) == len(readers)
+    if in_resource:
+        resource = resource.merge(Resource(dict(static)))  # (ours win, as they would on the points)
     meter_provider = oe.build("meter provider", lambda **kw: MeterProvider(
         metric_readers=readers, resource=resource, shutdown_on_exit=False, **kw), oe.METER_PROVIDER)
     meter_provider = meter_provider or NoOpMeterProvider()  # (warned)
@@ -195,7 +203,7 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
             processors.append(_counting(undelivered, processor, exporter))
             tracer_provider.add_span_processor(processor)
     return Providers(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
-                     span_processors=processors, undelivered=undelivered)
+                     span_processors=processors, undelivered=undelivered, static_in_resource=in_resource)
 
 
 def _counters_since(export: Callable[..., Any], start_ns: int) -> Callable[..., Any]:

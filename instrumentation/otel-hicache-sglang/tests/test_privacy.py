@@ -494,14 +494,14 @@ def documented() -> dict[str, set[str]]:
     events = _row(spans, "Events")
     event_keys = {sc.REQUEST_TRACE_ID} & set(_ticked(events))  # the one event attribute
     link_keys = {sc.LINK_TO} if f"`{sc.LINK_TO}=" in _row(spans, "Links") else set()
-    # resource attributes come from the SDK and OTEL_*, not from otel-hicache: the SDK's
+    # resource attributes come from the SDK, OTEL_* and (a telemetry process) the ranks: the SDK's
     # defaults (service.instance.id is a random UUID per process) and what this test sets
     assert "`service.name`" in reference and "`service.instance.id`" in reference
     return {
         "span": span_keys | adapter_span_keys | ranks,
         "point": point_keys | ranks,
         "exemplar": point_keys | ranks,
-        "resource": {"service.name", "service.instance.id"} | SDK_RESOURCE_KEYS | set(RESOURCE),
+        "resource": {"service.name", "service.instance.id"} | SDK_RESOURCE_KEYS | set(RESOURCE) | ranks,
         "scope": set(),
         "event": event_keys,
         "link": link_keys,

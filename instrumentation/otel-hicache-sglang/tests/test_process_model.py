@@ -52,9 +52,12 @@ def _spawn_scheduler() -> tuple[dict[str, Any], int]:
 def _check_exported(received: Any, report: dict[str, Any]) -> None:
     spans = received.spans()
     by_origin: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    ranks = {"tp_rank", "pp_rank", "dp_rank", "attn_cp_rank"}  # the telemetry process's resource has them
     for resource, span in spans:
         assert attributes(resource.attributes)["service.name"] == "sglang"
+        assert ranks <= set(attributes(resource.attributes))
         attrs = attributes(span.attributes)
+        assert not ranks & set(attrs)
         by_origin.setdefault((attrs["hicache.direction"], attrs["hicache.origin"]), []).append(attrs)
     # one span per copy: two merged ops, two retraction copies (instrumented once)
     assert sorted((k, len(v)) for k, v in by_origin.items()) == [
@@ -69,7 +72,7 @@ def _check_exported(received: Any, report: dict[str, Any]) -> None:
     tokens = {}
     for point in received.last_points("hicache.transfer.tokens"):
         a = attributes(point.attributes)
-        assert {"tp_rank", "pp_rank", "dp_rank", "attn_cp_rank"} <= set(a)
+        assert not ranks & set(a)
         tokens[a["hicache.direction"], a["hicache.origin"]] = tokens.get(
             (a["hicache.direction"], a["hicache.origin"]), 0) + getattr(point, point.WhichOneof("value"))
     assert tokens["offload", "merged_op"] == sglang["sglang:hicache_backup_tokens_total{'pool': 'kv'}"]

@@ -1,6 +1,7 @@
 """Two spawned scheduler-like processes of one TP=2 server (and one with attention DP), each
-publishing its ranks through SGLang's runtime context as its scheduler does: every span and
-series carries its own rank labels, per-rank counters are exact, nothing is summed."""
+publishing its ranks through SGLang's runtime context as its scheduler does: each process's
+resource carries its own rank labels (not each span and point), per-rank counters are exact,
+nothing is summed."""
 
 from __future__ import annotations
 
@@ -16,18 +17,24 @@ SPAWN_TIMEOUT_S = 180
 TOKENS = {0: 12, 1: 16}  # per tp_rank: a sum over ranks (28) matches neither
 
 
-def _last_points(received: Any, name: str) -> list[Any]:
-    """Points of metric ``name`` from each process's last export that had it (cumulative):
-    the receiver's ``last_points`` keeps one request, of whichever process exported last."""
+RANKS = {"tp_rank", "pp_rank", "dp_rank", "attn_cp_rank"}
+
+
+def _last_points(received: Any, name: str) -> list[tuple[dict[str, Any], Any]]:
+    """``(labels, value)`` of metric ``name``'s points from each process's last export that had it
+    (cumulative), the labels as Prometheus gets them: resource and point attributes; the
+    receiver's ``last_points`` keeps one request, of whichever process exported last."""
     seen: dict[str, list[Any]] = {}
     with received.lock:
         for request in reversed(received.metrics):
             for rm in request.resource_metrics:
-                instance = attributes(rm.resource.attributes)["service.instance.id"]
+                resource = attributes(rm.resource.attributes)
                 points = [p for sm in rm.scope_metrics for m in sm.metrics if m.name == name
                           for p in (m.sum.data_points if m.HasField("sum") else m.histogram.data_points)]
-                if points and instance not in seen:
-                    seen[instance] = points
+                if points and resource["service.instance.id"] not in seen:
+                    assert RANKS <= set(resource) and not any(RANKS & set(attributes(p.attributes)) for p in points)
+                    seen[resource["service.instance.id"]] = [
+                        ({**resource, **attributes(p.attributes)}, getattr(p, p.WhichOneof("value"))) for p in points]
     return [p for points in seen.values() for p in points]
 
 
@@ -68,32 +75,31 @@ def test_each_rank_reports_its_own_labels_and_exact_counts(monkeypatch, dp_atten
         assert len(spans) == 4  # one write-through and one load-back per rank
         instances = {}
         for resource, span in spans:
-            a, res = attributes(span.attributes), attributes(resource.attributes)
+            res = attributes(resource.attributes)
+            assert RANKS <= set(res) and not RANKS & set(attributes(span.attributes))
+            a = {**res, **attributes(span.attributes)}
             rank = next(r for r, labels in want.items()
                         if all(a[k] == v for k, v in labels.items()) and a["hicache.tokens"] == TOKENS[r])
             instances.setdefault(rank, set()).add(res["service.instance.id"])
         assert sorted(instances) == [0, 1] and all(len(v) == 1 for v in instances.values())
         assert instances[0] != instances[1]  # one process per rank, told apart
-        # every metric point has the rank labels; per rank, the counters are that rank's own
+        # every metric point's resource has the rank labels; per rank, the counters are that rank's own
         points = _last_points(received, "hicache.transfer.tokens")
-        assert points and all({"tp_rank", "pp_rank", "dp_rank", "attn_cp_rank"} <= set(attributes(p.attributes))
-                              for p in points)
+        assert points
         for rank, labels in want.items():
             got = {}
-            for point in points:
-                a = attributes(point.attributes)
+            for a, value in points:
                 if all(a[k] == v for k, v in labels.items()) and a["hicache.pool"] == "kv":
                     key = a["hicache.direction"]
-                    got[key] = got.get(key, 0) + getattr(point, point.WhichOneof("value"))
+                    got[key] = got.get(key, 0) + value
             report = reports[rank]
             assert got == {"offload": report["offload_tokens"], "onboard": report["onboard_tokens"]} == {
                 "offload": TOKENS[rank], "onboard": TOKENS[rank]}, (rank, got)
         by_rank_bytes = {}
-        for point in _last_points(received, "hicache.transfer.bytes"):
-            a = attributes(point.attributes)
+        for a, value in _last_points(received, "hicache.transfer.bytes"):
             if a["hicache.direction"] == "offload":
                 key = (a["tp_rank"], a["dp_rank"])
-                by_rank_bytes[key] = by_rank_bytes.get(key, 0) + getattr(point, point.WhichOneof("value"))
+                by_rank_bytes[key] = by_rank_bytes.get(key, 0) + value
         assert {k: v for k, v in by_rank_bytes.items() if v} == {
             (want[r["tp_rank"]]["tp_rank"], want[r["tp_rank"]]["dp_rank"]): r["offload_bytes"] for r in reports}
     finally:
