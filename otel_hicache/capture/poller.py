@@ -9,9 +9,9 @@
 3. ack watching: the end of each op's ack wait (``record.ACK``: acked, or timed out);
 4. hand-over: the cycle's messages as one batch to the channel (:mod:`.channel`), sent on every so often.
 
-It polls while something is in flight or awaits its ack, and for ``_ACTIVE_GRACE_S`` after; then it
-sleeps until a timer is due (a STATE or a send held back, the channel's) or a ``submit()`` that
-finds it asleep wakes it.
+It polls while something is in flight or awaits its ack, and, when submits come faster than it
+polls, for ``_ACTIVE_GRACE_S`` after; then it sends on what it wrote and sleeps until a timer is
+due (a changed STATE held back, the channel's) or a ``submit()`` that finds it asleep wakes it.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class PollerSettings:
                    env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01))
 
 
-# After work, the poller polls this long before it sleeps: under load submit() never has to wake it.
+# Under load (submits closer than the poll interval) the poller polls this long after work before it
+# sleeps, so that submit() never has to wake it; at low rates a wake per submit costs less than polls.
 _ACTIVE_GRACE_S = 0.1
 _ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts are scanned at most this often
 _STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs are sent at most this often (and at every flush)
@@ -325,10 +326,15 @@ class Poller:
     def _run(self) -> None:
         if not self._forked:  # the sinks' zero series exist from start-up
             self._opened()
-        active = 0.0  # the last time there was work: polling goes on _ACTIVE_GRACE_S after it
+        active = taken = 0.0  # the last time there was work, and work came in
+        interval = _ACTIVE_GRACE_S  # between submits, a moving average
         while True:
+            now = time.monotonic()
+            if self.queue:  # (capped: one long pause is forgotten after a few ops)
+                interval += (min(now - taken, _ACTIVE_GRACE_S) / len(self.queue) - interval) / 4
+                taken = now
             if self.queue or self._pending or self._awaiting:
-                active = time.monotonic()
+                active = now
             self._cycle_started = time.monotonic()
             try:
                 self._cycle()
@@ -348,13 +354,20 @@ class Poller:
             if self._more:  # cut short by its budget: the rest now, once the others had the GIL
                 time.sleep(0)
             elif (self._pending or self._awaiting or self._flush_waiters
-                  or time.monotonic() - active < _ACTIVE_GRACE_S):
+                  or (interval < self.settings.poll_interval_s and time.monotonic() - active < _ACTIVE_GRACE_S)):
                 self._wake.wait(self.settings.poll_interval_s)
             else:
                 self._sleep()
 
     def _sleep(self) -> None:
         """Nothing to poll: block until the next timer, or until submit() or flush() wakes us."""
+        try:  # a wake-up costs more than a STATE computed or a send made now: none for them
+            if self._state_held and self._state_message(self._cpu_s)[1:5] == self._state_sent:
+                self._state_held = False
+            if self._unsent_ops >= 0 and not self._out:
+                self._send_on()
+        except Exception as exc:  # (their timers stay)
+            warn_once("poller", "otel-hicache: poller error %r (continuing)", exc)
         due = []
         if self._state_held:
             due.append(self._last_state + _STATE_INTERVAL_NS)
