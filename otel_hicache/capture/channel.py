@@ -273,20 +273,18 @@ class ProcessChannel:
     def _died(self) -> None:
         """The telemetry process ended: reap it; the next starts from its last checkpoint (or fall back)."""
         process = self.process
+        assert process is not None
         self._read_replies(ended=True)  # what it answered before it ended is still in the pipe
         self._deaths += 1
         self._short_lives = self._short_lives + 1 if time.monotonic() - self._started_at < SHORT_LIFE_S else 1
         self._restart_at = time.monotonic() + RESTART_DELAYS_S[min(self._short_lives, len(RESTART_DELAYS_S)) - 1]
-        if process is not None:
-            try:
-                process.wait(1.0)  # reaped: no zombie
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            code = process.returncode
-            _close(process, lambda stream: stream.close())
-        else:
-            code = None
+        try:
+            process.wait(1.0)  # reaped: no zombie
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        code = process.returncode
+        _close(process, lambda stream: stream.close())
         ready = self._answered
         own = (self._hello_entry, self._checkpoint_entry)
         replay = [entry for _, entry in self._unconfirmed] + [
@@ -299,7 +297,7 @@ class ProcessChannel:
             warn_once(f"telemetry_process:died:{self._deaths}", "otel-hicache: the telemetry process ended (exit "
                       "code %s); another goes on from its last checkpoint, with the %d transfers written after it",
                       code, self._backlog_ops)
-        if not ready:  # it cannot run here (the interpreter, the path): another would not either
+        else:  # it cannot run here (the interpreter, the path): another would not either
             self._give_up(f"it ended before it was ready (exit code {code})")
 
     def _give_up(self, why: str) -> None:

@@ -84,16 +84,6 @@ _LOCK_WAIT_S = 0.05  # the longest another thread waits for the intake lock
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _ns(value: Any) -> int | float | None:
-    """A submit time usable for an age (an int, a NumPy or torch integer, a finite float), else None."""
-    if type(value) is int:
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value if isinstance(value, float) and math.isfinite(value) else None
-
-
 def _where(thread: threading.Thread) -> str:
     """Where a thread of ours is blocked: its first call out of otel-hicache, and the innermost function."""
     frame = sys._current_frames().get(thread.ident)  # CPython's only way to see another thread's frame
@@ -452,10 +442,7 @@ class Poller:
             return True
         except Exception as exc:  # one record lost, counted; never the rest of its batch
             self.held -= 1
-            self._drop(sc.DROP_INTERNAL_ERROR)
-            warn_once(f"intake:{type(exc).__name__}", "otel-hicache: a record could not be taken in (%r); "
-                      "counted in otel_hicache.records.dropped{reason=internal_error}", exc)
-            logger.debug("otel-hicache intake error", exc_info=True)
+            self._internal_error("taken in", exc)
             return False
 
     def _host(self, kind: int, *fields: Any) -> None:
@@ -496,10 +483,7 @@ class Poller:
                     still.append(record)
             except Exception as exc:  # a record is handled once, whatever happens
                 self._inflight[record.direction] -= 1
-                self._drop(sc.DROP_INTERNAL_ERROR)
-                warn_once(f"internal:{type(exc).__name__}", "otel-hicache: a record could not be reported (%r); "
-                          "counted in otel_hicache.records.dropped{reason=internal_error}", exc)
-                logger.debug("otel-hicache internal error", exc_info=True)
+                self._internal_error("reported", exc)
         self._pending = still
 
     def _complete(self, record: TransferRecord, now: int) -> None:
@@ -722,22 +706,27 @@ class Poller:
 
     @staticmethod
     def _older(oldest: dict[str, Any], direction: str, submit_ns: Any) -> bool:
-        """Keeps ``submit_ns`` as ``direction``'s oldest if it is older; False when it is no usable time."""
-        submit_ns = _ns(submit_ns)
-        if submit_ns is None:
-            return False
+        """Keeps ``submit_ns`` as ``direction``'s oldest if it is older; False when it is no usable time
+        (an int, a NumPy or torch integer, a finite float)."""
+        if type(submit_ns) is not int:
+            try:
+                submit_ns = operator.index(submit_ns)
+            except TypeError:
+                if not (isinstance(submit_ns, float) and math.isfinite(submit_ns)):
+                    return False
         first = oldest.get(direction, 0)
         if first is None or submit_ns < first:
             oldest[direction] = submit_ns
         return True
 
-    def _release_flush_waiters(self) -> None:
-        """A flush is done once every record submitted before it was taken in and is no longer in flight."""
+    def _release_flush_waiters(self, everyone: bool = False) -> None:
+        """A flush is done once every record submitted before it was taken in and is no longer in flight
+        (``everyone``: on stop, nothing is in flight any more)."""
         oldest_pending = self._pending[0].seq if self._pending else self._taken  # (in intake order)
         with self._lock:
             waiting = []
             for target, done in self._flush_waiters:
-                if self._taken >= target and oldest_pending >= target:
+                if everyone or (self._taken >= target and oldest_pending >= target):
                     done.set()
                 else:
                     waiting.append((target, done))
@@ -759,10 +748,7 @@ class Poller:
             self._drop_queued()
         self._state(force=True)
         self._write()
-        with self._lock:  # nothing is in flight any more: a flush() waiting elsewhere is done
-            waiters, self._flush_waiters = self._flush_waiters, []
-        for _target, done in waiters:
-            done.set()
+        self._release_flush_waiters(everyone=True)
 
     def _drop_queued(self) -> None:
         """Records submitted but never taken in (the poller has stopped): counted, not lost silently."""
@@ -777,6 +763,13 @@ class Poller:
 
     def _drop(self, reason: str, count: int = 1) -> None:
         self._drops[reason] = self._drops.get(reason, 0) + count
+
+    def _internal_error(self, stage: str, exc: Exception) -> None:
+        """One record lost to an error of ours: counted, never the rest of its batch."""
+        self._drop(sc.DROP_INTERNAL_ERROR)
+        warn_once(f"{stage}:{type(exc).__name__}", "otel-hicache: a record could not be %s (%r); counted in "
+                  "otel_hicache.records.dropped{reason=internal_error}", stage, exc)
+        logger.debug("otel-hicache error (a record not %s)", stage, exc_info=True)
 
     def _report_queue_full(self) -> None:
         drops = self._refusals.read()
