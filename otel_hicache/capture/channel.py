@@ -85,16 +85,21 @@ class ProcessChannel:
     """Batches to a telemetry process; ``hello`` (a dict of plain values) is its first frame."""
 
     def __init__(self, hello: dict[str, Any], max_ops: int, fallback: Callable[[], Any]) -> None:
-        # the span ids of an op, and the start time of every counter, the same in each telemetry process
-        self._hello = dict(hello, key=os.urandom(16).hex(), start_ns=time.time_ns())
+        self._hello = hello
         self._max_ops = max_ops
         self._fallback = fallback
-        self._lock = threading.Lock()
         self._tokens = itertools.count(1)
         self._pools: list[tuple[Any, ...]] = []  # every POOL message, for each telemetry process started
-        self._deaths = 0
         self._short_lives = 0  # deaths in a row soon after their start
         self._started_at = self._restart_at = 0.0
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """A channel with no telemetry process yet (a new one, or a forked child's)."""
+        self._lock = threading.Lock()
+        # the span ids of an op, and the start time of every counter, the same in each telemetry process
+        self._hello = dict(self._hello, key=os.urandom(16).hex(), start_ns=time.time_ns())
+        self._deaths = 0
         # where a successor starts from: the last checkpoint (a frame) and the frames written after it
         self._checkpoint: bytes | None = None
         self._unconfirmed: deque[tuple[int, list[Any]]] = deque()  # (frame number, [frame, ops])
@@ -210,14 +215,17 @@ class ProcessChannel:
                 self._pump(final=True)
                 if self.process is None:  # it ended meanwhile: no successor after stop(), nothing to wait for
                     break
-                if (self._partial is not None or self._backlog) and self.process is not None:
+                if self._partial is not None or self._backlog:
                     try:
                         select.select([], [process.stdin], [], min(0.05, max(0.0, deadline - time.monotonic())))
                     except (OSError, ValueError):
                         break
             left_over = self._backlog_ops + sum(entry[1] for entry in self._partial_batches)
             process = self.process or process
-            self._close_input()
+            try:
+                process.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
             self.process = None
         if left_over:
             logger.warning("otel-hicache: %d transfers were still waiting for the telemetry process at shutdown "
@@ -235,15 +243,8 @@ class ProcessChannel:
     def forget_in_child(self) -> None:
         """In a forked child: the parent's telemetry process stays the parent's (our copies of its
         pipes closed, so that it sees its input end with the parent)."""
-        self._lock = threading.Lock()
         _close(self.process, lambda stream: os.close(stream.fileno()))  # (not flushing the parent's buffer)
-        self._embedded = None
-        self._stopped = False
-        self._deaths = 0
-        self._hello = dict(self._hello, key=os.urandom(16).hex(), start_ns=time.time_ns())  # its ops, its counters
-        self._checkpoint, self._unconfirmed, self._unconfirmed_bytes = None, deque(), 0
-        self._asked, self._flushed = set(), {}
-        self._reset()
+        self._fresh()  # its own ops and counters
 
     # -- the telemetry process -------------------------------------------------------
     def _start(self) -> bool:
@@ -273,20 +274,18 @@ class ProcessChannel:
     def _died(self) -> None:
         """The telemetry process ended: reap it; the next starts from its last checkpoint (or fall back)."""
         process = self.process
+        assert process is not None
         self._read_replies(ended=True)  # what it answered before it ended is still in the pipe
         self._deaths += 1
         self._short_lives = self._short_lives + 1 if time.monotonic() - self._started_at < SHORT_LIFE_S else 1
         self._restart_at = time.monotonic() + RESTART_DELAYS_S[min(self._short_lives, len(RESTART_DELAYS_S)) - 1]
-        if process is not None:
-            try:
-                process.wait(1.0)  # reaped: no zombie
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            code = process.returncode
-            _close(process, lambda stream: stream.close())
-        else:
-            code = None
+        try:
+            process.wait(1.0)  # reaped: no zombie
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        code = process.returncode
+        _close(process, lambda stream: stream.close())
         ready = self._answered
         own = (self._hello_entry, self._checkpoint_entry)
         replay = [entry for _, entry in self._unconfirmed] + [
@@ -299,7 +298,7 @@ class ProcessChannel:
             warn_once(f"telemetry_process:died:{self._deaths}", "otel-hicache: the telemetry process ended (exit "
                       "code %s); another goes on from its last checkpoint, with the %d transfers written after it",
                       code, self._backlog_ops)
-        if not ready and code not in _KILLED:  # it cannot run here (the interpreter, the path): nor would another
+        else:  # it cannot run here (the interpreter, the path): another would not either
             self._give_up(f"it ended before it was ready (exit code {code})")
 
     def _give_up(self, why: str) -> None:
@@ -474,11 +473,3 @@ class ProcessChannel:
             if not any(m[0] == rec.OP for m in kept):
                 entry[1] = 0
         return [m for m in batch if not keep(m)]
-
-    def _close_input(self) -> None:
-        process = self.process
-        if process is not None and process.stdin is not None:
-            try:
-                process.stdin.close()
-            except OSError:
-                pass

@@ -9,9 +9,9 @@
 3. ack watching: the end of each op's ack wait (``record.ACK``: acked, or timed out);
 4. hand-over: the cycle's messages as one batch to the channel (:mod:`.channel`), sent on every so often.
 
-It polls while something is in flight or awaits its ack, and for ``_ACTIVE_GRACE_S`` after; then it
-sleeps until a timer is due (a STATE or a send held back, the channel's) or a ``submit()`` that
-finds it asleep wakes it.
+It polls while something is in flight or awaits its ack, and, when submits come faster than it
+polls, for ``_ACTIVE_GRACE_S`` after; then it sends on what it wrote and sleeps until a timer is
+due (a changed STATE held back, the channel's) or a ``submit()`` that finds it asleep wakes it.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class PollerSettings:
                    env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01))
 
 
-# After work, the poller polls this long before it sleeps: under load submit() never has to wake it.
+# Under load (submits closer than the poll interval) the poller polls this long after work before it
+# sleeps, so that submit() never has to wake it; at low rates a wake per submit costs less than polls.
 _ACTIVE_GRACE_S = 0.1
 _ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts are scanned at most this often
 _STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs are sent at most this often (and at every flush)
@@ -81,16 +82,6 @@ _BUDGET_EVERY = 4
 _INTAKE_PASS = 8  # records popped per pass (a budget check between passes)
 _LOCK_WAIT_S = 0.05  # the longest another thread waits for the intake lock
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _ns(value: Any) -> int | float | None:
-    """A submit time usable for an age (an int, a NumPy or torch integer, a finite float), else None."""
-    if type(value) is int:
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value if isinstance(value, float) and math.isfinite(value) else None
 
 
 def _where(thread: threading.Thread) -> str:
@@ -325,10 +316,15 @@ class Poller:
     def _run(self) -> None:
         if not self._forked:  # the sinks' zero series exist from start-up
             self._opened()
-        active = 0.0  # the last time there was work: polling goes on _ACTIVE_GRACE_S after it
+        active = taken = 0.0  # the last time there was work, and work came in
+        interval = _ACTIVE_GRACE_S  # between submits, a moving average
         while True:
+            now = time.monotonic()
+            if self.queue:  # (capped: one long pause is forgotten after a few ops)
+                interval += (min(now - taken, _ACTIVE_GRACE_S) / len(self.queue) - interval) / 4
+                taken = now
             if self.queue or self._pending or self._awaiting:
-                active = time.monotonic()
+                active = now
             self._cycle_started = time.monotonic()
             try:
                 self._cycle()
@@ -348,13 +344,20 @@ class Poller:
             if self._more:  # cut short by its budget: the rest now, once the others had the GIL
                 time.sleep(0)
             elif (self._pending or self._awaiting or self._flush_waiters
-                  or time.monotonic() - active < _ACTIVE_GRACE_S):
+                  or (interval < self.settings.poll_interval_s and time.monotonic() - active < _ACTIVE_GRACE_S)):
                 self._wake.wait(self.settings.poll_interval_s)
             else:
                 self._sleep()
 
     def _sleep(self) -> None:
         """Nothing to poll: block until the next timer, or until submit() or flush() wakes us."""
+        try:  # a wake-up costs more than a STATE computed or a send made now: none for them
+            if self._state_held and self._state_message(self._cpu_s)[1:5] == self._state_sent:
+                self._state_held = False
+            if self._unsent_ops >= 0 and not self._out:
+                self._send_on()
+        except Exception as exc:  # (their timers stay)
+            warn_once("poller", "otel-hicache: poller error %r (continuing)", exc)
         due = []
         if self._state_held:
             due.append(self._last_state + _STATE_INTERVAL_NS)
@@ -439,10 +442,7 @@ class Poller:
             return True
         except Exception as exc:  # one record lost, counted; never the rest of its batch
             self.held -= 1
-            self._drop(sc.DROP_INTERNAL_ERROR)
-            warn_once(f"intake:{type(exc).__name__}", "otel-hicache: a record could not be taken in (%r); "
-                      "counted in otel_hicache.records.dropped{reason=internal_error}", exc)
-            logger.debug("otel-hicache intake error", exc_info=True)
+            self._internal_error("taken in", exc)
             return False
 
     def _host(self, kind: int, *fields: Any) -> None:
@@ -483,10 +483,7 @@ class Poller:
                     still.append(record)
             except Exception as exc:  # a record is handled once, whatever happens
                 self._inflight[record.direction] -= 1
-                self._drop(sc.DROP_INTERNAL_ERROR)
-                warn_once(f"internal:{type(exc).__name__}", "otel-hicache: a record could not be reported (%r); "
-                          "counted in otel_hicache.records.dropped{reason=internal_error}", exc)
-                logger.debug("otel-hicache internal error", exc_info=True)
+                self._internal_error("reported", exc)
         self._pending = still
 
     def _complete(self, record: TransferRecord, now: int) -> None:
@@ -709,22 +706,27 @@ class Poller:
 
     @staticmethod
     def _older(oldest: dict[str, Any], direction: str, submit_ns: Any) -> bool:
-        """Keeps ``submit_ns`` as ``direction``'s oldest if it is older; False when it is no usable time."""
-        submit_ns = _ns(submit_ns)
-        if submit_ns is None:
-            return False
+        """Keeps ``submit_ns`` as ``direction``'s oldest if it is older; False when it is no usable time
+        (an int, a NumPy or torch integer, a finite float)."""
+        if type(submit_ns) is not int:
+            try:
+                submit_ns = operator.index(submit_ns)
+            except TypeError:
+                if not (isinstance(submit_ns, float) and math.isfinite(submit_ns)):
+                    return False
         first = oldest.get(direction, 0)
         if first is None or submit_ns < first:
             oldest[direction] = submit_ns
         return True
 
-    def _release_flush_waiters(self) -> None:
-        """A flush is done once every record submitted before it was taken in and is no longer in flight."""
+    def _release_flush_waiters(self, everyone: bool = False) -> None:
+        """A flush is done once every record submitted before it was taken in and is no longer in flight
+        (``everyone``: on stop, nothing is in flight any more)."""
         oldest_pending = self._pending[0].seq if self._pending else self._taken  # (in intake order)
         with self._lock:
             waiting = []
             for target, done in self._flush_waiters:
-                if self._taken >= target and oldest_pending >= target:
+                if everyone or (self._taken >= target and oldest_pending >= target):
                     done.set()
                 else:
                     waiting.append((target, done))
@@ -746,10 +748,7 @@ class Poller:
             self._drop_queued()
         self._state(force=True)
         self._write()
-        with self._lock:  # nothing is in flight any more: a flush() waiting elsewhere is done
-            waiters, self._flush_waiters = self._flush_waiters, []
-        for _target, done in waiters:
-            done.set()
+        self._release_flush_waiters(everyone=True)
 
     def _drop_queued(self) -> None:
         """Records submitted but never taken in (the poller has stopped): counted, not lost silently."""
@@ -764,6 +763,13 @@ class Poller:
 
     def _drop(self, reason: str, count: int = 1) -> None:
         self._drops[reason] = self._drops.get(reason, 0) + count
+
+    def _internal_error(self, stage: str, exc: Exception) -> None:
+        """One record lost to an error of ours: counted, never the rest of its batch."""
+        self._drop(sc.DROP_INTERNAL_ERROR)
+        warn_once(f"{stage}:{type(exc).__name__}", "otel-hicache: a record could not be %s (%r); counted in "
+                  "otel_hicache.records.dropped{reason=internal_error}", stage, exc)
+        logger.debug("otel-hicache error (a record not %s)", stage, exc_info=True)
 
     def _report_queue_full(self) -> None:
         drops = self._refusals.read()
