@@ -1,7 +1,9 @@
 """Clients of the HTTP APIs the UIs use (Prometheus, Jaeger), a bounded poll, child processes."""
 
+import contextlib
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -33,9 +35,15 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768 up): one a server's children pick at random
+    for themselves (SGLang's ranks) cannot take it before the server binds it."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            with contextlib.suppress(OSError):
+                s.bind(("127.0.0.1", port))
+                return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def get(url: str, **params: Any) -> Any:
