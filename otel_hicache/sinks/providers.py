@@ -177,7 +177,7 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
     readers += extra_readers
     in_resource = bool(static) and len(metric_exporters) == len(readers)
     if in_resource:
-        resource = resource.merge(Resource(dict(static)))  # (ours win, as they would on the points)
+        resource = (Resource.create() if resource is None else resource).merge(Resource(dict(static)))  # ours win
     meter_provider = oe.build("meter provider", lambda **kw: MeterProvider(
         metric_readers=readers, resource=resource, shutdown_on_exit=False, **kw), oe.METER_PROVIDER)
     meter_provider = meter_provider or NoOpMeterProvider()  # (warned)
