@@ -98,7 +98,7 @@ class TransferTelemetry:
         ``expect_ack=False``: nobody acknowledges it. ``host_start_ns``/``host_end_ns``: host times the
         caller knows (used without timing events; the start is then the submit time).
         ``ack_watch=(container, item)``: acked once ``item`` is gone from ``container``.
-        ``cause``: one of ``semconv.CAUSES[direction]``, parts ``[(cause, tokens_by_pool, num_bytes),
+        ``cause``: one of ``adapters.causes()[direction]``, parts ``[(cause, tokens_by_pool, num_bytes),
         ...]`` summing to the op's totals, or a deferred call (a callable or ``(function, *args)``)
         returning one of these. ``host_slots=(pool, slots)``: the op's slots in a :meth:`host_pool`.
         ``requests``: the traced requests' span contexts (or spans, contexts, a callable), linked.
