@@ -142,6 +142,7 @@ class HostFree(NamedTuple):
 
     pool_id: int
     slots: Any
+    page_size: int
 
 
 class HostPoolRef:
@@ -192,7 +193,6 @@ class Poller:
         self.channel: Any = None
         self._open_lock = threading.Lock()
         self._out: list[tuple[Any, ...]] = []  # this cycle's messages
-        self._page_sizes: dict[int, int] = {}  # host pool id -> its page size: ops send pages, not slots
         self._ops_out = 0
         self._drops: dict[str, int] = {}
         self._unsent_ops = -1  # ops written to the channel and not sent on yet; -1: nothing at all
@@ -409,10 +409,9 @@ class Poller:
             for seq, item in enumerate(items, first):
                 if type(item) is HostFree:
                     self.held -= 1
-                    self._host(rec.FREE, item.pool_id, item.slots)
+                    self._host(rec.FREE, item.page_size, item.pool_id, item.slots)
                 elif type(item) is HostPoolRef:
                     self.held -= 1
-                    self._page_sizes[item.pool_id] = item.page_size
                     self._out.append(item.message())
                 elif self._take_in(item, seq):
                     room -= 1  # an invalid record takes no room: the next pass takes another
@@ -435,7 +434,7 @@ class Poller:
                 return False
             if record.host_slots is not None:
                 pool, slots = record.host_slots
-                self._host(rec.HOST, record.seq, pool.pool_id, record.direction, slots, record.submit_ns,
+                self._host(rec.HOST, pool.page_size, record.seq, pool.pool_id, record.direction, slots, record.submit_ns,
                            record.cause, record.num_bytes)
             self._inflight[record.direction] += 1
             self._pending.append(record)
@@ -445,12 +444,12 @@ class Poller:
             self._internal_error("taken in", exc)
             return False
 
-    def _host(self, kind: int, *fields: Any) -> None:
-        """A ``record.HOST`` (an op's pages) or ``record.FREE`` message, its slots (maybe a call) made text."""
+    def _host(self, kind: int, page_size: int, *fields: Any) -> None:
+        """A ``record.HOST`` (an op's pages) or ``record.FREE`` message, its slots (maybe a call) sent as the
+        pool's pages."""
         index = 3 if kind == rec.HOST else 1
         try:
             slots = fields[index]() if callable(fields[index]) else fields[index]
-            page_size = self._page_sizes[fields[index - 2 if kind == rec.HOST else 0]]
             self._out.append((kind, *fields[:index], rec.page_text(slots, page_size), *fields[index + 1:]))
         except Exception as exc:  # the op is still reported; these pages are not tracked
             warn_once(f"host:{kind}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",

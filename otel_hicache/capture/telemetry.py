@@ -154,7 +154,7 @@ class TransferTelemetry:
         try:
             if self._cap == _OPEN_FIRST:
                 self._first_in_child(poller)
-            poller.queue.append(HostFree(pool.pool_id, slots))
+            poller.queue.append(HostFree(pool.pool_id, slots, pool.page_size))
             if poller.idle:
                 poller.wake()
         except Exception:  # never raise into the host application
