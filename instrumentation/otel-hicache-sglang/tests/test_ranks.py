@@ -1,5 +1,5 @@
-"""Two spawned scheduler-like processes of one TP=2 server (and one with attention DP), each
-publishing its ranks through SGLang's runtime context as its scheduler does: each process's
+"""Two spawned scheduler-like processes of one TP=2 server with attention DP (a plain TP=2 server
+is the real server's case tp2 in e2e/), each publishing its ranks through SGLang's runtime context as its scheduler does: each process's
 resource carries its own rank labels (not each span and point), per-rank counters are exact,
 nothing is summed."""
 
@@ -56,20 +56,19 @@ def _spawn_ranks(dp_attention: bool) -> list[dict[str, Any]]:
     return sorted(reports, key=lambda r: r["tp_rank"])
 
 
-@pytest.mark.parametrize("dp_attention", [False, True], ids=["tp2", "tp2-dp-attention"])
-def test_each_rank_reports_its_own_labels_and_exact_counts(monkeypatch, dp_attention):
+# Plain TP=2 runs on the real server in CI (e2e/test_real_server.py, case tp2); attention DP here.
+def test_each_rank_reports_its_own_labels_and_exact_counts_under_attention_dp(monkeypatch):
     receiver = GrpcReceiver()
     try:
         monkeypatch.setenv("OTEL_SERVICE_NAME", "sglang")
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
         monkeypatch.setenv("SGLANG_PLUGINS", "otel_hicache")
-        reports = _spawn_ranks(dp_attention)
+        reports = _spawn_ranks(dp_attention=True)
         # SGLang's labels for its own series (radix_cache_metric_labels): under attention DP,
         # tp_rank is the attention-TP rank and dp_rank the attention-DP rank
-        want = {r["tp_rank"]: ({"tp_rank": 0, "dp_rank": r["tp_rank"]} if dp_attention
-                               else {"tp_rank": r["tp_rank"], "dp_rank": 0}) for r in reports}
-        assert [r["published"]["attn_dp_rank"] for r in reports] == ([0, 1] if dp_attention else [0, 0])
+        want = {r["tp_rank"]: {"tp_rank": 0, "dp_rank": r["tp_rank"]} for r in reports}
+        assert [r["published"]["attn_dp_rank"] for r in reports] == [0, 1]
         received = receiver.received
         spans = received.spans()
         assert len(spans) == 4  # one write-through and one load-back per rank
