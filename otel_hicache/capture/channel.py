@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable
 
 from .. import record as rec
@@ -51,10 +51,7 @@ def telemetry_process_command() -> list[str]:
     except OSError:  # (deleted meanwhile)
         cwd = ""
     path = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
-    for entry in sys.path:
-        full = os.path.abspath(entry) if entry else cwd
-        if full != cwd and not full.rstrip(os.sep).endswith(_AUTO) and full not in path:
-            path.append(full)
+    path += [p for p in map(os.path.abspath, filter(None, sys.path)) if p not in (cwd, path[0]) and _AUTO not in p]
     return [sys.executable, "-I", "-c", _START, json.dumps(path)]
 
 
@@ -69,24 +66,25 @@ def _close(process: Any, close: Callable[[Any], Any] = lambda stream: stream.clo
 def _select(read: list[Any], write: list[Any], timeout_s: float) -> None:
     try:
         select.select(read, write, [], timeout_s)
-    except (OSError, ValueError):  # closed meanwhile: the next pump sees it
-        time.sleep(timeout_s)
+    except (OSError, ValueError):  # closed meanwhile: the next pump sees why
+        pass
 
 
 def _encoded(batch: Any) -> bytes:
     try:
         return rec.encode(batch)
-    except Exception:  # one message that does not encode (a caller's attribute): the others go
-        kept = []
-        for message in batch:
-            try:
-                rec.encode(message)
-                kept.append(message)
-            except Exception as exc:  # pylint: disable=broad-except
-                warn_once(f"encode:{type(exc).__name__}", "otel-hicache: a transfer record could not be sent to "
-                          "the telemetry process (%r); counted as internal_error", exc)
-                kept.append((rec.DROPPED, sc.DROP_INTERNAL_ERROR, 1 if message[0] == rec.OP else 0))
+    except Exception:  # a message that does not encode (a caller's value): the others go
+        kept = [m if _encodes(m) else (rec.DROPPED, sc.DROP_INTERNAL_ERROR, int(m[0] == rec.OP)) for m in batch]
         return rec.encode(kept)
+
+
+def _encodes(message: Any) -> bool:
+    try:
+        return bool(rec.encode(message))
+    except Exception as exc:  # pylint: disable=broad-except
+        warn_once(f"encode:{type(exc).__name__}", "otel-hicache: a transfer record could not be sent to the "
+                  "telemetry process (%r); counted as internal_error", exc)
+        return False
 
 
 class ProcessChannel:
@@ -97,22 +95,20 @@ class ProcessChannel:
         self._fresh()
 
     def _fresh(self) -> None:
-        """No telemetry process yet, and a span-id key and counter start of its own (a forked child's too)."""
+        """No telemetry process yet; a span-id key and counter start of its own (a forked child's too)."""
         self._lock = threading.Lock()
         self._hello = dict(self._hello, key=os.urandom(16).hex(), start_ns=time.time_ns())
-        self._tokens, self._asked, self._flushed = itertools.count(1), set(), {}  # flush tokens, answers
+        self._tokens, self._flushes = itertools.count(1), {}  # flush token -> its answer (None: not yet)
         self._pools: list[Any] = []  # every POOL message, in every hello
-        self._frames: deque[list[Any]] = deque()  # [frame, ops]: those written after the checkpoint, then waiting
-        self._queued = self._queued_bytes = 0  # how many of them were handed to writes, their bytes
-        self._bytes = self._waiting_ops = self._short_lives = self._last_read = self._written_ops = 0
+        self._frames: deque[list[Any]] = deque()  # [frame, ops]: written after the checkpoint, then waiting
+        self._queued = self._queued_bytes = 0  # how many of them were handed to writes, and their bytes
+        self._bytes = self._waiting_ops = self._written_ops = self._short_lives = self._last_read = 0
+        self._out, self._out_ops = memoryview(b""), 0  # the write under way, the ops in it
         self._checkpoint: bytes | None = None
         self._embedded: Any = None
         self.process: subprocess.Popen[bytes] | None = None
-        self._stopped = False
-        self._out, self._out_ops = memoryview(b""), 0  # the write under way, the ops in it
-        self._started_at = self._restart_at = 0.0
+        self._stopped, self._started_at, self._restart_at = False, 0.0, 0.0
 
-    # -- the poller's side ---------------------------------------------------------------
     def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
         """Queue ``batch`` (``ops`` of its messages are OPs), encoded now; :meth:`send` writes it."""
         with self._lock:
@@ -130,8 +126,8 @@ class ProcessChannel:
             self._pump()
 
     def due(self) -> int | None:
-        """When (``time.monotonic_ns()``) send() is due though nothing was written: a restart, a full
-        pipe, checkpoints to read; None when nothing waits."""
+        """When (``time.monotonic_ns()``) send() is due though nothing was written (a restart, a full
+        pipe, checkpoints to read); None when nothing waits."""
         if self._embedded is not None or self._stopped or not self._frames:
             return None
         if self.process is None:
@@ -140,33 +136,26 @@ class ProcessChannel:
 
     def flush(self, timeout_s: float) -> bool:
         """Everything written before this call exported by the telemetry process (bounded)."""
-        deadline = time.monotonic() + timeout_s
-        token = next(self._tokens)
+        deadline, token = time.monotonic() + timeout_s, next(self._tokens)
         with self._lock:
-            self._asked.add(token)
+            self._flushes[token] = None
         self.write([(rec.FLUSH, token)], 0)
         while True:
             with self._lock:
+                left, process = deadline - time.monotonic(), self.process
                 if self._embedded is not None:
-                    self._asked.discard(token)
-                    return bool(self._embedded.flush(max(0.0, deadline - time.monotonic())))
+                    self._flushes.pop(token, None)
+                    return bool(self._embedded.flush(max(0.0, left)))
                 self._pump(answers=True)
-                if token in self._flushed:
-                    return self._flushed.pop(token)
-                left, process, waiting = deadline - time.monotonic(), self.process, self._waiting()
-                if left <= 0 or self._stopped:
-                    self._asked.discard(token)
-                    return False
-            if process is None:  # a successor starts after its delay
-                time.sleep(min(left, 0.05))
-            else:
-                _select([process.stdout], [process.stdin] if waiting else [], min(left, 0.05))
+                if self._flushes[token] is not None or left <= 0 or self._stopped:
+                    return bool(self._flushes.pop(token))
+                waiting = [process.stdin] if process is not None and self._waiting() else []
+            _select([process.stdout] if process else [], waiting, min(left, 0.05))  # (none: a successor's delay)
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
         """Write what waits and a STOP (export within ``export_s``), close the input within ``timeout_s``
         and wait for the process until then (reaped in the background after)."""
-        deadline = time.monotonic() + timeout_s
-        lost = 0
+        deadline, lost = time.monotonic() + timeout_s, 0
         with self._lock:
             self._stopped = True
             if self.process is None and self._embedded is None and self._frames:
@@ -176,9 +165,8 @@ class ProcessChannel:
                 self._queue(rec.encode([(rec.STOP, timeout_s if export_s is None else export_s)]), 0)
                 while self.process is process and self._waiting() and (left := deadline - time.monotonic()) > 0:
                     self._pump(final=True)
-                    if self.process is process and self._waiting():
-                        _select([], [process.stdin], min(0.05, left))
-                lost = self._waiting_ops + (self._out_ops if self._out else 0)  # (all after a death)
+                    _select([], [process.stdin], min(0.05, left))
+                lost = self._waiting_ops + (self._out_ops if self._out else 0)  # (every op, after a death)
                 _close(process)  # (its answers are not read any more)
                 self.process = None
         if self._embedded is not None:  # (what waited went to it)
@@ -186,10 +174,9 @@ class ProcessChannel:
         if lost:
             logger.warning("otel-hicache: %d transfers were still waiting for the telemetry process at shutdown "
                            "and were not reported", lost)
-        if process is None:
-            return True
         try:
-            process.wait(max(0.0, deadline - time.monotonic()))
+            if process is not None:
+                process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:  # it exports what it has within its bound, then exits
             threading.Thread(target=process.wait, name="otel-hicache-reaper", daemon=True).start()
             return False
@@ -199,11 +186,10 @@ class ProcessChannel:
         """In a forked child: the parent's telemetry process stays the parent's (our copies of its pipes
         closed, so that it sees its input end with the parent's); the child's channel starts afresh."""
         if self.process is not None:
-            _close(self.process, lambda stream: os.close(stream.fileno()))  # (no lock of a parent's thread)
+            _close(self.process, lambda stream: os.close(stream.fileno()))  # (no lock a parent's thread held)
             self._inherited = self.process  # (kept: its file objects would close those numbers again)
         self._fresh()
 
-    # -- the telemetry process -------------------------------------------------------------
     def _start(self) -> bool:
         try:
             self.process = process = subprocess.Popen(
@@ -229,9 +215,8 @@ class ProcessChannel:
     def _died(self) -> None:
         """It ended: reaped; a successor starts from its last checkpoint, or the sinks run embedded."""
         self._read(ended=True)  # what it answered before it ended
-        process, self.process = self.process, None
+        process, self.process, now = self.process, None, time.monotonic()
         assert process is not None
-        now = time.monotonic()
         self._short_lives = self._short_lives + 1 if now - self._started_at < SHORT_LIFE_S else 1
         self._restart_at = now + RESTART_DELAYS_S[min(self._short_lives, len(RESTART_DELAYS_S)) - 1]
         try:
@@ -242,7 +227,7 @@ class ProcessChannel:
         _close(process)
         self._out, self._queued, self._queued_bytes = memoryview(b""), 0, 0
         self._waiting_ops = sum(entry[1] for entry in self._frames)
-        for token in self._asked:  # a question its checkpoint covered may have died unanswered
+        for token in [t for t, ok in self._flushes.items() if ok is None]:  # (covered, maybe unanswered)
             self._queue(rec.encode([(rec.FLUSH, token)]), 0)
         if self._answered or process.returncode in _KILLED:
             logger.warning("otel-hicache: the telemetry process ended (exit code %s); another goes on from its "
@@ -260,9 +245,8 @@ class ProcessChannel:
         for frame, ops in self._frames:
             embedded.write(rec.decode(frame[_HEADER:]), ops)
         self._frames.clear()
-        self._embedded, self.process = embedded, None
+        self._embedded = embedded
 
-    # -- the pipe --------------------------------------------------------------------------
     def _queue(self, frame: bytes, ops: int) -> None:
         self._frames.append([frame, ops])
         self._bytes += len(frame)
@@ -325,9 +309,8 @@ class ProcessChannel:
                     self._numbered, self._queued = self._numbered + 1, self._queued - 1
                     self._queued_bytes -= len(frame)
                     self._bytes -= len(frame)
-            elif kind == b"flushed" and number.isdigit() and int(number) in self._asked:
-                self._asked.discard(int(number))  # (asked twice: the second answer is not kept)
-                self._flushed[int(number)] = value == b"1"
+            elif kind == b"flushed" and number.isdigit() and self._flushes.get(int(number), 0) is None:
+                self._flushes[int(number)] = value == b"1"  # (asked twice: the second answer is not kept)
         if eof and not ended:
             self._died()
 
@@ -335,7 +318,7 @@ class ProcessChannel:
         """Past ``max_ops`` or the byte bound, the oldest waiting frames lose their ops and host pages
         (counted ``queue_full``), then, past the bytes still, their acks, frees, states and drop counts
         (summed into the last frame trimmed, with its last state). Pools, flushes and checkpoints stay."""
-        counts: dict[str, int] = {}
+        counts: Counter[str] = Counter()
         last, state = None, []  # the last entry trimmed and what it kept, the last state it left out
         for stage, kinds in enumerate(((rec.OP, rec.HOST), (rec.ACK, rec.FREE, rec.STATE, rec.DROPPED))):
             for entry in itertools.islice(self._frames, self._queued, None):
@@ -347,11 +330,11 @@ class ProcessChannel:
                 removed = [m for m in batch if m[0] in kinds]
                 if not removed:
                     continue
+                counts[sc.DROP_QUEUE_FULL] += entry[1]
                 for m in removed:
                     if m[0] == rec.DROPPED:
-                        counts[m[1]] = counts.get(m[1], 0) + m[2]
+                        counts[m[1]] += m[2]
                 state = [m for m in removed if m[0] == rec.STATE][-1:] or state
-                counts[sc.DROP_QUEUE_FULL] = counts.get(sc.DROP_QUEUE_FULL, 0) + entry[1]
                 self._waiting_ops -= entry[1]
                 last = (entry, [m for m in batch if m[0] not in kinds])
                 self._set(*last)
