@@ -1,12 +1,10 @@
-"""The channel from the poller to its own telemetry process (:mod:`otel_hicache.sinks.process`).
+"""The channel from the poller to its telemetry process (:mod:`otel_hicache.sinks.process`).
 
-Each batch is encoded at once as a JSON frame (reading one runs no code) and ``send()`` writes
-the frames down a non-blocking pipe. Every frame is kept until a checkpoint the telemetry process
-answers covers it: a successor starts from that checkpoint with every frame after it.
-``MAX_BACKLOG_BYTES`` and ``max_ops`` bound what is kept (the oldest ops go, counted
-``queue_full``). A dead telemetry process is replaced, later each time when it died young; one
-that cannot start or ends before its hello makes the sinks run embedded (``fallback()``).
-"""
+Batches are encoded at once as JSON frames (reading one runs no code), written by ``send()`` down
+a non-blocking pipe and kept until a checkpoint answered covers them: a successor starts from it
+with every frame after it. ``MAX_BACKLOG_BYTES`` and ``max_ops`` bound what is kept (the oldest
+ops go, counted ``queue_full``). A telemetry process that cannot start or ends before its hello
+makes the sinks run embedded (``fallback()``)."""
 
 from __future__ import annotations
 
@@ -126,8 +124,7 @@ class ProcessChannel:
             self._pump()
 
     def due(self) -> int | None:
-        """When (``time.monotonic_ns()``) send() is due though nothing was written (a restart, a full
-        pipe, checkpoints to read); None when nothing waits."""
+        """When (``time.monotonic_ns()``) send() is due for a restart, a full pipe or checkpoints."""
         if self._embedded is not None or self._stopped or not self._frames:
             return None
         if self.process is None:
@@ -153,8 +150,8 @@ class ProcessChannel:
             _select([process.stdout] if process else [], waiting, min(left, 0.05))  # (none: a successor's delay)
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
-        """Write what waits and a STOP (export within ``export_s``), close the input within ``timeout_s``
-        and wait for the process until then (reaped in the background after)."""
+        """Write what waits and a STOP (export within ``export_s``), close the input and wait for the
+        process, all within ``timeout_s`` (then it is reaped in the background)."""
         deadline, lost = time.monotonic() + timeout_s, 0
         with self._lock:
             self._stopped = True
@@ -183,8 +180,8 @@ class ProcessChannel:
         return not lost
 
     def forget_in_child(self) -> None:
-        """In a forked child: the parent's telemetry process stays the parent's (our copies of its pipes
-        closed, so that it sees its input end with the parent's); the child's channel starts afresh."""
+        """In a forked child: our copies of the parent's pipes closed (its telemetry process sees its
+        input end with the parent); this channel starts afresh."""
         if self.process is not None:
             _close(self.process, lambda stream: os.close(stream.fileno()))  # (no lock a parent's thread held)
             self._inherited = self.process  # (kept: its file objects would close those numbers again)
@@ -257,7 +254,7 @@ class ProcessChannel:
 
     def _pump(self, answers: bool = False, final: bool = False) -> None:
         """Write until the pipe is full or nothing waits (or, but ``final``, half the byte bound waits for
-        a checkpoint: more could not be replayed); read the answers every ``_READ_NS`` (``answers``: now)."""
+        a checkpoint: more could not be replayed); read the answers (``answers``: now)."""
         while self._embedded is None:
             if self.process is None and (self._stopped or not self._frames or time.monotonic() < self._restart_at
                                          or not self._start()):
@@ -315,11 +312,11 @@ class ProcessChannel:
             self._died()
 
     def _trim(self) -> None:
-        """Past ``max_ops`` or the byte bound, the oldest waiting frames lose their ops and host pages
-        (counted ``queue_full``), then, past the bytes still, their acks, frees, states and drop counts
-        (summed into the last frame trimmed, with its last state). Pools, flushes and checkpoints stay."""
+        """Past ``max_ops`` or the bytes, the oldest waiting frames lose their ops and host pages (counted
+        ``queue_full``), then their acks, frees, states and drop counts (the last state and the counts
+        go into the last frame trimmed)."""
         counts: Counter[str] = Counter()
-        last, state = None, []  # the last entry trimmed and what it kept, the last state it left out
+        last, state = None, []  # (the last entry trimmed, what it kept), the last state removed
         for stage, kinds in enumerate(((rec.OP, rec.HOST), (rec.ACK, rec.FREE, rec.STATE, rec.DROPPED))):
             for entry in itertools.islice(self._frames, self._queued, None):
                 if self._waiting_ops <= self._max_ops and self._bytes <= MAX_BACKLOG_BYTES:
