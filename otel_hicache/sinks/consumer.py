@@ -1,5 +1,5 @@
-"""Where the capture's messages (:mod:`otel_hicache.record`) become telemetry, one consumer per
-serving process, in the telemetry process (:mod:`.process`) or embedded on the poller thread."""
+"""Where the capture's messages (:mod:`otel_hicache.record`) become telemetry: one consumer per
+serving process, in its telemetry process or on its poller thread (embedded)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ _BUSY_LATE_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the old
 
 
 class Op:
-    """One op as the sinks see it: the ``record.OP_FIELDS`` and what the sinks add."""
+    """One op: the ``record.OP_FIELDS`` and what the sinks add."""
 
     __slots__ = (*rec.OP_FIELDS, "parent_context", "span_context", "exemplar_context", "host", "links",
                  "links_dropped")
@@ -32,8 +32,7 @@ class Op:
     def __init__(self, message: tuple[Any, ...]) -> None:
         for name, value in zip(rec.OP_FIELDS, message[1:]):
             setattr(self, name, value)
-        parent = self.parent
-        self.parent_context = set_span_in_context(NonRecordingSpan(span_context(parent))) if parent else None
+        self.parent_context = set_span_in_context(NonRecordingSpan(span_context(self.parent))) if self.parent else None
         self.request_links = tuple(map(span_context, self.request_links))
         self.span_context = self.exemplar_context = None
         self.host = (None, None, None)  # (host pool, pages written, Reuse of the pages read)
@@ -48,15 +47,15 @@ def span_context(values: tuple[Any, ...]) -> SpanContext:
 
 
 class Consumer:
-    """The sinks of one serving process; ``hello``: its static ``attributes`` (on every span and point
-    unless ``in_resource``: in the resource of providers built for it) and earlier ``pools``."""
+    """The sinks of one serving process; ``hello``: its static ``attributes`` (on every span and point,
+    unless ``in_resource``) and earlier ``pools``."""
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns, ids: Any = None) -> None:
-        # (a list arrives for a tuple: metric points need hashable attribute values)
+        # (lists arrive for tuples: metric points need hashable values)
         attributes = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
         static = {} if hello.get("in_resource") else attributes
-        self.metrics = TransferMetrics(meter_provider, static, clock,  # (the ages: on the capture's clock)
+        self.metrics = TransferMetrics(meter_provider, static, clock,  # (ages: on the capture's clock)
                                        str(attributes.get(sc.IO_BACKEND, "unknown")))
         self.spans = SpanBuilder(tracer_provider, static, ids)
         self.log = TransferLog()
@@ -66,12 +65,13 @@ class Consumer:
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
         self._pools: dict[int, Any] = {}
         self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> Op.host, from its HOST to its OP
-        self._awaiting: dict[int, tuple[Op, Any, Any]] = {}  # seq -> (op, span, OP message) waiting for its ACK
+        self._awaiting: dict[int, tuple[Op, Any, Any]] = {}  # seq -> (op, span, OP message) until its ACK
         for message in hello.get("pools") or ():
             self._pool(message)
         self._handlers = {rec.OP: self._op, rec.ACK: self._ack, rec.HOST: self._host_pages, rec.POOL: self._pool,
-                          rec.FREE: self._freed, rec.DROPPED: self._dropped, rec.STATE: self._state,
-                          rec.FLUSH: _ignore, rec.STOP: _ignore, rec.CHECKPOINT: self._resume}
+                          rec.FREE: self._freed, rec.STATE: self._state, rec.CHECKPOINT: self._resume,
+                          rec.DROPPED: lambda m: m[2] and self.metrics.dropped_records(m[1], m[2]),
+                          rec.FLUSH: _ignore, rec.STOP: _ignore}  # (FLUSH, STOP: for the channel)
 
     def apply(self, batch: list[tuple[Any, ...]]) -> None:
         """Every message of ``batch``, in order; one that fails is counted and the rest go on."""
@@ -80,19 +80,18 @@ class Consumer:
             try:
                 handlers[message[0]](message)
             except Exception as exc:  # pylint: disable=broad-except  # one message, never the batch
-                if message[0] == rec.OP or message[0] == rec.ACK:  # an op, or its span at the end of its wait
+                if message[0] in (rec.OP, rec.ACK):  # an op, or its span at the end of its wait
                     self.metrics.dropped_records(sc.DROP_INTERNAL_ERROR)
                 warn_once(f"consumer:{type(exc).__name__}", "otel-hicache: a transfer record could not be "
                           "reported (%r); counted in otel_hicache.records.dropped{reason=internal_error}", exc)
                 logger.debug("otel-hicache consumer error", exc_info=True)
 
     def checkpoint(self) -> list[Any]:
-        """A ``record.CHECKPOINT`` of now (the counters' totals, the ops waiting for an ack): where a
-        successor goes on from once the spans of the ops taken in so far are exported."""
+        """A ``record.CHECKPOINT`` of now (the counters' totals, the ops waiting for an ack), for a successor."""
         return [rec.CHECKPOINT, self.metrics.checkpoint(), [entry[2] for entry in self._awaiting.values()]]
 
     def _resume(self, message: tuple[Any, ...]) -> None:
-        """A predecessor's checkpoint: its counters go on, its ops' ack waits too (spans only)."""
+        """A predecessor's checkpoint: its counters go on, and its ops' ack waits (spans only)."""
         self.metrics.seed(message[1])
         for raw in message[2]:
             op = Op(raw)
@@ -103,7 +102,6 @@ class Consumer:
         for seq in list(self._awaiting):
             self._ack((rec.ACK, seq, None))
 
-    # -- messages -----------------------------------------------------------------------
     def _op(self, message: tuple[Any, ...]) -> None:
         op = Op(message)
         op.host = pool, written, reuse = self._host.pop(op.seq, op.host)
@@ -115,7 +113,7 @@ class Consumer:
         if reuse is not None:
             try:
                 op.links, op.links_dropped = pool.links(reuse)
-            except Exception as exc:  # the span is still made, without links
+            except Exception as exc:  # the span is made, unlinked
                 warn_once(f"links:{type(exc).__name__}", "otel-hicache: cannot link a load-back's span (%r)", exc)
         state = self.spans.begin(op)
         if written is not None and op.span_context.trace_flags.sampled:
@@ -144,10 +142,10 @@ class Consumer:
             self._pools[pool_id] = make_host_pool(slots, page_size, name)
 
     def _host_pages(self, message: tuple[Any, ...]) -> None:
-        """An op's host pages at intake: written or read now; a load-back's links when its span starts."""
+        """An op's host pages at intake, written or read now (a load-back's links: at its span)."""
         _kind, seq, pool_id, direction, data, submit_ns, cause, num_bytes = message
         pool = self._pools.get(pool_id)
-        if pool is None:  # no NumPy, or a bad size (warned once)
+        if pool is None:  # (no NumPy, or a bad size: warned)
             return
         try:
             pages = pool.pages(base64.b64decode(data, validate=True))
@@ -157,17 +155,13 @@ class Consumer:
             else:
                 self._host[seq] = (pool, None, pool.read(pages, submit_ns))
                 self.metrics.host_reuse(cause, self._host[seq][2])
-        except Exception as exc:  # the op is still reported; its pages are not tracked
+        except Exception as exc:  # the op is reported, its pages untracked
             warn_once(f"host_pages:{type(exc).__name__}", "otel-hicache: cannot track an op's host pages (%r)", exc)
 
     def _freed(self, message: tuple[Any, ...]) -> None:
         pool = self._pools.get(message[1])
         if pool is not None:
             self.metrics.host_waste(pool.freed(pool.pages(base64.b64decode(message[2], validate=True))), pool.page_size)
-
-    def _dropped(self, message: tuple[Any, ...]) -> None:
-        if message[2]:
-            self.metrics.dropped_records(message[1], message[2])
 
     def _state(self, message: tuple[Any, ...]) -> None:
         inflight, oldest_inflight, oldest_unacked, queue_size, poller_cpu_s = message[1:6]
@@ -183,4 +177,4 @@ class Consumer:
 
 
 def _ignore(_message: tuple[Any, ...]) -> None:
-    """FLUSH and STOP: for the telemetry process (its export) or the embedded channel."""
+    pass

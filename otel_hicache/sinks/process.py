@@ -1,16 +1,9 @@
-"""The telemetry process, one per serving process, started by the capture's channel
-(:mod:`otel_hicache.capture.channel`) with the serving process's interpreter (isolated, ``-I``)
-and environment, at a lower CPU priority, ignoring the terminal's Ctrl-C.
-
-Its input is frames (:mod:`..record`): the hello (the serving process's resource, so both
-processes' telemetry joins, plus its static attributes; its providers come from the same
-``OTEL_*`` variables), then
-batches for the consumer; a frame that is not the capture's is counted and skipped. A ``FLUSH``
-is answered once what came before it is exported, and at most every ``CHECKPOINT_S`` a
-checkpoint goes back, where a successor goes on from if this process dies (span ids come from
-the ops, :class:`.spans.OpIds`, so a replayed op is the same span). At the end of its input it
-ends the ack waits, exports within ``OTEL_HICACHE_SHUTDOWN_TIMEOUT_S`` and exits.
-"""
+"""The telemetry process of one serving process (started by :mod:`otel_hicache.capture.channel`),
+at a lower CPU priority, deaf to Ctrl-C. Its input is frames (:mod:`..record`): the hello (the
+serving process's resource and static attributes), then batches; one not the capture's is counted
+and skipped. A ``FLUSH`` is answered once what came before it is exported; every ``CHECKPOINT_S``
+a checkpoint goes back for a successor (span ids come from the ops: a replayed op is the same
+span). At the end of its input it ends the ack waits, exports within the bound and exits."""
 
 from __future__ import annotations
 
@@ -20,7 +13,7 @@ import select
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from .. import environment_variables as ev
 from .. import record as rec
@@ -30,80 +23,102 @@ from ..settings import env_float
 from .bounded_flush import bounded
 
 NICENESS = 10  # below the serving process: export waits, serving does not
-CHECKPOINT_S = 1.0  # spans exported and a checkpoint sent at most this often (the serving process keeps
-CHECKPOINT_BYTES = 4 << 20  # the frames after it, to replay), and after this much input
-_PARENT_CHECK_S = 1.0  # an idle read looks this often whether the serving process is still there
-_IDLE_S = 0.05  # an idle read's wait, after which a checkpoint may be due
+CHECKPOINT_S = 1.0  # spans exported and a checkpoint answered at most this often,
+CHECKPOINT_BYTES = 4 << 20  # and after this much input
+_IDLE_S = 0.05  # an idle read's wait: then a checkpoint may be due, or the serving process gone
 MALFORMED = object()  # a frame that is not the capture's: not JSON, or longer than any of its batches
 
 
-class _Input:
-    """The frames of a pipe, read whole, until its end or the serving process is gone."""
-
-    def __init__(self, fd: int, parent: int, idle: Any) -> None:
-        self._fd, self._parent, self._idle = fd, parent, idle
-        self._buffer = bytearray()
-        self.read_bytes = 0  # in all
-
-    def _fill(self, size: int) -> bool:
-        waited = 0.0
-        while len(self._buffer) < size:
-            readable, _, _ = select.select([self._fd], [], [], _IDLE_S)
-            if not readable:
-                self._idle()
-                waited += _IDLE_S
-                if waited >= _PARENT_CHECK_S:
-                    waited = 0.0
-                    if os.getppid() != self._parent:
-                        return False
-                continue
-            chunk = os.read(self._fd, 1 << 20)
-            if not chunk:
-                return False
-            self._buffer += chunk
-            self.read_bytes += len(chunk)
-        return True
-
-    def frames(self) -> Any:
-        """Each frame's value, or ``MALFORMED``."""
-        header = rec.FRAME_HEADER.size
-        while self._fill(header):
-            length = rec.FRAME_HEADER.unpack_from(self._buffer)[0]
-            if length > rec.MAX_FRAME_BYTES:  # not the capture's: what was read with it goes too
-                self._buffer.clear()
-                yield MALFORMED
-                continue
-            if not self._fill(header + length):
-                return
-            data = bytes(self._buffer[header:header + length])
-            del self._buffer[:header + length]
+def frames(fd: int, idle: Callable[[], Any]) -> Iterator[tuple[Any, int]]:
+    """(value or ``MALFORMED``, size) of each frame until the input ends or the serving process is gone."""
+    parent, buffer, header = os.getppid(), bytearray(), rec.FRAME_HEADER.size
+    while True:
+        length = rec.FRAME_HEADER.unpack_from(buffer)[0] if len(buffer) >= header else -1
+        if length > rec.MAX_FRAME_BYTES:  # not the capture's: what was read with it goes too
+            yield MALFORMED, len(buffer)
+            buffer.clear()
+        elif 0 <= length <= len(buffer) - header:
+            data = bytes(buffer[header:header + length])
+            del buffer[:header + length]
             try:
-                yield rec.decode(data)
+                yield rec.decode(data), header + length
             except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
-                yield MALFORMED
+                yield MALFORMED, header + length
+        elif select.select([fd], [], [], _IDLE_S)[0]:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return
+            buffer += chunk
+        elif os.getppid() != parent:
+            return
+        else:
+            idle()
 
 
 def well_formed(batch: Any) -> bool:
-    """A batch as the capture writes them: lists starting with their kind (a FLUSH's token an int, a
-    STOP's bound a number); any message may still fail alone later."""
+    """Lists starting with their kind (a FLUSH's token an int, a STOP's bound a number), as the capture
+    writes them; any message may still fail alone later."""
     return type(batch) is list and all(
         type(m) is list and m and type(m[0]) is int and rec.OP <= m[0] <= rec.CHECKPOINT
         and (m[0] != rec.FLUSH or (len(m) > 1 and type(m[1]) is int))
         and (m[0] != rec.STOP or (len(m) > 1 and type(m[1]) in (int, float))) for m in batch)
 
 
-def _answer(answers: Any, line: bytes) -> None:
-    """An answer to the serving process; once it stopped reading, none is needed."""
-    try:
-        answers.write(line)
-    except OSError:
-        pass
+class _Sinks:
+    """The providers and consumer a hello asks for, and their checkpoints."""
 
+    def __init__(self, hello: dict[str, Any], answer: Callable[[bytes], None]) -> None:
+        from opentelemetry.sdk.resources import Resource
 
-def _resource(hello: dict[str, Any]) -> Any:
-    from opentelemetry.sdk.resources import Resource
+        from .consumer import Consumer
+        from .providers import build
+        from .spans import OpIds
 
-    return Resource(hello.get("resource") or {}, hello.get("schema_url") or None)
+        ids = OpIds(bytes.fromhex(hello.get("key") or "") or os.urandom(16))
+        self.providers = build(Resource(hello.get("resource") or {}, hello.get("schema_url") or None),
+                               id_generator=ids, counters_since_ns=hello.get("start_ns"), own_process=True,
+                               static=hello.get("attributes"))
+        self.consumer = Consumer(self.providers.tracer_provider, self.providers.meter_provider,
+                                 {**hello, "in_resource": self.providers.static_in_resource}, ids=ids)
+        self.answer, self.bound = answer, env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
+        self.frames = self.taken = self.read = self.read_then = 0  # frames and bytes in all, at the checkpoint
+        self.at = time.monotonic()
+
+    def take(self, batch: Any, size: int) -> None:
+        self.frames, self.read = self.frames + 1, self.read + size
+        if batch is MALFORMED or not well_formed(batch):  # written by another process: skipped, counted
+            self.consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
+            warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
+                      "capture's; skipped, counted in otel_hicache.records.dropped{reason=malformed_frame}")
+            return
+        self.bound = next((m[1] for m in batch if m[0] == rec.STOP), self.bound)
+        flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]  # (0: the poller's, no export)
+        self.consumer.apply(batch)
+        if not flushes:
+            self.checkpoint()
+            return
+        ok = self.providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
+        if ok:
+            self.checkpoint(flushed=True)
+        self.answer(b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
+
+    def checkpoint(self, flushed: bool = False) -> None:
+        """The spans taken in exported (``flushed``: just now), then ``exported <frames> <checkpoint>``."""
+        if not flushed and (self.frames == self.taken or time.monotonic() - self.at < CHECKPOINT_S
+                            and self.read - self.read_then < CHECKPOINT_BYTES):
+            return
+        frames, message = self.frames, rec.encode([self.consumer.checkpoint()])[rec.FRAME_HEADER.size:]
+        self.at, self.read_then = time.monotonic(), self.read
+        if flushed or bounded("force_flush", self.providers.tracer_provider, None, self.bound):
+            self.taken = frames
+            self.answer(b"exported %d %s\n" % (frames, message))
+
+    def close(self) -> None:
+        """The ack waits end; a flush first, within the bound: the SDK's self-metrics leave with it."""
+        self.consumer.close()
+        deadline = time.monotonic() + self.bound
+        self.providers.force_flush(self.bound)
+        self.providers.shutdown(max(0.5, deadline - time.monotonic()))
 
 
 def main() -> int:
@@ -115,67 +130,29 @@ def main() -> int:
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # anything printed goes to the serving process's standard error, not into the answers
     sys.stdout = sys.stderr
-    consumer: Any = None
-    done = {"frames": 0, "taken": 0, "at": time.monotonic(), "bytes": 0}  # frames applied, in the last checkpoint
 
-    def checkpoint(flushed: bool = False) -> None:
-        """While frames come in, at most every CHECKPOINT_S or CHECKPOINT_BYTES: the spans taken in
-        exported (``flushed``: just now), then ``exported <frames> <checkpoint>``."""
-        due = done["frames"] > done["taken"] and (time.monotonic() - done["at"] >= CHECKPOINT_S
-                                                  or source.read_bytes - done["bytes"] >= CHECKPOINT_BYTES)
-        if consumer is None or not (flushed or due):
-            return
-        frames, message = done["frames"], rec.encode([consumer.checkpoint()])[rec.FRAME_HEADER.size:]
-        done.update(at=time.monotonic(), bytes=source.read_bytes)
-        if flushed or bounded("force_flush", providers.tracer_provider, None, bound):
-            done["taken"] = frames
-            _answer(answers, b"exported %d %s\n" % (frames, message))
+    def answer(line: bytes) -> None:
+        try:
+            answers.write(line)
+        except OSError:  # it stopped reading: no answer is needed
+            pass
 
-    source = _Input(0, os.getppid(), checkpoint)
-    frames = source.frames()
-    hello = next(frames, None)
+    sinks: _Sinks | None = None
+    source = frames(0, lambda: sinks is not None and sinks.checkpoint())
+    hello = next(source, (None, 0))[0]
     if not isinstance(hello, dict):
         return 1
     mark_warned(hello.get("warned") or [])
-    level = hello.get("log_level")
-    if level:  # the serving process logs otel-hicache at DEBUG: so does this one, to the same standard error
+    if hello.get("log_level"):  # the serving process logs otel-hicache at DEBUG: so does this one
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [telemetry process] %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(level)
-    from .consumer import Consumer
-    from .providers import build
-    from .spans import OpIds
-
-    ids = OpIds(bytes.fromhex(hello.get("key") or "") or os.urandom(16))
-    providers = build(_resource(hello), id_generator=ids, counters_since_ns=hello.get("start_ns"),
-                      own_process=True, static=hello.get("attributes"))
-    bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
-    consumer = Consumer(providers.tracer_provider, providers.meter_provider,
-                        {**hello, "in_resource": providers.static_in_resource}, ids=ids)
-    _answer(answers, b"hello\n")
-    for batch in frames:
-        done["frames"] += 1
-        if batch is MALFORMED or not well_formed(batch):  # written by another process: skipped, counted
-            consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
-            warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
-                      "capture's; skipped, counted in otel_hicache.records.dropped{reason=malformed_frame}")
-            continue
-        bound = next((m[1] for m in batch if m[0] == rec.STOP), bound)
-        flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]  # (0: the poller's, no export)
-        consumer.apply(batch)
-        if flushes:
-            ok = providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
-            if ok:
-                checkpoint(flushed=True)
-            _answer(answers, b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
-        else:
-            checkpoint()
-    consumer.close()
-    # a flush first, within the same bound: the SDK's self-metrics of its exports leave with the last one
-    deadline = time.monotonic() + bound
-    providers.force_flush(bound)
-    providers.shutdown(max(0.5, deadline - time.monotonic()))
+        logger.setLevel(hello["log_level"])
+    sinks = _Sinks(hello, answer)
+    answer(b"hello\n")
+    for batch, size in source:
+        sinks.take(batch, size)
+    sinks.close()
     return 0
 
 
