@@ -313,9 +313,9 @@ def test_an_entry_point_exporter_that_cannot_be_built_is_warned_about_and_skippe
         def load(self):
             return Broken
 
-    real = providers._entry_point  # pylint: disable=protected-access
-    monkeypatch.setattr(providers, "_entry_point",
-                        lambda group, name: EntryPoint() if name == "broken" else real(group, name))
+    real = providers.entry_points
+    monkeypatch.setattr(providers, "entry_points",
+                        lambda group, name: [EntryPoint()] if name == "broken" else real(group=group, name=name))
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "broken,console")
     conf = otel_hicache.configure()  # must not raise
     assert span_exporters(conf) == ["opentelemetry.sdk.trace.export.ConsoleSpanExporter"]
@@ -343,7 +343,7 @@ def test_spans_still_queued_when_the_bounded_shutdown_gives_up_are_reported(monk
         def load(self):
             return Stalled
 
-    monkeypatch.setattr(providers, "_entry_point", lambda group, name: EntryPoint() if name == "stalled" else None)
+    monkeypatch.setattr(providers, "entry_points", lambda group, name: [EntryPoint()] if name == "stalled" else [])
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "stalled")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
     monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "10")
