@@ -1,8 +1,5 @@
-"""The ``OTEL_HICACHE_*`` variables, each with its default (``docs/configuration.md`` has the details).
-
-Only for what no standard ``OTEL_*`` variable covers; a malformed value warns once and
-its default is used. Booleans are ``true`` or ``false`` in any case, as the specification says.
-"""
+"""The ``OTEL_HICACHE_*`` variables (what no standard ``OTEL_*`` one covers), each with its default
+(``docs/configuration.md``); a malformed value warns once and its default is used (:mod:`.settings`)."""
 
 OTEL_HICACHE_ENABLED = "OTEL_HICACHE_ENABLED"
 """``false``: every ``submit()`` returns at once. Default: ``true``"""
