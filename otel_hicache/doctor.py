@@ -1,13 +1,9 @@
-"""``otel-hicache doctor``: what to check when nothing shows up, in one command.
+"""``otel-hicache doctor [--timeout 10] [--skip-adapters]``: what to check when nothing shows up.
 
-It prints the settings as the telemetry process resolves them (:mod:`.sinks.otel_environment`),
-with the warnings resolving emits; exports one span and one metric point through exporters built
-by :func:`.sinks.providers.exporters`, naming the variable to fix for each one not accepted; then
-each adapter's section. Exit status 0 when every exporter accepted (or nothing is exported), 1 when
-not, 2 for a usage error. Header values and URL userinfo are masked in all it prints.
-
-    otel-hicache doctor [--timeout 10] [--skip-adapters]
-"""
+The settings as the telemetry process resolves them (the same functions) with the warnings resolving
+emits; one span and one metric point exported through exporters built by the same code, naming the
+variable to fix for each one not accepted; each adapter's section. Exit status 0 when every exporter
+accepted (or none exports), 1 when not, 2 for a usage error. Header values and userinfo are masked."""
 
 from __future__ import annotations
 
@@ -171,7 +167,7 @@ class Check:
         self.where = f"{otlp.endpoint} ({otlp.protocol})" if otlp else name
         self.ident: int | None = None
         self.error: BaseException | None = None
-        self.seconds, self.done, self.accepted, self.messages = 0.0, False, False, []
+        self.seconds, self.done, self.accepted, self.messages = 0.0, False, False, []  # (messages: its thread's)
 
     def run(self, data: Any, cap_s: float) -> None:
         self.ident, start = threading.get_ident(), time.monotonic()

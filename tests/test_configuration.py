@@ -327,7 +327,6 @@ def test_per_signal_http_endpoint(monkeypatch):
 
 
 def test_an_entry_point_exporter_that_cannot_be_built_is_warned_about_and_skipped(monkeypatch, warnings_log):
-    from otel_hicache import configuration
     class Broken:
         def __init__(self):
             raise RuntimeError("needs a collector address")
