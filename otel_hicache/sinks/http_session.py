@@ -83,7 +83,7 @@ def otlp_session() -> Any:
     class OtlpSession(requests.Session):
         def __init__(self) -> None:
             super().__init__()
-            self._after_fork_in_child()
+            self._gate = threading.Lock()
             self._not_before = self._repeat_before = 0.0  # time.monotonic(): Retry-After, a repeat at once
             self._busy = ""  # the refusal that set them
             own = weakref.WeakMethod(self._after_fork_in_child)
