@@ -1,11 +1,8 @@
-"""Framework adapters' registrations: the entry-point group ``otel_hicache.adapters``.
-
-The core knows no framework. An adapter's entry point names an object (a module will
-do) with any of: ``CAUSES``, ``{direction: (cause, ...)}``, the causes its ops report;
-``DIRECT_CAUSES``, those of them whose copies nobody acks; ``doctor(out, check)``, its
-section of ``otel-hicache doctor``. An adapter that fails to load is warned about once
-and left out: its causes then count as ``other``.
-"""
+"""Framework adapters' registrations (the core knows no framework): the entry-point group
+``otel_hicache.adapters`` names objects (a module will do) with any of ``CAUSES``, ``{direction:
+(cause, ...)}``, the causes its ops report; ``DIRECT_CAUSES``, those whose copies nobody acks;
+``doctor(out, check)``, its section of ``otel-hicache doctor``. One that fails to load is warned
+about once and left out: its causes count as ``other``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""``configure()``: where the sinks run, once per process; where the capture and the sinks meet.
-
-In a telemetry process of their own when an exporter sends over OTLP (the capture starts it,
-:mod:`otel_hicache.capture.channel`), else embedded on private providers (the host's global
-ones are left alone). A forked child gets its own. The capture asks for a channel here
-(:func:`open_channel`).
-"""
+"""``configure()``: where the sinks run, once per process (a forked child chooses again): in a telemetry
+process of their own when an exporter sends over OTLP, else embedded on private providers (never the
+host's globals). The capture asks for its channel here (:func:`open_channel`)."""
 
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ from .capture.process_exit import on_exit
 from .diagnostics import logger, warned
 from .settings import env_bool, env_float, sdk_disabled
 
-# The sinks' modules are imported where they are used: ``import otel_hicache`` loads the capture only.
+# (the sinks' modules are imported where used: ``import otel_hicache`` loads the capture only)
 
 
 @dataclass
@@ -35,10 +31,10 @@ class Configuration:
     resource: Any = None
     pid: int = field(default_factory=os.getpid)
 
-    tracer_provider = property(lambda self: self.built.tracer_provider if self.built is not None else None)
-    meter_provider = property(lambda self: self.built.meter_provider if self.built is not None else None)
-    metric_readers = property(lambda self: self.built.metric_readers if self.built is not None else ())
-    span_processors = property(lambda self: self.built.span_processors if self.built is not None else ())
+    tracer_provider = property(lambda self: getattr(self.built, "tracer_provider", None))
+    meter_provider = property(lambda self: getattr(self.built, "meter_provider", None))
+    metric_readers = property(lambda self: getattr(self.built, "metric_readers", ()))
+    span_processors = property(lambda self: getattr(self.built, "span_processors", ()))
     channel = property(lambda self: "telemetry process" if self.telemetry_process else "embedded")
 
     def shutdown(self, timeout_s: float) -> bool:
@@ -52,7 +48,7 @@ _fork_registered = False
 
 def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Configuration:
     """Choose (once per process) where the sinks run, and build what that needs; ``metric_readers``
-    (added to the meter provider's own) keep the sinks embedded: they read in this process."""
+    (added to the meter provider's) keep the sinks embedded: they read in this process."""
     global _configured, _fork_registered
     with _lock:
         previous = _configured
@@ -94,20 +90,17 @@ def uses_telemetry_process() -> bool:
     """:envvar:`OTEL_HICACHE_TELEMETRY_PROCESS`, or when unset: whether an exporter sends over OTLP."""
     from .sinks import providers
 
-    if sdk_disabled():
-        return False
-    if (os.environ.get(ev.OTEL_HICACHE_TELEMETRY_PROCESS) or "").strip():
+    if (os.environ.get(ev.OTEL_HICACHE_TELEMETRY_PROCESS) or "").strip() and not sdk_disabled():
         return env_bool(ev.OTEL_HICACHE_TELEMETRY_PROCESS, default=False)
-    return any(providers.otlp_protocol(signal, name) is not None
-               for signal in ("traces", "metrics") for name in providers.exporter_names(signal))
+    return not sdk_disabled() and any(providers.otlp_protocol(signal, name) is not None
+                                      for signal in ("traces", "metrics") for name in providers.exporter_names(signal))
 
 
 def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
     """What the sinks are told of this process (``record``: the hello)."""
-    if resource is None:
-        from .sinks import otel_environment
+    from .sinks import otel_environment
 
-        resource = otel_environment.resource()
+    resource = resource if resource is not None else otel_environment.resource()
     return {"resource": dict(resource.attributes), "schema_url": resource.schema_url, "attributes": dict(static),
             "pid": os.getpid(), "warned": warned(), "log_level": logger.getEffectiveLevel()
             if logger.isEnabledFor(logging.DEBUG) else None}
@@ -122,32 +115,28 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
 
     from .sinks.embedded import EmbeddedChannel
 
-    def hello_(resource: Any) -> dict[str, Any]:
-        return hello(static, resource)
-
     def opened() -> Any:
-        current = configured()
-        if current is None and tracer_provider is None and meter_provider is None and opened.used_configure:
+        current, given = configured(), tracer_provider is not None or meter_provider is not None
+        if current is None and not given and opened.used_configure:
             current = configure()  # a forked child: its own
         opened.used_configure = opened.used_configure or current is not None
-        if tracer_provider is None and meter_provider is None and current is not None and current.telemetry_process:
-            return ProcessChannel(hello_(current.resource), max_ops, lambda: _embedded_fallback(
-                {**hello_(current.resource), "fallback": True}, current.resource))
-        tracer = tracer_provider or (current.tracer_provider if current and current.built else
-                                     trace.get_tracer_provider())
-        meter = meter_provider or (current.meter_provider if current and current.built else
-                                   metrics.get_meter_provider())
+        if not given and current is not None and current.telemetry_process:
+            return ProcessChannel(hello(static, current.resource), max_ops, lambda: _embedded_fallback(
+                {**hello(static, current.resource), "fallback": True}, current.resource))
+        tracer = tracer_provider or getattr(current, "tracer_provider", None) or trace.get_tracer_provider()
+        meter = meter_provider or getattr(current, "meter_provider", None) or metrics.get_meter_provider()
         # (embedded, the sinks use the providers' resource: none is detected, which an exit hook could not do;
         # the static attributes go on every point, as these providers may serve other callers)
-        return EmbeddedChannel(tracer, meter, hello_(current.resource if current else Resource.get_empty()), clock)
+        return EmbeddedChannel(tracer, meter, hello(static, current.resource if current else Resource.get_empty()),
+                               clock)
 
     opened.used_configure = configured() is not None  # type: ignore[attr-defined]
     return opened
 
 
 def _embedded_fallback(hello_: dict[str, Any], resource: Any) -> Any:
-    """Providers built here after all, for the sinks the telemetry process could not run (the static
-    attributes in their resource, as there)."""
+    """Providers built here after all, for the sinks no telemetry process could run (the static attributes
+    in their resource, as there)."""
     from .sinks import providers
     from .sinks.embedded import EmbeddedChannel
 
@@ -160,7 +149,7 @@ def _embedded_fallback(hello_: dict[str, Any], resource: Any) -> Any:
 
 
 def _after_fork_in_child() -> None:
-    """Forget the parent's choice and providers: the child builds its own when it first reports."""
+    """The child builds its own providers when it first reports."""
     global _configured, _lock
     _lock = threading.RLock()
     _configured = None

@@ -1,10 +1,6 @@
-"""One-time warnings, and what a log line may show of a setting.
-
-Misuse and failures are reported once per distinct problem through the ``otel_hicache``
-logger, never raised into the host. A quoted value is cut short (:func:`shown`); secrets a
-setting holds are withheld (:func:`withhold`) from our logger, and in the telemetry process,
-which is ours, from the SDK's loggers too: the host's loggers get no filter.
-"""
+"""One-time warnings through the ``otel_hicache`` logger (never raised into the host), and what a log
+line may show of a setting: a quoted value is cut short (:func:`shown`); secrets are withheld
+(:func:`withhold`) from our logger, and in the telemetry process, which is ours, from the SDK's too."""
 
 from __future__ import annotations
 
@@ -17,24 +13,15 @@ logger = logging.getLogger("otel_hicache")
 _lock = threading.Lock()
 _warned: set[str] = set()
 
-SHOWN_CHARACTERS = 80
-"""The most characters of a value a log line quotes."""
-
-LONGEST_ARGUMENT = 4 * SHOWN_CHARACTERS
-"""A longer string argument of a record is cut (a value the SDK quotes whole)."""
-LONGEST_MESSAGE = 1000
-"""A longer message without arguments is cut (the SDK formats some values into it)."""
-
+SHOWN_CHARACTERS = 80  # the most characters of a value a log line quotes
+LONGEST_ARGUMENT = 4 * SHOWN_CHARACTERS  # a longer string argument of a record is cut (the SDK quotes some whole)
+LONGEST_MESSAGE = 1000  # a longer message without arguments is cut (the SDK formats some values into it)
 WITHHELD = "<withheld>"
-SECRET_CHARACTERS = 4
-"""Shorter values are not withheld: replacing a ``1`` would garble every number in a line."""
+SECRET_CHARACTERS = 4  # shorter values are not withheld: replacing a ``1`` would garble every number in a line
 
 
 def warn_once(key: str, message: str, *args: object) -> bool:
-    """Log ``message`` at WARNING the first time ``key`` is seen in this process.
-
-    Returns True when the warning was emitted.
-    """
+    """Log ``message`` at WARNING the first time ``key`` is seen in this process; whether it did."""
     with _lock:
         if key in _warned:
             return False
@@ -44,8 +31,7 @@ def warn_once(key: str, message: str, *args: object) -> bool:
 
 
 def warned() -> list[str]:
-    """The keys warned about so far in this process (the hello: a telemetry process, which reads the same
-    variables, does not say again what this process already said)."""
+    """The keys warned about so far (in the hello: the telemetry process does not say them again)."""
     with _lock:
         return sorted(_warned)
 
@@ -63,28 +49,23 @@ def reset_warnings() -> None:
 
 def shown(value: object) -> str:
     """``repr(value)`` (a string) or ``str(value)`` (an error) as a log line quotes it: at most
-    :data:`SHOWN_CHARACTERS` characters of it, and how long it was when cut."""
-    if not isinstance(value, str):  # an error: its message, unquoted
-        text = str(value)
-        return text if len(text) <= SHOWN_CHARACTERS else f"{text[:SHOWN_CHARACTERS]}... ({len(text)} characters)"
-    if len(value) <= SHOWN_CHARACTERS:
-        return repr(value)
-    return f"{value[:SHOWN_CHARACTERS]!r}... ({len(value)} characters)"
+    :data:`SHOWN_CHARACTERS` characters, and how long it was when cut."""
+    quote, text = (repr, value) if isinstance(value, str) else (str, str(value))  # (an error: unquoted)
+    if len(text) <= SHOWN_CHARACTERS:
+        return quote(text)
+    return f"{quote(text[:SHOWN_CHARACTERS])}... ({len(text)} characters)"
 
 
 class _Withhold(logging.Filter):
     """Replaces the secrets it knows, and cuts long strings, in a record's message and arguments."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.secrets: frozenset[str] = frozenset()
+    secrets: frozenset[str] = frozenset()
 
     def _clean(self, value: Any, longest: int) -> Any:
         if not isinstance(value, str):
             return value
         for secret in self.secrets:
-            if secret in value:
-                value = value.replace(secret, WITHHELD)
+            value = value.replace(secret, WITHHELD)
         return value if len(value) <= longest else shown(value)
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -101,9 +82,9 @@ _withhold = _Withhold()
 
 
 def withhold(secrets: Iterable[str], sdk_loggers: bool = False) -> None:
-    """From now on, records of our logger (and with ``sdk_loggers``, of every ``opentelemetry*``
-    logger that exists: only in our own telemetry process) show none of ``secrets`` and no long
-    string whole. The SDK logs a malformed header entry and the endpoint it failed to reach in full."""
+    """From now on, records of our logger (and with ``sdk_loggers``, of every ``opentelemetry*`` logger:
+    only in our own telemetry process) show none of ``secrets`` and no long string whole. The SDK logs a
+    malformed header entry and the endpoint it failed to reach in full."""
     with _lock:
         _withhold.secrets = _withhold.secrets | {s for s in secrets if len(s) >= SECRET_CHARACTERS}
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)

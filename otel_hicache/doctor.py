@@ -1,14 +1,9 @@
-"""``otel-hicache doctor``: what to check when nothing shows up, in one command.
+"""``otel-hicache doctor [--timeout 10] [--skip-adapters]``: what to check when nothing shows up.
 
-It prints the settings as the telemetry process resolves them (the same functions of
-:mod:`.sinks.otel_environment`) with the warnings that resolution emits, exports one test span
-and one metric point through exporters built by :func:`.sinks.providers.exporters`, and names
-the variable to fix for each one not accepted; then each adapter's section. Exit status: 0 when
-every exporter accepted (or nothing is exported), 1 when not, 2 for a usage error. Header values
-and URL userinfo are masked in everything it prints.
-
-    otel-hicache doctor [--timeout 10] [--skip-adapters]
-"""
+The settings as the telemetry process resolves them (the same functions) with the warnings resolving
+emits; one span and one metric point exported through exporters built by the same code, naming the
+variable to fix for each one not accepted; each adapter's section. Exit status 0 when every exporter
+accepted (or none exports), 1 when not, 2 for a usage error. Header values and userinfo are masked."""
 
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ import shlex
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 from . import adapters, configuration
@@ -41,50 +35,35 @@ _PORT = {"grpc": 4317, "http/protobuf": 4318}
 
 
 class _Captured(logging.Handler):
-    """While entered: every record of the ``otel_hicache`` and ``opentelemetry`` loggers, to the report
-    only (this process is the doctor's), and each exception a ``requests`` transport raised (the
-    OTLP/HTTP exporters log the cause only when they retry); with their threads."""
+    """While entered: the records of our and the SDK's loggers, to the report only (this process is the
+    doctor's), with the OTLP/HTTP session's transport errors (the exporters log them only on retry)."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.records: list[logging.LogRecord] = []
-        self.http_errors: list[tuple[int, str]] = []
-        self.loggers = [logging.getLogger(name) for name in ("otel_hicache", "opentelemetry")]
+        self.loggers = [logging.getLogger(name) for name in ("otel_hicache", "opentelemetry", "otel_hicache.http")]
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
     def since(self, start: int, thread: int) -> list[str]:
-        return [_message(r) for r in self.records[start:] if r.levelno >= logging.WARNING and r.thread == thread] \
-            + [error for ident, error in list(self.http_errors) if ident == thread]
+        return [_message(r) for r in self.records[start:] if r.thread == thread and
+                (r.levelno >= logging.WARNING or r.name == "otel_hicache.http")]
 
     def __enter__(self) -> _Captured:
-        from requests.adapters import HTTPAdapter
-
-        self.saved = [(lg.level, lg.propagate) for lg in self.loggers], HTTPAdapter.send
-        for lg in self.loggers:
+        self.saved = [(lg.level, lg.propagate) for lg in self.loggers]
+        for lg in self.loggers[:2]:
             lg.addHandler(self)
             lg.propagate = False
-            lg.setLevel(min(lg.level or logging.WARNING, logging.WARNING))
-
-        def send(adapter: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return self.saved[1](adapter, *args, **kwargs)
-            except Exception as exc:
-                self.http_errors.append((threading.get_ident(), f"{type(exc).__name__}: {exc}"))
-                raise
-
-        HTTPAdapter.send = send  # type: ignore[method-assign]
+            lg.setLevel(logging.WARNING)
+        self.loggers[2].setLevel(logging.DEBUG)  # (to our logger's handler)
         return self
 
     def __exit__(self, *_: Any) -> None:
-        from requests.adapters import HTTPAdapter
-
-        for lg, (level, propagate) in zip(self.loggers, self.saved[0]):
+        for lg, (level, propagate) in zip(self.loggers, self.saved):
             lg.removeHandler(self)
             lg.setLevel(level)
             lg.propagate = propagate
-        HTTPAdapter.send = self.saved[1]  # type: ignore[method-assign]
 
 
 def _message(record: logging.LogRecord) -> str:
@@ -102,15 +81,12 @@ def _source(name: str) -> str:
     return f"({name})" if oe.raw(name) else "(default)"
 
 
-@dataclass
 class Otlp:
     """One OTLP exporter's settings, as the exporter it builds resolves them."""
 
-    signal: str
-    protocol: str
-
-    def __post_init__(self) -> None:
-        self.endpoint, self.tls = oe.endpoint(self.signal, self.protocol), oe.tls(self.signal, self.protocol)
+    def __init__(self, signal: str, protocol: str) -> None:
+        self.signal, self.protocol = signal, protocol
+        self.endpoint, self.tls = oe.endpoint(signal, protocol), oe.tls(signal, protocol)
 
     def variable(self, suffix: str) -> str:
         """The variable to fix: the one set, else the general one."""
@@ -129,38 +105,31 @@ class Otlp:
         return self
 
 
-Planned = tuple[str, str, "Otlp | None"]
-"""(signal, exporter name, its OTLP settings): an exporter to check by exporting to it."""
-
-
-def _configuration(p: Any, notes: list[str]) -> list[Planned]:
-    """Print what the variables resolve to; the exporters to check."""
-    p("Configuration")
-    p(f"  OTEL_SDK_DISABLED   {str(sdk_disabled()).lower()} {_source('OTEL_SDK_DISABLED')}")
+def _configuration(p: Any, notes: list[str]) -> list[tuple[str, str, Otlp | None]]:
+    """Print what the variables resolve to; the exporters to check: (signal, name, OTLP settings)."""
+    p(f"Configuration\n  OTEL_SDK_DISABLED   {str(sdk_disabled()).lower()} {_source('OTEL_SDK_DISABLED')}")
     attributes = oe.resource().attributes
     if str(attributes.get("service.name")).startswith("unknown_service"):
         notes.append("service.name is unknown_service: set OTEL_SERVICE_NAME to find the data under your name")
-    p("  resource            " + ", ".join(f"{k}={v}" for k, v in attributes.items()
-                                          if not k.startswith("telemetry.sdk.")))
-    planned: list[Planned] = []
+    p("  resource            " + ", ".join(f"{k}={v}" for k, v in attributes.items() if not k.startswith("telemetry.")))
+    planned = []
     for signal in ("traces", "metrics"):
-        variable = providers.EXPORTER_GROUPS[signal][0]
         names = list(dict.fromkeys(providers.exporter_names(signal))) or ["none"]
-        p(f"  {signal}\n    exporter        {', '.join(names)} {_source(variable)}")
+        p(f"  {signal}\n    exporter        {', '.join(names)} {_source(providers.EXPORTER_GROUPS[signal][0])}")
         for name in names if names != ["none"] else ():
             if (protocol := providers.otlp_protocol(signal, name)) is None:
-                p(f"    {name:<15} " + ("not checked (in the instrumented process)" if name in _NOT_CHECKED
-                                        else "checked by exporting to it"))
-                planned += [] if name in _NOT_CHECKED else [(signal, name, None)]
+                checked = name not in _NOT_CHECKED
+                p(f"    {name:<15} " + ("checked by exporting to it" if checked else "not checked (in the "
+                                        "instrumented process)"))
+                planned += [(signal, name, None)] if checked else []
                 continue
             otlp = Otlp(signal, protocol)
             p(f"    {name:<15} OTLP over {protocol} {_source(otlp.variable('PROTOCOL'))}")
             planned.append((signal, name, otlp.show(p)))
         if signal == "traces":
             _sampler(p, notes, names != ["none"])
-        else:
-            interval = oe.raw("OTEL_METRIC_EXPORT_INTERVAL")
-            p(f"    export interval {interval.strip() + ' ms (OTEL_METRIC_EXPORT_INTERVAL)' if interval else '60000 ms'}")
+    interval = oe.raw("OTEL_METRIC_EXPORT_INTERVAL")
+    p(f"    export interval {interval.strip() + ' ms (OTEL_METRIC_EXPORT_INTERVAL)' if interval else '60000 ms'}")
     process = configuration.uses_telemetry_process()
     why = (ev.OTEL_HICACHE_TELEMETRY_PROCESS if oe.raw(ev.OTEL_HICACHE_TELEMETRY_PROCESS)
            else "an exporter sends over OTLP" if process else "no exporter sends over the network")
@@ -198,13 +167,12 @@ class Check:
         self.where = f"{otlp.endpoint} ({otlp.protocol})" if otlp else name
         self.ident: int | None = None
         self.error: BaseException | None = None
-        self.seconds, self.done, self.accepted, self.messages = 0.0, False, False, []
+        self.seconds, self.done, self.accepted, self.messages = 0.0, False, False, []  # (messages: its thread's)
 
     def run(self, data: Any, cap_s: float) -> None:
         self.ident, start = threading.get_ident(), time.monotonic()
         try:
-            result = self.exporter.export(data) if self.signal == "traces" else \
-                self.exporter.export(data, timeout_millis=cap_s * 1e3)
+            result = self.exporter.export(data, **({} if self.signal == "traces" else {"timeout_millis": cap_s * 1e3}))
             self.accepted = getattr(result, "name", "") == "SUCCESS"
         except BaseException as exc:  # pylint: disable=broad-except
             self.error = exc
@@ -216,25 +184,22 @@ def _test_data() -> tuple[list[Any], Any, str]:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-    resource, spans, reader = oe.resource(), InMemorySpanExporter(), InMemoryMetricReader()
-    tracer_provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
-    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    span = tracer_provider.get_tracer(SPAN_NAME, __version__).start_span(SPAN_NAME, attributes={SPAN_NAME: True})
+    resource, reader = oe.resource(), InMemoryMetricReader()
+    span = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False).get_tracer(
+        SPAN_NAME, __version__).start_span(SPAN_NAME, attributes={SPAN_NAME: True})
     span.end()
     meter_provider = MeterProvider(metric_readers=[reader], resource=resource, shutdown_on_exit=False)
     meter_provider.get_meter(SPAN_NAME, __version__).create_counter(METRIC_NAME, unit="{check}").add(1)
     metrics = reader.get_metrics_data()
     meter_provider.shutdown()
-    return list(spans.get_finished_spans()), metrics, f"{span.get_span_context().trace_id:032x}"
+    return [span], metrics, f"{span.get_span_context().trace_id:032x}"
 
 
 _WRONG_PROTOCOL = {"grpc": ("failed parsing http/2", "http1.x", "expected settings frame", "frame type"),
                    "http/protobuf": ("badstatusline",)}
-_TLS_VERIFY = ("certificate_verify_failed", "certificate verify failed", "self signed", "self-signed",
+_TLS_VERIFY = ("certificate verify failed", "certificate_verify_failed", "self signed", "self-signed",
                "unable to get local issuer", "unknown ca", "hostname mismatch", "doesn't match")
 _TLS_MISMATCH = ("wrong_version_number", "wrong version number", "record layer failure", "unknown protocol",
                  "socket closed", "connection reset", "remote end closed", "remotedisconnected",
@@ -244,18 +209,19 @@ _UNREACHABLE = ("connection refused", "failed to connect to remote host", "name 
                 "errors resolving", "newconnectionerror", "no address associated")
 
 
-def _diagnose(check: Check, cap_s: float, also: list[str]) -> tuple[str, str]:
-    """(what went wrong, the fix naming the variable) for a test export not accepted; ``also``:
-    what the other signal's exporter to the same server said."""
+def _diagnose(check: Check, also: list[str]) -> tuple[str, str]:
+    """(what went wrong, the fix naming the variable) for a test export not accepted; ``also``: what
+    the other signal's exporter to the same server said."""
     said = check.messages[-1] if check.messages else (repr(check.error) if check.error else "")
     text = " ".join([*check.messages, *also, *([repr(check.error)] if check.error else [])]).lower()
     if (otlp := check.otlp) is None:
         return (f"the {check.name} exporter did not accept the test data: {said}",
                 f"check its settings, or leave it out of {providers.EXPORTER_GROUPS[check.signal][0]}")
     ep, ep_var, protocol, ca_var = otlp.endpoint, otlp.variable("ENDPOINT"), otlp.protocol, otlp.variable("CERTIFICATE")
-    other, protocol_var = "http/protobuf" if protocol == "grpc" else "grpc", otlp.variable("PROTOCOL")
+    protocol_var = otlp.variable("PROTOCOL")
     has = lambda words: any(w in text for w in words)  # noqa: E731
     if has(_WRONG_PROTOCOL[protocol]):
+        other = "http/protobuf" if protocol == "grpc" else "grpc"
         return (f"{ep} does not speak {protocol}", f"set {protocol_var}={other}, or point {ep_var} at the "
                 f"Collector's {protocol} port ({_PORT[protocol]} by default)")
     if has(_TLS_VERIFY):
@@ -275,20 +241,15 @@ def _diagnose(check: Check, cap_s: float, also: list[str]) -> tuple[str, str]:
                 f"check the Collector's own logs (its pipeline for {check.signal}, its authentication: "
                 f"{otlp.variable('HEADERS')}), and {ep_var}")
     if not check.done or has(("deadline", "timed out", "timeout")) or not text:
-        return (f"{ep} sent no answer in time",
-                f"check that {ep_var} is a Collector's OTLP {protocol} receiver; if it is only slow, raise "
-                f"{otlp.variable('TIMEOUT')} (and --timeout)")
+        return (f"{ep} sent no answer in time", f"check that {ep_var} is a Collector's OTLP {protocol} receiver; "
+                f"if it is only slow, raise {otlp.variable('TIMEOUT')} (and --timeout)")
     return f"the export to {ep} failed: {said}", f"check {ep_var} and {protocol_var} ({protocol})"
 
 
-Problem = tuple[str, str, str]
-"""(signal, what went wrong, the fix)."""
-
-
-def _build(planned: list[Planned], logs: _Captured) -> tuple[list[Check], list[Problem]]:
-    """The exporters, built one at a time by the telemetry process's code (to tell which one failed)."""
-    checks: list[Check] = []
-    problems: list[Problem] = []
+def _build(planned: list[tuple[str, str, Otlp | None]], logs: _Captured) -> tuple[list[Check], list[tuple[str, ...]]]:
+    """The exporters, built one at a time by the telemetry process's code (to tell which one failed);
+    the problems: (signal, what went wrong, the fix)."""
+    checks, problems = [], []
     for signal, name, otlp in planned:
         mark = len(logs.records)
         built = providers.exporters(signal, names=[name], own_process=True)
@@ -309,7 +270,7 @@ def _build(planned: list[Planned], logs: _Captured) -> tuple[list[Check], list[P
     return checks, problems
 
 
-def _exports(p: Any, checks: list[Check], problems: list[Problem], logs: _Captured, cap_s: float,
+def _exports(p: Any, checks: list[Check], problems: list[tuple[str, ...]], logs: _Captured, cap_s: float,
              notes: list[str]) -> str:
     """Export the test data through every exporter at once, waiting at most ``cap_s``; the trace id."""
     p(f"Test export (span '{SPAN_NAME}', metric '{METRIC_NAME}'; waiting at most {cap_s:g} s)")
@@ -334,17 +295,16 @@ def _exports(p: Any, checks: list[Check], problems: list[Problem], logs: _Captur
         thread.join(max(0.0, deadline - time.monotonic()))
     for check in checks:
         check.messages = logs.since(mark, check.ident) if check.ident else []
+    base = lambda c: c.otlp and (c.otlp.protocol, c.otlp.endpoint.rsplit("/v1/", 1)[0])  # noqa: E731
     for check in checks:
         if check.accepted:
             p(f"  {check.signal:<8} ACCEPTED by {check.where} in {check.seconds:.2f} s")
         else:
-            base = lambda c: c.otlp and (c.otlp.protocol, c.otlp.endpoint.rsplit("/v1/", 1)[0])  # noqa: E731
-            also = [m for c in checks if c is not check and base(c) == base(check) for m in c.messages]
-            what, fix = _diagnose(check, cap_s, also)
+            what, fix = _diagnose(check, [m for c in checks if c is not check and base(c) == base(check)
+                                          for m in c.messages])
             p(f"  {check.signal:<8} {'NOT accepted' if check.done else 'no answer yet'} by {check.where}: {what}")
-            telling = [m for m in check.messages if "due to timeout, max retries" not in m] or check.messages
-            if telling:
-                p(f"           the exporter said: {telling[-1][:400]}")
+            if check.messages:
+                p(f"           the exporter said: {check.messages[-1][:400]}")
             problems.append((check.signal, what, fix))
         with contextlib.suppress(Exception):
             check.exporter.shutdown()
@@ -354,8 +314,8 @@ def _exports(p: Any, checks: list[Check], problems: list[Problem], logs: _Captur
 
 
 def _telemetry_process(p: Any, cap_s: float) -> tuple[str, str] | None:
-    """When the sinks would run in a telemetry process: start one as the capture would and have it
-    flush its exporters; (what, fix) when it does not answer."""
+    """Where the sinks would run in a telemetry process: start one as the capture would and have it
+    flush; (what, fix) when it does not answer."""
     if not configuration.uses_telemetry_process():
         return None
     from .capture.channel import ProcessChannel, telemetry_process_command
@@ -378,17 +338,17 @@ def _telemetry_process(p: Any, cap_s: float) -> tuple[str, str] | None:
                   f"or set {ev.OTEL_HICACHE_TELEMETRY_PROCESS}=false")
 
 
-def _verdict(p: Any, notes: list[str], problems: list[Problem], checks: list[Check], trace_id: str) -> int:
+def _verdict(p: Any, notes: list[str], problems: list[tuple[str, ...]], checks: list[Check], trace_id: str) -> int:
     p("\nResult")
     for note in notes:
         p(f"  NOTE: {note}")
-    merged: dict[tuple[str, ...], list[Problem]] = {}  # one line for both signals when alike
+    merged: dict[tuple[str, ...], list[tuple[str, ...]]] = {}  # one line for both signals when alike
     for problem in problems:
-        merged.setdefault(tuple(re.sub(r"\b(traces|metrics)\b", "{traces,metrics}", t) for t in problem[1:]),
-                          []).append(problem)
+        key = tuple(re.sub(r"\b(traces|metrics)\b", "{traces,metrics}", t) for t in problem[1:])
+        merged.setdefault(key, []).append(problem)
     for key, alike in merged.items():
         what, fix = alike[0][1:] if len(alike) == 1 else key
-        p(f"  PROBLEM ({', '.join(signal for signal, _, _ in alike)}): {what}\n  FIX: {fix}")
+        p(f"  PROBLEM ({', '.join(problem[0] for problem in alike)}): {what}\n  FIX: {fix}")
     if checks and not problems:
         p(f"  OK: every configured exporter accepted the test data (trace {trace_id}, metric {METRIC_NAME})")
     return 1 if problems else 0
@@ -425,10 +385,9 @@ def doctor(timeout_s: float = CAP_S, check_adapters: bool = True, out: TextIO | 
           f"Python {platform.python_version()})\n")
         notes: list[str] = []
         checks, problems = _build(_configuration(p, notes), logs)
-        p("Warnings while resolving")
-        for line in dict.fromkeys(f"  {r.levelname} {r.name}: {_message(r)}" for r in logs.records):
-            p(line)
-        p("  (none)\n" if not logs.records else "")
+        lines = dict.fromkeys(f"  {r.levelname} {r.name}: {_message(r)}" for r in logs.records
+                              if r.levelno >= logging.WARNING)
+        p("\n".join(["Warnings while resolving", *(lines or ["  (none)"]), ""]))
         trace_id = _exports(p, checks, problems, logs, cap_s=timeout_s, notes=notes)
         p()
         _adapters(report, check_adapters)

@@ -1,8 +1,6 @@
-"""Typed reading of the ``OTEL_HICACHE_*`` variables and ``OTEL_SDK_DISABLED``, never raising.
-
-A malformed value warns once (naming the variable, quoting a short prefix) and the default
-is used; a blank one means unset. Booleans are ``true`` or ``false`` in any case.
-"""
+"""Typed reading of the ``OTEL_HICACHE_*`` variables and ``OTEL_SDK_DISABLED``, never raising: a malformed
+value warns once (naming the variable, quoting a short prefix) and the default is used; a blank one means
+unset. Booleans are ``true`` or ``false`` in any case."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ def env_bool(name: str, default: bool | None = None) -> bool:
 
 def _number(name: str, default: Any, kind: type, minimum: float) -> Any:
     def parse(raw: str) -> Any:
-        value = kind(raw)
-        if not math.isfinite(value) or value < minimum:
+        if not math.isfinite(value := kind(raw)) or value < minimum:
             raise ValueError(raw)
         return value
 
@@ -57,6 +54,5 @@ def env_int(name: str, default: int | None = None, minimum: int = 1) -> int:
 
 
 def sdk_disabled() -> bool:
-    """``OTEL_SDK_DISABLED`` as the SDK reads it: only ``true`` disables (anything but
-    ``true`` or ``false`` is warned about once, and leaves the SDK enabled)."""
+    """``OTEL_SDK_DISABLED`` as the SDK reads it: only ``true`` disables (anything else but ``false`` warns)."""
     return _read("OTEL_SDK_DISABLED", False, _boolean, "a boolean (true/false)")

@@ -27,6 +27,29 @@ def metric_readers(conf):
     return list(conf.metric_readers)
 
 
+def test_the_sdk_configurator_is_not_used_for_these_gaps():
+    """Why sinks.providers builds the providers itself (issue 33) instead of the SDK's configurator
+    (opentelemetry.sdk._configuration._initialize_components, private: only opentelemetry-distro's
+    entry point calls it). Each gap below costs a promise: it always installs the global providers
+    (embedded sinks must never touch the host's); one unknown name in OTEL_TRACES_EXPORTER raises
+    (every signal lost, not one exporter skipped); its constructors read the environment unguarded
+    (a blank OTEL_EXPORTER_OTLP_TIMEOUT raises from the gRPC exporter); and it has no hook for an
+    exporter's export (the counters' start time in a successor, the spans never handed at exit,
+    the fork guard), nor, on SDK 1.30, any exporter arguments (the parsed headers, the HTTP session)."""
+    import inspect
+
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk import _configuration as sdk
+
+    assert "set_tracer_provider(provider)" in inspect.getsource(sdk._init_tracing)  # pylint: disable=protected-access
+    assert "set_meter_provider(provider)" in inspect.getsource(sdk._init_metrics)  # pylint: disable=protected-access
+    with pytest.raises(RuntimeError):
+        sdk._import_exporters(["no-such-exporter"], [], [])  # pylint: disable=protected-access
+    with pytest.MonkeyPatch.context() as env, pytest.raises(ValueError):
+        env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", " ")
+        OTLPSpanExporter()
+
+
 def test_private_providers_leave_the_globals_alone(monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
@@ -304,7 +327,6 @@ def test_per_signal_http_endpoint(monkeypatch):
 
 
 def test_an_entry_point_exporter_that_cannot_be_built_is_warned_about_and_skipped(monkeypatch, warnings_log):
-    from otel_hicache import configuration
     class Broken:
         def __init__(self):
             raise RuntimeError("needs a collector address")
@@ -313,9 +335,9 @@ def test_an_entry_point_exporter_that_cannot_be_built_is_warned_about_and_skippe
         def load(self):
             return Broken
 
-    real = providers._entry_point  # pylint: disable=protected-access
-    monkeypatch.setattr(providers, "_entry_point",
-                        lambda group, name: EntryPoint() if name == "broken" else real(group, name))
+    real = providers.entry_points
+    monkeypatch.setattr(providers, "entry_points",
+                        lambda group, name: [EntryPoint()] if name == "broken" else real(group=group, name=name))
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "broken,console")
     conf = otel_hicache.configure()  # must not raise
     assert span_exporters(conf) == ["opentelemetry.sdk.trace.export.ConsoleSpanExporter"]
@@ -343,7 +365,7 @@ def test_spans_still_queued_when_the_bounded_shutdown_gives_up_are_reported(monk
         def load(self):
             return Stalled
 
-    monkeypatch.setattr(providers, "_entry_point", lambda group, name: EntryPoint() if name == "stalled" else None)
+    monkeypatch.setattr(providers, "entry_points", lambda group, name: [EntryPoint()] if name == "stalled" else [])
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "stalled")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
     monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "10")

@@ -17,31 +17,23 @@ _stuck: dict[tuple[int, int], threading.Thread] = {}
 
 def bounded(method: str, tracer_provider: Any, meter_provider: Any, timeout_s: float) -> bool:
     """``force_flush`` or ``shutdown`` (exporting what they hold) both providers, bounded in time."""
-    key = (id(tracer_provider), id(meter_provider))
-    millis = int(timeout_s * 1000)
-    steps = [(tracer_provider, () if method == "shutdown" else (millis,)), (meter_provider, (millis,))]
-    result = {"ok": True}
+    key, millis, result = (id(tracer_provider), id(meter_provider)), int(timeout_s * 1000), [True]
 
     def run() -> None:
-        for provider, args in steps:
+        for provider, args in ((tracer_provider, () if method == "shutdown" else (millis,)),
+                               (meter_provider, (millis,))):
             call = getattr(provider, method, None)
             try:
-                if call is not None and call(*args) is False:
-                    result["ok"] = False
+                result[0] = (call is None or call(*args) is not False) and result[0]
             except Exception as exc:  # pylint: disable=broad-except
-                result["ok"] = False
+                result[0] = False
                 warn_once(f"bounded:{type(exc).__name__}", "otel-hicache: flush/shutdown step failed: %r", exc)
 
     stuck = _stuck.pop(key, None)
     if stuck is not None and stuck.is_alive():
-        if method == "shutdown":
-            # Still done once the blocked call returns (not waited for here): what the providers
-            # hold, a span export helper process among them, must not outlive the shutdown.
-            def after(blocked: threading.Thread = stuck) -> None:
-                blocked.join()
-                run()
-
-            stuck = threading.Thread(target=after, name="otel-hicache-flush", daemon=True)
+        if method == "shutdown":  # still done once the blocked call returns: nothing may outlive the shutdown
+            stuck = threading.Thread(target=lambda blocked=stuck: (blocked.join(), run()), name="otel-hicache-flush",
+                                     daemon=True)
             stuck.start()
         _stuck[key] = stuck
         warn_once("bounded:stuck", "otel-hicache: an earlier telemetry flush is still blocked (collector "
@@ -55,4 +47,4 @@ def bounded(method: str, tracer_provider: Any, meter_provider: Any, timeout_s: f
         warn_once("bounded:timeout", "otel-hicache: telemetry flush/shutdown did not finish within %.1f s "
                   "(collector unreachable?); giving up so the process is not held", timeout_s)
         return False
-    return result["ok"]
+    return result[0]

@@ -1,8 +1,6 @@
-"""The embedded channel: the telemetry process's consumer on the poller thread of the serving process.
-
-For providers the caller passes, for ``configure()`` when nothing is exported over OTLP, and
-as the fallback when no telemetry process can start (on private providers: never the host's).
-"""
+"""The embedded channel: the telemetry process's consumer on the poller thread of the serving process,
+for providers the caller passes, for ``configure()`` when nothing is exported over OTLP, and as the
+fallback when no telemetry process can start (on private providers: never the host's)."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ class EmbeddedChannel:
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns) -> None:
-        self.tracer_provider = tracer_provider
-        self.meter_provider = meter_provider
+        self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
         self._lock = threading.Lock()  # the poller applies; a flush or stop hands over from another thread
         self.consumer = Consumer(tracer_provider, meter_provider, {**hello, "embedded": True}, clock)
 
@@ -35,7 +32,7 @@ class EmbeddedChannel:
         """Ends the ack waits and exports; the providers stay up (the caller's, or configure()'s)."""
         with self._lock:
             self.consumer.close()
-        return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
+        return self.flush(timeout_s)
 
     def forget_in_child(self) -> None:
         """In a forked child: this consumer's state is the parent's; the child opens its own."""

@@ -1,12 +1,13 @@
 """The ``requests`` session of the OTLP/HTTP exporters, for three SDK gaps: ``REQUESTS_CA_BUNDLE``
 would override the OTLP certificate (it wins here); the SDK takes a 3xx as a delivery and counts an
-error status as exported in its self-metrics (here no redirect is followed, and an answer outside 2xx
-raises ``Refused``, warned once per endpoint and status); a retryable status raises ``Busy``, retried
-with the exporter's backoff but never sooner than the collector's ``Retry-After``."""
+error status as exported (here no redirect is followed, and an answer outside 2xx raises ``Refused``,
+warned once per endpoint and status); a retryable status raises ``Busy``, which the exporter retries
+with its backoff, but never sooner than the collector's ``Retry-After``."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
 import threading
@@ -21,9 +22,9 @@ from .redaction import without_userinfo
 
 RETRYABLE = frozenset({429, 502, 503, 504})  # what the OTLP/HTTP specification says a client retries
 RETRY_GAP_S = 0.5  # the exporter's repeat at once of a connection error is held back this long after a Busy
-MAX_RETRY_AFTER_S = 3600.0
 WANTS_TLS = "the collector wants TLS; set an https endpoint"  # a redirect from http:// to https://
 REFUSAL = re.compile(r"HTTP (?P<status>\d{3})(?: [\w'-]+)*(?: \(to [^()]*\))?")  # what describe() says
+_transport = logging.getLogger("otel_hicache.http")  # the doctor reads its DEBUG records
 
 
 @functools.cache
@@ -38,8 +39,7 @@ def errors() -> tuple[type, type]:
         """A retryable refusal: the SDK's HTTP exporters retry a connection error with their backoff."""
 
     for cls in (Refused, Busy):
-        cls.__qualname__ = cls.__name__
-        cls.__module__ = __name__
+        cls.__qualname__, cls.__module__ = cls.__name__, __name__
     return Refused, Busy
 
 
@@ -60,17 +60,15 @@ def describe(status: int, reason: str | None, location: str | None, url: str) ->
 
 
 def _retry_after_s(value: str | None) -> float:
-    """The seconds a ``Retry-After`` asks for (a number or an HTTP date); 0 when none or unreadable."""
-    if not value:
-        return 0.0
+    """The seconds a ``Retry-After`` asks for (a number or an HTTP date), at most an hour; 0 when none."""
     try:
-        seconds = float(value.strip())
-    except ValueError:
+        seconds = float(value.strip())  # type: ignore[union-attr]
+    except (AttributeError, ValueError):
         try:
-            seconds = parsedate_to_datetime(value.strip()).timestamp() - time.time()
-        except (TypeError, ValueError, OverflowError):
+            seconds = parsedate_to_datetime(value.strip()).timestamp() - time.time()  # type: ignore[union-attr]
+        except (AttributeError, TypeError, ValueError, OverflowError):
             return 0.0
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S) if seconds == seconds else 0.0  # NaN: none
+    return min(max(seconds, 0.0), 3600.0) if seconds == seconds else 0.0  # NaN: none
 
 
 def otlp_session() -> Any:
@@ -80,19 +78,16 @@ def otlp_session() -> Any:
     import requests
 
     importlib.import_module("netrc")  # requests imports it at its first request: a fork then would hang the child
-
     refused, busy = errors()
 
     class OtlpSession(requests.Session):
         def __init__(self) -> None:
             super().__init__()
             self._gate = threading.Lock()
-            self._not_before = 0.0  # time.monotonic(): no request before this (Retry-After)
-            self._repeat_before = 0.0  # the next request only, if this soon: the exporter's repeat at once
+            self._not_before = self._repeat_before = 0.0  # time.monotonic(): Retry-After, a repeat at once
             self._busy = ""  # the refusal that set them
-            if hasattr(os, "register_at_fork"):  # (a handful of sessions a process: one registration each)
-                own = weakref.WeakMethod(self._after_fork_in_child)
-                os.register_at_fork(after_in_child=lambda: (own() or (lambda: None))())
+            own = weakref.WeakMethod(self._after_fork_in_child)
+            os.register_at_fork(after_in_child=lambda: (own() or (lambda: None))())
 
         def _after_fork_in_child(self) -> None:
             # a pool's lock held by another thread at the fork stays held in the child: new pools
@@ -106,27 +101,23 @@ def otlp_session() -> Any:
                 settings["verify"] = self.verify  # the OTLP certificate, not REQUESTS_CA_BUNDLE
             return settings
 
-        def _held_back(self) -> str | None:
-            """Why this request is not sent (the collector's Retry-After, or a repeat at once), or None."""
+        def send(self, request: Any, **kwargs: Any) -> Any:
             with self._gate:
                 now, repeat, self._repeat_before = time.monotonic(), self._repeat_before, 0.0
-                if now < self._not_before:
-                    return f"{self._busy} (not sent again within the {self._not_before - now:.1f} s it asked for)"
-                return f"{self._busy} (not sent again at once)" if now < repeat else None
-
-        def send(self, request: Any, **kwargs: Any) -> Any:
-            held = self._held_back()
-            if held is not None:
-                raise busy(held, request=request)
+                if now < max(self._not_before, repeat):
+                    raise busy(f"{self._busy} (not sent again " + (f"within the {self._not_before - now:.1f} s it "
+                               "asked for)" if now < self._not_before else "at once)"), request=request)
             kwargs["allow_redirects"] = False  # a redirected POST would be a delivery nobody checked
-            response = super().send(request, **kwargs)
-            status = response.status_code
-            if 200 <= status < 300:
+            try:
+                response = super().send(request, **kwargs)
+            except Exception as exc:
+                _transport.debug("%s: %s", type(exc).__name__, exc)
+                raise
+            if 200 <= (status := response.status_code) < 300:
                 return response
             url = without_userinfo(str(request.url))
             what = describe(status, response.reason, response.headers.get("Location"), url)
-            retryable = status in RETRYABLE
-            if retryable:
+            if retryable := status in RETRYABLE:
                 with self._gate:
                     now = time.monotonic()
                     self._not_before = now + _retry_after_s(response.headers.get("Retry-After"))

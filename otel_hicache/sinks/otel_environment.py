@@ -5,13 +5,14 @@ variable's default and warns once. A blank value means unset (the specification'
 takes some as values). Checked ahead, as the SDK would go on silently: a time <= 0 or infinite, and
 a certificate or key file that cannot be read or is not a regular file (a FIFO would block). The
 OTLP headers are parsed here, so that no header value reaches a log line. ``os.environ`` is never
-modified.
+modified (in the host, it is not ours).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import string
 from typing import Any, Callable, Mapping
 from urllib.parse import unquote
 
@@ -36,17 +37,16 @@ def blank(name: str) -> bool:
     return name in os.environ and raw(name) is None
 
 
-def _number(text: str | None) -> float | None:
+def _number(text: str | None) -> bool:
     try:
-        return float(text)  # type: ignore[arg-type]
+        return float(text) is not None  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        return None
+        return False
 
 
-def positive(text: str) -> bool:
-    """Whether ``text`` is a time the SDK may take: > 0 and finite (not a number: the SDK's parse decides)."""
-    value = _number(text)
-    return value is None or 0 < value < float("inf")
+def _seconds(text: str | None) -> float | None:
+    """``text`` as a time > 0 and finite; None when it is not one."""
+    return value if _number(text) and 0 < (value := float(text)) < float("inf") else None  # type: ignore[arg-type]
 
 
 def _count_or(name: str, default: int) -> Callable[[], int]:
@@ -107,11 +107,9 @@ def resource() -> Any:
 
 def sampler() -> Any:
     """None (the SDK reads ``OTEL_TRACES_SAMPLER``), or its default when the variable is blank."""
-    if not blank("OTEL_TRACES_SAMPLER"):
-        return None
     from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 
-    return ParentBased(ALWAYS_ON)
+    return ParentBased(ALWAYS_ON) if blank("OTEL_TRACES_SAMPLER") else None
 
 
 def signal_variable(signal: str, suffix: str) -> tuple[str, str]:
@@ -141,21 +139,13 @@ def tls(signal: str, protocol: str) -> bool:
     return found[1].strip().lower() != "true" if found is not None else not url.startswith("http://")
 
 
-def _timeout_s(signal: str) -> float:
-    """The signal's timeout as it would be read were the blank or rejected variables unset."""
-    values = (_number(raw(name)) for name in signal_variable(signal, "TIMEOUT"))
-    return next((v for v in values if v is not None and 0 < v < float("inf")), 10.0)
-
-
 def _compression(signal: str, protocol: str) -> Any:
     if protocol == "grpc":
         from grpc import Compression
-
-        known = {"gzip": Compression.Gzip, "none": Compression.NoCompression}
     else:
         from opentelemetry.exporter.otlp.proto.http import Compression  # type: ignore[assignment]
-
-        known = {"gzip": Compression.Gzip, "deflate": Compression.Deflate, "none": Compression.NoCompression}
+    known = {"gzip": Compression.Gzip, "none": Compression.NoCompression}
+    known.update({"deflate": Compression.Deflate} if protocol != "grpc" else {})
     values = (known.get((raw(name) or "").strip().lower()) for name in signal_variable(signal, "COMPRESSION"))
     return next((v for v in values if v is not None), Compression.NoCompression)
 
@@ -163,8 +153,9 @@ def _compression(signal: str, protocol: str) -> Any:
 def otlp_exporter(signal: str, protocol: str) -> dict[str, Retry]:
     """What the OTLP exporter of ``signal`` (``traces``, ``metrics``) over ``protocol`` is retried with."""
     default = "http://localhost:4317" if protocol == "grpc" else f"http://localhost:4318/v1/{signal}"
+    timeout = lambda: next((t for n in signal_variable(signal, "TIMEOUT") if (t := _seconds(raw(n)))), 10.0)  # noqa
     suffixes = {"ENDPOINT": ("endpoint", lambda: endpoint(signal, protocol), default),
-                "TIMEOUT": ("timeout", lambda: _timeout_s(signal), "10"),
+                "TIMEOUT": ("timeout", timeout, "10"),
                 "COMPRESSION": ("compression", lambda: _compression(signal, protocol), "none")}
     if protocol == "grpc":
         suffixes["INSECURE"] = ("insecure", lambda: not tls(signal, protocol), "by the endpoint's scheme")
@@ -183,7 +174,7 @@ class Headers(dict):  # type: ignore[type-arg]
         return True
 
 
-_TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_TOKEN = frozenset("!#$%&'*+-.^_`|~" + string.ascii_letters + string.digits)
 
 
 def headers(signal: str) -> tuple[Headers | None, list[str]]:
@@ -223,11 +214,7 @@ def unreadable(path: str, directory_ok: bool = False) -> str | None:
             return None
         if not stat.S_ISREG(kind):
             return "is not a regular file"
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            os.read(descriptor, 1)
-        finally:
-            os.close(descriptor)
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         return f"cannot be read ({type(exc).__name__})"
     return None
@@ -254,6 +241,10 @@ def certificate_usable(signal: str, protocol: str) -> bool:
     return True
 
 
+def _file(signal: str, suffix: str) -> str | None:
+    return found[1].strip() if (found := first(signal, suffix)) else None
+
+
 def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, Any]:
     """The signal's OTLP exporter's headers, parsed here, and gRPC credentials when a file variable is
     blank (the exporter would take it as a path). Their and the endpoints' secrets are withheld from now on."""
@@ -265,9 +256,9 @@ def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, An
         import grpc
 
         def read(suffix: str) -> bytes | None:
-            if (found := first(signal, suffix)) is None:
+            if (path := _file(signal, suffix)) is None:
                 return None
-            with open(found[1].strip(), "rb") as file:  # a regular file: checked by certificate_usable()
+            with open(path, "rb") as file:  # a regular file: checked by certificate_usable()
                 return file.read()
 
         keywords["credentials"] = grpc.ssl_channel_credentials(*map(read, FILES))
@@ -277,7 +268,7 @@ def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, An
 def settle_session(session: Any, signal: str) -> None:
     """OTLP/HTTP: the session's files as resolved with blank variables unset (the SDK put a blank one on it)."""
     if any(blank(n) for n in file_variables(signal)):
-        ca, key, cert = ((found[1].strip() if (found := first(signal, suffix)) else None) for suffix in FILES)
+        ca, key, cert = (_file(signal, suffix) for suffix in FILES)
         session.verify, session.cert = ca or True, (cert, key) if cert and key else cert
 
 
@@ -288,7 +279,7 @@ def build(what: str, make: Callable[..., Any], retries: Mapping[str, Retry]) -> 
     given = [name for name in retries if raw(name) is not None]
     blanks = [name for name in retries if blank(name)]
     chosen = {n: "is not > 0" for n in given if n.endswith(("TIMEOUT", "INTERVAL", "DELAY"))
-              and not positive(os.environ[n])}
+              and _seconds(os.environ[n]) is None and _number(os.environ[n])}  # (not a number: the SDK's parse)
 
     def attempt(names: Any) -> tuple[Any, Exception | None]:
         defaults = {retries[n][0]: retries[n][1] for n in [*blanks, *names]}  # (a keyword's forms share one)

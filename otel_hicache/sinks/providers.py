@@ -6,34 +6,15 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from importlib.metadata import entry_points
 from typing import Any, Callable, Mapping, Sequence
 
 from ..diagnostics import logger, shown, warn_once, withhold
 from ..settings import sdk_disabled
-from . import otel_environment
+from . import otel_environment as oe
 from .bounded_flush import bounded
 from .http_session import otlp_session
-
-
-def _counting(counts: list[list[int]], processor: Any, exporter: Any) -> Any:
-    """``processor``, counting in ``counts`` the sampled spans it was given and those its exporter was
-    handed: what is left at exit was never sent (the SDK's own counts die with the process)."""
-    ended_handed = [0, 0]
-    counts.append(ended_handed)
-    on_end, export = processor.on_end, exporter.export
-
-    def ended(span: Any) -> Any:
-        if span.context is not None and span.context.trace_flags.sampled:
-            ended_handed[0] += 1
-        return on_end(span)
-
-    def handed(spans: Any, *args: Any, **kwargs: Any) -> Any:
-        ended_handed[1] += len(spans)
-        return export(spans, *args, **kwargs)
-
-    processor.on_end, exporter.export = ended, handed
-    return processor
 
 
 @dataclass
@@ -60,7 +41,24 @@ class Providers:
         return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
 
 
-# -- exporters, by the names of the SDK's entry-point groups ----------------------------------------
+def _counting(counts: list[list[int]], processor: Any, exporter: Any) -> Any:
+    """``processor``, counting the sampled spans it was given and those its exporter was handed: what
+    is left at exit was never sent (the SDK's own counts die with the process)."""
+    ended_handed = [0, 0]
+    counts.append(ended_handed)
+    on_end, export = processor.on_end, exporter.export
+
+    def ended(span: Any) -> Any:
+        ended_handed[0] += bool(span.context is not None and span.context.trace_flags.sampled)
+        return on_end(span)
+
+    def handed(spans: Any, *args: Any, **kwargs: Any) -> Any:
+        ended_handed[1] += len(spans)
+        return export(spans, *args, **kwargs)
+
+    processor.on_end, exporter.export = ended, handed
+    return processor
+
 
 EXPORTER_GROUPS = {"traces": ("OTEL_TRACES_EXPORTER", "opentelemetry_traces_exporter"),
                    "metrics": ("OTEL_METRICS_EXPORTER", "opentelemetry_metrics_exporter")}
@@ -78,8 +76,8 @@ def otlp_protocol(signal: str, name: str) -> str | None:
     """The OTLP protocol exporter ``name`` uses (``otlp``: by the protocol variables); None if not OTLP."""
     if name != "otlp":
         return {v: k for k, v in OTLP_EXPORTERS.items()}.get(name)
-    for variable in otel_environment.signal_variable(signal, "PROTOCOL"):
-        value = (otel_environment.raw(variable) or "").strip().lower()
+    for variable in oe.signal_variable(signal, "PROTOCOL"):
+        value = (oe.raw(variable) or "").strip().lower()
         if value in OTLP_EXPORTERS:
             return value
         if value:
@@ -96,12 +94,6 @@ def _accepted(cls: Any, **kwargs: Any) -> dict[str, Any]:
         return {}
 
 
-def _entry_point(group: str, name: str) -> Any:
-    from importlib.metadata import entry_points
-
-    return next(iter(entry_points(group=group, name=name)), None)
-
-
 def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | None = None,
               wrap_export: Callable[[Any], Any] | None = None, own_process: bool = False) -> list[Any]:
     """The exporters (or, for metrics, pull readers) ``names`` (default: what
@@ -110,44 +102,40 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
     built = []
     for name in exporter_names(signal) if names is None else names:
         otlp = otlp_protocol(signal, name)
-        found = _entry_point(group, OTLP_EXPORTERS[otlp] if otlp else name)
+        found = next(iter(entry_points(group=group, name=OTLP_EXPORTERS[otlp] if otlp else name)), None)
         if found is None:
             warn_once(f"exporter:{variable}:{name}", "otel-hicache: %s=%s: unknown exporter %s (none, or an "
                       "installed %s entry point); skipping it", variable, shown(os.environ.get(variable)),
                       shown(name), group)
             continue
-        if otlp is not None and not otel_environment.certificate_usable(signal, otlp):
+        if otlp is not None and not oe.certificate_usable(signal, otlp):
             continue
-        cls = otel_environment.build(f"{name} {signal} exporter class", found.load, {})
+        cls = oe.build(f"{name} {signal} exporter class", found.load, {})
         fixed = {"session": otlp_session()} if otlp == "http/protobuf" else {}
         if otlp is not None:  # its headers, parsed here (none of their values reaches a log line)
-            fixed.update(otel_environment.otlp_keywords(signal, otlp, own_process))
+            fixed.update(oe.otlp_keywords(signal, otlp, own_process))
         if meter_provider is not None:
             fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
-        retries = otel_environment.otlp_exporter(signal, otlp) if otlp else {}
-        exporter = cls and otel_environment.build(f"{name} {signal} exporter", lambda **kw: cls(**fixed, **kw),
-                                                  retries)
+        retries = oe.otlp_exporter(signal, otlp) if otlp else {}
+        exporter = cls and oe.build(f"{name} {signal} exporter", lambda **kw: cls(**fixed, **kw), retries)
         if exporter is not None:
             if otlp == "grpc" and wrap_export is not None:
                 exporter.export = wrap_export(exporter.export)
             if "session" in fixed:  # a blank certificate or key variable means unset
-                otel_environment.settle_session(fixed["session"], signal)
+                oe.settle_session(fixed["session"], signal)
             built.append(exporter)
     return built
 
-
-# -- providers ------------------------------------------------------------------------------------
 
 def build(resource: Any = None, extra_readers: Sequence[Any] = (),
           wrap_export: Callable[[Any], Any] | None = None, id_generator: Any = None,
           counters_since_ns: int | None = None, own_process: bool = False,
           static: Mapping[str, Any] | None = None) -> Providers:
-    """Providers from the ``OTEL_*`` variables, on ``resource`` (default: the SDK's); ``wrap_export(export)``
-    wraps each gRPC exporter's ``export`` (the bootstrap's fork guard); ``counters_since_ns``: the start
-    time of every monotonic sum exported; ``own_process``: the telemetry process, whose SDK loggers are
-    ours to filter (never the host's); ``static``: the attributes of the one serving process they are
-    for, added to the resource (not where a pull reader serves the metrics: it shows the resource on
-    ``target_info`` only)."""
+    """Providers from the ``OTEL_*`` variables, on ``resource`` (default: the SDK's). ``wrap_export``
+    wraps each gRPC exporter's ``export`` (the fork guard); ``counters_since_ns``: the start time of every
+    monotonic sum exported; ``own_process``: the telemetry process, whose SDK loggers are ours to filter;
+    ``static``: the serving process's attributes, put in the resource (not where a pull reader serves the
+    metrics: it shows the resource on ``target_info`` only)."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
@@ -159,10 +147,8 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
     if sdk_disabled():
         return Providers(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
     withhold((), own_process)  # no log line of ours (in our own process, the SDK's too) quotes a whole value
-    oe = otel_environment
     resource = resource if resource is not None else oe.resource()
-    readers: list[Any] = []
-    metric_exporters = []
+    readers, pushed = [], []
     for made in exporters("metrics", wrap_export=wrap_export, own_process=own_process):
         if isinstance(made, MetricReader):
             readers.append(made)  # a pull reader (prometheus) serving its own endpoint
@@ -173,15 +159,14 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
                           oe.METRIC_READER)
         if reader is not None:
             readers.append(reader)
-            metric_exporters.append(made)
+            pushed.append(made)
     readers += extra_readers
-    in_resource = bool(static) and len(metric_exporters) == len(readers)
-    if in_resource:
-        resource = (Resource.create() if resource is None else resource).merge(Resource(dict(static)))  # ours win
+    if in_resource := bool(static) and len(pushed) == len(readers):
+        resource = resource.merge(Resource(dict(static)))  # ours win
     meter_provider = oe.build("meter provider", lambda **kw: MeterProvider(
-        metric_readers=readers, resource=resource, shutdown_on_exit=False, **kw), oe.METER_PROVIDER)
-    meter_provider = meter_provider or NoOpMeterProvider()  # (warned)
-    for exporter in metric_exporters:  # the OTLP metric exporters' self-metrics
+        metric_readers=readers, resource=resource, shutdown_on_exit=False, **kw),
+        oe.METER_PROVIDER) or NoOpMeterProvider()  # (warned)
+    for exporter in pushed:  # the OTLP metric exporters' self-metrics
         if callable(getattr(exporter, "set_meter_provider", None)):
             exporter.set_meter_provider(meter_provider)
     # Not this meter provider: otel.sdk.span.started/live would cost the sinks two SDK calls a span, and
@@ -209,8 +194,6 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
 def _counters_since(export: Callable[..., Any], start_ns: int) -> Callable[..., Any]:
     """``export`` of metrics whose monotonic sums all count since ``start_ns``: a successor's counters go on
     from its predecessor's totals, and a later start time is a reset to ``rate()`` and delta converters."""
-    from dataclasses import replace
-
     from opentelemetry.sdk.metrics.export import Sum
 
     def since(point: Any) -> Any:
