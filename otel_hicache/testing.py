@@ -24,8 +24,7 @@ class SimulatedEvent:
         return self
 
     def never_completes(self) -> SimulatedEvent:
-        self.at_ns = _NEVER
-        return self
+        return self.record(at_ns=_NEVER)
 
     def query(self) -> bool:
         if self.raise_on_query is not None:
@@ -71,8 +70,8 @@ class SimulatedDevice:
 
     def copy(self, start_ns: float, duration_ms: float, enable_timing: bool = True) -> tuple[Any, Any]:
         """Start and finish events of a copy running ``[start_ns, start_ns + duration)``."""
-        return (self.event(enable_timing).record(at_ns=start_ns),
-                self.event(enable_timing).record(at_ns=start_ns + int(round(duration_ms * 1e6))))
+        end_ns = start_ns + int(round(duration_ms * 1e6))
+        return self.event(enable_timing).record(at_ns=start_ns), self.event(enable_timing).record(at_ns=end_ns)
 
     def anchor_event(self) -> SimulatedEvent:
         self.anchors_taken += 1

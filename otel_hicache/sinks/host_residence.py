@@ -1,9 +1,11 @@
-"""Host residence: how long offloaded pages sat in host memory until a load-back read them (submit to
-submit), which offload wrote them, and which were freed never read (waste), per page in NumPy arrays."""
+"""Host residence: how long offloaded pages sat in host memory until a load-back read them (submit
+to submit), which offload wrote them, and which were freed never read (waste)."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
+
+import numpy as np
 
 from .. import semconv as sc
 from ..adapters import causes
@@ -11,30 +13,29 @@ from ..diagnostics import warn_once
 
 OFFLOAD_CAUSES: tuple[str, ...] = (*causes()["offload"], sc.CAUSE_MIXED)  # what hicache.offload_cause can be
 _CAUSE_INDEX = {cause: index for index, cause in enumerate(OFFLOAD_CAUSES)}
+_N = len(OFFLOAD_CAUSES)
 MAX_LINKS = 16  # links of a load-back span to the offloads that wrote its pages; the rest: links_dropped
 
 
 class Reuse(NamedTuple):
-    """What a load-back read, per writing offload (distinct write time): oldest write first."""
+    """What a load-back read: residence and cause per writing offload, oldest first."""
 
     residence_ns: Sequence[int]
     causes: Sequence[str]
     bytes_by_cause: list[int]  # per OFFLOAD_CAUSES index
-    unknown_pages: int  # no write seen (before tracking began)
-    writers: Any  # a page per writing offload, newest first, and its write time: links at span start
+    unknown_pages: int  # written before tracking began
+    writers: Any  # a page per writing offload, newest first, and its write time (for links)
     writers_ns: Any
 
 
 class HostPool:
-    """Per page of one host pool: what the offload that last wrote it left, and whether it was read.
+    """Per page of one host pool, in NumPy arrays: its last offload, and whether it was read since.
     Events come in submission order; each is a few vectorised calls whatever its size."""
 
     def __init__(self, slots: int, page_size: int, name: str = "kv") -> None:
-        import numpy as np
-
         if page_size < 1 or slots < 1:
             raise ValueError(f"a host pool needs slots >= 1 and page_size >= 1, got {slots} and {page_size}")
-        self.np, self.name, self.page_size = np, name, page_size
+        self.name, self.page_size = name, page_size
         self.size = size = -(-slots // page_size)
         self.written_ns = np.zeros(size, np.int64)  # the writing offload's submit; 0: none seen
         self.cause = np.zeros(size, np.int8)
@@ -44,13 +45,10 @@ class HostPool:
         self.reloaded = np.zeros(size, np.bool_)
 
     def pages(self, page_bytes: bytes) -> Any:
-        """The distinct in-range pages of ``record.page_bytes``, ascending (out of range: warned once)."""
-        np = self.np
+        """The distinct in-range pages of ``record.page_bytes``, ascending."""
         pages = np.frombuffer(page_bytes, np.int64)
-        if pages.size > 1:  # repeats of the previous page dropped in O(n); a sort only if still unordered
-            pages = pages[np.concatenate(((True,), pages[1:] != pages[:-1]))]
-            if (pages[1:] <= pages[:-1]).any():
-                pages = np.unique(pages)
+        if pages.size > 1 and (pages[1:] <= pages[:-1]).any():  # (the capture sends them sorted, mostly)
+            pages = np.unique(pages)
         if pages.size and (pages[0] < 0 or pages[-1] >= self.size):
             warn_once(f"host_slots:{self.name}", "otel-hicache: host slots outside the %s host pool (%d pages "
                       "of %d); those pages are not tracked", self.name, self.size, self.page_size)
@@ -58,18 +56,17 @@ class HostPool:
         return pages
 
     def _forget(self, pages: Any) -> tuple[list[int], list[int]] | None:
-        """The waste of ``pages`` (bytes and pages per cause index) as they are overwritten or freed."""
-        np, n = self.np, len(OFFLOAD_CAUSES)
+        """Unread ``pages`` as waste: (bytes, pages) per cause index, or None."""
         unread = pages[(self.written_ns[pages] != 0) & ~self.reloaded[pages]]
         self.span_id[pages], self.reloaded[pages] = 0, False
         if unread.size == 0:
             return None
         cause = self.cause[unread]
-        return (np.bincount(cause, self.page_bytes[unread], n).astype(np.int64).tolist(),
-                np.bincount(cause, minlength=n).tolist())
+        return (np.bincount(cause, self.page_bytes[unread], _N).astype(np.int64).tolist(),
+                np.bincount(cause, minlength=_N).tolist())
 
     def written(self, pages: Any, when_ns: int, cause: str, num_bytes: int) -> Any:
-        """An offload wrote ``pages`` at ``when_ns``: the waste of what it overwrote."""
+        """An offload wrote ``pages`` at ``when_ns``; returns the waste it overwrote."""
         if pages.size == 0:
             return None
         waste = self._forget(pages)
@@ -81,7 +78,7 @@ class HostPool:
         return waste
 
     def freed(self, pages: Any) -> Any:
-        """The host application freed ``pages``: what of them was never read is waste."""
+        """The host application freed ``pages``; returns their waste."""
         if pages.size == 0:
             return None
         waste = self._forget(pages)
@@ -97,22 +94,20 @@ class HostPool:
         """A load-back read ``pages`` at ``when_ns``."""
         if pages.size == 0:
             return None
-        np, n = self.np, len(OFFLOAD_CAUSES)
         known = pages[self.written_ns[pages] != 0]
-        when = self.written_ns[known]
-        order = np.argsort(when, kind="stable")  # (stable: the lowest page of each write)
-        when, known_sorted = when[order], known[order]
-        firsts = np.flatnonzero(np.concatenate(((True,), when[1:] != when[:-1])))[:when.size]
-        writers = known_sorted[firsts]
+        order = np.argsort(self.written_ns[known], kind="stable")  # (stable: the lowest page of each write)
+        known_sorted = known[order]
+        when = self.written_ns[known_sorted]
+        writers = known_sorted[np.flatnonzero(np.concatenate(((True,), when[1:] != when[:-1])))[:when.size]]
+        when = self.written_ns[writers]
         self.reloaded[known] = True
-        return Reuse(np.maximum(when_ns - when[firsts], 0).tolist(),
-                     [OFFLOAD_CAUSES[c] for c in self.cause[writers].tolist()],
-                     np.bincount(self.cause[known], self.page_bytes[known], n).astype(np.int64).tolist(),
-                     int(pages.size - known.size), writers[::-1], when[firsts][::-1])
+        return Reuse(np.maximum(when_ns - when, 0).tolist(), [OFFLOAD_CAUSES[c] for c in self.cause[writers].tolist()],
+                     np.bincount(self.cause[known], self.page_bytes[known], _N).astype(np.int64).tolist(),
+                     int(pages.size - known.size), writers[::-1], when[::-1])
 
     def links(self, reuse: Reuse) -> tuple[list[tuple[int, int]], int]:
-        """The sampled spans that wrote a load-back's pages and still own them, newest first, at most
-        :data:`MAX_LINKS`, and how many more there were."""
+        """The sampled spans that wrote ``reuse``'s pages and still own them (newest first, at most
+        MAX_LINKS), and how many more there were."""
         w = reuse.writers
         w = w[(self.written_ns[w] == reuse.writers_ns) & (self.span_id[w] != 0)]
         first = w[:MAX_LINKS]
@@ -121,11 +116,9 @@ class HostPool:
 
 
 def make_host_pool(slots: int, page_size: int, name: str = "kv") -> HostPool | None:
-    """A :class:`HostPool`, or None (warned once) without NumPy or with a bad size."""
+    """A :class:`HostPool`, or None (warned once) for a bad size."""
     try:
         return HostPool(int(slots), int(page_size), name)
-    except ImportError:
-        warn_once("host_pool:numpy", "otel-hicache: host residence needs NumPy (pip install numpy); not tracked")
     except (TypeError, ValueError) as exc:
         warn_once(f"host_pool:{exc}", "otel-hicache: cannot track the %s host pool (%s)", name, exc)
     return None

@@ -1,5 +1,5 @@
 """Transfer spans on the public ``Tracer`` API: timed by the copy (device time on the wall clock),
-begun when its completion arrives, ended after its ack wait, child of the context at ``submit()``."""
+begun when its completion arrives, ended after its ack wait, children of the context at submit."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def trace_id_hex(context: Any) -> str:
 
 
 class OpIds(IdGenerator):
-    """Span and trace ids hashed from the op's seq (:meth:`use`) and the serving process's key, so
-    an op a successor replays is the same span; random ids before the first op."""
+    """Ids hashed from the op's seq (:meth:`use`) and a key of the serving process, so an op a
+    successor replays is the same span; random ids before the first op."""
 
     def __init__(self, key: bytes) -> None:
         self._key, self._digest, self._random = key[:64], b"", RandomIdGenerator()
@@ -43,25 +43,23 @@ class OpIds(IdGenerator):
 
 
 def span_attributes(record: Any, static: Mapping[str, Any]) -> dict[str, Any]:
-    """A span's attributes, the ack's aside: static, the call's, then the measured ones (which win)."""
-    src, dst = TIERS[record.direction]
-    reuse, ok, wait = record.host[2], record.error is None, record.queue_wait_ns
-    residence = reuse.residence_ns if reuse else ()
-    attrs = {**static, **(record.attributes or {})}
+    """A span's attributes but the ack's: static, the call's, then the measured ones (which win)."""
+    r, (src, dst), reuse = record, TIERS[record.direction], record.host[2]
+    residence = reuse.residence_ns if reuse else ()  # (oldest write first)
+    attrs = {**static, **(r.attributes or {})}
     for key, value in (
-            (sc.DIRECTION, record.direction), (sc.SRC_TIER, src), (sc.DST_TIER, dst), (sc.ORIGIN, record.origin),
-            (sc.CAUSE, record.cause), (sc.CAUSES_ATTR, record.cause_parts and tuple(p[0] for p in record.cause_parts)),
-            (sc.TOKENS, record.tokens), (sc.BLOCKS, record.blocks), (sc.BYTES, record.num_bytes),
-            (sc.PAGE_SIZE, record.page_size), (sc.POOL_NAMES, record.pool_names), (sc.POOL_TOKENS, record.pool_tokens),
-            (sc.IO_BACKEND, None if record.io_backend is None else str(record.io_backend)),
-            (sc.TIMING_SOURCE, record.timing_source), (sc.PLACEMENT_SOURCE, record.placement),
-            (sc.QUEUE_WAIT_US, None if wait is None else wait / 1e3),
-            (sc.BANDWIDTH, record.num_bytes * 1e9 / record.duration_ns if ok and record.duration_ns > 0 else None),
-            (sc.ERROR_TYPE, record.error),
-            (sc.RESIDENCE_MIN_US, residence[-1] / 1e3 if residence else None),
-            (sc.RESIDENCE_MAX_US, residence[0] / 1e3 if residence else None),  # (oldest write first)
-            (sc.UNKNOWN_PAGES, reuse and reuse.unknown_pages or None), (sc.LINKS_DROPPED, record.links_dropped or None),
-            (sc.REQUEST_LINKS_DROPPED, record.request_links_dropped or None)):
+            (sc.DIRECTION, r.direction), (sc.SRC_TIER, src), (sc.DST_TIER, dst), (sc.ORIGIN, r.origin),
+            (sc.CAUSE, r.cause), (sc.CAUSES_ATTR, r.cause_parts and tuple(p[0] for p in r.cause_parts)),
+            (sc.TOKENS, r.tokens), (sc.BLOCKS, r.blocks), (sc.BYTES, r.num_bytes), (sc.PAGE_SIZE, r.page_size),
+            (sc.POOL_NAMES, r.pool_names), (sc.POOL_TOKENS, r.pool_tokens),
+            (sc.IO_BACKEND, None if r.io_backend is None else str(r.io_backend)),
+            (sc.TIMING_SOURCE, r.timing_source), (sc.PLACEMENT_SOURCE, r.placement),
+            (sc.QUEUE_WAIT_US, None if r.queue_wait_ns is None else r.queue_wait_ns / 1e3),
+            (sc.BANDWIDTH, r.num_bytes * 1e9 / r.duration_ns if r.error is None and r.duration_ns > 0 else None),
+            (sc.ERROR_TYPE, r.error), (sc.RESIDENCE_MIN_US, residence[-1] / 1e3 if residence else None),
+            (sc.RESIDENCE_MAX_US, residence[0] / 1e3 if residence else None),
+            (sc.UNKNOWN_PAGES, reuse and reuse.unknown_pages or None), (sc.LINKS_DROPPED, r.links_dropped or None),
+            (sc.REQUEST_LINKS_DROPPED, r.request_links_dropped or None)):
         if value is not None:
             attrs[key] = value
     return attrs
@@ -81,7 +79,7 @@ class SpanBuilder:
         self._static, self._ids = static, ids
 
     def begin(self, record: Any) -> tuple[Any, bool]:
-        """The op's span and whether it waits for the ack (else it has the ack's attributes already)."""
+        """The op's span, and whether it waits for the ack (else it has the ack's attributes)."""
         if self._ids is not None:
             self._ids.use(record.seq)
         attrs = span_attributes(record, self._static)
