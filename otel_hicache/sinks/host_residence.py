@@ -95,11 +95,11 @@ class HostPool:
         if pages.size == 0:
             return None
         known = pages[self.written_ns[pages] != 0]
-        order = np.argsort(self.written_ns[known], kind="stable")  # (stable: the lowest page of each write)
-        known_sorted = known[order]
-        when = self.written_ns[known_sorted]
-        writers = known_sorted[np.flatnonzero(np.concatenate(((True,), when[1:] != when[:-1])))[:when.size]]
-        when = self.written_ns[writers]
+        when = self.written_ns[known]
+        order = np.argsort(when, kind="stable")  # (stable: the lowest page of each write)
+        when, known = when[order], known[order]
+        firsts = np.flatnonzero(np.concatenate(((True,), when[1:] != when[:-1])))[:when.size]  # one per write
+        writers, when = known[firsts], when[firsts]
         self.reloaded[known] = True
         return Reuse(np.maximum(when_ns - when, 0).tolist(), [OFFLOAD_CAUSES[c] for c in self.cause[writers].tolist()],
                      np.bincount(self.cause[known], self.page_bytes[known], _N).astype(np.int64).tolist(),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Mapping
 
+from opentelemetry.metrics import Observation
+
 from .. import semconv as sc
 from ..adapters import causes, direct_causes
 from ..diagnostics import warn_once
@@ -24,13 +26,16 @@ def _int64(name: str, total: Any) -> Any:
     return INT64_MAX
 
 
+def _observe(make: Callable[..., Any], spec: tuple[str, ...], values: Callable[[], Any]) -> None:
+    """An observable instrument of ``spec`` reporting the ``(attributes, value)`` pairs of ``values()``."""
+    make(spec[0], [lambda _options: [Observation(v, a) for a, v in values()]], *spec[1:])
+
+
 class TransferMetrics:
     """Every transfer instrument on one meter provider; every point carries ``static``."""
 
     def __init__(self, meter_provider: Any, static: Mapping[str, Any], clock: Callable[[], int] = time.time_ns,
                  io_backend: str = "unknown") -> None:
-        from opentelemetry.metrics import Observation
-
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
         self._static, self._clock, self._io_backend = dict(static), clock, io_backend
         self._series: dict[tuple, dict] = {}  # (key, value) pairs -> a point's attributes
@@ -38,13 +43,10 @@ class TransferMetrics:
         self._totals: dict[str, dict] = {}  # counter -> id(attributes) -> [attributes, total]
         self._queue_size, self._inflight, self._oldest = 0, dict.fromkeys(DIRECTIONS, 0), ({}, {})
 
-        def observe(spec, make, values):
-            make(spec[0], [lambda _options: [Observation(v, a) for a, v in values()]], *spec[1:])
-
         def counter(spec):
             table = self._totals[spec[0]] = {}
-            observe(spec, meter.create_observable_counter,
-                    lambda: [(a, _int64(spec[0], v)) for a, v in list(table.values())])
+            _observe(meter.create_observable_counter, spec,
+                     lambda: [(a, _int64(spec[0], v)) for a, v in list(table.values())])
             return table
 
         def histogram(spec, buckets):
@@ -60,11 +62,11 @@ class TransferMetrics:
             sc.TRANSFER_BYTES, sc.TRANSFER_BLOCKS, sc.TRANSFER_TOKENS, sc.TRANSFER_BUSY_TIME, sc.RECORDS_DROPPED,
             sc.RECORDS_FAILED, sc.HOST_RELOADED_BYTES, sc.HOST_WASTED_BYTES, sc.HOST_WASTED_TOKENS))
         by_d = {d: self._attrs((sc.DIRECTION, d)) for d in DIRECTIONS}
-        observe(sc.TRANSFER_INFLIGHT, meter.create_observable_up_down_counter,
-                lambda: [(by_d[d], n) for d, n in self._inflight.items()])
-        observe(sc.QUEUE_SIZE, meter.create_observable_gauge, lambda: [(self._static, self._queue_size)])
+        _observe(meter.create_observable_up_down_counter, sc.TRANSFER_INFLIGHT,
+                 lambda: [(by_d[d], n) for d, n in self._inflight.items()])
+        _observe(meter.create_observable_gauge, sc.QUEUE_SIZE, lambda: [(self._static, self._queue_size)])
         for i, spec in enumerate((sc.TRANSFER_OLDEST_INFLIGHT_AGE, sc.TRANSFER_OLDEST_UNACKED_AGE)):
-            observe(spec, meter.create_observable_gauge, lambda i=i: [
+            _observe(meter.create_observable_gauge, spec, lambda i=i: [
                 (by_d[d], 0.0 if t is None else max(0.0, (self._clock() - t) / 1e9))
                 for d in DIRECTIONS for t in (self._oldest[i].get(d),)])
         # zero series from start-up
@@ -180,16 +182,11 @@ class TelemetryCpu:
     (none embedded: the SDK's threads are not ours to find), and where the sinks run."""
 
     def __init__(self, meter_provider: Any, static: Mapping[str, Any], location: str) -> None:
-        from opentelemetry.metrics import Observation
-
         self.poller_cpu_s: float | None = None
         meter, attrs = meter_provider.get_meter(sc.SCOPE_NAME, __version__), dict(static)
-        process = {**attrs, sc.THREAD: sc.THREAD_TELEMETRY_PROCESS}
-        embedded = location != sc.LOCATION_TELEMETRY_PROCESS
-        for spec, make, values in (
-                (sc.POLLER_CPU_TIME, meter.create_observable_counter,
-                 lambda: [] if self.poller_cpu_s is None else [Observation(self.poller_cpu_s, attrs)]),
-                (sc.EXPORT_CPU_TIME, meter.create_observable_counter,
-                 lambda: [] if embedded else [Observation(time.process_time(), process)]),
-                (sc.SINKS, meter.create_observable_gauge, lambda: [Observation(1, {**attrs, sc.LOCATION: location})])):
-            make(spec[0], [lambda _options, values=values: values()], *spec[1:])
+        process, alone = {**attrs, sc.THREAD: sc.THREAD_TELEMETRY_PROCESS}, location == sc.LOCATION_TELEMETRY_PROCESS
+        _observe(meter.create_observable_counter, sc.POLLER_CPU_TIME,
+                 lambda: [] if self.poller_cpu_s is None else [(attrs, self.poller_cpu_s)])
+        _observe(meter.create_observable_counter, sc.EXPORT_CPU_TIME,
+                 lambda: [(process, time.process_time())] if alone else [])
+        _observe(meter.create_observable_gauge, sc.SINKS, lambda: [({**attrs, sc.LOCATION: location}, 1)])
