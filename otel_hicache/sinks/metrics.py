@@ -90,7 +90,7 @@ class TransferMetrics:
         if attrs is None:
             if capped:
                 if self._capped[capped] >= SERIES_CAP:
-                    warn_once(f"cardinality:{capped}", "otel-hicache: over %d series by %s; the rest are one "
+                    warn_once(f"cardinality:{capped}", "otel-hicache: more than %d series by %s; the rest are one "
                               "series with otel.metric.overflow=true", SERIES_CAP, capped)
                     return self._attrs(("otel.metric.overflow", True))
                 self._capped[capped] += 1
