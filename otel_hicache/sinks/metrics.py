@@ -37,7 +37,7 @@ class TransferMetrics:
     def __init__(self, meter_provider: Any, static: Mapping[str, Any], clock: Callable[[], int] = time.time_ns,
                  io_backend: str = "unknown") -> None:
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
-        self._static, self._clock, self._io_backend = dict(static), clock, io_backend
+        self._static, self._clock, self._default_io_backend = dict(static), clock, io_backend
         self._series: dict[tuple, dict] = {}  # (key, value) pairs -> a point's attributes
         self._capped = {sc.POOL: 0, sc.IO_BACKEND: 0}
         self._totals: dict[str, dict] = {}  # counter -> id(attributes) -> [attributes, total]
@@ -140,7 +140,7 @@ class TransferMetrics:
             self._moved(d, origin, cause, num_bytes, pools, tokens)
         if busy_added_ns:
             self._count(self.busy_time, busy_added_ns / 1e9, by_d)
-        io_backend = self._io_backend if record.io_backend is None else str(record.io_backend)
+        io_backend = self._default_io_backend if record.io_backend is None else str(record.io_backend)
         self.duration.record(seconds, self._attrs(
             by_d, (sc.SRC_TIER, src), (sc.DST_TIER, dst), origin, (sc.IO_BACKEND, io_backend),
             (sc.TIMING_SOURCE, timing), (sc.CAUSE, record.cause), capped=sc.IO_BACKEND), record.exemplar_context)
