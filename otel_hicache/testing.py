@@ -89,10 +89,11 @@ class WallClockDevice(SimulatedDevice):
 
 
 class DuckEvent:
-    """A timing event of a back-end otel-hicache does not know: no ``anchor_factory()``."""
+    """A timing event of a back-end otel-hicache does not know (no ``anchor_factory()``); one given
+    a ``stream`` compares only with events recorded on that stream."""
 
-    def __init__(self, inner: SimulatedEvent) -> None:
-        self._inner = inner
+    def __init__(self, inner: SimulatedEvent, stream: Any = None) -> None:
+        self._inner, self.stream = inner, stream
 
     def record(self, stream: Any = None) -> None:
         self._inner.record(stream)
@@ -104,17 +105,9 @@ class DuckEvent:
         self._inner.synchronize()
 
     def elapsed_time(self, end: DuckEvent) -> float:
+        if self.stream is not None and getattr(end, "stream", None) != self.stream:
+            raise RuntimeError("events of different streams cannot be compared")
         return self._inner.elapsed_time(end._inner)
 
 
-class OneStreamEvent(DuckEvent):
-    """A back-end whose events compare only with events recorded on their own stream."""
-
-    def __init__(self, inner: SimulatedEvent, stream: Any) -> None:
-        super().__init__(inner)
-        self.stream = stream
-
-    def elapsed_time(self, end: DuckEvent) -> float:
-        if getattr(end, "stream", None) != self.stream:
-            raise RuntimeError("events of different streams cannot be compared")
-        return super().elapsed_time(end)
+OneStreamEvent = DuckEvent  # the name tests give it when they pass a stream
