@@ -154,7 +154,7 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
     # what only a telemetry process reports (otel_hicache.export.cpu_time): its sink, on a provider
     # of its own (a second registration of poller.cpu_time on the harness's would be dropped)
     from opentelemetry.sdk.metrics import MeterProvider
-    from otel_hicache.sinks.self_metrics import TelemetryCpu
+    from otel_hicache.sinks.metrics import TelemetryCpu
     process_reader = InMemoryMetricReader()
     process_provider = MeterProvider(metric_readers=[process_reader], shutdown_on_exit=False)
     TelemetryCpu(process_provider, STATIC, "telemetry_process")

@@ -245,7 +245,6 @@ def test_answers_and_state_match_a_page_by_page_model():
                 assert list(reuse.residence_ns) == residence and reuse.unknown_pages == len(expected) - len(known)
                 assert list(reuse.causes) == [OFFLOAD_CAUSES[model[p][1]] for _, p in writes]
                 assert reuse.bytes_by_cause == [sum(model[p][2] for p in known if model[p][1] == c) for c in range(n)]
-                assert (reuse.min_ns, reuse.max_ns) == ((min(residence), max(residence)) if known else (None, None))
                 linked = [(model[p][3], model[p][4]) for _, p in writes[::-1] if model[p][4]]
                 assert pool.links(reuse) == (linked[:MAX_LINKS], max(0, len(linked) - MAX_LINKS)), step
                 for p in known:

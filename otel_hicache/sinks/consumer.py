@@ -16,8 +16,7 @@ from ..diagnostics import logger, warn_once
 from .busy_time import BusyTimeTracker
 from .host_residence import make_host_pool
 from .logs import TransferLog
-from .metrics import TransferMetrics
-from .self_metrics import TelemetryCpu
+from .metrics import TelemetryCpu, TransferMetrics
 from .spans import SpanBuilder
 
 _BUSY_LATE_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
