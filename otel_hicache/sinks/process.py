@@ -25,13 +25,14 @@ from .bounded_flush import bounded
 NICENESS = 10  # below the serving process: export waits, serving does not
 CHECKPOINT_S = 1.0  # spans exported and a checkpoint answered at most this often,
 CHECKPOINT_BYTES = 4 << 20  # and after this much input
-_IDLE_S = 0.05  # an idle read's wait: then a checkpoint may be due, or the serving process gone
+PARENT_CHECK_S = 1.0  # with nothing to checkpoint, an idle read waits this long, then looks for the serving process
 MALFORMED = object()  # a frame that is not the capture's: not JSON, or longer than any of its batches
 
 
-def frames(fd: int, idle: Callable[[], Any]) -> Iterator[tuple[Any, int]]:
-    """(value or ``MALFORMED``, size) of each frame until the input ends or the serving process is gone."""
-    parent, buffer, header = os.getppid(), bytearray(), rec.FRAME_HEADER.size
+def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
+    """(value or ``MALFORMED``, size) of each frame until the input ends or the serving process is gone;
+    ``idle()`` runs when a read found nothing and says how long the next one waits."""
+    parent, buffer, header, wait = os.getppid(), bytearray(), rec.FRAME_HEADER.size, PARENT_CHECK_S
     while True:
         length = rec.FRAME_HEADER.unpack_from(buffer)[0] if len(buffer) >= header else -1
         if length > rec.MAX_FRAME_BYTES:  # not the capture's: what was read with it goes too
@@ -44,7 +45,7 @@ def frames(fd: int, idle: Callable[[], Any]) -> Iterator[tuple[Any, int]]:
                 yield rec.decode(data), header + length
             except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
                 yield MALFORMED, header + length
-        elif select.select([fd], [], [], _IDLE_S)[0]:
+        elif select.select([fd], [], [], wait)[0]:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 return
@@ -52,7 +53,7 @@ def frames(fd: int, idle: Callable[[], Any]) -> Iterator[tuple[Any, int]]:
         elif os.getppid() != parent:
             return
         else:
-            idle()
+            wait = idle()
 
 
 def well_formed(batch: Any) -> bool:
@@ -113,6 +114,11 @@ class _Sinks:
             self.taken = frames
             self.answer(b"exported %d %s\n" % (frames, message))
 
+    def idle(self) -> float:
+        """A checkpoint if one is due, then how long the next read may wait: no wake-up while nothing is owed."""
+        self.checkpoint()
+        return PARENT_CHECK_S if self.frames == self.taken else max(0.01, self.at + CHECKPOINT_S - time.monotonic())
+
     def close(self) -> None:
         """The ack waits end; a flush first, within the bound: the SDK's self-metrics leave with it."""
         self.consumer.close()
@@ -138,7 +144,7 @@ def main() -> int:
             pass
 
     sinks: _Sinks | None = None
-    source = frames(0, lambda: sinks is not None and sinks.checkpoint())
+    source = frames(0, lambda: sinks.idle() if sinks is not None else PARENT_CHECK_S)
     hello = next(source, (None, 0))[0]
     if not isinstance(hello, dict):
         return 1
