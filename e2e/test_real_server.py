@@ -9,8 +9,8 @@ from real_server import server as rs
 pytestmark = pytest.mark.real_server
 CASES = {  # policy, page size, tensor parallelism, SGLang's request tracing, shared prefix
     "write_through": ("write_through", 1, 1, True, 400),  # links to SGLang's requests
-    "write_back-page16": ("write_back", 16, 1, False, 410),  # not a multiple of the page
-    "tp2": ("write_through", 1, 2, False, 400),  # two schedulers, two telemetry processes
+    # not a multiple of the page; two schedulers, two telemetry processes
+    "write_back-page16-tp2": ("write_back", 16, 2, False, 410),
 }
 
 
