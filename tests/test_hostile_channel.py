@@ -204,7 +204,7 @@ def test_a_caller_that_explodes_a_label_gets_one_warning_and_bounded_state(harne
     h = harness()
     n = SERIES_CAP + 500
     for i in range(n):
-        h.tel.submit("offload", {f"pool-{i}": 1}, 10, 1, expect_ack=False, host_start_ns=1, host_end_ns=2)
+        h.tel.submit("offload", {f"pool-{i}": 1}, 10, page_size=1, expect_ack=False, host_start_ns=1, host_end_ns=2)
         if i % 500 == 0:
             assert h.flush()
     assert h.flush()

@@ -155,7 +155,7 @@ def test_spans_stay_encodable_when_events_place_an_op_beyond_the_wall_clock():
     anchor = WallClockAnchor(lambda: Wild(), clock=lambda: 10**18)
     anchor.event, anchor.wall_ns = type("A", (), {"elapsed_time": lambda self, e: 1e15})(), 10**18
     record = TransferRecord(submission("offload", {"kv": 1}, 10, start_event=Wild(), finish_event=Wild(),
-                                       timing_enabled=True, submit_ns=10**18))
+                                       submit_ns=10**18))
     validate(record)
     resolve(record, 10**18 + 5_000_000, anchor)
     assert 0 <= record.start_ns <= record.end_ns <= INT64_MAX
