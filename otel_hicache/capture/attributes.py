@@ -37,7 +37,7 @@ def _limit(names: tuple[str, str], default: int | None) -> int | None:
 
 def limits() -> tuple[int, int | None]:
     """The SDK's span attribute limits, as it reads them: (count, value length or None)."""
-    return (_limit(("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_COUNT_LIMIT"), 128),  # type: ignore[return-value]
+    return (_limit(("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_COUNT_LIMIT"), 128),  # type: ignore
             _limit(("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"), None))
 
 

@@ -1,11 +1,6 @@
-"""Placing device events on the host wall clock.
-
-The *anchor* is a timing event the poller records on a side stream and synchronizes between two
-host clock readings: it ran at their midpoint, within half their distance, and a completed event
-``e`` is at ``anchor_wall_ns + anchor.elapsed_time(e)``. It is re-taken every
-``OTEL_HICACHE_ANCHOR_INTERVAL_S`` (drift). Without one, :class:`EventTimeline` places ops exactly
-relative to each other and estimates the timeline's offset to the wall clock.
-"""
+"""Placing device events on the host wall clock: by an *anchor*, an event synchronized between two
+host clock readings (re-taken every OTEL_HICACHE_ANCHOR_INTERVAL_S, for drift), else relative to
+each other on an :class:`EventTimeline` whose offset to the wall clock is estimated."""
 
 from __future__ import annotations
 
@@ -15,16 +10,13 @@ from typing import Any, Callable
 
 from ..diagnostics import logger, warn_once
 
-# hicache.placement_source of a device-timed span: by the anchor; by elapsed_time() from an earlier
-# op's event; or ending when the poller saw it end (or at the caller's end stamp).
-PLACEMENT_ANCHOR = "anchor"
-PLACEMENT_RELATIVE = "relative"
-PLACEMENT_HOST_COMPLETION = "host_completion"
+# hicache.placement_source: by the anchor, relative to an earlier op's event, or from the host completion
+PLACEMENT_ANCHOR, PLACEMENT_RELATIVE, PLACEMENT_HOST_COMPLETION = "anchor", "relative", "host_completion"
 _FIRST_SAMPLES = 3  # the first sample pays one-time costs inside its bracket: the narrowest of a few
 
 
 class WallClockAnchor:
-    """Maps completed device events to host wall-clock nanoseconds."""
+    """Maps completed device events to host wall-clock ns: the anchor ran at the midpoint of its bracket."""
 
     __slots__ = ("_factory", "_clock", "_interval_ns", "event", "wall_ns", "uncertainty_ns", "_best_ns",
                  "_taken_at_ns", "_failed")
@@ -81,10 +73,10 @@ class WallClockAnchor:
         return self.wall_ns + int(round(offset_ms * 1e6))
 
 
-_REFRESH_MS = 1000.0  # an op this far after its reference becomes the reference (elapsed_time() is a float32)
+_REFRESH_MS = 1000.0  # an op this far after its reference becomes the reference (a float32 of ms)
 _WINDOW_NS = 1_000_000_000  # host time over which a timeline looks for evidence it is placed too early
-_MAX_TIMELINES = 4  # devices, or streams whose events cannot be compared; least recently used dropped
-_GIVE_UP_AFTER = 8  # timelines started without one comparison succeeding: the events cannot be compared
+_MAX_TIMELINES = 4  # devices, or streams whose events cannot be compared (least recently used dropped)
+_GIVE_UP_AFTER = 8  # timelines started with no comparison succeeding: the events cannot be compared
 _FORCE_AFTER_NS = 10_000_000_000  # a correction that found no idle gap for this long is made anyway
 _NO_LAG = 1 << 62
 
@@ -140,14 +132,9 @@ class _Timeline:
 
 
 class EventTimeline:
-    """Places device-timed ops on the wall clock without an anchor (the poller's; not thread-safe).
-
-    A timeline's first op ends at ``bound_ns`` (when the poller saw it end, or the caller's end stamp)
-    and becomes its reference; later ops whose start event compares with it are placed by the device
-    time difference, so ops overlap as they did on the device. The offset is corrected at idle gaps.
-    Ops that compare with no timeline start their own; after :data:`_GIVE_UP_AFTER` without one
-    comparison every op is placed from its host completion.
-    """
+    """Places device-timed ops without an anchor: a timeline's first op ends at ``bound_ns`` (seen
+    complete); later ops that compare with it are placed by their device time difference, so they
+    overlap as on the device, the offset corrected at idle gaps. Not thread-safe."""
 
     __slots__ = ("_timelines", "_seeded", "_compared", "_disabled")
 

@@ -1,10 +1,9 @@
-"""The poller: the capture's one thread in the serving process, a batch processor over submit()'s queue.
+"""The poller: the capture's one thread, a batch processor over submit()'s queue.
 
-Each cycle: 1. intake: validate records (invalid ones counted), make the deferred cause calls, send
-an op's host pages in order with the frees; 2. completion: poll ``finish_event.query()`` (never
-``synchronize()``), time the op (:mod:`.timing`), time out stuck ones; 3. acks: end each op's ack
-wait (acked, or timed out); 4. hand-over: the cycle's messages as one batch to the channel.
-It polls while work is in flight, then sleeps until a timer is due or a submit() wakes it.
+Each cycle: intake (validate, deferred causes, host pages), completion (``finish_event.query()``,
+never ``synchronize()``; timing; timeouts), acks (acked or timed out), and hand-over of the cycle's
+messages as one batch to the channel. It polls while work is in flight, else sleeps until a timer
+is due or a submit() wakes it.
 """
 
 from __future__ import annotations
@@ -35,9 +34,6 @@ from .timing import Timing, is_complete, resolve_host_clock
 class PollerSettings:
     """The poller's knobs; the defaults are the documented ones (environment_variables.DEFAULTS)."""
 
-    __slots__ = ("max_queue_size", "poll_interval_s", "ack_timeout_ns", "transfer_timeout_ns",
-                 "anchor_interval_s", "stall_warning_s")
-
     def __init__(self, max_queue_size: int = DEFAULTS[ev.OTEL_HICACHE_MAX_QUEUE_SIZE],
                  poll_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_POLL_INTERVAL_MS] / 1e3,
                  ack_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_ACK_TIMEOUT_S],
@@ -57,17 +53,12 @@ class PollerSettings:
                    env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01))
 
 
-# Under load (submits closer than the poll interval) it polls this long after work before it sleeps,
-# so that submit() never wakes it; at low rates a wake per submit costs less than polling.
-_ACTIVE_GRACE_S = 0.1
+_ACTIVE_GRACE_S = 0.1  # under load, polls this long after work, so that submit() need not wake it
 _ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts: scanned at most this often
 _STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs: sent at most this often (and at every flush)
-_WRITE_INTERVAL_NS = 50_000_000  # written batches are sent on (a system call) at most this often,
-_WRITE_OPS = 256  # or once this many ops wait
-# A cycle stops taking on work after this much of its thread's CPU time, so that it never holds the
-# GIL from the serving thread for longer; checked every _BUDGET_EVERY records.
-CYCLE_BUDGET_NS = 150_000
-_BUDGET_EVERY = 4
+_WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # batches sent on (a system call) this often, or this many
+CYCLE_BUDGET_NS = 150_000  # a cycle's CPU time, so that it never holds the GIL longer; checked
+_BUDGET_EVERY = 4  # every this many records
 _INTAKE_PASS = 8  # records popped per pass
 _LOCK_WAIT_S = 0.05  # the longest another thread waits for the intake lock
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,8 +78,7 @@ def _where(thread: threading.Thread) -> str:
 
 
 class _Wake:
-    """A wake-up never lost: ``set()`` from any thread, ``wait(timeout)`` (None: unbounded) consumes it;
-    a lock is one C call per wait, an Event a Python Condition."""
+    """A wake-up never lost, ``wait()`` consumes it: a lock is one C call per wait (an Event is Python)."""
 
     __slots__ = ("_lock",)
 
@@ -107,10 +97,7 @@ class _Wake:
 
 
 class _Refusals:
-    """submit() calls refused on a full queue: ``next(count)`` is atomic and allocates nothing; each
-    read() is a call of its own, so it subtracts its own reads."""
-
-    __slots__ = ("count", "_reads", "_reported", "_lock")
+    """submit()s refused on a full queue: ``next(count)`` is atomic; read() subtracts its own calls."""
 
     def __init__(self) -> None:
         self.count, self._reads, self._reported, self._lock = itertools.count(), 0, 0, threading.Lock()
@@ -125,7 +112,7 @@ class _Refusals:
 
 
 class HostFree(NamedTuple):
-    """Host slots the application freed, queued in order with the ops around them."""
+    """Host slots freed, queued in order with the ops around them."""
 
     pool_id: int
     slots: Any
@@ -133,7 +120,7 @@ class HostFree(NamedTuple):
 
 
 class HostPoolRef:
-    """A host pool as ``host_slots`` and ``host_freed`` name it; its pages are tracked by the sinks."""
+    """A host pool as ``host_slots`` and ``host_freed`` name it (the sinks track its pages)."""
 
     __slots__ = ("pool_id", "name", "slots", "page_size")
     _ids = itertools.count(1)
@@ -146,14 +133,13 @@ class HostPoolRef:
 
 
 class Poller:
-    """Takes submit()'s lists in, watches them complete, writes their messages to the channel
+    """Takes submit()'s lists in, watches them complete, writes their messages to the channel that
     ``open_channel()`` makes at the first batch (again in a forked child)."""
 
     def __init__(self, settings: PollerSettings, open_channel: Callable[[], Any],
                  clock: Callable[[], int] = time.time_ns, anchor_factory: Callable[[], Any] | None = None) -> None:
-        self.settings, self._open_channel, self._clock, self._anchor_factory = settings, open_channel, clock, \
-            anchor_factory
-        self._forked = False
+        self.settings, self._open_channel, self._clock = settings, open_channel, clock
+        self._anchor_factory, self._forked = anchor_factory, False
         self.pools: list[HostPoolRef] = []  # announced to every channel opened (a forked child's too)
         self._init_state()
         fork.after_fork_in_child(self._after_fork_in_child)
@@ -171,18 +157,16 @@ class Poller:
         self._inflight = dict.fromkeys(DIRECTIONS, 0)
         self._timing = Timing(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
         self._attribute_limits = limits()
-        self._last_ack_scan = self._last_send = self._last_state = self._stall_written = 0
+        self._last_ack_scan = self._last_send = self._last_state = self._stall_written = self._ops_out = 0
         self.channel: Any = None
         self._out: list[tuple[Any, ...]] = []  # this cycle's messages
-        self._ops_out = 0
         self._drops: dict[str, int] = {}
         self._unsent_ops = -1  # ops written and not sent on yet; -1: nothing written at all
         self._state_sent: tuple[Any, ...] | None = None
-        self._state_held = False  # a changed STATE held back by its interval: a timer
         self._cpu_s = 0.0  # the thread's CPU time at its last STATE
-        self.idle = False  # asleep with nothing to poll: the next submit() wakes it
+        # idle: asleep, the next submit() wakes it; _more: the last cycle stopped at its budget
+        self.idle = self._more = self._state_held = False  # (_state_held: a changed STATE held back)
         self._wake = _Wake()
-        self._more = False  # the last cycle stopped at its budget with work left
         self._flush_waiters: list[tuple[int, threading.Event]] = []
         self._stopping = self._stop_called = self._abandoned = self._stall_reported = False
         self._cycle_started: float | None = None  # time.monotonic() of the running cycle
@@ -210,8 +194,8 @@ class Poller:
 
     # -- any thread: a stuck poller, flush, stop --------------------------------------------------
     def stalled(self) -> float:
-        """Seconds the running cycle has run once past ``stall_warning_s``, else 0; warns once per stall
-        where the poller is blocked, and writes the refusals and STATE it cannot."""
+        """Seconds the running cycle has run once past ``stall_warning_s``, else 0; says once where it is
+        blocked and writes the refusals and STATE it cannot."""
         started = self._cycle_started
         stalled_for = time.monotonic() - started if started is not None and self.thread.is_alive() else 0.0
         if stalled_for < self.settings.stall_warning_s:
@@ -234,8 +218,7 @@ class Poller:
         return stalled_for
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every record submitted before this call was taken in, is no longer in flight and was
-        written to the channel (those waiting for an ack stay held)."""
+        """Wait until every record submitted before was taken in, is complete and was written."""
         if not self.thread.is_alive():
             return not (self.queue or self._pending)
         done = threading.Event()
@@ -308,7 +291,7 @@ class Poller:
 
     def _sleep(self) -> None:
         """Nothing to poll: block until the next timer, or until submit() or flush() wakes us."""
-        try:  # a wake-up costs more than a STATE compared or a send made now: no timer for them
+        try:  # a STATE compared or a send made now costs less than a wake-up for them
             if self._state_held and self._state_message(self._cpu_s)[1:5] == self._state_sent:
                 self._state_held = False
             if self._unsent_ops >= 0 and not self._out:
@@ -344,7 +327,7 @@ class Poller:
 
     # -- 1. intake --------------------------------------------------------------------------------
     def _intake(self, end: int) -> None:
-        """At most what the cap leaves room for; the rest stays queued (submit() refuses beyond the cap)."""
+        """At most what the cap leaves room for; the rest stays queued."""
         queue = self.queue
         room = self.settings.max_queue_size - len(self._pending) - len(self._awaiting)
         while queue and room > 0 and not self._abandoned:
@@ -366,10 +349,9 @@ class Poller:
                     self._out.append(item.message())
                 elif self._take_in(item, seq):
                     room -= 1  # an invalid record takes no room
-        self.held = len(self._pending) + len(self._awaiting)
 
     def _take_in(self, item: list[Any], seq: int) -> bool:
-        """Validate a submitted list and hold it until it completes; False if it was dropped."""
+        """Validate a submitted list and hold it until it completes; False if dropped."""
         try:
             record = TransferRecord(item)
             record.seq = seq
@@ -394,7 +376,7 @@ class Poller:
             return False
 
     def _pages(self, head: tuple[Any, ...], slots: Any, page_size: int, tail: tuple[Any, ...] = ()) -> None:
-        """A ``record.HOST`` (an op's pages) or ``record.FREE`` message, its slots as the pool's pages."""
+        """A ``record.HOST`` or ``record.FREE`` message, its slots as pages."""
         try:
             self._out.append((*head, rec.page_text(slots, page_size), *tail))
         except Exception as exc:  # the op is still reported; these pages are not tracked
@@ -442,7 +424,7 @@ class Poller:
             self._awaiting.append(record)
 
     def _fail(self, record: TransferRecord, reason: str, now: int, exc: BaseException | None) -> None:
-        """An event raised or never finished: an error span on the host clock, no ack wait."""
+        """An event raised or never finished: an error span on the host clock."""
         record.error, record.expect_ack = reason, False
         resolve_host_clock(record, now)
         self._send(record)
@@ -455,7 +437,7 @@ class Poller:
                       "reported as an error span and its slot freed", self.settings.transfer_timeout_ns / 1e9)
 
     def _send(self, record: TransferRecord) -> None:
-        """The op as a ``record.OP`` message; its requests and parent resolved here (this process's objects)."""
+        """The op as a ``record.OP`` message, its requests and parent as plain values."""
         if record.requests is not None:
             try:
                 contexts, record.request_links_dropped = request_links.resolve(record.requests)
@@ -478,15 +460,14 @@ class Poller:
 
     # -- 3. ack watching --------------------------------------------------------------------------
     def _acks(self, now: int) -> None:
-        """Watched acks every cycle (cheap); the others and the timeouts every _ACK_SCAN_INTERVAL_NS."""
+        """Watched acks every cycle (cheap); the others and timeouts every _ACK_SCAN_INTERVAL_NS."""
         watched = self._watch_acks(now, self._awaiting)
         if self._stopping or watched or self._flush_waiters or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS:
             self._last_ack_scan = now
             self._scan_acks(now)
 
     def _watch_acks(self, now: int, awaiting: list[TransferRecord]) -> int:
-        """Stamp the ack time of watched records whose item left its container (one snapshot per
-        container: ``tuple(list)`` is atomic under the GIL); returns how many were stamped."""
+        """Stamp watched records whose item left its container (a ``tuple()`` snapshot each); how many."""
         snapshots: dict[int, set[int] | None] = {}
         stamped = 0
         for record in awaiting:
@@ -550,7 +531,7 @@ class Poller:
         return due() if due is not None else None
 
     def _write(self) -> None:
-        """This cycle's messages to the channel, opened at the first batch (on this thread, after any fork)."""
+        """This cycle's messages to the channel (opened at the first batch, after any fork)."""
         self._take_drops()
         if not self._out:
             return
@@ -566,7 +547,7 @@ class Poller:
         self._unsent_ops = max(0, self._unsent_ops) + ops
 
     def _send_on(self) -> None:
-        """What was written since the last send, to its destination (a system call: rarely)."""
+        """What was written since the last send, on to its destination (a system call)."""
         self._last_send, self._unsent_ops = time.monotonic_ns(), -1
         send = getattr(self.channel, "send", None)  # (the embedded channel applies at write)
         if send is not None:
@@ -577,8 +558,8 @@ class Poller:
         self._out.extend((rec.DROPPED, reason, count) for reason, count in drops.items())
 
     def open_channel(self) -> Any:
-        """The channel, opened now if it is not (at start-up or the first batch; in a forked child at
-        its first submit, on the caller's thread: never in an exit hook, where the SDK cannot start threads)."""
+        """The channel, opened now if it is not (in a forked child by its first submit(), never in an
+        exit hook, where the SDK cannot start threads)."""
         if self.channel is not None:
             return self.channel
         with self._open_lock:
@@ -594,7 +575,7 @@ class Poller:
         return self.channel
 
     def _state(self, force: bool) -> None:
-        """A ``record.STATE`` when what the gauges show changed, at most every ``_STATE_INTERVAL_NS``."""
+        """A ``record.STATE`` when the gauges changed, at most every ``_STATE_INTERVAL_NS``."""
         mono = time.monotonic_ns()
         self._state_held = not force and mono - self._last_state < _STATE_INTERVAL_NS
         if self._state_held or (self._forked and self.channel is None):  # (a silent forked child: no sinks)
@@ -606,8 +587,7 @@ class Poller:
             self._out.append(message)
 
     def _state_message(self, cpu_s: float) -> tuple[Any, ...]:
-        """What the gauges show now, from snapshots (``tuple(list)`` is one step under the GIL): from the
-        poller, or a thread that found it stuck."""
+        """What the gauges show, from ``tuple()`` snapshots (the poller's, or a thread's that found it stuck)."""
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
             queued = tuple(self.queue)
@@ -637,8 +617,7 @@ class Poller:
         return (rec.STATE, inflight, oldest, unacked, len(queued) + self.held, cpu_s)
 
     def _release_flush_waiters(self, everyone: bool = False) -> None:
-        """A flush is done once every record submitted before it was taken in and is no longer in flight
-        (``everyone``: on stop, nothing is in flight any more)."""
+        """Release the flushes whose records were all taken in and are complete (on stop, all)."""
         oldest_pending = self._pending[0].seq if self._pending else self._taken  # (in intake order)
         with self._lock:
             waiting = []
@@ -650,7 +629,7 @@ class Poller:
             self._flush_waiters = waiting
 
     def _cycle_final(self) -> None:
-        """On stop: what is still in flight is dropped and counted, the ack waits end."""
+        """On stop: what is in flight is dropped and counted, the ack waits end."""
         if self._pending:
             self._drop(sc.DROP_SHUTDOWN, len(self._pending))
             for record in self._pending:
@@ -667,7 +646,7 @@ class Poller:
         self._release_flush_waiters(everyone=True)
 
     def _drop_queued(self) -> None:
-        """Records submitted but never taken in (the poller has stopped): counted, not lost silently."""
+        """Records never taken in (the poller stopped): counted."""
         count = 0
         while self.queue:
             count += type(self.queue.popleft()) is list
@@ -680,7 +659,7 @@ class Poller:
         self._drops[reason] = self._drops.get(reason, 0) + count
 
     def _internal_error(self, stage: str, exc: Exception) -> None:
-        """One record lost to an error of ours: counted, never the rest of its batch."""
+        """One record lost to an error of ours: counted."""
         self._drop(sc.DROP_INTERNAL_ERROR)
         warn_once(f"{stage}:{type(exc).__name__}", "otel-hicache: a record could not be %s (%r); counted in "
                   "otel_hicache.records.dropped{reason=internal_error}", stage, exc)

@@ -33,7 +33,7 @@ def submission(*values: Any, **fields: Any) -> list[Any]:
 
 
 class TransferRecord:
-    """One op on the poller, from its submitted list ``handle`` (whose ack time ``ack()`` may stamp later)."""
+    """One op on the poller, from its submitted list ``handle`` (which ``ack()`` may stamp later)."""
 
     __slots__ = ("handle", *SUBMISSION_FIELDS[:S_ACK_NS],
                  # set by the poller; cause_parts: a mixed op's ((cause, pool names, pool tokens, bytes), ...)
@@ -55,7 +55,7 @@ class TransferRecord:
 
 
 def _shown(value: Any) -> str:
-    """``value`` for a message, short whatever it is (a 5,000-digit int, a 10 MB string)."""
+    """``value`` for a message, short whatever it is."""
     if isinstance(value, int) and not -2**64 < value < 2**64:
         return f"an integer of {value.bit_length()} bits"
     return reprlib.repr(value)
@@ -75,11 +75,11 @@ def _count(value: Any, what: str, low: int = 0) -> int:
     return value
 
 
-_NAMES_SEEN: set[str] = set()  # names checked once (a few pool names, seen on every op), up to 1,024
+_NAMES_SEEN: set[str] = set()  # names checked once (a few pool names, on every op), up to 1,024
 
 
 def _name(name: Any, what: str) -> str:
-    """A non-empty string that encodes as UTF-8 (a str enum member as its plain value)."""
+    """A non-empty string that encodes as UTF-8 (a str enum member as its value)."""
     if type(name) is str and name in _NAMES_SEEN:
         return name
     if not isinstance(name, str) or not name:
@@ -93,8 +93,7 @@ def _name(name: Any, what: str) -> str:
 
 
 def validate(record: TransferRecord) -> None:
-    """Check and normalize a record's fields in place (a ValueError/TypeError names the problem); sets
-    ``tokens`` (the first pool's), ``blocks``, ``pool_names``, ``pool_tokens``, ``origin`` and the cause."""
+    """Check and normalize a record's fields in place, or a ValueError/TypeError naming the problem."""
     if record.direction not in TIERS:
         raise ValueError(f"direction must be 'offload' or 'onboard', got {_shown(record.direction)}")
     page_size = record.page_size = _count(record.page_size, "page_size", 1)
@@ -103,7 +102,8 @@ def validate(record: TransferRecord) -> None:
     if not isinstance(pools, Mapping):
         raise TypeError(f"tokens_by_pool must be a mapping of pool name to tokens, got {type(pools).__name__}")
     record.pool_names = tuple(_name(name, "tokens_by_pool keys") for name in pools)
-    record.pool_tokens = tuple(_count(count, f"tokens_by_pool[{_shown(name)}]") for name, count in pools.items())
+    record.pool_tokens = tuple(c if type(c) is int and 0 <= c <= INT64_MAX else  # (no message built)
+                               _count(c, f"tokens_by_pool[{_shown(n)}]") for n, c in pools.items())
     record.tokens = record.pool_tokens[0] if record.pool_tokens else 0
     record.blocks = -(-record.tokens // page_size)
     record.submit_ns = _count(record.submit_ns, "submit_ns")  # the caller's host_start_ns when given
@@ -115,15 +115,13 @@ def validate(record: TransferRecord) -> None:
         record.io_backend = _name(str(record.io_backend), "io_backend")
     record.origin = MERGED_OP if record.expect_ack else DIRECT
     _validate_cause(record)
-    slots, watch = record.host_slots, record.ack_watch
+    slots, watch = record.host_slots, record.ack_watch  # a bad one costs only the host pages, or the ack time
     if slots is not None and not (type(slots) is tuple and len(slots) == 2 and hasattr(slots[0], "pool_id")):
-        record.host_slots = None  # the op is still reported, without its host pages
-        warn_once("host_slots", "otel-hicache: host_slots must be (TransferTelemetry.host_pool(...), slots), got "
-                  "%r; ignored", type(slots).__name__)
+        record.host_slots = None
+        warn_once("host_slots", "otel-hicache: host_slots must be (pool, slots), not %s", type(slots).__name__)
     if watch is not None and not (type(watch) is tuple and len(watch) == 2 and hasattr(watch[0], "__iter__")):
-        record.ack_watch = None  # the op is still reported; only its ack time is unknown
-        warn_once("ack_watch", "otel-hicache: ack_watch must be a (container, item) tuple, got %r; ignored",
-                  type(watch).__name__)
+        record.ack_watch = None
+        warn_once("ack_watch", "otel-hicache: ack_watch must be (container, item), not %s", type(watch).__name__)
 
 
 def _known_cause(cause: Any, direction: str) -> str:
@@ -136,8 +134,7 @@ def _known_cause(cause: Any, direction: str) -> str:
 
 
 def _validate_cause(record: TransferRecord) -> None:
-    """The op's cause: ``cause``, or what ``cause_call`` returns (called here, on the poller): a cause,
-    or parts summing to the op's totals (several causes: ``mixed``; not summing: ``other``, warned)."""
+    """``cause``, or what ``cause_call`` returns: a cause, or parts summing to the op's totals."""
     cause, record.cause_parts = record.cause, None
     if record.cause_call is not None:
         try:

@@ -1,8 +1,5 @@
-"""``TransferTelemetry``: the API adapters and applications call.
-
-``submit()`` and ``ack()`` are the hot path: they stamp the host clock and the current context and
-append a list to a bounded queue, never raise; the poller (:mod:`.poller`) does the rest.
-"""
+"""``TransferTelemetry``: the API adapters and applications call; ``submit()`` and ``ack()`` only
+stamp the host clock and the context and append to a bounded queue, the poller does the rest."""
 
 from __future__ import annotations
 
@@ -32,18 +29,13 @@ _OPEN_FIRST = -1
 
 
 def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
-    poller = ref()
-    if poller is not None:
+    if (poller := ref()) is not None:
         poller.stop(timeout_s)
 
 
 class TransferTelemetry:
-    """Turns L1<->L2 transfers into device-timed spans and exact metrics.
-
-    The providers default to those :func:`otel_hicache.configure` built, else the global ones;
-    ``attributes`` go on every span and point; ``clock`` is the host clock in ns;
-    ``anchor_event_factory`` returns a freshly recorded timing event for the wall-clock anchor.
-    """
+    """Turns L1<->L2 transfers into device-timed spans and exact metrics; the providers default to
+    :func:`otel_hicache.configure`'s, else the global ones; ``attributes`` go on every span and point."""
 
     def __init__(self, tracer_provider: Any = None, meter_provider: Any = None,
                  attributes: Mapping[str, Any] | None = None, *, clock: Callable[[], int] | None = None,
@@ -52,7 +44,7 @@ class TransferTelemetry:
         self._clock = clock or time.time_ns
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self._pipeline: Poller | None = None  # (tests/harness.py reads it by this name)
-        self.enabled = False  # a plain attribute: adapters guard their argument building with it
+        self.enabled = False  # (a plain attribute: adapters read it on their hot path)
         if not env_bool(ev.OTEL_HICACHE_ENABLED) or sdk_disabled():
             return
         settings = PollerSettings.from_environment()
@@ -69,7 +61,7 @@ class TransferTelemetry:
             self._cap = _OPEN_FIRST
 
     def _first_in_child(self, poller: Poller) -> bool:
-        """A forked child's first call opens its channel on the caller's thread; True if there is room."""
+        """A forked child's first call opens its channel on its thread; True if there is room."""
         if self._cap != _OPEN_FIRST:
             return False
         self._cap = poller.settings.max_queue_size
@@ -87,17 +79,8 @@ class TransferTelemetry:
                host_end_ns: int | None = None, ack_watch: tuple[Any, Any] | None = None, cause: str | None = None,
                cause_call: tuple | None = None,
                host_slots: tuple[Any, Any] | None = None, requests: Sequence[Any] | None = None) -> list | None:
-        """Report one merged op (or one direct copy); returns the handle for ``ack()``.
-
-        ``finish_event`` completes the op (``query()``); with ``start_event`` too, its duration is
-        their ``elapsed_time()``. ``expect_ack=False``: nobody acknowledges it;
-        ``ack_watch=(container, item)``: acked once ``item`` left ``container``. ``host_start_ns``/
-        ``host_end_ns``: host times the caller knows. ``cause``: one of ``adapters.causes()[direction]``;
-        ``cause_call=(function, *args)``, called on the poller instead, returns a cause or parts
-        ``[(cause, tokens_by_pool, num_bytes), ...]`` summing to the op's totals. ``host_slots=(pool,
-        slots)``: the op's slots in a :meth:`host_pool`. ``requests``: the span contexts to link.
-        What is passed is read on the poller: do not mutate it afterwards.
-        """
+        """Report one merged op (or direct copy); returns the handle for ``ack()``. The keywords are
+        described in docs/configuration.md; what is passed is read on the poller, later."""
         poller = self._pipeline
         if poller is None:
             return None
@@ -106,7 +89,7 @@ class TransferTelemetry:
                 next(poller.refused)
                 poller.stalled()  # a full queue may be a stuck poller: it says where
                 return None
-            # records.SUBMISSION_FIELDS spelled out: a literal is the cheapest build (test_records.py checks it)
+            # records.SUBMISSION_FIELDS: a literal is the cheapest build (test_records.py checks it)
             record = [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, io_backend,
                       attributes, expect_ack, self._clock() if host_start_ns is None else host_start_ns,
                       _get_current_context(), host_start_ns, host_end_ns, ack_watch, cause, cause_call,
@@ -119,8 +102,8 @@ class TransferTelemetry:
             return None
 
     def host_pool(self, slots: int, page_size: int, name: str = "kv") -> Any:
-        """A host pool of ``slots`` token slots in pages of ``page_size`` for ``host_slots`` and
-        :meth:`host_freed`; None when disabled, without NumPy, or for a bad size (warned once)."""
+        """A host pool for ``host_slots`` and :meth:`host_freed`; None when disabled, without NumPy,
+        or for a bad size (warned once)."""
         poller = self._pipeline
         if poller is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
             return None
@@ -139,8 +122,7 @@ class TransferTelemetry:
         return pool
 
     def host_freed(self, pool: Any, slots: Any) -> None:
-        """The host freed ``slots`` of ``pool``, in order with the ops around it; never refused
-        (tiny, and must not be lost)."""
+        """The host freed ``slots`` of ``pool``; never refused (tiny, and must not be lost)."""
         poller = self._pipeline
         if poller is None or pool is None:
             return
@@ -165,9 +147,8 @@ class TransferTelemetry:
     @contextmanager
     def transfer(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, stream: Any = None,
                  **options: Any) -> Iterator[None]:
-        """Report the copies enqueued inside the block as one op without an ack, timed by events
-        recorded on ``stream`` around it, else on the host clock; ``options`` as submit()'s.
-        Nothing is reported if the block raises."""
+        """The copies enqueued in the block as one op without an ack, timed by events recorded on
+        ``stream``, else the host clock (``options``: submit()'s). Not reported if the block raises."""
         if self._pipeline is None:
             yield None
             return
@@ -203,8 +184,7 @@ class TransferTelemetry:
         return flushed and exported
 
     def shutdown(self) -> None:
-        """Stop accepting, report what was recorded (unacked: ``hicache.acked=false``) and export,
-        within OTEL_HICACHE_SHUTDOWN_TIMEOUT_S."""
+        """Stop, report what was recorded (unacked: ``hicache.acked=false``) and export, bounded."""
         poller, self._pipeline = self._pipeline, None
         self.enabled = False
         if poller is not None:

@@ -1,10 +1,6 @@
-"""Completion and timing of a record, on the poller.
-
-Completion is ``finish_event.query()``, never a blocking ``synchronize()``; ``elapsed_time()`` is read
-only once both events completed: the op's device time (``device_event``), placed on the wall clock
-by :mod:`.clock`. Without usable events the duration is host time from submit (or the caller's start)
-to completion (the caller's end, else when the poller saw it), labelled ``host_clock``.
-"""
+"""Completion (``finish_event.query()``, never ``synchronize()``) and timing of a record: with both
+events completed, ``elapsed_time()`` (``device_event``) placed by :mod:`.clock`; else host times
+(``host_clock``), from submit or the caller's start to the caller's end or when it was seen complete."""
 
 from __future__ import annotations
 
@@ -30,8 +26,7 @@ def is_complete(record: TransferRecord) -> bool:
 
 
 class Timing:
-    """The poller's timing: one wall-clock anchor (from ``anchor_factory``, else made from the first
-    device-timed op's events) and the event timeline for what the anchor cannot place."""
+    """The poller's anchor (from ``anchor_factory``, else the first timed op's events) and timeline."""
 
     def __init__(self, anchor_factory: Any, interval_s: float, clock: Any) -> None:
         self._factory, self._interval_s, self._clock = anchor_factory, interval_s, clock
@@ -75,7 +70,7 @@ def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
 def _place(record: TransferRecord, anchor: WallClockAnchor | None, timeline: EventTimeline | None,
            duration_ns: int, bound_ns: int) -> tuple[int, str]:
     """Where a device-timed op starts, and how that was found; nonsense from the events gives way to
-    the host completion (warned once): one bad event must not cost the op its span."""
+    the host completion (warned once)."""
     try:
         start = anchor.wall_time_ns(record.start_event) if anchor is not None else None
         placement = PLACEMENT_ANCHOR
