@@ -111,25 +111,13 @@ class _Refusals:
         return drops
 
 
-class HostFree(NamedTuple):
-    """Host slots freed, queued in order with the ops around them."""
-
-    pool_id: int
-    slots: Any
-    page_size: int
-
-
-class HostPoolRef:
+class HostPoolRef(NamedTuple):
     """A host pool as ``host_slots`` and ``host_freed`` name it (the sinks track its pages)."""
 
-    __slots__ = ("pool_id", "name", "slots", "page_size")
-    _ids = itertools.count(1)
-
-    def __init__(self, name: str, slots: int, page_size: int) -> None:
-        self.pool_id, self.name, self.slots, self.page_size = next(self._ids), name, slots, page_size
-
-    def message(self) -> tuple[Any, ...]:
-        return (rec.POOL, self.pool_id, self.name, self.slots, self.page_size)
+    pool_id: int
+    name: str
+    slots: int
+    page_size: int
 
 
 class Poller:
@@ -186,9 +174,11 @@ class Poller:
         self.idle = False
         self._wake.set()
 
-    def add_pool(self, pool: HostPoolRef) -> None:
-        self.pools.append(pool)
-        self.queue.append(pool)  # announced in order, before the ops that use it
+    def add(self, item: Any) -> None:
+        """A pool (announced in order, before the ops that use it), or ``(pool, slots)`` freed."""
+        if type(item) is HostPoolRef:
+            self.pools.append(item)
+        self.queue.append(item)
         if self.idle:
             self.wake()
 
@@ -320,8 +310,10 @@ class Poller:
             self._completions(now, end)
         if self._abandoned:
             return
-        if self._awaiting:
-            self._acks(now)
+        if self._awaiting and (self._watch_acks(now, self._awaiting) or self._stopping or self._flush_waiters
+                               or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS):
+            self._last_ack_scan = now  # (watched acks every cycle, the others and timeouts less often)
+            self._scan_acks(now)
         self.held = len(self._pending) + len(self._awaiting)
         self._hand_over(end)
 
@@ -341,14 +333,14 @@ class Poller:
                 items = [queue.popleft() for _ in range(count)]
                 self._taken = first + count
             for seq, item in enumerate(items, first):
-                if type(item) is HostFree:
-                    self.held -= 1
-                    self._pages((rec.FREE, item.pool_id), item.slots, item.page_size)
-                elif type(item) is HostPoolRef:
-                    self.held -= 1
-                    self._out.append(item.message())
-                elif self._take_in(item, seq):
-                    room -= 1  # an invalid record takes no room
+                if type(item) is list:
+                    room -= self._take_in(item, seq)  # an invalid record takes no room
+                    continue
+                self.held -= 1
+                if type(item) is HostPoolRef:
+                    self._out.append((rec.POOL, *item))
+                else:  # (pool, slots) freed
+                    self._pages((rec.FREE, item[0].pool_id), item[1], item[0].page_size)
 
     def _take_in(self, item: list[Any], seq: int) -> bool:
         """Validate a submitted list and hold it until it completes; False if dropped."""
@@ -459,13 +451,6 @@ class Poller:
         self._inflight[record.direction] -= 1
 
     # -- 3. ack watching --------------------------------------------------------------------------
-    def _acks(self, now: int) -> None:
-        """Watched acks every cycle (cheap); the others and timeouts every _ACK_SCAN_INTERVAL_NS."""
-        watched = self._watch_acks(now, self._awaiting)
-        if self._stopping or watched or self._flush_waiters or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS:
-            self._last_ack_scan = now
-            self._scan_acks(now)
-
     def _watch_acks(self, now: int, awaiting: list[TransferRecord]) -> int:
         """Stamp watched records whose item left its container (a ``tuple()`` snapshot each); how many."""
         snapshots: dict[int, set[int] | None] = {}
@@ -567,7 +552,7 @@ class Poller:
                 try:
                     channel = self._open_channel()
                     if self.pools:
-                        channel.write([pool.message() for pool in self.pools], 0)
+                        channel.write([(rec.POOL, *pool) for pool in self.pools], 0)
                     self.channel = channel
                 except Exception as exc:  # the poller goes on; the next batch tries again
                     warn_once(f"channel:{type(exc).__name__}", "otel-hicache: cannot open the telemetry "

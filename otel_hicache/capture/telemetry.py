@@ -4,6 +4,7 @@ stamp the host clock and the context and append to a bounded queue, the poller d
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import time
 import weakref
 from contextlib import contextmanager
@@ -18,11 +19,12 @@ from ..settings import env_bool, env_float, sdk_disabled
 from . import fork
 from .attributes import static_attributes
 from .device import timing_event_pair
-from .poller import HostFree, HostPoolRef, PollerSettings, Poller
+from .poller import HostPoolRef, PollerSettings, Poller
 from .process_exit import on_exit
 from .records import INT64_MAX, S_ACK_NS
 
 _get_current_context = otel_context.get_current
+_POOL_IDS = itertools.count(1)
 # A forked child's capacity until its first call: below any queue length, so submit()'s capacity
 # check sends that call to _first_in_child.
 _OPEN_FIRST = -1
@@ -117,21 +119,19 @@ class TransferTelemetry:
         except (TypeError, ValueError) as exc:
             warn_once(f"host_pool:{exc}"[:200], "otel-hicache: cannot track the %s host pool (%s)", name, exc)
             return None
-        pool = HostPoolRef(name, slots, page_size)
-        poller.add_pool(pool)
+        pool = HostPoolRef(next(_POOL_IDS), name, slots, page_size)
+        poller.add(pool)
         return pool
 
     def host_freed(self, pool: Any, slots: Any) -> None:
         """The host freed ``slots`` of ``pool``; never refused (tiny, and must not be lost)."""
         poller = self._pipeline
-        if poller is None or pool is None:
+        if poller is None or type(pool) is not HostPoolRef:
             return
         try:
             if self._cap == _OPEN_FIRST:
                 self._first_in_child(poller)
-            poller.queue.append(HostFree(pool.pool_id, slots, pool.page_size))
-            if poller.idle:
-                poller.wake()
+            poller.add((pool, slots))
         except Exception:  # never raise into the host application
             return
 
