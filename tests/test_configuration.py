@@ -246,7 +246,7 @@ def test_exit_is_bounded_when_the_collector_is_unreachable(tmp_path):
         otel_hicache.configure()
         tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
         for _ in range(100):
-            tel.submit("offload", {"kv": 64}, 100, 64, expect_ack=False, host_start_ns=0, host_end_ns=10)
+            tel.submit("offload", {"kv": 64}, 100, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=10)
         print("submitted", flush=True)
         """
     ))

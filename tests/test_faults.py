@@ -282,7 +282,8 @@ def test_queue_overflow_at_10x_the_sustainable_rate(rig, overflow_env, warnings_
     # The most one held record costs: completed, its span begun, waiting for its ack (the
     # record, its submission list, span context, exemplar context and span attributes).
     base_mem = traced_memory.get_traced_memory()[0]
-    handles = [r.tel.submit("offload", POOLS, OP_BYTES, page_size=64, start_event=ev0, finish_event=ev1) for _ in range(cap)]
+    handles = [r.tel.submit("offload", POOLS, OP_BYTES, page_size=64, start_event=ev0, finish_event=ev1)
+               for _ in range(cap)]
     assert r.flush() and r.pipeline.held == cap
     record_bytes = (traced_memory.get_traced_memory()[0] - base_mem) / cap
     for handle in handles:
@@ -511,9 +512,11 @@ def submitters(r: Rig, run: int, threads: int, per_thread: int, acks: Any, sampl
             direction = "offload" if i % 2 else "onboard"
             t0 = perf()
             if i % 4 < 2:
-                handle = submit(direction, POOLS, op, 64, ev0, ev1, True, expect_ack=i % 4 == 0)
+                handle = submit(direction, POOLS, op, page_size=64, start_event=ev0, finish_event=ev1,
+                                expect_ack=i % 4 == 0)
             else:
-                handle = submit(direction, POOLS, op, 64, expect_ack=i % 4 == 2, host_start_ns=0, host_end_ns=1000)
+                handle = submit(direction, POOLS, op, page_size=64, expect_ack=i % 4 == 2, host_start_ns=0,
+                                host_end_ns=1000)
             timed.ns[timed.n] = perf() - t0
             timed.n += 1
             assert handle is not None, op
@@ -653,7 +656,8 @@ class Submitter(threading.Thread):
             for _ in range(10):
                 self.op += 1
                 t0 = perf()
-                handle = submit("offload", POOLS, self.op, 64, expect_ack=False, host_start_ns=0, host_end_ns=1000)
+                handle = submit("offload", POOLS, self.op, page_size=64, expect_ack=False, host_start_ns=0,
+                                host_end_ns=1000)
                 samples.append(perf() - t0)
                 if handle is None:
                     self.refused += 1
@@ -788,7 +792,7 @@ PROCESS_SCRIPT = textwrap.dedent(
         times = TIMES.setdefault(phase, [])
         for i in range(n):
             t0 = time.perf_counter_ns()
-            handle = tel.submit("offload", {"kv": 64}, nbytes, 64, expect_ack=False, host_start_ns=0,
+            handle = tel.submit("offload", {"kv": 64}, nbytes, page_size=64, expect_ack=False, host_start_ns=0,
                                 host_end_ns=1000)
             times.append(time.perf_counter_ns() - t0)
             assert handle is not None
@@ -970,7 +974,8 @@ FORK_EXIT_SCRIPT = textwrap.dedent(
     from otel_hicache import TransferTelemetry
     def child():
         for _ in range(5):
-            assert TEL.submit("offload", {"kv": 64}, 7, 64, expect_ack=False, host_start_ns=0, host_end_ns=1000)
+            assert TEL.submit("offload", {"kv": 64}, 7, page_size=64, expect_ack=False, host_start_ns=0,
+                              host_end_ns=1000)
         # no shutdown by hand: left to the exit hooks, as in a spawned child
 
     if __name__ == "__main__":

@@ -48,8 +48,8 @@ HOST = textwrap.dedent("""
         "pool_surrogate": dict(tokens_by_pool={"kv\\ud800": 10}),
         "io_backend_surrogate": dict(io_backend="direct\\udcff"),
         # reported, with the bad part said or left out
-        "elapsed_huge": dict(start_event=Event(1.9e12), finish_event=Event(1.9e12), timing_enabled=True),
-        "elapsed_nan": dict(start_event=Event(float("nan")), finish_event=Event(float("nan")), timing_enabled=True),
+        "elapsed_huge": dict(start_event=Event(1.9e12), finish_event=Event(1.9e12)),
+        "elapsed_nan": dict(start_event=Event(float("nan")), finish_event=Event(float("nan"))),
         "attribute_huge_int": dict(attributes={"x.count": 2**64, "x.ok": 1}),
         "attribute_surrogate": dict(attributes={"x.name": "a\\ud800", "x.ok": 1}),
     }

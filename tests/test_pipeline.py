@@ -246,7 +246,7 @@ def test_intake_takes_in_only_what_the_cap_leaves_room_for(make):
         rig.submit(event)
     rig.cycle()
     assert brief(rig.take()) == [] and [r.seq for r in rig.p._pending] == [0, 1, 2]
-    assert (len(rig.p.queue), rig.p.held, len(rig.p.queue) + rig.p.held) == (2, 3, 5)
+    assert (len(rig.p.queue), rig.p.held, rig.p.size()) == (2, 3, 5)
     rig.cycle()
     assert rig.take() == [] and [r.seq for r in rig.p._pending] == [0, 1, 2]  # no room: the rest stays queued
     events[1].done = True
@@ -258,7 +258,7 @@ def test_intake_takes_in_only_what_the_cap_leaves_room_for(make):
     assert (len(rig.p.queue), rig.p.held) == (2, 2)
     rig.cycle()
     assert [r.seq for r in rig.p._pending] == [0, 2, 3]
-    assert (len(rig.p.queue), rig.p.held, len(rig.p.queue) + rig.p.held) == (1, 3, 4)
+    assert (len(rig.p.queue), rig.p.held, rig.p.size()) == (1, 3, 4)
 
 
 def test_records_awaiting_their_ack_count_against_the_cap(make):
@@ -635,7 +635,7 @@ def test_stop_drops_what_is_in_flight_as_shutdown_and_ends_the_ack_waits(make, w
     last = states(messages)[-1]
     assert (last["inflight"], last["oldest_inflight_ns"], last["oldest_unacked_ns"], last["queue_size"]) == (
         IDLE, NONE, NONE, 0)
-    assert (len(rig.p.queue) + rig.p.held, rig.p.thread.is_alive()) == (0, False)
+    assert (rig.p.size(), rig.p.thread.is_alive()) == (0, False)
     assert len(warned(warnings_log, "1 transfers still in flight at shutdown")) == 1
 
 
@@ -662,7 +662,7 @@ def test_the_final_cycle_drops_what_is_left_and_ends_what_awaits_an_ack(make, wa
     batch = rig.take()
     assert brief(batch) == [("ack", 1, None), ("dropped", "shutdown", 2)]  # X and Y
     assert states(batch)[-1]["inflight"] == IDLE and states(batch)[-1]["queue_size"] == 0
-    assert (len(rig.p.queue), len(rig.p.queue) + rig.p.held) == (0, 0)
+    assert (len(rig.p.queue), rig.p.size()) == (0, 0)
     assert len(warned(warnings_log, "were not reported")) == 2
 
 
@@ -797,7 +797,7 @@ def test_after_fork_the_child_starts_empty_with_its_own_thread_and_opens_its_own
     p._after_fork_in_child()  # what fork's at-fork callback runs in the child
     assert rig.open_threads[opens:] in ([], [p.thread])  # never opened by the at-fork callback itself
     assert parent.log[-1] == ("forget",)  # the parent's telemetry process stays the parent's
-    assert (len(p.queue), p.held, p._pending, p._awaiting) == (0, 0, [], [])
+    assert (len(p.queue), p.held, p.size(), p._pending, p._awaiting) == (0, 0, 0, [], [])
     assert p.thread is not parent_thread and p.thread.is_alive()
 
     rig.submit()  # the child's own first op

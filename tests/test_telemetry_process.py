@@ -48,7 +48,7 @@ SERVING = textwrap.dedent("""
     start, i, times = time.monotonic(), 0, []
     while time.monotonic() - start < SECONDS:
         now = time.time_ns()
-        tel.ack(tel.submit("offload", {"kv": 64}, %(bytes)d, 64, host_start_ns=now - 1000, host_end_ns=now))
+        tel.ack(tel.submit("offload", {"kv": 64}, %(bytes)d, page_size=64, host_start_ns=now - 1000, host_end_ns=now))
         times.append(now)
         i += 1
         time.sleep(max(0.0, start + i / 1000 - time.monotonic()))

@@ -182,6 +182,15 @@ class Poller:
         if self.idle:
             self.wake()
 
+    def size(self) -> int:
+        """Records queued or held, read together under the intake lock."""
+        locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
+        try:
+            return len(self.queue) + self.held
+        finally:
+            if locked:
+                self._lock.release()
+
     # -- any thread: a stuck poller, flush, stop --------------------------------------------------
     def stalled(self) -> float:
         """Seconds the running cycle has run once past ``stall_warning_s``, else 0; says once where it is

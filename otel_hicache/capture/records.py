@@ -106,9 +106,9 @@ def validate(record: TransferRecord) -> None:
                                _count(c, f"tokens_by_pool[{_shown(n)}]") for n, c in pools.items())
     record.tokens = record.pool_tokens[0] if record.pool_tokens else 0
     record.blocks = -(-record.tokens // page_size)
-    record.submit_ns = _count(record.submit_ns, "submit_ns")  # the caller's host_start_ns when given
-    if record.host_start_ns is not None:
+    if record.host_start_ns is not None:  # (first: it is also the submit time)
         record.host_start_ns = _count(record.host_start_ns, "host_start_ns")
+    record.submit_ns = _count(record.submit_ns, "submit_ns")
     if record.host_end_ns is not None:
         record.host_end_ns = _count(record.host_end_ns, "host_end_ns")
     if record.io_backend is not None:
