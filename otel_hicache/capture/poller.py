@@ -134,7 +134,7 @@ class Poller:
 
     def _init_state(self) -> None:
         """Fresh state and a thread (at start, and in a forked child)."""
-        self.queue: deque[Any] = deque()  # submitted lists, HostFrees and pools
+        self.queue: deque[Any] = deque()  # submitted lists, (pool, slots) freed, and pools
         self.held = 0  # records held (pending + awaiting ack); never below the truth
         self._taken = 0  # records taken from the queue (their sequence numbers); with held, under _lock
         self._lock, self._open_lock = threading.Lock(), threading.Lock()
