@@ -74,7 +74,7 @@ def test_a_cause_call_is_made_on_the_worker_and_one_that_raises_makes_other(capl
     [("write_through", {"kv": -1}, 1000)],
     [("write_through", 5)],
     "write_through write_back".split(),
-    (7,),
+    7,
 ])
 def test_parts_that_do_not_sum_to_the_op_make_it_other_warned_once(parts, caplog):
     with caplog.at_level(logging.WARNING, logger="otel_hicache"):
