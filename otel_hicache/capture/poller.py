@@ -591,19 +591,15 @@ class Poller:
             if locked:
                 self._lock.release()
         inflight, oldest, unacked = dict(self._inflight), dict.fromkeys(DIRECTIONS), dict.fromkeys(DIRECTIONS)
-        for record in tuple(self._pending):
-            if oldest[record.direction] is None or record.submit_ns < oldest[record.direction]:
-                oldest[record.direction] = record.submit_ns
-        seen = set()
-        for item in queued:  # in submission order: the first of each direction is its oldest
+        times = [(record.direction, record.submit_ns) for record in tuple(self._pending)]
+        for item in queued:  # (not validated yet)
             direction = item[0] if type(item) is list and item else None
             if isinstance(direction, str) and direction in inflight:
                 inflight[direction] += 1
-                submit_ns = item[S_SUBMIT_NS]
-                if direction not in seen and type(submit_ns) is int:  # (not validated yet)
-                    seen.add(direction)
-                    if oldest[direction] is None or submit_ns < oldest[direction]:
-                        oldest[direction] = submit_ns
+                times.append((direction, item[S_SUBMIT_NS]))
+        for direction, submit_ns in times:
+            if type(submit_ns) is int and (oldest[direction] is None or submit_ns < oldest[direction]):
+                oldest[direction] = submit_ns
         for record in tuple(self._awaiting):
             first = unacked[record.direction]
             if record.handle[S_ACK_NS] is None and (first is None or record.completed_at_ns < first):
