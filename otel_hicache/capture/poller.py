@@ -191,7 +191,7 @@ class Poller:
             if locked:
                 self._lock.release()
 
-    # -- any thread: a stuck poller, flush, stop --------------------------------------------------
+    # -- any thread: a stuck poller, flush, stop
     def stalled(self) -> float:
         """Seconds the running cycle has run once past ``stall_warning_s``, else 0; says once where it is
         blocked and writes the refusals and STATE it cannot."""
@@ -253,7 +253,7 @@ class Poller:
         closed = self.channel is None or self.channel.stop(max(0.1, deadline - time.monotonic()), timeout_s)
         return flushed and stopped and closed
 
-    # -- the thread -------------------------------------------------------------------------------
+    # -- the thread
     def _run(self) -> None:
         if not self._forked:  # the sinks' zero series exist from start-up
             self.open_channel()
@@ -326,7 +326,7 @@ class Poller:
         self.held = len(self._pending) + len(self._awaiting)
         self._hand_over(end)
 
-    # -- 1. intake --------------------------------------------------------------------------------
+    # -- 1. intake
     def _intake(self, end: int) -> None:
         """At most what the cap leaves room for; the rest stays queued."""
         queue = self.queue
@@ -384,7 +384,7 @@ class Poller:
             warn_once(f"host:{head[0]}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
                       "an op's" if head[0] == rec.HOST else "freed", exc)
 
-    # -- 2. completion and timing -----------------------------------------------------------------
+    # -- 2. completion and timing
     def _completions(self, now: int, end: int) -> None:
         self._timing.refresh(now)
         still: list[TransferRecord] = []
@@ -459,7 +459,7 @@ class Poller:
         self._ops_out += 1
         self._inflight[record.direction] -= 1
 
-    # -- 3. ack watching --------------------------------------------------------------------------
+    # -- 3. ack watching
     def _watch_acks(self, now: int, awaiting: list[TransferRecord]) -> int:
         """Stamp watched records whose item left its container (a ``tuple()`` snapshot each); how many."""
         snapshots: dict[int, set[int] | None] = {}
@@ -495,7 +495,7 @@ class Poller:
                 keep.append(record)
         self._awaiting = keep
 
-    # -- 4. hand-over -----------------------------------------------------------------------------
+    # -- 4. hand-over
     def _hand_over(self, end: int) -> None:
         self._report_queue_full()
         flushing = bool(self._flush_waiters)
