@@ -149,11 +149,8 @@ class TransferTelemetry:
                  **options: Any) -> Iterator[None]:
         """The copies enqueued in the block as one op without an ack, timed by events recorded on
         ``stream``, else the host clock (``options``: submit()'s). Not reported if the block raises."""
-        if self._pipeline is None:
-            yield None
-            return
         events = None
-        if stream is not None:
+        if stream is not None and self._pipeline is not None:
             try:
                 events = timing_event_pair(stream)
                 events[0].record(stream)
@@ -163,11 +160,11 @@ class TransferTelemetry:
                           "(%r); using the host clock", type(stream).__name__, exc)
         host_start = self._clock()
         yield None
-        try:
-            if events is not None:
+        if events is not None:
+            try:
                 events[1].record(stream)
-        except Exception:
-            events = None
+            except Exception:
+                events = None
         self.submit(direction, tokens_by_pool, num_bytes, start_event=events and events[0],
                     finish_event=events and events[1], expect_ack=False, host_start_ns=host_start,
                     host_end_ns=None if events else self._clock(), **options)
