@@ -341,8 +341,8 @@ class Validation:
 
     def _submit(self, op: dict[str, Any], start: Any, finish: Any) -> Any:
         return self.tel.submit(op["direction"], {"kv": max(1, op["bytes"] // BYTES_PER_TOKEN)}, op["bytes"],
-                               PAGE_SIZE, start, finish, True, "direct", {ATTR_ID: op["id"]},
-                               expect_ack=op["expect_ack"])
+                               page_size=PAGE_SIZE, start_event=start, finish_event=finish, io_backend="direct",
+                               attributes={ATTR_ID: op["id"]}, expect_ack=op["expect_ack"])
 
     def quiesce(self) -> None:
         """Let the worker report what it has, so it is idle while a host stamp is taken."""
@@ -448,7 +448,8 @@ class Validation:
 
         def timed(name: str, fn: Callable[..., Any]) -> Any:
             t0 = perf()
-            out = fn(direction, tokens, nbytes, PAGE_SIZE, ev0, ev1, True, "direct", attrs, expect_ack=False)
+            out = fn(direction, tokens, nbytes, page_size=PAGE_SIZE, start_event=ev0, finish_event=ev1,
+                     io_backend="direct", attributes=attrs, expect_ack=False)
             times[name].append(perf() - t0)
             return out
 

@@ -112,8 +112,7 @@ class CoreOps:
         if self.telemetry is not None:
             tel = self.telemetry
             tel.ack(tel.submit("onboard" if i & 1 else "offload", tokens_by_pool=pools, num_bytes=NUM_BYTES,
-                               page_size=PAGE_SIZE, start_event=start, finish_event=finish, timing_enabled=True,
-                               io_backend="kernel"))
+                               page_size=PAGE_SIZE, start_event=start, finish_event=finish, io_backend="kernel"))
 
     def close(self) -> None:
         if self.telemetry is not None:

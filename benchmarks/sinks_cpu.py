@@ -58,8 +58,8 @@ def sinks_turn(ops: int) -> float:
     started = time.process_time()
     for i in range(ops):
         now = time.time_ns()
-        tel.ack(tel.submit("offload" if i % 2 else "onboard", POOLS, NUM_BYTES, PAGE_SIZE, host_start_ns=now - 6_000_000,
-                           host_end_ns=now, cause="other"))
+        tel.ack(tel.submit("offload" if i % 2 else "onboard", POOLS, NUM_BYTES, page_size=PAGE_SIZE,
+                           host_start_ns=now - 6_000_000, host_end_ns=now, cause="other"))
     assert tel.force_flush(60.0), "sinks: not drained"
     reader.get_metrics_data()
     spent = time.process_time() - started
@@ -102,7 +102,8 @@ def telemetry_process(burst: int) -> dict[str, float]:
         cpu0, started = process_cpu_s(pid), time.perf_counter()
         for i in range(burst):
             now = time.time_ns()
-            tel.ack(tel.submit("offload", POOLS, NUM_BYTES, PAGE_SIZE, host_start_ns=now - 6_000_000, host_end_ns=now))
+            tel.ack(tel.submit("offload", POOLS, NUM_BYTES, page_size=PAGE_SIZE, host_start_ns=now - 6_000_000,
+                               host_end_ns=now))
         assert tel.force_flush(300.0), "telemetry process: not drained"
         wall, cpu = time.perf_counter() - started, process_cpu_s(pid) - cpu0
         tel.shutdown()

@@ -39,12 +39,12 @@ def node(out: str, rate: str = RATE, seconds: str = SECONDS) -> None:
         kind = "error" if roll < 0.01 else "slow" if roll < 0.02 else "plain"
         begin = end - (int(rng.uniform(60e6, 150e6)) if kind == "slow" else 20_000 * pages)
         with tracer.start_as_current_span("example.scheduler_step", start_time=begin) as step:
-            op = (d, {"kv": pages * PAGE}, pages * PAGE * 4096, PAGE)
+            op = (d, {"kv": pages * PAGE}, pages * PAGE * 4096)
             if kind == "error":  # its finish event raises, like a device fault
-                tel.submit(*op, finish_event=SimpleNamespace(query=lambda: 1 / 0), host_start_ns=begin)
+                tel.submit(*op, page_size=PAGE, finish_event=SimpleNamespace(query=lambda: 1 / 0), host_start_ns=begin)
             else:
                 tel.ack(last)  # the consumer acks the previous op
-                last = tel.submit(*op, host_start_ns=begin, host_end_ns=end)
+                last = tel.submit(*op, page_size=PAGE, host_start_ns=begin, host_end_ns=end)
                 truth.update({f"{k} {d}": n for k, n in zip(SERIES, (1, op[2], pages, pages * PAGE))})
         ops.append((f"{step.get_span_context().trace_id:032x}", kind, end))
     tel.ack(last)

@@ -419,7 +419,7 @@ class HiCacheWorkload:
             self._copy(plan, direction, non_blocking=True)
             done.record(stream)
         compute.wait_stream(stream)
-        return tel.submit(direction, start_event=start, finish_event=done, timing_enabled=True, **report), done
+        return tel.submit(direction, start_event=start, finish_event=done, **report), done
 
     @staticmethod
     def _copy(plan, direction, non_blocking):

@@ -1,15 +1,11 @@
 """otel-hicache: KV-cache transfer observability for LLM serving.
 
-Every HiCache L1<->L2 merged op (offload: device to host; onboard: host to
-device) becomes an OpenTelemetry span timed with device events, and exact
-counters and histograms derived from the same records, exported over OTLP.
-
-    from otel_hicache import TransferTelemetry, configure
+Every HiCache L1<->L2 merged op becomes an OpenTelemetry span timed with device events, and exact
+counters and histograms from the same records, exported over OTLP.
 
     configure()                      # private providers from OTEL_* variables
     tel = TransferTelemetry(attributes={"tp_rank": 0})
-    handle = tel.submit("onboard", tokens_by_pool={"kv": 1408}, num_bytes=161_480_704,
-                        page_size=64, start_event=ev0, finish_event=ev1, timing_enabled=True)
+    handle = tel.submit("onboard", {"kv": 1408}, 161_480_704, page_size=64, start_event=ev0, finish_event=ev1)
     tel.ack(handle)
 """
 

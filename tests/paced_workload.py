@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         end = time.time_ns()
         attributes = None if args.no_op_attribute else {"workload.op": i}
         t_call = time.perf_counter_ns()
-        handle = tel.submit(direction, {"kv": tokens}, num_bytes, PAGE, attributes=attributes,
+        handle = tel.submit(direction, {"kv": tokens}, num_bytes, page_size=PAGE, attributes=attributes,
                             host_start_ns=end - 20_000 * pages, host_end_ns=end)
         t_back = time.perf_counter_ns()
         tel.ack(previous)  # the consumer takes the previous op's ack

@@ -16,7 +16,7 @@ from otel_hicache.capture.records import DIRECT, MERGED_OP
 
 def _submit(h, queue, item, **kwargs):
     ev0, ev1 = h.device.copy(h.device.time_ns() + 200_000, 6.781)
-    return h.tel.submit("onboard", {"kv": 1408}, 161_480_704, 64, ev0, ev1, True,
+    return h.tel.submit("onboard", {"kv": 1408}, 161_480_704, page_size=64, start_event=ev0, finish_event=ev1,
                         ack_watch=(queue, item), **kwargs)
 
 
@@ -88,7 +88,8 @@ def test_a_malformed_watch_is_ignored_with_one_warning_and_the_op_still_reported
     h = harness()
     for _ in range(2):
         ev0, ev1 = h.device.copy(h.device.time_ns(), 1.0)
-        h.tel.submit("offload", {"kv": 64}, 64, 64, ev0, ev1, True, ack_watch="not a tuple")
+        h.tel.submit("offload", {"kv": 64}, 64, page_size=64, start_event=ev0, finish_event=ev1,
+                     ack_watch="not a tuple")
     h.device.advance(ms=2)
     h.tel.shutdown()
     spans = h.spans.get_finished_spans()
@@ -98,7 +99,7 @@ def test_a_malformed_watch_is_ignored_with_one_warning_and_the_op_still_reported
 
 def test_direct_copies_say_so(harness):
     h = harness()
-    h.tel.submit("offload", {"kv": 64}, 64, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
+    h.tel.submit("offload", {"kv": 64}, 64, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=5)
     [span] = h.finished()
     assert span.attributes["hicache.origin"] == DIRECT
     assert "hicache.acked" not in span.attributes

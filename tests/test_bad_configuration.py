@@ -101,7 +101,8 @@ def reports_through(conf):
         reader._exporter.export = lambda data, *_, **__: metrics.append(data) or MetricExportResult.SUCCESS
     tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
     try:
-        assert tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5_000)
+        assert tel.submit("offload", {"kv": 64}, 10, page_size=64, expect_ack=False, host_start_ns=0,
+                          host_end_ns=5_000)
         assert tel.force_flush(5)
     finally:
         tel.shutdown()
@@ -367,7 +368,7 @@ def test_a_host_with_every_bad_value_at_once_starts_runs_and_exits(tmp_path):
         conf = otel_hicache.configure()
         tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
         for i in range(20):
-            tel.submit("offload" if i % 2 else "onboard", {"kv": 64}, 4096, 64, expect_ack=False,
+            tel.submit("offload" if i % 2 else "onboard", {"kv": 64}, 4096, page_size=64, expect_ack=False,
                        host_start_ns=0, host_end_ns=1_000 + i)
         print("ops", len(conf.metric_readers), flush=True)
         """

@@ -107,7 +107,8 @@ def unanchored():
         start, finish = device.copy(device.time_ns() + start_ms * MS, duration_ms)
         start, finish = cls(start, **kw), cls(finish, **kw)
         assert anchor_factory_for(start) is None
-        tel.submit("onboard", {"kv": 64}, 4096, 64, start, finish, timing_enabled=True, expect_ack=False)
+        tel.submit("onboard", {"kv": 64}, 4096, page_size=64, start_event=start, finish_event=finish,
+                   expect_ack=False)
 
     def busy_s():
         assert tel._pipeline.flush(5.0)  # pylint: disable=protected-access

@@ -142,7 +142,7 @@ def test_prometheus_metrics_exporter_serves_the_exact_counters(monkeypatch, harn
     tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 3})
     try:
         for _ in range(3):
-            tel.submit("offload", {"kv": 64}, 1000, 64, expect_ack=False, host_start_ns=1, host_end_ns=2,
+            tel.submit("offload", {"kv": 64}, 1000, page_size=64, expect_ack=False, host_start_ns=1, host_end_ns=2,
                        cause="retraction_backup")
         # the worker has recorded them (no force_flush: each one queues a collection that the
         # pull reader serves with the next scrape, beside the scrape's own)
@@ -232,7 +232,7 @@ def test_exponential_histograms_end_to_end(monkeypatch):
     reader = InMemoryMetricReader(preferred_aggregation={Histogram: ExponentialBucketHistogramAggregation()})
     provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
     tel = otel_hicache.TransferTelemetry(trace.NoOpTracerProvider(), provider)
-    tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5_000)
+    tel.submit("offload", {"kv": 64}, 10, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=5_000)
     assert tel.force_flush(5)
     tel.shutdown()
     points = [p for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
@@ -252,7 +252,7 @@ def test_bad_endpoint_never_raises(monkeypatch, warnings_log):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem")
     conf = otel_hicache.configure()
     tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
-    tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=10)
+    tel.submit("offload", {"kv": 64}, 10, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=10)
     tel.force_flush(1.0)
     tel.shutdown()
     assert conf.tracer_provider is not None
@@ -269,7 +269,7 @@ def test_exit_is_bounded_when_the_collector_is_unreachable(tmp_path):
         otel_hicache.configure()
         tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
         for _ in range(100):
-            tel.submit("offload", {"kv": 64}, 100, 64, expect_ack=False, host_start_ns=0, host_end_ns=10)
+            tel.submit("offload", {"kv": 64}, 100, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=10)
         print("submitted", flush=True)
         """
     ))

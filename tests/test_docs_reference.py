@@ -162,8 +162,9 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
     pool = h.tel.host_pool(1024, 64)  # the load-back reads what the offload wrote, and a page it did not
     for direction, slots in (("offload", range(128)), ("onboard", range(192))):
         ev0, ev1 = h.device.copy(h.device.time_ns() + 100_000, 1.0)
-        handle = h.tel.submit(direction, {"kv": 128, "draft_kv": 128}, 1 << 24, 64, ev0, ev1, True,
-                              io_backend="kernel", cause="write_through" if direction == "offload" else "prefix_hit",
+        handle = h.tel.submit(direction, {"kv": 128, "draft_kv": 128}, 1 << 24, page_size=64, start_event=ev0,
+                              finish_event=ev1, io_backend="kernel",
+                              cause="write_through" if direction == "offload" else "prefix_hit",
                               host_slots=(pool, list(slots)))
         h.device.advance(ms=2)
         assert h.flush()
@@ -284,7 +285,7 @@ def sdk_emitted(monkeypatch, fresh_configuration) -> dict[str, dict[str, Any]]:
     conf = configuration.configure(force=True, metric_readers=[reader])
     tel = otel_hicache.TransferTelemetry(attributes=dict(STATIC))
     end = time.time_ns()
-    tel.ack(tel.submit("offload", {"kv": 64}, 64 * 4096, 64, host_start_ns=end - 20_000, host_end_ns=end))
+    tel.ack(tel.submit("offload", {"kv": 64}, 64 * 4096, page_size=64, host_start_ns=end - 20_000, host_end_ns=end))
     assert tel.force_flush(10.0)
     conf.meter_provider.force_flush()  # one metric export (failing): its data point counts too
     found: dict[str, dict[str, Any]] = {}

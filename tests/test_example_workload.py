@@ -114,13 +114,13 @@ def test_summarize_reads_exported_metrics_exactly() -> None:
         # offload: 1, 2, 3 and 20 ms, disjoint (busy time = 26 ms); kv 100 tokens = 2 pages of 64
         for k, ms in enumerate((1, 2, 3, 20)):
             start = base + k * 50_000_000
-            tel.submit("offload", {"kv": 100, "swa": 64}, 1_000_000, 64, io_backend="direct",
+            tel.submit("offload", {"kv": 100, "swa": 64}, 1_000_000, page_size=64, io_backend="direct",
                        expect_ack=False, host_start_ns=start, host_end_ns=start + ms * 1_000_000,
                        cause="write_back" if k == 3 else "write_through")
         start = base + 500_000_000
-        tel.submit("onboard", {"kv": 64}, 5_000_000, 64, expect_ack=False,
-                   host_start_ns=start, host_end_ns=start + 4_000_000)
-        tel.submit("sideways", {"kv": 64}, 1, 64)  # invalid: dropped and counted
+        tel.submit("onboard", {"kv": 64}, 5_000_000, page_size=64, expect_ack=False, host_start_ns=start,
+                   host_end_ns=start + 4_000_000)
+        tel.submit("sideways", {"kv": 64}, 1, page_size=64)  # invalid: dropped and counted
         assert tel.force_flush(5.0)
         summary = hw.summarize(reader.get_metrics_data())
     finally:

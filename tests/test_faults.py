@@ -270,7 +270,8 @@ def test_queue_overflow_at_10x_the_sustainable_rate(rig, overflow_env, warnings_
     ev0, ev1 = r.done_copy()
 
     def submit_one() -> Any:
-        return r.tel.submit("offload", POOLS, OP_BYTES, 64, ev0, ev1, True, expect_ack=False)
+        return r.tel.submit("offload", POOLS, OP_BYTES, page_size=64, start_event=ev0, finish_event=ev1,
+                            expect_ack=False)
 
     for _ in range(200):  # warm-up: attribute sets, aggregations, the anchor
         submit_one()
@@ -281,7 +282,8 @@ def test_queue_overflow_at_10x_the_sustainable_rate(rig, overflow_env, warnings_
     # The most one held record costs: completed, its span begun, waiting for its ack (the
     # record, its submission list, span context, exemplar context and span attributes).
     base_mem = traced_memory.get_traced_memory()[0]
-    handles = [r.tel.submit("offload", POOLS, OP_BYTES, 64, ev0, ev1, True) for _ in range(cap)]
+    handles = [r.tel.submit("offload", POOLS, OP_BYTES, page_size=64, start_event=ev0, finish_event=ev1)
+               for _ in range(cap)]
     assert r.flush() and r.pipeline.held == cap
     record_bytes = (traced_memory.get_traced_memory()[0] - base_mem) / cap
     for handle in handles:
@@ -387,7 +389,8 @@ class Round:
             elif kind == "stuck":
                 ev1.never_completes()
             expect_ack = kind in ("good_acked", "good_never_acked")
-            handle = self.submit("onboard", POOLS, op, 64, ev0, ev1, True, expect_ack=expect_ack)
+            handle = self.submit("onboard", POOLS, op, page_size=64, start_event=ev0, finish_event=ev1,
+                                 expect_ack=expect_ack)
             assert handle is not None, (kind, r.pipeline.size())  # every slot of the cap usable
             if kind.startswith("good"):
                 self.good[op] = (duration if kind != "good_host_clock" else -1,
@@ -398,7 +401,7 @@ class Round:
                 self.failed["event_error" if "raises" in kind else "transfer_timeout"] += 1
         refused = 0
         if overflow:  # the cap is full (nothing completes before the clock moves): refused, never blocked
-            refused = int(self.submit("onboard", POOLS, self.next_id(), 64, expect_ack=False) is None)
+            refused = int(self.submit("onboard", POOLS, self.next_id(), page_size=64, expect_ack=False) is None)
         for event in to_raise:  # from now on their query() raises (the finish event's at once)
             event.raise_on_query = RuntimeError("CUDA error: an illegal memory access was encountered")
         for _ in range(6):
@@ -509,9 +512,11 @@ def submitters(r: Rig, run: int, threads: int, per_thread: int, acks: Any, sampl
             direction = "offload" if i % 2 else "onboard"
             t0 = perf()
             if i % 4 < 2:
-                handle = submit(direction, POOLS, op, 64, ev0, ev1, True, expect_ack=i % 4 == 0)
+                handle = submit(direction, POOLS, op, page_size=64, start_event=ev0, finish_event=ev1,
+                                expect_ack=i % 4 == 0)
             else:
-                handle = submit(direction, POOLS, op, 64, expect_ack=i % 4 == 2, host_start_ns=0, host_end_ns=1000)
+                handle = submit(direction, POOLS, op, page_size=64, expect_ack=i % 4 == 2, host_start_ns=0,
+                                host_end_ns=1000)
             timed.ns[timed.n] = perf() - t0
             timed.n += 1
             assert handle is not None, op
@@ -651,7 +656,8 @@ class Submitter(threading.Thread):
             for _ in range(10):
                 self.op += 1
                 t0 = perf()
-                handle = submit("offload", POOLS, self.op, 64, expect_ack=False, host_start_ns=0, host_end_ns=1000)
+                handle = submit("offload", POOLS, self.op, page_size=64, expect_ack=False, host_start_ns=0,
+                                host_end_ns=1000)
                 samples.append(perf() - t0)
                 if handle is None:
                     self.refused += 1
@@ -674,17 +680,17 @@ def test_shutdown_with_work_in_flight(rig, shutdown_env, warnings_log, thread_er
     for op in range(1, 21):
         late[op] = op % 2 == 0
         ev0, ev1 = device.copy(t + 1_000_000, 49.0)
-        r.tel.submit("onboard", POOLS, op, 64, ev0, ev1, True, expect_ack=late[op])
+        r.tel.submit("onboard", POOLS, op, page_size=64, start_event=ev0, finish_event=ev1, expect_ack=late[op])
     awaiting = list(range(101, 116))  # completed, waiting for an ack nobody gives
     acked = list(range(201, 211))  # completed and acked
     stuck = list(range(301, 308))  # never complete
     done0, done1 = r.done_copy()
     for op in awaiting:
-        r.tel.submit("onboard", POOLS, op, 64, done0, done1, True)
-    handles = [r.tel.submit("onboard", POOLS, op, 64, done0, done1, True) for op in acked]
+        r.tel.submit("onboard", POOLS, op, page_size=64, start_event=done0, finish_event=done1)
+    handles = [r.tel.submit("onboard", POOLS, op, page_size=64, start_event=done0, finish_event=done1) for op in acked]
     never0, never1 = device.event().record(), device.event().never_completes()
     for op in stuck:
-        r.tel.submit("onboard", POOLS, op, 64, never0, never1, True)
+        r.tel.submit("onboard", POOLS, op, page_size=64, start_event=never0, finish_event=never1)
     assert r.flush(0.2) is False  # the late and stuck ones are in flight
     for handle in handles:
         r.tel.ack(handle)
@@ -708,7 +714,7 @@ def test_shutdown_with_work_in_flight(rig, shutdown_env, warnings_log, thread_er
     submitter.join()
     completer.join()
     r.tel.ack(handles[0])  # after shutdown: ignored, never raises
-    assert r.tel.submit("onboard", POOLS, 1, 64) is None
+    assert r.tel.submit("onboard", POOLS, 1, page_size=64) is None
 
     fault_t, base_t = compare(submitter.after, submitter.before)
     spans = {s[3]: s for s in r.spans.kept}
@@ -755,7 +761,8 @@ def test_shutdown_with_nothing_stuck_returns_without_waiting_for_the_bound(rig, 
     r = rig(spans=CountingSpanExporter(keep=True))
     done0, done1 = r.done_copy()
     for op in range(1, 501):
-        r.tel.submit("offload", POOLS, op, 64, done0, done1, True, expect_ack=op % 2 == 0)
+        r.tel.submit("offload", POOLS, op, page_size=64, start_event=done0, finish_event=done1,
+                     expect_ack=op % 2 == 0)
     t0 = time.perf_counter()
     r.tel.shutdown()
     shutdown_s = time.perf_counter() - t0
@@ -785,7 +792,7 @@ PROCESS_SCRIPT = textwrap.dedent(
         times = TIMES.setdefault(phase, [])
         for i in range(n):
             t0 = time.perf_counter_ns()
-            handle = tel.submit("offload", {"kv": 64}, nbytes, 64, expect_ack=False, host_start_ns=0,
+            handle = tel.submit("offload", {"kv": 64}, nbytes, page_size=64, expect_ack=False, host_start_ns=0,
                                 host_end_ns=1000)
             times.append(time.perf_counter_ns() - t0)
             assert handle is not None
@@ -967,7 +974,8 @@ FORK_EXIT_SCRIPT = textwrap.dedent(
     from otel_hicache import TransferTelemetry
     def child():
         for _ in range(5):
-            assert TEL.submit("offload", {"kv": 64}, 7, 64, expect_ack=False, host_start_ns=0, host_end_ns=1000)
+            assert TEL.submit("offload", {"kv": 64}, 7, page_size=64, expect_ack=False, host_start_ns=0,
+                              host_end_ns=1000)
         # no shutdown by hand: left to the exit hooks, as in a spawned child
 
     if __name__ == "__main__":

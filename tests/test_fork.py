@@ -22,7 +22,8 @@ SCRIPT = textwrap.dedent(
 
     def report(n, nbytes):
         for _ in range(n):
-            tel.submit("offload", {"kv": 64}, nbytes, 64, expect_ack=False, host_start_ns=0, host_end_ns=1000)
+            tel.submit("offload", {"kv": 64}, nbytes, page_size=64, expect_ack=False, host_start_ns=0,
+                       host_end_ns=1000)
 
     report(2, 1000)                       # the parent's own ops, before the fork
     assert tel.force_flush(5)

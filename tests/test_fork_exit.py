@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent(
 
     def submit(n, nbytes):
         for _ in range(n):
-            assert tel.submit("offload", {"kv": 64}, nbytes, 64, expect_ack=False, host_start_ns=0,
+            assert tel.submit("offload", {"kv": 64}, nbytes, page_size=64, expect_ack=False, host_start_ns=0,
                               host_end_ns=1000) is not None
 
     def child_ops(write_fd):

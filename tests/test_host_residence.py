@@ -35,8 +35,9 @@ def _op(h, direction, slots, pool, cause, ms=1.0):
     """One op over ``slots`` (token slots of ``pool``), device-timed, nobody acks it."""
     ev0, ev1 = h.device.copy(h.device.time_ns() + 10_000, ms)
     tokens = len(slots)
-    handle = h.tel.submit(direction, {"kv": tokens}, tokens * BYTES_PER_TOKEN, PAGE, ev0, ev1, True,
-                          expect_ack=False, cause=cause, host_slots=(pool, np.asarray(slots, dtype=np.int64)))
+    handle = h.tel.submit(direction, {"kv": tokens}, tokens * BYTES_PER_TOKEN, page_size=PAGE, start_event=ev0,
+                          finish_event=ev1, expect_ack=False, cause=cause,
+                          host_slots=(pool, np.asarray(slots, dtype=np.int64)))
     h.device.advance(ms=ms + 1)
     assert h.flush()
     return handle
@@ -147,9 +148,9 @@ def test_bad_slots_never_raise_and_the_op_is_still_reported(harness, caplog):
     pool = h.tel.host_pool(16, PAGE)
     with caplog.at_level(logging.WARNING, logger="otel_hicache"):
         _op(h, "offload", [0, 1, 2, 3, 400, -4], pool, "write_through")  # two slots outside the pool
-        h.tel.submit("offload", {"kv": 4}, 4000, PAGE, expect_ack=False, host_start_ns=1, host_end_ns=2,
+        h.tel.submit("offload", {"kv": 4}, 4000, page_size=PAGE, expect_ack=False, host_start_ns=1, host_end_ns=2,
                      host_slots=("not a pool", [0]))
-        h.tel.submit("offload", {"kv": 4}, 4000, PAGE, expect_ack=False, host_start_ns=1, host_end_ns=2,
+        h.tel.submit("offload", {"kv": 4}, 4000, page_size=PAGE, expect_ack=False, host_start_ns=1, host_end_ns=2,
                      host_slots=(pool, ["a"]))
         h.tel.host_freed(pool, object())
         assert len(h.finished()) == 3

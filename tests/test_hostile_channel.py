@@ -37,7 +37,7 @@ SERVING = textwrap.dedent("""
     def ops(n):
         for _ in range(n):
             now = time.time_ns()
-            tel.ack(tel.submit("offload", {"kv": 64}, 4096, 64, host_start_ns=now - 1000, host_end_ns=now))
+            tel.ack(tel.submit("offload", {"kv": 64}, 4096, page_size=64, host_start_ns=now - 1000, host_end_ns=now))
         assert tel.force_flush(10.0)
 
     ops(%(ops)d)
@@ -155,7 +155,7 @@ STALLED = textwrap.dedent("""
     os.kill(child, signal.SIGSTOP)  # the telemetry process frozen: nothing leaves the pipe
     for i in range(OPS):
         now = time.time_ns()
-        tel.ack(tel.submit("offload", {"kv": 64}, 4096, 64, host_start_ns=now - 1000, host_end_ns=now,
+        tel.ack(tel.submit("offload", {"kv": 64}, 4096, page_size=64, host_start_ns=now - 1000, host_end_ns=now,
                            attributes={"x.blob": blob + str(i)}))  # (each its own: no encoder shares them)
         time.sleep(0.001)
     time.sleep(0.5)  # the poller's last sends
@@ -204,7 +204,7 @@ def test_a_caller_that_explodes_a_label_gets_one_warning_and_bounded_state(harne
     h = harness()
     n = SERIES_CAP + 500
     for i in range(n):
-        h.tel.submit("offload", {f"pool-{i}": 1}, 10, 1, expect_ack=False, host_start_ns=1, host_end_ns=2)
+        h.tel.submit("offload", {f"pool-{i}": 1}, 10, page_size=1, expect_ack=False, host_start_ns=1, host_end_ns=2)
         if i % 500 == 0:
             assert h.flush()
     assert h.flush()

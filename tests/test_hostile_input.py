@@ -48,8 +48,8 @@ HOST = textwrap.dedent("""
         "pool_surrogate": dict(tokens_by_pool={"kv\\ud800": 10}),
         "io_backend_surrogate": dict(io_backend="direct\\udcff"),
         # reported, with the bad part said or left out
-        "elapsed_huge": dict(start_event=Event(1.9e12), finish_event=Event(1.9e12), timing_enabled=True),
-        "elapsed_nan": dict(start_event=Event(float("nan")), finish_event=Event(float("nan")), timing_enabled=True),
+        "elapsed_huge": dict(start_event=Event(1.9e12), finish_event=Event(1.9e12)),
+        "elapsed_nan": dict(start_event=Event(float("nan")), finish_event=Event(float("nan"))),
         "attribute_huge_int": dict(attributes={"x.count": 2**64, "x.ok": 1}),
         "attribute_surrogate": dict(attributes={"x.name": "a\\ud800", "x.ok": 1}),
     }
@@ -155,7 +155,7 @@ def test_spans_stay_encodable_when_events_place_an_op_beyond_the_wall_clock():
     anchor = WallClockAnchor(lambda: Wild(), clock=lambda: 10**18)
     anchor.event, anchor.wall_ns = type("A", (), {"elapsed_time": lambda self, e: 1e15})(), 10**18
     record = TransferRecord(submission("offload", {"kv": 1}, 10, start_event=Wild(), finish_event=Wild(),
-                                       timing_enabled=True, submit_ns=10**18))
+                                       submit_ns=10**18))
     validate(record)
     resolve(record, 10**18 + 5_000_000, anchor)
     assert 0 <= record.start_ns <= record.end_ns <= INT64_MAX

@@ -210,7 +210,7 @@ HOST = textwrap.dedent(
     otel_hicache.configure()
     tel = otel_hicache.TransferTelemetry(attributes={"tp_rank": 0})
     for _ in range(20):
-        tel.submit("offload", {"kv": 64}, 4096, 64, expect_ack=False, host_start_ns=0, host_end_ns=1_000)
+        tel.submit("offload", {"kv": 64}, 4096, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=1_000)
     tel.force_flush(3)
     tel.shutdown()
     otel_hicache.shutdown(2)

@@ -75,7 +75,8 @@ def test_caller_thread_makes_no_sdk_and_no_device_call(harness, spy):
     for i in range(50):
         start = SpyEvent(h.device).record(at_ns=h.device.time_ns())
         finish = SpyEvent(h.device).record(at_ns=h.device.time_ns() + 1_000_000)
-        handles.append(h.tel.submit("offload" if i % 2 else "onboard", {"kv": 640}, 640, 64, start, finish, True))
+        handles.append(h.tel.submit("offload" if i % 2 else "onboard", {"kv": 640}, 640, page_size=64,
+                                    start_event=start, finish_event=finish))
         h.device.advance(ms=2)
     for handle in handles:
         h.tel.ack(handle)
@@ -94,8 +95,8 @@ def test_a_broken_mapping_never_raises_into_the_caller(harness):
             raise RuntimeError("boom")
 
     h = harness()
-    assert h.tel.submit("offload", Hostile(kv=1), 1, 64) is not None  # read on the poller, not here
-    h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
+    assert h.tel.submit("offload", Hostile(kv=1), 1, page_size=64) is not None  # read on the poller, not here
+    h.tel.submit("offload", {"kv": 64}, 10, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=5)
     assert h.value("otel_hicache.records.dropped", reason="invalid_input") == 1
     assert len(h.finished()) == 1
 
@@ -115,7 +116,7 @@ def test_a_failing_sink_drops_that_record_once_and_the_poller_goes_on(harness, m
 
     monkeypatch.setattr(sinks.spans, "begin", flaky)
     for _ in range(3):
-        h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
+        h.tel.submit("offload", {"kv": 64}, 10, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=5)
     assert len(h.finished()) == 2
     assert h.value("otel_hicache.records.dropped", reason="internal_error") == 1
     assert calls["n"] == 3  # the failed record was not retried
@@ -141,7 +142,7 @@ def test_a_record_the_intake_fails_on_is_counted_and_the_rest_of_its_batch_goes_
     monkeypatch.setattr(poller_module, "TransferRecord", flaky)
     with pipeline._lock:  # pylint: disable=protected-access  # the poller takes all three in one batch
         for _ in range(3):
-            h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
+            h.tel.submit("offload", {"kv": 64}, 10, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=5)
     assert len(h.finished()) == 2
     assert calls["n"] == 3  # the batch went on past the failed record
     assert h.value("otel_hicache.records.dropped", reason="internal_error") == 1

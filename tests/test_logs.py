@@ -11,7 +11,8 @@ def test_two_debug_lines_per_op_with_trace_ids(harness, caplog):
     t0 = h.device.time_ns()
     for i in range(2):
         ev0, ev1 = h.device.copy(t0 + i * 10_000_000, 6.781)
-        h.tel.submit("onboard", {"kv": 1408}, 161_480_704, 64, ev0, ev1, True, expect_ack=False)
+        h.tel.submit("onboard", {"kv": 1408}, 161_480_704, page_size=64, start_event=ev0, finish_event=ev1,
+                     expect_ack=False)
     h.device.advance(ms=30)
     spans = h.finished()
     lines = [r for r in caplog.records if r.levelno == logging.DEBUG and "transfer" in r.getMessage()]
@@ -33,6 +34,6 @@ def test_no_formatting_when_debug_is_off(harness, monkeypatch, caplog):
     monkeypatch.setattr(logs.logger, "debug", lambda *a, **k: calls.append(a))
     h = harness()
     for _ in range(5):
-        h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
+        h.tel.submit("offload", {"kv": 64}, 10, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=5)
     assert len(h.finished()) == 5
     assert calls == []

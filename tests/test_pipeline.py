@@ -127,7 +127,7 @@ class ManualPoller(Poller):
     alive = False
 
     def _start_thread(self):
-        self._thread = SimpleNamespace(is_alive=lambda: self.alive, join=lambda timeout=None: None, ident=None)
+        self.thread = SimpleNamespace(is_alive=lambda: self.alive, join=lambda timeout=None: None, ident=None)
 
 
 class Rig:
@@ -150,7 +150,7 @@ class Rig:
 
     def submit(self, finish=None, start=None, timing=False, expect_ack=False, direction="offload", **kwargs):
         """What TransferTelemetry.submit() appends to the queue."""
-        handle = submission(direction, {"kv": 64}, 4096, 64, start, finish, timing, expect_ack=expect_ack,
+        handle = submission(direction, {"kv": 64}, 4096, 64, start if timing else None, finish, expect_ack=expect_ack,
                             submit_ns=self.clock(), **kwargs)
         self.p.queue.append(handle)
         if self.p.idle:  # as submit() does: a poller with nothing to poll sleeps until woken
@@ -361,7 +361,7 @@ def test_an_event_that_raises_is_an_error_op_warned_once_per_exception_type(make
     rig = make()
     for _ in range(2):
         rig.submit(Event(query_error=RuntimeError("CUDA error: an illegal memory access")))
-    rig.submit(Event(done=True), start=Event(query_error=ValueError("bad start event")))
+    rig.submit(Event(done=True), start=Event(query_error=ValueError("bad start event")), timing=True)
     rig.cycle(advance_ns=MS)
     batch = rig.take()
     assert brief(batch) == [("op", seq, "event_error") for seq in (0, 1, 2)]

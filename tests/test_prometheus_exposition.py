@@ -26,8 +26,8 @@ def exposition():
     tel = TransferTelemetry(TracerProvider(shutdown_on_exit=False), provider, {"tp_rank": 0},
                             clock=device.time_ns, anchor_event_factory=device.anchor_event)
     start, finish = device.copy(device.time_ns() + 200_000, 6.781)
-    handle = tel.submit("onboard", {"kv": 1408}, 161_480_704, 64, start, finish, True, io_backend="kernel",
-                        cause="prefix_hit")
+    handle = tel.submit("onboard", {"kv": 1408}, 161_480_704, page_size=64, start_event=start, finish_event=finish,
+                        io_backend="kernel", cause="prefix_hit")
     device.advance(ms=7)
     device.advance(seconds=5.75)
     tel.ack(handle)

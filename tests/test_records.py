@@ -76,7 +76,7 @@ def undrained(monkeypatch):
     from otel_hicache.capture.poller import Poller
 
     monkeypatch.setattr(Poller, "_start_thread", lambda self: setattr(
-        self, "_thread", SimpleNamespace(is_alive=lambda: False, join=lambda timeout=None: None)))
+        self, "thread", SimpleNamespace(is_alive=lambda: False, join=lambda timeout=None: None)))
     monkeypatch.setattr(telemetry, "_get_current_context", lambda: "<parent_context>")
     now = SimpleNamespace(ns=0)
     tel = telemetry.TransferTelemetry(clock=lambda: now.ns)
@@ -115,8 +115,8 @@ def test_records_and_submissions_follow_the_declared_layout():
     assert record.handle is handle
     assert {name: getattr(record, name) for name in SUBMISSION_FIELDS} == sentinel
     assert not hasattr(record, "__dict__")
-    assert submission("offload", submit_ns=5) == ["offload", None, 0, 1, None, None, False, None, None, False, 5,
-                                                  None, None, None, None, None, None, None, None]
+    assert submission("offload", submit_ns=5) == ["offload", None, 0, 1, None, None, None, None, False, 5,
+                                                  None, None, None, None, None, None, None, None, None]
     with pytest.raises(TypeError, match="pagesize"):
         submission("offload", pagesize=64)
     with pytest.raises(TypeError, match="direction"):

@@ -11,6 +11,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from otel_hicache import semconv as sc
+from otel_hicache.capture.records import S_SUBMIT_NS
 from otel_hicache.capture.request_links import MAX_REQUEST_LINKS, resolve
 from otel_hicache.sinks.spans import trace_id_hex
 
@@ -23,8 +24,8 @@ def request(n: int, sampled: bool = True) -> SpanContext:
 def copy(h, requests, direction="onboard", **kwargs):
     now = h.device.time_ns()
     ev0, ev1 = h.device.copy(now - 2_000_000, 1.0)
-    return h.tel.submit(direction, {"kv": 64}, 1 << 20, 64, ev0, ev1, True, expect_ack=False, requests=requests,
-                        **kwargs)
+    return h.tel.submit(direction, {"kv": 64}, 1 << 20, page_size=64, start_event=ev0, finish_event=ev1,
+                        expect_ack=False, requests=requests, **kwargs)
 
 
 def linked(span):
@@ -40,15 +41,7 @@ def request_events(span):
 def test_resolve_keeps_valid_sampled_requests_once_in_order():
     a, b = request(1), request(2)
     assert resolve([a, b, a, request(3, sampled=False), trace.INVALID_SPAN_CONTEXT, b]) == ((a, b), 0)
-    assert resolve(None) == ((), 0) and resolve([]) == ((), 0)
-
-
-def test_resolve_takes_spans_contexts_and_callables():
-    a, b, c = request(1), request(2), request(3)
-    as_context = trace.set_span_in_context(NonRecordingSpan(b))  # what SGLang's trace_ctx.root_span_context is
-    assert resolve([NonRecordingSpan(a), as_context, c]) == ((a, b, c), 0)
-    assert resolve(lambda: [c, a]) == ((c, a), 0)  # read on the poller
-    assert resolve([trace.set_span_in_context(trace.INVALID_SPAN)]) == ((), 0)  # a context with no span
+    assert resolve([]) == ((), 0)
 
 
 def test_trace_ids_are_named_as_jaeger_and_zipkin_show_them():
@@ -67,9 +60,9 @@ def test_resolve_links_at_most_sixteen_and_counts_the_rest():
 def test_a_bad_request_is_skipped_with_one_warning_and_the_others_kept(caplog):
     caplog.set_level(logging.WARNING, logger="otel_hicache")
     a = request(1)
-    assert resolve(["rid-1", a, 42, "rid-2"]) == ((a,), 0)
-    warnings = [r for r in caplog.records if "cannot link a request" in r.getMessage()]
-    assert len(warnings) == 2  # once per type (str, int), not per item
+    assert resolve(["rid-1", a, 42, "rid-2", NonRecordingSpan(a)]) == ((a,), 0)  # span contexts only
+    warnings = [r for r in caplog.records if "must be a SpanContext" in r.getMessage()]
+    assert len(warnings) == 3  # once per type (str, int, span), not per item
 
 
 # -- on the span -----------------------------------------------------------------------------------------
@@ -82,7 +75,7 @@ def test_the_span_links_to_its_requests_and_names_their_trace_ids(harness):
     onboard, offload = h.finished()
     assert linked(onboard) == [(a.trace_id, a.span_id, {sc.LINK_TO: sc.LINK_TO_REQUEST}),
                                (b.trace_id, b.span_id, {sc.LINK_TO: sc.LINK_TO_REQUEST})]
-    submit_ns = handle[10]
+    submit_ns = handle[S_SUBMIT_NS]
     assert request_events(onboard) == [  # 64-bit trace ids, as Jaeger shows them: 16 hex digits
         (sc.EVENT_REQUEST, {sc.REQUEST_TRACE_ID: "0000000000001001"}, submit_ns),
         (sc.EVENT_REQUEST, {sc.REQUEST_TRACE_ID: "0000000000001002"}, submit_ns),
@@ -103,7 +96,7 @@ def test_more_than_sixteen_requests_are_counted_on_the_span(harness):
 
 def test_requests_given_to_transfer_are_linked(harness):
     h = harness()
-    with h.tel.transfer("offload", {"kv": 8}, 4096, 4, requests=[request(7)]):
+    with h.tel.transfer("offload", {"kv": 8}, 4096, page_size=4, requests=[request(7)]):
         pass
     (span,) = h.finished()
     assert [(t, s) for t, s, _ in linked(span)] == [(0x1007, 0x2007)]
@@ -114,7 +107,8 @@ def test_a_failed_op_keeps_its_request_links(harness):
     now = h.device.time_ns()
     ev0, ev1 = h.device.copy(now - 2_000_000, 1.0)
     ev1.raise_on_query = RuntimeError("device lost")
-    h.tel.submit("onboard", {"kv": 64}, 1 << 20, 64, ev0, ev1, True, expect_ack=False, requests=[request(1)])
+    h.tel.submit("onboard", {"kv": 64}, 1 << 20, page_size=64, start_event=ev0, finish_event=ev1, expect_ack=False,
+                 requests=[request(1)])
     (span,) = h.finished()
     assert span.attributes["error.type"] == sc.FAIL_EVENT_ERROR and len(span.links) == 1
 
@@ -153,7 +147,8 @@ def test_a_tracer_provider_without_the_sdk_still_gets_links(monkeypatch):
     try:
         device = WallClockDevice()
         ev0, ev1 = device.copy(device.time_ns() - 2_000_000, 1.0)
-        tel.submit("onboard", {"kv": 4}, 4096, 4, ev0, ev1, True, expect_ack=False, requests=[request(1)])
+        tel.submit("onboard", {"kv": 4}, 4096, page_size=4, start_event=ev0, finish_event=ev1, expect_ack=False,
+                   requests=[request(1)])
         assert tel.force_flush(5.0)
     finally:
         tel.shutdown()

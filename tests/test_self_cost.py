@@ -94,7 +94,7 @@ def test_an_idle_poller_waits_without_a_timeout_until_a_submit_wakes_it(harness)
     old.set()  # its wait ends: the next ones are recorded
     _wait_until(lambda: p.idle and p._wake.timeouts and p._wake.timeouts[-1] is None)
     taken = p._taken  # pylint: disable=protected-access
-    h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=1, host_end_ns=5)
+    h.tel.submit("offload", {"kv": 64}, 10, page_size=64, expect_ack=False, host_start_ns=1, host_end_ns=5)
     _wait_until(lambda: p._taken == taken + 1)  # pylint: disable=protected-access
     _wait_until(lambda: p.idle and p._wake.timeouts[-1] is None)  # and back to sleep once it is handed over
     assert len(h.finished()) == 1
@@ -106,7 +106,7 @@ class Manual(Poller):
     """No thread: the cycles run on the test's thread, whose CPU clock measures them."""
 
     def _start_thread(self) -> None:
-        self._thread = SimpleNamespace(is_alive=lambda: False, join=lambda timeout=None: None, ident=None)
+        self.thread = SimpleNamespace(is_alive=lambda: False, join=lambda timeout=None: None, ident=None)
 
 
 class NullChannel:
@@ -211,7 +211,8 @@ def test_the_pollers_cpu_is_counted_per_rank_and_embedded_sinks_report_no_export
     try:
         for _ in range(200):
             now = time.time_ns()
-            tel.submit("onboard", {"kv": 64}, 4096, 64, expect_ack=False, host_start_ns=now - 1000, host_end_ns=now)
+            tel.submit("onboard", {"kv": 64}, 4096, page_size=64, expect_ack=False, host_start_ns=now - 1000,
+                       host_end_ns=now)
         assert tel.force_flush(10.0)
         first = _cpu_points(reader)
         assert set(first) == {(sc.POLLER_CPU_TIME[0], None)}  # embedded: no telemetry process to count
@@ -219,7 +220,8 @@ def test_the_pollers_cpu_is_counted_per_rank_and_embedded_sinks_report_no_export
         assert value > 0 and attributes == STATIC  # 200 ops took some
         for _ in range(200):
             now = time.time_ns()
-            tel.submit("offload", {"kv": 64}, 4096, 64, expect_ack=False, host_start_ns=now - 1000, host_end_ns=now)
+            tel.submit("offload", {"kv": 64}, 4096, page_size=64, expect_ack=False, host_start_ns=now - 1000,
+                       host_end_ns=now)
         assert tel.force_flush(10.0)
         second = _cpu_points(reader)
         assert second[sc.POLLER_CPU_TIME[0], None][0] > value  # cumulative, and it grew

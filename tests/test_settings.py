@@ -62,5 +62,5 @@ def test_telemetry_survives_malformed_configuration(harness, monkeypatch):
     monkeypatch.setenv(ev.OTEL_HICACHE_POLL_INTERVAL_MS, "-3")
     monkeypatch.setenv(ev.OTEL_HICACHE_ENABLED, "sure")
     h = harness()
-    h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5)
+    h.tel.submit("offload", {"kv": 64}, 10, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=5)
     assert len(h.finished()) == 1

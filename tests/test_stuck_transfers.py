@@ -101,7 +101,7 @@ class _Channel:
 
 class _Poller(Poller):
     def _start_thread(self) -> None:
-        self._thread = SimpleNamespace(is_alive=lambda: False, join=lambda timeout=None: None, ident=None)
+        self.thread = SimpleNamespace(is_alive=lambda: False, join=lambda timeout=None: None, ident=None)
 
 
 class _Done:
@@ -136,7 +136,7 @@ def now_state(p: Poller) -> dict[str, Any]:
 def test_a_record_is_in_flight_while_queued_taken_in_and_polled(manual):
     p, clock = manual.p, manual.clock
     done = _Done(False)
-    p.queue.append(submission("onboard", {"kv": 64}, 4096, 64, None, done, False, submit_ns=T0))
+    p.queue.append(submission("onboard", {"kv": 64}, 4096, 64, finish_event=done, submit_ns=T0))
     clock.now += 2 * S
     queued = now_state(p)
     assert (queued["inflight"], queued["oldest_inflight_ns"], queued["queue_size"]) == (
@@ -156,11 +156,11 @@ def test_a_record_is_in_flight_while_queued_taken_in_and_polled(manual):
 def test_the_oldest_op_per_direction_is_sent_and_a_host_start_is_its_submit_time(manual):
     p, clock = manual.p, manual.clock
     never = _Done(False)
-    p.queue.append(submission("onboard", {"kv": 64}, 4096, 64, None, never, False, submit_ns=T0 + 1 * S))
-    p.queue.append(submission("offload", {"kv": 64}, 4096, 64, None, never, False, submit_ns=T0 + 2 * S))
-    p.queue.append(submission("onboard", {"kv": 64}, 4096, 64, None, never, False, submit_ns=T0 + 3 * S))
+    p.queue.append(submission("onboard", {"kv": 64}, 4096, 64, finish_event=never, submit_ns=T0 + 1 * S))
+    p.queue.append(submission("offload", {"kv": 64}, 4096, 64, finish_event=never, submit_ns=T0 + 2 * S))
+    p.queue.append(submission("onboard", {"kv": 64}, 4096, 64, finish_event=never, submit_ns=T0 + 3 * S))
     # host_start_ns is the op's submit time (TransferTelemetry.submit stamps it so)
-    p.queue.append(submission("offload", {"kv": 64}, 4096, 64, None, never, False, submit_ns=T0 + S // 2,
+    p.queue.append(submission("offload", {"kv": 64}, 4096, 64, finish_event=never, submit_ns=T0 + S // 2,
                               host_start_ns=T0 + S // 2))
     clock.now = T0 + 5 * S
     p._cycle()  # pylint: disable=protected-access
@@ -171,7 +171,7 @@ def test_the_oldest_op_per_direction_is_sent_and_a_host_start_is_its_submit_time
 
 def test_the_oldest_unacked_op_is_the_first_seen_complete_and_an_ack_not_yet_scanned_counts_as_acked(manual):
     p, clock = manual.p, manual.clock
-    first = submission("offload", {"kv": 64}, 4096, 64, None, _Done(True), False, expect_ack=True, submit_ns=T0)
+    first = submission("offload", {"kv": 64}, 4096, 64, finish_event=_Done(True), expect_ack=True, submit_ns=T0)
     p.queue.append(first)
     p._cycle()  # pylint: disable=protected-access
     clock.now += 1 * S
@@ -289,13 +289,14 @@ def stuck_op(h: Any, direction: str) -> list:
     """An op whose finish event never completes, submitted now."""
     start = h.device.event().record()
     finish = h.device.event().never_completes()
-    return h.tel.submit(direction, {"kv": 64}, 64 * 4096, 64, start, finish, True)
+    return h.tel.submit(direction, {"kv": 64}, 64 * 4096, page_size=64, start_event=start, finish_event=finish)
 
 
 def quick_op(h: Any, direction: str, expect_ack: bool = True) -> list:
     """An op whose copy runs for the next 1 ms (device time)."""
     start, finish = h.device.copy(h.device.time_ns(), 1.0)
-    return h.tel.submit(direction, {"kv": 64}, 64 * 4096, 64, start, finish, True, expect_ack=expect_ack)
+    return h.tel.submit(direction, {"kv": 64}, 64 * 4096, page_size=64, start_event=start, finish_event=finish,
+                        expect_ack=expect_ack)
 
 
 @pytest.fixture(autouse=True)
@@ -349,7 +350,7 @@ def test_an_op_counts_from_its_host_start(h):
     """``host_start_ns``, when given, is the op's submit time."""
     start = h.device.event().record()
     finish = h.device.event().never_completes()
-    h.tel.submit("onboard", {"kv": 64}, 4096, 64, start, finish, True,
+    h.tel.submit("onboard", {"kv": 64}, 4096, page_size=64, start_event=start, finish_event=finish,
                  host_start_ns=h.device.time_ns() - 1_500_000_000)
     settles(h, ({"offload": 0.0, "onboard": 1.5}, ZERO))
     h.device.advance(seconds=1)
@@ -359,7 +360,7 @@ def test_an_op_counts_from_its_host_start(h):
 def test_completion_brings_it_back_to_zero(h):
     start = h.device.event().record()
     finish = h.device.event().record(at_ns=h.device.time_ns() + 3_000_000_000)  # a 3 s copy
-    h.tel.submit("onboard", {"kv": 64}, 4096, 64, start, finish, True, expect_ack=False)
+    h.tel.submit("onboard", {"kv": 64}, 4096, page_size=64, start_event=start, finish_event=finish, expect_ack=False)
     h.device.advance(seconds=2)
     settles(h, ({"offload": 0.0, "onboard": 2.0}, ZERO))
     h.device.advance(seconds=1)

@@ -18,8 +18,8 @@ def onboard_1408(h, queue_wait_ms=0.2, duration_ms=6.781, **kwargs):
     """The seed's idle load-back: 1408 kv tokens, 161,480,704 bytes, 6.781 ms of DMA."""
     start_ns = h.device.time_ns() + int(queue_wait_ms * 1e6)
     ev0, ev1 = h.device.copy(start_ns, duration_ms)
-    return h.tel.submit("onboard", tokens_by_pool={"kv": 1408}, num_bytes=161_480_704, page_size=64,
-                        start_event=ev0, finish_event=ev1, timing_enabled=True, io_backend="kernel", **kwargs)
+    return h.tel.submit("onboard", tokens_by_pool={"kv": 1408}, num_bytes=161_480_704, page_size=64, start_event=ev0,
+                        finish_event=ev1, io_backend="kernel", **kwargs)
 
 
 def test_late_ack_leaves_the_duration_at_the_dma_time(harness):
@@ -86,8 +86,8 @@ def test_counters_are_exact_when_the_sampler_drops_every_span(harness):
     for i in range(50):
         direction = "offload" if i % 2 else "onboard"
         ev0, ev1 = h.device.copy(h.device.time_ns(), 1.0)
-        h.tel.submit(direction, {"kv": 64 * (i + 1), "swa": 10}, 1000 * (i + 1), 64, ev0, ev1, True,
-                     expect_ack=False)
+        h.tel.submit(direction, {"kv": 64 * (i + 1), "swa": 10}, 1000 * (i + 1), page_size=64, start_event=ev0,
+                     finish_event=ev1, expect_ack=False)
         h.device.advance(ms=2)
     assert h.finished() == []
     off = [i for i in range(50) if i % 2]
@@ -108,7 +108,8 @@ def test_overlapping_ops_busy_time_is_the_union(harness):
     t0 = h.device.time_ns()
     pairs = [h.device.copy(t0 + 0, 4.0), h.device.copy(t0 + 2_000_000, 4.0), h.device.copy(t0 + 10_000_000, 1.0)]
     for ev0, ev1 in pairs:
-        h.tel.submit("offload", {"kv": 64}, 10_000_000, 64, ev0, ev1, True, expect_ack=False)
+        h.tel.submit("offload", {"kv": 64}, 10_000_000, page_size=64, start_event=ev0, finish_event=ev1,
+                     expect_ack=False)
     h.device.advance(ms=20)
     assert h.value("hicache.transfer.busy_time", **{"hicache.direction": "offload"}) == pytest.approx(0.007)
     duration = h.value("hicache.transfer.duration", **{"hicache.direction": "offload"})
@@ -138,8 +139,8 @@ def test_zero_series_for_both_directions_exist_at_start_up(harness):
 def test_static_attributes_on_every_point_per_call_attributes_on_the_span_only(harness):
     h = harness(attributes={"tp_rank": 1, "model": "qwen3"})
     ev0, ev1 = h.device.copy(h.device.time_ns(), 1.0)
-    h.tel.submit("offload", {"kv": 64}, 64, 64, ev0, ev1, True, attributes={"hicache.write_policy": "write_back"},
-                 expect_ack=False)
+    h.tel.submit("offload", {"kv": 64}, 64, page_size=64, start_event=ev0, finish_event=ev1,
+                 attributes={"hicache.write_policy": "write_back"}, expect_ack=False)
     h.device.advance(ms=2)
     [span] = h.finished()
     assert span.attributes["hicache.write_policy"] == "write_back"
@@ -153,7 +154,7 @@ def test_a_static_attribute_whose_key_cannot_be_encoded_is_left_out_with_one_war
     """A lone surrogate in a static key would make every export of every point fail: left out at
     intake, the others kept, and the ops still reported."""
     h = harness(attributes={"tp_rank": 1, "bad\udc80": 1})
-    h.tel.submit("offload", {"kv": 64}, 64, 64, expect_ack=False, host_start_ns=1, host_end_ns=2)
+    h.tel.submit("offload", {"kv": 64}, 64, page_size=64, expect_ack=False, host_start_ns=1, host_end_ns=2)
     [span] = h.finished()
     assert span.attributes["tp_rank"] == 1 and not any("bad" in k for k in span.attributes)
     assert all(set(p.attributes) >= {"tp_rank"} and not any("bad" in k for k in p.attributes)
@@ -206,7 +207,7 @@ def test_no_ack_within_the_timeout_emits_the_span_unacked(harness, monkeypatch):
 def test_host_clock_without_timing_events_says_so(harness):
     h = harness()
     start = h.device.time_ns()
-    h.tel.submit("offload", {"kv": 128}, 128 * KV_BYTES_PER_TOKEN, 64, expect_ack=False,
+    h.tel.submit("offload", {"kv": 128}, 128 * KV_BYTES_PER_TOKEN, page_size=64, expect_ack=False,
                  host_start_ns=start, host_end_ns=start + 3_000_000)
     [span] = h.finished()
     assert span.attributes["hicache.timing_source"] == "host_clock"
@@ -220,7 +221,7 @@ def test_events_without_timing_fall_back_to_the_host_clock_and_say_so(harness, w
     h = harness()
     ev0 = h.device.event(enable_timing=False).record()
     ev1 = h.device.event(enable_timing=False).record(at_ns=h.device.time_ns() + 1_000_000)
-    h.tel.submit("offload", {"kv": 64}, 64, 64, ev0, ev1, True, expect_ack=False)
+    h.tel.submit("offload", {"kv": 64}, 64, page_size=64, start_event=ev0, finish_event=ev1, expect_ack=False)
     h.device.advance(ms=4)
     [span] = h.finished()
     assert span.attributes["hicache.timing_source"] == "host_clock"
@@ -233,7 +234,7 @@ def test_a_transfer_that_never_completes_times_out_as_an_error_span(harness, mon
     h = harness()
     ev0 = h.device.event().record()
     ev1 = h.device.event().never_completes()
-    h.tel.submit("onboard", {"kv": 64}, 640, 64, ev0, ev1, True)
+    h.tel.submit("onboard", {"kv": 64}, 640, page_size=64, start_event=ev0, finish_event=ev1)
     h.device.advance(seconds=6)
     [span] = h.finished()
     assert span.status.status_code is StatusCode.ERROR
@@ -248,7 +249,7 @@ def test_an_event_that_raises_is_an_error_span_never_an_exception(harness, warni
     h = harness()
     ev0, ev1 = h.device.copy(h.device.time_ns(), 1.0)
     ev1.raise_on_query = RuntimeError("CUDA error: an illegal memory access")
-    assert h.tel.submit("offload", {"kv": 64}, 640, 64, ev0, ev1, True) is not None
+    assert h.tel.submit("offload", {"kv": 64}, 640, page_size=64, start_event=ev0, finish_event=ev1) is not None
     h.device.advance(ms=5)
     [span] = h.finished()
     assert span.attributes["error.type"] == "event_error"
@@ -261,8 +262,9 @@ def test_out_of_order_completion_reports_each_op_with_its_own_times(harness):
     t0 = h.device.time_ns()
     slow = h.device.copy(t0, 10.0)
     fast = h.device.copy(t0 + 1_000_000, 1.0)
-    h.tel.submit("offload", {"kv": 64}, 100, 64, *slow, True, expect_ack=False, attributes={"op": "slow"})
-    h.tel.submit("offload", {"kv": 64}, 200, 64, *fast, True, expect_ack=False, attributes={"op": "fast"})
+    for num_bytes, (ev0, ev1), op in ((100, slow, "slow"), (200, fast, "fast")):
+        h.tel.submit("offload", {"kv": 64}, num_bytes, page_size=64, start_event=ev0, finish_event=ev1,
+                     expect_ack=False, attributes={"op": op})
     h.device.advance(ms=3)
     assert not h.flush(0.2)  # the slow one is still in flight
     assert [s.attributes["op"] for s in h.spans.get_finished_spans()] == ["fast"]
@@ -287,8 +289,8 @@ def test_bad_input_is_counted_and_warned_once_never_raised(harness, warnings_log
                                                            page_size):
     h = harness()
     for _ in range(3):
-        h.tel.submit(direction, pools, num_bytes, page_size, expect_ack=False)
-    h.tel.submit("offload", {"kv": 64}, 10, 64, expect_ack=False)
+        h.tel.submit(direction, pools, num_bytes, page_size=page_size, expect_ack=False)
+    h.tel.submit("offload", {"kv": 64}, 10, page_size=64, expect_ack=False)
     assert h.value("otel_hicache.records.dropped", reason="invalid_input") == 3
     assert len(h.finished()) == 1  # the good one
     messages = [r.getMessage() for r in warnings_log.records if "dropped a transfer record" in r.getMessage()]
@@ -313,7 +315,8 @@ def test_queue_overflow_drops_counts_and_warns_once(harness, monkeypatch, warnin
     h = harness()
     ev0 = h.device.event().record()
     ev1 = h.device.event().record(at_ns=h.device.time_ns() + 10**9)  # all in flight for 1 s
-    handles = [h.tel.submit("offload", {"kv": 64}, 10, 64, ev0, ev1, True, expect_ack=False) for _ in range(20)]
+    handles = [h.tel.submit("offload", {"kv": 64}, 10, page_size=64, start_event=ev0, finish_event=ev1,
+                            expect_ack=False) for _ in range(20)]
     accepted = [x for x in handles if x is not None]
     h.device.advance(seconds=2)
     spans = h.finished()
@@ -329,7 +332,7 @@ def test_disabled_submit_returns_at_once(harness, monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)
     h = harness()
     assert not h.tel.enabled
-    assert h.tel.submit("offload", {"kv": 64}, 10, 64) is None
+    assert h.tel.submit("offload", {"kv": 64}, 10, page_size=64) is None
     h.tel.ack(None)
     assert h.tel.force_flush(1.0)
     assert h.spans.get_finished_spans() == ()
@@ -343,12 +346,12 @@ def test_shutdown_reports_unacked_work_and_stops_accepting(harness):
     h.tel.shutdown()
     [span] = h.spans.get_finished_spans()
     assert span.attributes["hicache.acked"] is False
-    assert h.tel.submit("offload", {"kv": 64}, 10, 64) is None
+    assert h.tel.submit("offload", {"kv": 64}, 10, page_size=64) is None
 
 
 def test_transfer_context_manager_times_a_host_block(harness):
     h = harness()
-    with h.tel.transfer("offload", {"kv": 64, "swa": 64}, 64 * KV_BYTES_PER_TOKEN, 64):
+    with h.tel.transfer("offload", {"kv": 64, "swa": 64}, 64 * KV_BYTES_PER_TOKEN, page_size=64):
         h.device.advance(ms=2.5)
     [span] = h.finished()
     assert span.attributes["hicache.timing_source"] == "host_clock"
@@ -360,7 +363,7 @@ def test_transfer_context_manager_times_a_host_block(harness):
 def test_transfer_context_manager_records_device_events_on_a_stream(harness):
     h = harness()
     stream = h.device.stream()
-    with h.tel.transfer("onboard", {"kv": 640}, 640 * KV_BYTES_PER_TOKEN, 64, stream=stream):
+    with h.tel.transfer("onboard", {"kv": 640}, 640 * KV_BYTES_PER_TOKEN, page_size=64, stream=stream):
         h.device.advance(ms=1.25)
     h.device.advance(ms=1)
     [span] = h.finished()
@@ -372,7 +375,7 @@ def test_transfer_context_manager_records_device_events_on_a_stream(harness):
 def test_transfer_context_manager_reports_nothing_when_the_block_raises(harness):
     h = harness()
     with pytest.raises(KeyError):
-        with h.tel.transfer("offload", {"kv": 64}, 64, 64):
+        with h.tel.transfer("offload", {"kv": 64}, 64, page_size=64):
             raise KeyError("copy failed")
     assert h.finished() == []
 
@@ -385,7 +388,7 @@ def test_concurrent_submitters_keep_counters_exact(harness):
 
     def work(seed):
         for i in range(per_thread):
-            h.tel.submit("offload" if (seed + i) % 2 else "onboard", {"kv": 64}, 1000, 64, expect_ack=False,
+            h.tel.submit("offload" if (seed + i) % 2 else "onboard", {"kv": 64}, 1000, page_size=64, expect_ack=False,
                          host_start_ns=0, host_end_ns=1000)
 
     threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
@@ -400,7 +403,7 @@ def test_concurrent_submitters_keep_counters_exact(harness):
 
 def test_bandwidth_is_not_recorded_for_zero_duration(harness):
     h = harness()
-    h.tel.submit("offload", {"kv": 64}, 64, 64, expect_ack=False, host_start_ns=5, host_end_ns=5)
+    h.tel.submit("offload", {"kv": 64}, 64, page_size=64, expect_ack=False, host_start_ns=5, host_end_ns=5)
     [span] = h.finished()
     assert "hicache.bandwidth_bytes_per_second" not in span.attributes
     assert not [p for p in h.points("hicache.transfer.bandwidth") if p.count]
@@ -409,7 +412,7 @@ def test_bandwidth_is_not_recorded_for_zero_duration(harness):
 
 def test_per_call_attributes_never_overwrite_measured_ones(harness):
     h = harness()
-    h.tel.submit("offload", {"kv": 64}, 640, 64, expect_ack=False, host_start_ns=0, host_end_ns=10,
+    h.tel.submit("offload", {"kv": 64}, 640, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=10,
                  attributes={"hicache.bytes": 1, "hicache.direction": "onboard", "note": "x"})
     [span] = h.finished()
     assert span.attributes["hicache.bytes"] == 640
@@ -420,8 +423,9 @@ def test_per_call_attributes_never_overwrite_measured_ones(harness):
 def test_bandwidth_points_say_which_clock_they_came_from(harness):
     h = harness()
     ev0, ev1 = h.device.copy(h.device.time_ns(), 2.0)
-    h.tel.submit("onboard", {"kv": 64}, 2_000_000, 64, ev0, ev1, True, expect_ack=False)
-    h.tel.submit("onboard", {"kv": 64}, 1_000_000, 64, expect_ack=False, host_start_ns=0, host_end_ns=1_000_000)
+    h.tel.submit("onboard", {"kv": 64}, 2_000_000, page_size=64, start_event=ev0, finish_event=ev1, expect_ack=False)
+    h.tel.submit("onboard", {"kv": 64}, 1_000_000, page_size=64, expect_ack=False, host_start_ns=0,
+                 host_end_ns=1_000_000)
     h.device.advance(ms=3)
     device = h.value("hicache.transfer.bandwidth", **{"hicache.timing_source": "device_event"})
     host = h.value("hicache.transfer.bandwidth", **{"hicache.timing_source": "host_clock"})
@@ -436,7 +440,7 @@ def test_flush_waits_for_earlier_submissions_only(harness, monkeypatch):
     monkeypatch.setenv("OTEL_HICACHE_SHUTDOWN_TIMEOUT_S", "0.5")  # teardown: the stuck op is dropped
     h = harness()
     stuck = (h.device.event().record(), h.device.event().never_completes())
-    h.tel.submit("offload", {"kv": 64}, 10, 64, *stuck, True)
+    h.tel.submit("offload", {"kv": 64}, 10, page_size=64, start_event=stuck[0], finish_event=stuck[1])
     assert not h.flush(0.2)  # submitted before the flush and still in flight: not flushed
 
     # the release rule itself, on a pipeline state set by hand (no poller race)
@@ -474,7 +478,7 @@ def test_overload_keeps_records_alive_within_the_cap_and_reporting_going(harness
     deadline = time.monotonic() + 0.5
     submitted = 0
     while time.monotonic() < deadline:
-        if h.tel.submit("offload", pools, 10, 64, expect_ack=False, host_start_ns=0, host_end_ns=5):
+        if h.tel.submit("offload", pools, 10, page_size=64, expect_ack=False, host_start_ns=0, host_end_ns=5):
             accepted += 1
         submitted += 1
         alive_max = max(alive_max, len(pipeline.queue) + len(pipeline._pending) + len(pipeline._awaiting))
@@ -527,7 +531,7 @@ def test_refusals_during_a_poller_cycle_are_counted_before_a_flush_is_released(h
 def test_no_events_and_no_end_stamp_count_as_complete_at_submit(harness):
     h = harness()
     submitted = h.device.time_ns()
-    h.tel.submit("offload", {"kv": 64}, 640, 64, expect_ack=False)
+    h.tel.submit("offload", {"kv": 64}, 640, page_size=64, expect_ack=False)
     h.device.advance(ms=50)  # however late the poller gets to it
     [span] = h.finished()
     assert span.start_time == span.end_time == submitted
@@ -543,7 +547,7 @@ def test_busy_intervals_are_kept_only_around_the_ops_in_flight(harness):
     for second in range(60):
         for i in range(100):
             start = h.device.time_ns()
-            h.tel.submit("offload" if i & 1 else "onboard", {"kv": 64}, 4096, 64, expect_ack=False,
+            h.tel.submit("offload" if i & 1 else "onboard", {"kv": 64}, 4096, page_size=64, expect_ack=False,
                          host_start_ns=start, host_end_ns=start + 1000)
             per_direction += i & 1
             h.device.advance(ms=10)

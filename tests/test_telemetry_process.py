@@ -48,7 +48,7 @@ SERVING = textwrap.dedent("""
     start, i, times = time.monotonic(), 0, []
     while time.monotonic() - start < SECONDS:
         now = time.time_ns()
-        tel.ack(tel.submit("offload", {"kv": 64}, %(bytes)d, 64, host_start_ns=now - 1000, host_end_ns=now))
+        tel.ack(tel.submit("offload", {"kv": 64}, %(bytes)d, page_size=64, host_start_ns=now - 1000, host_end_ns=now))
         times.append(now)
         i += 1
         time.sleep(max(0.0, start + i / 1000 - time.monotonic()))
@@ -266,7 +266,8 @@ def test_no_telemetry_process_means_embedded_sinks_at_once_warned_once(monkeypat
     try:
         for _ in range(50):
             now = time.time_ns()
-            tel.submit("offload", {"kv": 64}, BYTES, 64, expect_ack=False, host_start_ns=now - 1000, host_end_ns=now)
+            tel.submit("offload", {"kv": 64}, BYTES, page_size=64, expect_ack=False, host_start_ns=now - 1000,
+                       host_end_ns=now)
         assert tel.force_flush(10)
     finally:
         tel.shutdown()
@@ -302,7 +303,8 @@ def test_a_telemetry_process_that_keeps_dying_is_restarted_later_and_later(monke
         deadline = time.monotonic() + 4.0
         while time.monotonic() < deadline:
             now = time.time_ns()
-            tel.submit("offload", {"kv": 64}, BYTES, 64, expect_ack=False, host_start_ns=now - 1000, host_end_ns=now)
+            tel.submit("offload", {"kv": 64}, BYTES, page_size=64, expect_ack=False, host_start_ns=now - 1000,
+                       host_end_ns=now)
             time.sleep(0.01)
     finally:
         tel.shutdown()

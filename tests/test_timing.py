@@ -60,8 +60,8 @@ class Anchor:
 
 
 def record(start=None, finish=None, timing=True, host_start=None, host_end=None, submit_ns=SUBMIT):
-    r = TransferRecord(submission("onboard", {"kv": 64}, 4096, 64, start, finish, timing, submit_ns=submit_ns,
-                                  host_start_ns=host_start, host_end_ns=host_end))
+    r = TransferRecord(submission("onboard", {"kv": 64}, 4096, 64, start if timing else None, finish,
+                                  submit_ns=submit_ns, host_start_ns=host_start, host_end_ns=host_end))
     validate(r)
     return r
 

@@ -1,4 +1,4 @@
-"""``submit(cause=...)``: why an op moved its bytes, on spans and the transfer metrics."""
+"""``submit(cause=...)`` and ``submit(cause_call=...)``: why an op moved its bytes, on spans and metrics."""
 
 from __future__ import annotations
 
@@ -13,9 +13,13 @@ from otel_hicache.capture.records import TransferRecord, submission, validate
 CAUSE = sc.CAUSE
 
 
-def _record(direction="offload", pools=None, num_bytes=3000, cause=None):
+def _given(value):
+    return value
+
+
+def _record(direction="offload", pools=None, num_bytes=3000, cause=None, parts=None, call=None):
     r = TransferRecord(submission(direction, pools if pools is not None else {"kv": 30, "swa": 6}, num_bytes, 4,
-                                  expect_ack=True, cause=cause))
+                                  expect_ack=True, cause=cause, cause_call=(_given, parts) if parts else call))
     validate(r)
     return r
 
@@ -35,31 +39,32 @@ def test_an_unknown_or_wrong_direction_cause_is_other_and_warned_once(cause, cap
 
 
 def test_parts_of_one_cause_make_that_cause_and_of_several_make_mixed():
-    one = _record(cause=[("write_through", {"kv": 10, "swa": 2}, 1000), ("write_through", {"kv": 20, "swa": 4}, 2000)])
+    one = _record(parts=[("write_through", {"kv": 10, "swa": 2}, 1000), ("write_through", {"kv": 20, "swa": 4}, 2000)])
     assert (one.cause, one.cause_parts) == ("write_through", None)
-    mixed = _record(cause=[("write_through", {"kv": 10, "swa": 2}, 1000), ("other", {"kv": 20}, 1500),
+    mixed = _record(parts=[("write_through", {"kv": 10, "swa": 2}, 1000), ("other", {"kv": 20}, 1500),
                            ("write_through", {"kv": 0}, 0), ("other", {"swa": 4}, 500)])
     assert mixed.cause == "mixed"
     assert mixed.cause_parts == (("other", ("kv", "swa"), (20, 4), 2000),
                                  ("write_through", ("kv", "swa"), (10, 2), 1000))
 
 
-def test_a_callable_cause_is_called_on_the_worker_and_one_that_raises_makes_other(caplog):
+def test_a_cause_call_is_made_on_the_worker_and_one_that_raises_makes_other(caplog):
     calls = []
     parts = [("write_through", {"kv": 10, "swa": 2}, 1000), ("write_back", {"kv": 20, "swa": 4}, 2000)]
-    deferred = _record(cause=lambda: calls.append(1) or parts)
+    deferred = _record(call=(lambda: calls.append(1) or parts,))
     assert (deferred.cause, deferred.cause_parts, calls) == (
         "mixed", (("write_back", ("kv", "swa"), (20, 4), 2000), ("write_through", ("kv", "swa"), (10, 2), 1000)), [1])
-    assert _record(cause=lambda: "write_back").cause == "write_back"
-    assert _record(cause=(calls.append, 2)).cause == "other" and calls == [1, 2]  # (function, *args): None
-    assert _record(cause=(str.strip, " write_back ")).cause == "write_back"
-    assert _record(cause=lambda: None).cause == "other"
+    assert _record(call=(lambda: "write_back",)).cause == "write_back"
+    assert _record(call=(calls.append, 2)).cause == "other" and calls == [1, 2]  # (function, *args): None
+    assert _record(call=(str.strip, " write_back ")).cause == "write_back"
+    assert _record(cause="write_back", call=(str, "write_through")).cause == "write_through"  # the call wins
+    assert _record(cause=[("write_back", {"kv": 30, "swa": 6}, 3000)]).cause == "other"  # parts only by a call
 
     def broken():
         raise KeyError("gone")
 
     with caplog.at_level(logging.WARNING, logger="otel_hicache"):
-        assert [(_record(cause=broken).cause, _record(cause=broken).cause_parts)] == [("other", None)]
+        assert [(_record(call=(broken,)).cause, _record(call=(broken,)).cause_parts)] == [("other", None)]
     assert sum("could not work out an op's cause" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -73,17 +78,18 @@ def test_a_callable_cause_is_called_on_the_worker_and_one_that_raises_makes_othe
 ])
 def test_parts_that_do_not_sum_to_the_op_make_it_other_warned_once(parts, caplog):
     with caplog.at_level(logging.WARNING, logger="otel_hicache"):
-        assert (_record(cause=parts).cause, _record(cause=parts).cause_parts) == ("other", None)
+        assert (_record(parts=parts).cause, _record(parts=parts).cause_parts) == ("other", None)
     assert sum("cause parts are malformed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_spans_and_metrics_by_cause_sum_exactly_to_the_totals(harness):
     h = harness()
-    h.tel.submit("offload", {"kv": 64}, 6400, 4, expect_ack=False, host_start_ns=1, host_end_ns=2,
+    h.tel.submit("offload", {"kv": 64}, 6400, page_size=4, expect_ack=False, host_start_ns=1, host_end_ns=2,
                  cause="retraction_backup")
-    h.tel.submit("offload", {"kv": 30, "swa": 6}, 3000, 4, expect_ack=False, host_start_ns=1, host_end_ns=2,
-                 cause=[("write_through", {"kv": 10, "swa": 2}, 1000), ("write_back", {"kv": 20, "swa": 4}, 2000)])
-    h.tel.submit("onboard", {"kv": 8}, 800, 4, expect_ack=False, host_start_ns=1, host_end_ns=2)
+    h.tel.submit("offload", {"kv": 30, "swa": 6}, 3000, page_size=4, expect_ack=False, host_start_ns=1, host_end_ns=2,
+                 cause_call=(_given, [("write_through", {"kv": 10, "swa": 2}, 1000),
+                                      ("write_back", {"kv": 20, "swa": 4}, 2000)]))
+    h.tel.submit("onboard", {"kv": 8}, 800, page_size=4, expect_ack=False, host_start_ns=1, host_end_ns=2)
     spans = sorted(h.finished(), key=lambda s: s.attributes["hicache.tokens"])
     assert [(s.attributes[CAUSE], s.attributes.get(sc.CAUSES_ATTR)) for s in spans] == [
         ("other", None), ("mixed", ("write_back", "write_through")), ("retraction_backup", None)]

@@ -1,6 +1,6 @@
-"""Attributes a caller passes, checked in the serving process: the static ones (every span and
-point, or the resource) and each call's own (its span), within the SDK's span attribute limits
-already, so that a huge value never reaches the channel. A value is a str, bool, int64 or float, or a list of them."""
+"""Attributes a caller passes, checked in the serving process: the static ones (every span and point)
+and each call's own (its span), within the SDK's span attribute limits, so that a huge value never
+reaches the channel. A value is a str, bool, int64 or float, or a list of them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from ..diagnostics import warn_once
 from ..record import INT64_MAX, encodes
 
 
-def valid_value(value: Any) -> bool:
+def valid_value(value: Any, nested: bool = False) -> bool:
     if isinstance(value, (tuple, list)):
-        return all(valid_value(v) and not isinstance(v, (tuple, list)) for v in value)
+        return not nested and all(valid_value(v, True) for v in value)
     if isinstance(value, str):
         return encodes(value)
     if isinstance(value, int) and not isinstance(value, bool):
@@ -27,7 +27,7 @@ def _valid(key: Any, value: Any) -> bool:
 
 
 def _limit(names: tuple[str, str], default: int | None) -> int | None:
-    """The first of the two that is a count (a malformed one is warned about by sinks.otel_environment)."""
+    """The first of the two that is a count (sinks.otel_environment warns about a malformed one)."""
     for name in names:
         raw = (os.environ.get(name) or "").strip()
         if raw.isdigit():
@@ -37,7 +37,7 @@ def _limit(names: tuple[str, str], default: int | None) -> int | None:
 
 def limits() -> tuple[int, int | None]:
     """The SDK's span attribute limits, as it reads them: (count, value length or None)."""
-    return (_limit(("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_COUNT_LIMIT"), 128),  # type: ignore[return-value]
+    return (_limit(("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_COUNT_LIMIT"), 128),  # type: ignore
             _limit(("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"), None))
 
 
@@ -52,17 +52,9 @@ def static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     return static
 
 
-def _truncated(value: Any, length: int) -> Any:
-    if isinstance(value, str):
-        return value[:length]
-    if isinstance(value, (tuple, list)):
-        return [v[:length] if isinstance(v, str) else v for v in value]
-    return value
-
-
 def call_attributes(attributes: Any, count: int, length: int | None) -> dict[str, Any] | None:
-    """A call's own attributes as its span carries them: invalid ones left out (warned once per type),
-    at most ``count``, str values cut to ``length``, as the SDK would."""
+    """A call's own attributes as the SDK would keep them: invalid ones left out (warned once per type),
+    at most ``count``, str values cut to ``length``."""
     if not isinstance(attributes, Mapping):
         warn_once("attributes:type", "otel-hicache: attributes must be a mapping, got %s; ignored",
                   type(attributes).__name__)
@@ -77,5 +69,8 @@ def call_attributes(attributes: Any, count: int, length: int | None) -> dict[str
             warn_once("attribute:count", "otel-hicache: an op has more than %d attributes of its own "
                       "(OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT); the rest were left out", count)
             break
-        out[str.__str__(key)] = _truncated(value, length) if length is not None else value
+        if length is not None and isinstance(value, (str, tuple, list)):
+            value = value[:length] if isinstance(value, str) else [
+                v[:length] if isinstance(v, str) else v for v in value]
+        out[str.__str__(key)] = value
     return out or None

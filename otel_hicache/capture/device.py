@@ -1,7 +1,6 @@
 """Device back-ends, found from the events themselves (duck-typed: ``query()``, ``synchronize()``,
 ``elapsed_time()``). Only the wall-clock anchor creates events: from an event's ``anchor_factory()``
-(test doubles, custom devices), or for a ``torch.<backend>.Event`` on a side stream of its device.
-Events without one are placed relative to each other (:class:`.clock.EventTimeline`)."""
+(test doubles, custom devices), or for a ``torch.<backend>.Event`` on a side stream of its device."""
 
 from __future__ import annotations
 
@@ -11,10 +10,8 @@ from typing import Any, Callable
 
 def _torch_backend(obj: Any) -> Any:
     parts = type(obj).__module__.split(".")
-    if len(parts) < 2 or parts[0] != "torch":
-        return None
     try:
-        return importlib.import_module(f"torch.{parts[1]}")
+        return importlib.import_module(f"torch.{parts[1]}") if len(parts) > 1 and parts[0] == "torch" else None
     except ImportError:
         return None
 
@@ -25,10 +22,9 @@ def anchor_factory_for(event: Any) -> Callable[[], Any] | None:
     if callable(custom):
         return custom()
     backend = _torch_backend(event)
-    stream_cls = getattr(backend, "Stream", None)
+    stream_cls, cls = getattr(backend, "Stream", None), type(event)
     if stream_cls is None:
         return None
-    cls = type(event)
     index = getattr(getattr(event, "device", None), "index", None)
     streams: list[Any] = []
 

@@ -1,24 +1,14 @@
-"""The poller: the one thread of the capture in the serving process.
+"""The poller: the capture's one thread, a batch processor over submit()'s queue.
 
-``submit()`` only appends a list to a bounded queue. Each cycle of the poller does four jobs:
-
-1. intake: validate each record (invalid ones counted, never raised), make the host's deferred
-   cause call, send the host slots an op wrote or read (``record.HOST``) in order with the frees;
-2. completion and timing: poll ``finish_event.query()`` (never ``synchronize()``), time the op
-   (:mod:`.timing`), resolve its requests, time out stuck transfers;
-3. ack watching: the end of each op's ack wait (``record.ACK``: acked, or timed out);
-4. hand-over: the cycle's messages as one batch to the channel (:mod:`.channel`), sent on every so often.
-
-It polls while something is in flight or awaits its ack, and, when submits come faster than it
-polls, for ``_ACTIVE_GRACE_S`` after; then it sends on what it wrote and sleeps until a timer is
-due (a changed STATE held back, the channel's) or a ``submit()`` that finds it asleep wakes it.
+Each cycle: intake (validate, deferred causes, host pages), completion (``finish_event.query()``,
+never ``synchronize()``; timing; timeouts), acks (acked or timed out), and hand-over of the cycle's
+messages as one batch to the channel. It polls while work is in flight, else sleeps until a timer
+is due or a submit() wakes it.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-import operator
 import os
 import sys
 import threading
@@ -30,10 +20,10 @@ from opentelemetry import trace
 
 from .. import environment_variables as ev
 from .. import record as rec
-from ..record import DIRECTIONS
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 from ..environment_variables import DEFAULTS
+from ..record import DIRECTIONS
 from ..settings import env_float, env_int
 from . import fork, request_links
 from .attributes import call_attributes, limits
@@ -43,9 +33,6 @@ from .timing import Timing, is_complete, resolve_host_clock
 
 class PollerSettings:
     """The poller's knobs; the defaults are the documented ones (environment_variables.DEFAULTS)."""
-
-    __slots__ = ("max_queue_size", "poll_interval_s", "ack_timeout_ns", "transfer_timeout_ns",
-                 "anchor_interval_s", "stall_warning_s")
 
     def __init__(self, max_queue_size: int = DEFAULTS[ev.OTEL_HICACHE_MAX_QUEUE_SIZE],
                  poll_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_POLL_INTERVAL_MS] / 1e3,
@@ -66,40 +53,32 @@ class PollerSettings:
                    env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01))
 
 
-# Under load (submits closer than the poll interval) the poller polls this long after work before it
-# sleeps, so that submit() never has to wake it; at low rates a wake per submit costs less than polls.
-_ACTIVE_GRACE_S = 0.1
-_ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts are scanned at most this often
-_STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs are sent at most this often (and at every flush)
-# Written batches are sent on at most this often, or once this many ops wait: each send is a system call
-# that wakes the telemetry process.
-_WRITE_INTERVAL_NS = 50_000_000
-_WRITE_OPS = 256
-# A cycle stops taking on work after this much of the thread's CPU time, so that it never holds the GIL
-# from the serving thread longer than this and one op; checked every _BUDGET_EVERY records.
-CYCLE_BUDGET_NS = 150_000
-_BUDGET_EVERY = 4
-_INTAKE_PASS = 8  # records popped per pass (a budget check between passes)
+_ACTIVE_GRACE_S = 0.1  # under load, polls this long after work, so that submit() need not wake it
+_ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts: scanned at most this often
+_STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs: sent at most this often (and at every flush)
+_WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # batches sent on (a system call) this often, or this many
+CYCLE_BUDGET_NS = 150_000  # a cycle's CPU time, so that it never holds the GIL longer; checked
+_BUDGET_EVERY = 4  # every this many records
+_INTAKE_PASS = 8  # records popped per pass
 _LOCK_WAIT_S = 0.05  # the longest another thread waits for the intake lock
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _where(thread: threading.Thread) -> str:
     """Where a thread of ours is blocked: its first call out of otel-hicache, and the innermost function."""
-    frame = sys._current_frames().get(thread.ident)  # CPython's only way to see another thread's frame
-    if frame is None:
-        return "an unknown place"
-    innermost, callee = frame, frame
+    frame = sys._current_frames().get(thread.ident)  # CPython's only view of another thread's frame
+    innermost = callee = frame
     while frame is not None and not frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         callee, frame = frame, frame.f_back
+    if callee is None:
+        return "an unknown place"
     code = callee.f_code
     where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{callee.f_lineno})"
     return where if callee is innermost else f"{where}, in {innermost.f_code.co_name}"
 
 
 class _Wake:
-    """A wake-up that is never lost: ``set()`` from any thread, ``wait(timeout)`` (None: no bound)
-    consumes it; a lock is one C call per wait, an Event a Python Condition."""
+    """A wake-up never lost, ``wait()`` consumes it: a lock is one C call per wait (an Event is Python)."""
 
     __slots__ = ("_lock",)
 
@@ -118,15 +97,10 @@ class _Wake:
 
 
 class _Refusals:
-    """submit() calls refused on a full queue: ``next(count)`` is atomic and takes no memory, and it is
-    the count's only reader too, so each read() is one call of its own."""
-
-    __slots__ = ("count", "_reads", "_reported", "_lock")
+    """submit()s refused on a full queue: ``next(count)`` is atomic; read() subtracts its own calls."""
 
     def __init__(self) -> None:
-        self.count = itertools.count()
-        self._reads = self._reported = 0
-        self._lock = threading.Lock()
+        self.count, self._reads, self._reported, self._lock = itertools.count(), 0, 0, threading.Lock()
 
     def read(self) -> int:
         """Refused since the last read (any thread)."""
@@ -137,106 +111,79 @@ class _Refusals:
         return drops
 
 
-class HostFree(NamedTuple):
-    """Host slots the application freed, queued in order with the ops around them."""
+class HostPoolRef(NamedTuple):
+    """A host pool as ``host_slots`` and ``host_freed`` name it (the sinks track its pages)."""
 
     pool_id: int
-    slots: Any
+    name: str
+    slots: int
     page_size: int
 
 
-class HostPoolRef:
-    """A host pool as ``host_slots`` and ``host_freed`` name it; its pages are tracked by the sinks."""
-
-    __slots__ = ("pool_id", "name", "slots", "page_size")
-    _ids = itertools.count(1)
-
-    def __init__(self, name: str, slots: int, page_size: int) -> None:
-        self.pool_id, self.name, self.slots, self.page_size = next(self._ids), name, slots, page_size
-
-    def message(self) -> tuple[Any, ...]:
-        return (rec.POOL, self.pool_id, self.name, self.slots, self.page_size)
-
-
 class Poller:
-    """Takes ``submit()``'s lists in, watches them complete, writes their messages to the channel
+    """Takes submit()'s lists in, watches them complete, writes their messages to the channel that
     ``open_channel()`` makes at the first batch (again in a forked child)."""
 
     def __init__(self, settings: PollerSettings, open_channel: Callable[[], Any],
                  clock: Callable[[], int] = time.time_ns, anchor_factory: Callable[[], Any] | None = None) -> None:
-        self.settings = settings
-        self._open_channel = open_channel
-        self._clock = clock
-        self._anchor_factory = anchor_factory
-        self._forked = False
+        self.settings, self._open_channel, self._clock = settings, open_channel, clock
+        self._anchor_factory, self._forked = anchor_factory, False
         self.pools: list[HostPoolRef] = []  # announced to every channel opened (a forked child's too)
         self._init_state()
-        self._start_thread()
         fork.after_fork_in_child(self._after_fork_in_child)
 
     def _init_state(self) -> None:
-        # intake (queue, held and _taken read together under _lock by other threads)
-        self.queue: deque[Any] = deque()  # submitted lists (records.SUBMISSION_FIELDS), HostFrees, pools
-        self.held = 0  # records the poller holds (pending + awaiting ack); never below the truth
-        self._taken = 0  # records taken in from the queue (their intake sequence numbers)
-        self._lock = threading.Lock()
+        """Fresh state and a thread (at start, and in a forked child)."""
+        self.queue: deque[Any] = deque()  # submitted lists, (pool, slots) freed, and pools
+        self.held = 0  # records held (pending + awaiting ack); never below the truth
+        self._taken = 0  # records taken from the queue (their sequence numbers); with held, under _lock
+        self._lock, self._open_lock = threading.Lock(), threading.Lock()
         self._refusals = _Refusals()
         self.refused = self._refusals.count  # submit()'s next() on a full queue
-        # completion and timing; ack watching
-        self._pending: list[TransferRecord] = []
+        self._pending: list[TransferRecord] = []  # not yet complete
+        self._awaiting: list[TransferRecord] = []  # complete, waiting for their ack
         self._inflight = dict.fromkeys(DIRECTIONS, 0)
         self._timing = Timing(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
-        self._attribute_limits = limits()  # (count, value length): the SDK's, read once
-        self._awaiting: list[TransferRecord] = []
-        self._last_ack_scan = 0
-        # hand-over
+        self._attribute_limits = limits()
+        self._last_ack_scan = self._last_send = self._last_state = self._stall_written = self._ops_out = 0
         self.channel: Any = None
-        self._open_lock = threading.Lock()
         self._out: list[tuple[Any, ...]] = []  # this cycle's messages
-        self._ops_out = 0
         self._drops: dict[str, int] = {}
-        self._unsent_ops = -1  # ops written to the channel and not sent on yet; -1: nothing at all
-        self._last_send = self._last_state = 0
+        self._unsent_ops = -1  # ops written and not sent on yet; -1: nothing written at all
         self._state_sent: tuple[Any, ...] | None = None
-        self._state_held = False  # a STATE was held back by its interval: a timer
-        self._cpu_s = 0.0  # the poller thread's CPU time at its last STATE
-        # the thread: its sleep, flushes, stop, a stuck cycle
-        self.idle = False  # asleep with nothing to poll: the next submit() wakes it
+        self._cpu_s = 0.0  # the thread's CPU time at its last STATE
+        # idle: asleep, the next submit() wakes it; _more: the last cycle stopped at its budget
+        self.idle = self._more = self._state_held = False  # (_state_held: a changed STATE held back)
         self._wake = _Wake()
-        self._more = False  # the last cycle stopped at its budget with work left
         self._flush_waiters: list[tuple[int, threading.Event]] = []
         self._stopping = self._stop_called = self._abandoned = self._stall_reported = False
-        self._cycle_started: float | None = None  # time.monotonic() of the cycle running now
-        self._stall_written = 0
+        self._cycle_started: float | None = None  # time.monotonic() of the running cycle
+        self._start_thread()
 
-    def _start_thread(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="otel-hicache-poller", daemon=True)
-        self._thread.start()
+    def _start_thread(self) -> None:  # (tests replace it)
+        self.thread = threading.Thread(target=self._run, name="otel-hicache-poller", daemon=True)
+        self.thread.start()
 
     def _after_fork_in_child(self) -> None:
         if self.channel is not None:
             self.channel.forget_in_child()  # the parent's telemetry process stays the parent's
-        self._init_state()
         self._forked = True  # its channel opens at its first batch, after fork() returned
-        self._start_thread()
+        self._init_state()
 
     def wake(self) -> None:
-        """submit()'s call when it found the poller idle."""
         self.idle = False
         self._wake.set()
 
-    def add_pool(self, pool: HostPoolRef) -> None:
-        self.pools.append(pool)
-        self.queue.append(pool)  # announced in order, before the ops that use it
+    def add(self, item: Any) -> None:
+        """A pool (announced in order, before the ops that use it), or ``(pool, slots)`` freed."""
+        if type(item) is HostPoolRef:
+            self.pools.append(item)
+        self.queue.append(item)
         if self.idle:
             self.wake()
 
-    @property
-    def thread(self) -> threading.Thread:
-        return self._thread
-
     def size(self) -> int:
-        """Records queued or held, under the intake's lock (a batch is counted in ``held`` before it leaves ``queue``)."""
+        """Records queued or held, read together under the intake lock."""
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
             return len(self.queue) + self.held
@@ -244,39 +191,34 @@ class Poller:
             if locked:
                 self._lock.release()
 
-    # -- a stuck poller (flush, stop, a refused submit) -----------------------------------------
+    # -- any thread: a stuck poller, flush, stop
     def stalled(self) -> float:
-        """Seconds the current cycle has run once past ``stall_warning_s``, else 0; warns once per
-        stall where the poller is blocked, and writes what it cannot."""
+        """Seconds the running cycle has run once past ``stall_warning_s``, else 0; says once where it is
+        blocked and writes the refusals and STATE it cannot."""
         started = self._cycle_started
-        if started is None or not self._thread.is_alive():
-            return 0.0
-        stalled_for = time.monotonic() - started
+        stalled_for = time.monotonic() - started if started is not None and self.thread.is_alive() else 0.0
         if stalled_for < self.settings.stall_warning_s:
             return 0.0
         if not self._stall_reported:
             self._stall_reported = True
             logger.warning("otel-hicache: the poller has not finished a cycle for %.0f s; it is blocked in %s. "
                            "No transfer is reported until it returns; submits refused meanwhile are counted in "
-                           "otel_hicache.records.dropped{reason=queue_full}", stalled_for, _where(self._thread))
+                           "otel_hicache.records.dropped{reason=queue_full}", stalled_for, _where(self.thread))
         mono = time.monotonic_ns()
         if mono - self._stall_written >= _STATE_INTERVAL_NS and self.channel is not None:
             self._stall_written = mono
             refused = self._refusals.read()
             batch = [(rec.DROPPED, sc.DROP_QUEUE_FULL, refused)] if refused else []
-            batch.append(self._state_message(self._cpu_s))  # (the poller's CPU time as it last read it)
             try:
-                self.channel.write(batch, 0)
+                self.channel.write([*batch, self._state_message(self._cpu_s)], 0)
                 getattr(self.channel, "send", lambda: None)()
             except Exception as exc:  # never into the caller
                 warn_once(f"stall:{type(exc).__name__}", "otel-hicache: cannot report the stuck poller (%r)", exc)
         return stalled_for
 
-    # -- control (any thread) -----------------------------------------------------------------
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every record submitted before this call was taken in, is no longer in flight
-        and was written to the channel (records waiting for an ack stay held)."""
-        if not self._thread.is_alive():
+        """Wait until every record submitted before was taken in, is complete and was written."""
+        if not self.thread.is_alive():
             return not (self.queue or self._pending)
         done = threading.Event()
         with self._lock:
@@ -290,16 +232,16 @@ class Poller:
     def stop(self, timeout_s: float) -> bool:
         """Flush, end the ack waits, stop the thread and the channel, within ``timeout_s`` (plus 0.1 s)."""
         deadline = time.monotonic() + timeout_s
-        if self._stop_called or not self._thread.is_alive():
+        if self._stop_called or not self.thread.is_alive():
             return False
         self._stop_called = True  # (at exit it is called twice: by atexit and by multiprocessing)
         flushed = self.flush(timeout_s)
         self._stopping = True
         self.wake()
-        self._thread.join(max(0.1, deadline - time.monotonic()))
-        stopped = not self._thread.is_alive()
+        self.thread.join(max(0.1, deadline - time.monotonic()))
+        stopped = not self.thread.is_alive()
         if not stopped and self.stalled():
-            self._abandoned = True  # what it holds and what is queued is lost, counted now
+            self._abandoned = True  # what it holds and what is queued is lost: counted now
             lost = len(self.queue) + self.held
             logger.warning("otel-hicache: %d transfers held by the stuck poller were not reported; "
                            "counted in otel_hicache.records.dropped{reason=shutdown}", lost)
@@ -308,31 +250,28 @@ class Poller:
         elif self.queue:  # appended by a submit() that raced the final cycle
             self._drop_queued()
             self._write()
-        channel = self.channel
-        closed = channel is None or channel.stop(max(0.1, deadline - time.monotonic()), timeout_s)
+        closed = self.channel is None or self.channel.stop(max(0.1, deadline - time.monotonic()), timeout_s)
         return flushed and stopped and closed
 
-    # -- the thread ---------------------------------------------------------------------------
+    # -- the thread
     def _run(self) -> None:
         if not self._forked:  # the sinks' zero series exist from start-up
-            self._opened()
+            self.open_channel()
         active = taken = 0.0  # the last time there was work, and work came in
-        interval = _ACTIVE_GRACE_S  # between submits, a moving average
+        interval = _ACTIVE_GRACE_S  # between submits, a moving average (capped: a long pause is soon forgotten)
         while True:
-            now = time.monotonic()
-            if self.queue:  # (capped: one long pause is forgotten after a few ops)
+            now = self._cycle_started = time.monotonic()
+            if self.queue:
                 interval += (min(now - taken, _ACTIVE_GRACE_S) / len(self.queue) - interval) / 4
                 taken = now
             if self.queue or self._pending or self._awaiting:
                 active = now
-            self._cycle_started = time.monotonic()
             try:
                 self._cycle()
             except Exception as exc:  # keep the poller alive whatever happens
                 warn_once("poller", "otel-hicache: poller error %r (continuing)", exc)
                 logger.debug("otel-hicache poller error", exc_info=True)
-            finally:
-                self._cycle_started = None
+            self._cycle_started = None
             if self._abandoned:
                 return
             if self._stall_reported:
@@ -341,7 +280,7 @@ class Poller:
             if self._stopping:
                 self._cycle_final()
                 return
-            if self._more:  # cut short by its budget: the rest now, once the others had the GIL
+            if self._more:  # cut short by its budget: the rest once the others had the GIL
                 time.sleep(0)
             elif (self._pending or self._awaiting or self._flush_waiters
                   or (interval < self.settings.poll_interval_s and time.monotonic() - active < _ACTIVE_GRACE_S)):
@@ -351,52 +290,48 @@ class Poller:
 
     def _sleep(self) -> None:
         """Nothing to poll: block until the next timer, or until submit() or flush() wakes us."""
-        try:  # a wake-up costs more than a STATE computed or a send made now: none for them
+        try:  # a STATE compared or a send made now costs less than a wake-up for them
             if self._state_held and self._state_message(self._cpu_s)[1:5] == self._state_sent:
                 self._state_held = False
             if self._unsent_ops >= 0 and not self._out:
                 self._send_on()
         except Exception as exc:  # (their timers stay)
             warn_once("poller", "otel-hicache: poller error %r (continuing)", exc)
-        due = []
-        if self._state_held:
-            due.append(self._last_state + _STATE_INTERVAL_NS)
+        now = time.monotonic_ns()
+        due = [self._last_state + _STATE_INTERVAL_NS] if self._state_held else []
         if self._unsent_ops >= 0:
             due.append(self._last_send + _WRITE_INTERVAL_NS)
-        if self._out:  # not written (no channel yet, or a cycle that failed): again in a while
-            due.append(time.monotonic_ns() + _WRITE_INTERVAL_NS)
-        at = self._channel_due()
-        if at is not None:  # (just handled by the cycle: not again at once)
-            due.append(max(at, time.monotonic_ns() + _ACK_SCAN_INTERVAL_NS))
+        if self._out:  # not written (no channel yet, or a failed cycle): again in a while
+            due.append(now + _WRITE_INTERVAL_NS)
+        if (at := self._channel_due()) is not None:  # (just handled by the cycle: not again at once)
+            due.append(max(at, now + _ACK_SCAN_INTERVAL_NS))
         self.idle = True
-        if self.queue or self._stopping:  # (appended before submit() could see idle)
-            self.idle = False
-            return
-        self._wake.wait(max(0.0, (min(due) - time.monotonic_ns()) / 1e9) if due else None)
+        if not (self.queue or self._stopping):  # (appended before submit() could see idle)
+            self._wake.wait(max(0.0, (min(due) - time.monotonic_ns()) / 1e9) if due else None)
         self.idle = False
 
     def _cycle(self) -> None:
         end = time.thread_time_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
         self._more = False
         self._intake(end)
+        now = self._clock()
+        if self._pending and not self._abandoned:
+            self._completions(now, end)
         if self._abandoned:
             return
-        now = self._clock()
-        if self._pending:
-            self._completions(now, end)
-            if self._abandoned:
-                return
-        if self._awaiting:
-            self._acks(now)
+        if self._awaiting and (self._watch_acks(now, self._awaiting) or self._stopping or self._flush_waiters
+                               or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS):
+            self._last_ack_scan = now  # (watched acks every cycle, the others and timeouts less often)
+            self._scan_acks(now)
         self.held = len(self._pending) + len(self._awaiting)
         self._hand_over(end)
 
-    # -- 1. intake ----------------------------------------------------------------------------
+    # -- 1. intake
     def _intake(self, end: int) -> None:
-        """At most what the cap leaves room for; the rest stays queued (submit() refuses beyond the cap)."""
+        """At most what the cap leaves room for; the rest stays queued."""
         queue = self.queue
         room = self.settings.max_queue_size - len(self._pending) - len(self._awaiting)
-        while queue and room > 0:
+        while queue and room > 0 and not self._abandoned:
             if time.thread_time_ns() > end:
                 self._more = True
                 break
@@ -407,26 +342,23 @@ class Poller:
                 items = [queue.popleft() for _ in range(count)]
                 self._taken = first + count
             for seq, item in enumerate(items, first):
-                if type(item) is HostFree:
-                    self.held -= 1
-                    self._host(rec.FREE, item.page_size, item.pool_id, item.slots)
-                elif type(item) is HostPoolRef:
-                    self.held -= 1
-                    self._out.append(item.message())
-                elif self._take_in(item, seq):
-                    room -= 1  # an invalid record takes no room: the next pass takes another
-                if self._abandoned:
-                    return
-        self.held = len(self._pending) + len(self._awaiting)
+                if type(item) is list:
+                    room -= self._take_in(item, seq)  # an invalid record takes no room
+                    continue
+                self.held -= 1
+                if type(item) is HostPoolRef:
+                    self._out.append((rec.POOL, *item))
+                else:  # (pool, slots) freed
+                    self._pages((rec.FREE, item[0].pool_id), item[1], item[0].page_size)
 
     def _take_in(self, item: list[Any], seq: int) -> bool:
-        """Validate a submitted list and hold it until it completes; False if it was dropped."""
+        """Validate a submitted list and hold it until it completes; False if dropped."""
         try:
             record = TransferRecord(item)
             record.seq = seq
             try:
                 validate(record)  # may call the host's deferred cause
-            except Exception as exc:  # whatever the caller passed, count it and go on
+            except Exception as exc:  # whatever the caller passed: counted, and on
                 self.held -= 1
                 self._drop(sc.DROP_INVALID_INPUT)
                 warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
@@ -434,8 +366,8 @@ class Poller:
                 return False
             if record.host_slots is not None:
                 pool, slots = record.host_slots
-                self._host(rec.HOST, pool.page_size, record.seq, pool.pool_id, record.direction, slots, record.submit_ns,
-                           record.cause, record.num_bytes)
+                self._pages((rec.HOST, seq, pool.pool_id, record.direction), slots, pool.page_size,
+                            (record.submit_ns, record.cause, record.num_bytes))
             self._inflight[record.direction] += 1
             self._pending.append(record)
             return True
@@ -444,25 +376,21 @@ class Poller:
             self._internal_error("taken in", exc)
             return False
 
-    def _host(self, kind: int, page_size: int, *fields: Any) -> None:
-        """A ``record.HOST`` (an op's pages) or ``record.FREE`` message, its slots (maybe a call) sent as the
-        pool's pages."""
-        index = 3 if kind == rec.HOST else 1
+    def _pages(self, head: tuple[Any, ...], slots: Any, page_size: int, tail: tuple[Any, ...] = ()) -> None:
+        """A ``record.HOST`` or ``record.FREE`` message, its slots as pages."""
         try:
-            slots = fields[index]() if callable(fields[index]) else fields[index]
-            self._out.append((kind, *fields[:index], rec.page_text(slots, page_size), *fields[index + 1:]))
+            self._out.append((*head, rec.page_text(slots, page_size), *tail))
         except Exception as exc:  # the op is still reported; these pages are not tracked
-            warn_once(f"host:{kind}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
-                      "an op's" if kind == rec.HOST else "freed", exc)
+            warn_once(f"host:{head[0]}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
+                      "an op's" if head[0] == rec.HOST else "freed", exc)
 
-    # -- 2. completion and timing -------------------------------------------------------------
+    # -- 2. completion and timing
     def _completions(self, now: int, end: int) -> None:
         self._timing.refresh(now)
         still: list[TransferRecord] = []
-        timeout = self.settings.transfer_timeout_ns
         pending = self._pending
         for index, record in enumerate(pending):
-            if index % _BUDGET_EVERY == 0 and index and time.thread_time_ns() > end:
+            if index and index % _BUDGET_EVERY == 0 and time.thread_time_ns() > end:
                 self._more = True
                 still.extend(pending[index:])
                 break
@@ -476,7 +404,7 @@ class Poller:
                     return
                 if done:
                     self._complete(record, now)
-                elif now - record.submit_ns > timeout:
+                elif now - record.submit_ns > self.settings.transfer_timeout_ns:
                     self._fail(record, sc.FAIL_TRANSFER_TIMEOUT, now, None)
                 else:
                     still.append(record)
@@ -497,11 +425,11 @@ class Poller:
             self._awaiting.append(record)
 
     def _fail(self, record: TransferRecord, reason: str, now: int, exc: BaseException | None) -> None:
-        record.error = reason
-        resolve_host_clock(record, now)  # an event misbehaved or never finished: host clock only
-        record.expect_ack = False
+        """An event raised or never finished: an error span on the host clock."""
+        record.error, record.expect_ack = reason, False
+        resolve_host_clock(record, now)
         self._send(record)
-        if reason == sc.FAIL_EVENT_ERROR:
+        if exc is not None:
             warn_once(f"event_error:{type(exc).__name__}",
                       "otel-hicache: a transfer's event raised %r; reported as an error span", exc)
         else:
@@ -510,7 +438,7 @@ class Poller:
                       "reported as an error span and its slot freed", self.settings.transfer_timeout_ns / 1e9)
 
     def _send(self, record: TransferRecord) -> None:
-        """The op as a ``record.OP`` message (its requests and parent resolved here: this process's objects)."""
+        """The op as a ``record.OP`` message, its requests and parent as plain values."""
         if record.requests is not None:
             try:
                 contexts, record.request_links_dropped = request_links.resolve(record.requests)
@@ -520,9 +448,7 @@ class Poller:
         parent = record.parent_context
         if parent is not None:
             parent = rec.context_tuple(trace.get_current_span(parent).get_span_context())
-        attributes = record.attributes
-        if attributes:
-            attributes = call_attributes(attributes, *self._attribute_limits)
+        attributes = record.attributes and call_attributes(record.attributes, *self._attribute_limits)
         self._out.append((
             rec.OP, record.seq, record.direction, record.origin, record.cause, record.cause_parts, record.tokens,
             record.blocks, record.pool_names, record.pool_tokens, record.num_bytes, record.page_size,
@@ -533,25 +459,15 @@ class Poller:
         self._ops_out += 1
         self._inflight[record.direction] -= 1
 
-    # -- 3. ack watching ----------------------------------------------------------------------
-    def _acks(self, now: int) -> None:
-        """Watched acks every cycle (cheap); unwatched ones and timeouts every _ACK_SCAN_INTERVAL_NS."""
-        watched = self._watch_acks(now, self._awaiting)
-        if (self._stopping or watched or self._flush_waiters
-                or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS):
-            self._last_ack_scan = now
-            self._scan_acks(now)
-
+    # -- 3. ack watching
     def _watch_acks(self, now: int, awaiting: list[TransferRecord]) -> int:
-        """Stamp the ack time of watched records whose item left its container (one snapshot per
-        container, ``tuple(list)`` is atomic under the GIL). Returns how many were stamped."""
+        """Stamp watched records whose item left its container (a ``tuple()`` snapshot each); how many."""
         snapshots: dict[int, set[int] | None] = {}
         stamped = 0
         for record in awaiting:
-            watch = record.ack_watch
-            if watch is None or record.handle[S_ACK_NS] is not None:
+            if record.ack_watch is None or record.handle[S_ACK_NS] is not None:
                 continue
-            container, item = watch
+            container, item = record.ack_watch
             present = snapshots.get(id(container), False)
             if present is False:
                 try:
@@ -560,9 +476,9 @@ class Poller:
                     present = None
                 except Exception as exc:
                     present = record.ack_watch = None
-                    warn_once(f"ack_watch:{type(container).__name__}",
-                              "otel-hicache: cannot read the ack_watch container %s (%r); such ops wait for "
-                              "ack() or the ack timeout", type(container).__name__, exc)
+                    warn_once(f"ack_watch:{type(container).__name__}", "otel-hicache: cannot read the ack_watch "
+                              "container %s (%r); such ops wait for ack() or the ack timeout",
+                              type(container).__name__, exc)
                 snapshots[id(container)] = present
             if present is not None and id(item) not in present:
                 record.handle[S_ACK_NS] = now
@@ -570,36 +486,36 @@ class Poller:
         return stamped
 
     def _scan_acks(self, now: int) -> None:
-        timeout = self.settings.ack_timeout_ns
         keep = []
         for record in self._awaiting:
             ack_ns = record.handle[S_ACK_NS]
-            if ack_ns is not None or self._stopping or now - record.completed_at_ns > timeout:
+            if ack_ns is not None or self._stopping or now - record.completed_at_ns > self.settings.ack_timeout_ns:
                 self._out.append((rec.ACK, record.seq, ack_ns))
             else:
                 keep.append(record)
         self._awaiting = keep
 
-    # -- 4. hand-over -------------------------------------------------------------------------
+    # -- 4. hand-over
     def _hand_over(self, end: int) -> None:
         self._report_queue_full()
         flushing = bool(self._flush_waiters)
-        # forced once a flush can be released (not in the cycles of a backlog: the state reads the queue)
-        self._state(force=self._stopping or (flushing and not self._more and not self.queue))
         urgent = flushing or self._stopping
+        # forced once a flush can be released (not during a backlog: the state reads the queue)
+        self._state(force=self._stopping or (flushing and not self._more and not self.queue))
         # (not in a forked child that reported nothing: opening its channel would reach the parent's providers)
         if flushing and not (self._forked and self.channel is None and not self._out and not self._drops):
             self._take_drops()
             self._out.append((rec.FLUSH, 0))  # the sinks hand what they summed to the SDK now
         if self._out or self._drops:
             self._write()
+        mono = time.monotonic_ns()
         if self._unsent_ops >= 0 and (urgent or self._unsent_ops >= _WRITE_OPS
-                                      or time.monotonic_ns() - self._last_send >= _WRITE_INTERVAL_NS):
+                                      or mono - self._last_send >= _WRITE_INTERVAL_NS):
             if time.thread_time_ns() > end and not urgent:
                 self._more = True  # the system call is a stretch of its own
             else:
                 self._send_on()
-        elif (at := self._channel_due()) is not None and at <= time.monotonic_ns():
+        elif (at := self._channel_due()) is not None and at <= mono:
             self._send_on()
         if flushing:
             self._release_flush_waiters()
@@ -609,26 +525,24 @@ class Poller:
         return due() if due is not None else None
 
     def _write(self) -> None:
-        """This cycle's messages to the channel, opened at the first batch (on this thread, after any fork)."""
+        """This cycle's messages to the channel (opened at the first batch, after any fork)."""
         self._take_drops()
         if not self._out:
             return
-        channel = self._opened()
-        if channel is None:  # kept for the next attempt; past the cap, the ops are counted lost
+        channel = self.open_channel()
+        if channel is None:  # kept for the next try; past the cap, the ops are counted lost
             if self._ops_out > self.settings.max_queue_size:
                 self._out = [m for m in self._out if m[0] != rec.OP and m[0] != rec.HOST]
                 self._drop(sc.DROP_INTERNAL_ERROR, self._ops_out)
                 self._ops_out = 0
             return
-        out, ops = self._out, self._ops_out
-        self._out, self._ops_out = [], 0
+        out, ops, self._out, self._ops_out = self._out, self._ops_out, [], 0
         channel.write(out, ops)
         self._unsent_ops = max(0, self._unsent_ops) + ops
 
     def _send_on(self) -> None:
-        """What was written since the last send, to its destination (a system call: rarely)."""
-        self._last_send = time.monotonic_ns()
-        self._unsent_ops = -1
+        """What was written since the last send, on to its destination (a system call)."""
+        self._last_send, self._unsent_ops = time.monotonic_ns(), -1
         send = getattr(self.channel, "send", None)  # (the embedded channel applies at write)
         if send is not None:
             send()
@@ -637,44 +551,37 @@ class Poller:
         drops, self._drops = self._drops, {}
         self._out.extend((rec.DROPPED, reason, count) for reason, count in drops.items())
 
-    def _opened(self) -> Any:
-        """The channel, opened now if it is not (at start-up or the first batch; in a forked child at its
-        first submit, on the caller's thread: never in an exit hook, where the SDK cannot start threads)."""
-        if self.channel is None:
-            with self._open_lock:
-                if self.channel is None:
-                    try:
-                        channel = self._open_channel()
-                        if self.pools:
-                            channel.write([pool.message() for pool in self.pools], 0)
-                        self.channel = channel
-                    except Exception as exc:  # the poller goes on; the next batch tries again
-                        warn_once(f"channel:{type(exc).__name__}", "otel-hicache: cannot open the telemetry "
-                                  "channel (%r)", exc)
+    def open_channel(self) -> Any:
+        """The channel, opened now if it is not (in a forked child by its first submit(), never in an
+        exit hook, where the SDK cannot start threads)."""
+        if self.channel is not None:
+            return self.channel
+        with self._open_lock:
+            if self.channel is None:
+                try:
+                    channel = self._open_channel()
+                    if self.pools:
+                        channel.write([(rec.POOL, *pool) for pool in self.pools], 0)
+                    self.channel = channel
+                except Exception as exc:  # the poller goes on; the next batch tries again
+                    warn_once(f"channel:{type(exc).__name__}", "otel-hicache: cannot open the telemetry "
+                              "channel (%r)", exc)
         return self.channel
 
-    open_channel = _opened
-
     def _state(self, force: bool) -> None:
-        """A ``record.STATE`` when what the gauges show changed, at most every ``_STATE_INTERVAL_NS``."""
+        """A ``record.STATE`` when the gauges changed, at most every ``_STATE_INTERVAL_NS``."""
         mono = time.monotonic_ns()
-        if not force and mono - self._last_state < _STATE_INTERVAL_NS:
-            self._state_held = True
+        self._state_held = not force and mono - self._last_state < _STATE_INTERVAL_NS
+        if self._state_held or (self._forked and self.channel is None):  # (a silent forked child: no sinks)
             return
-        self._state_held = False
-        if self._forked and self.channel is None:  # a forked child that reported nothing: no sinks to tell
-            return
-        self._last_state = mono
-        self._cpu_s = time.thread_time()
+        self._last_state, self._cpu_s = mono, time.thread_time()
         message = self._state_message(self._cpu_s)
         if message[1:5] != self._state_sent or force:
             self._state_sent = message[1:5]
             self._out.append(message)
 
     def _state_message(self, cpu_s: float) -> tuple[Any, ...]:
-        """What the gauges show now, from snapshots (``tuple()`` of a list is one step under the GIL):
-        from the poller, or a thread that found it stuck."""
-        oldest: dict[str, Any] = dict.fromkeys(DIRECTIONS)
+        """What the gauges show, from ``tuple()`` snapshots (the poller's, or a thread's that found it stuck)."""
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
             queued = tuple(self.queue)
@@ -683,44 +590,24 @@ class Poller:
         finally:
             if locked:
                 self._lock.release()
-        inflight = dict(self._inflight)
-        for item in tuple(self._pending):
-            self._older(oldest, item.direction, item.submit_ns)
-        seen = dict.fromkeys(DIRECTIONS, False)
-        for item in queued:  # in submission order: the first of each direction is its oldest
-            if type(item) is list:
-                try:
-                    direction = item[0]
-                    inflight[direction] += 1
-                except (IndexError, KeyError, TypeError):  # not a submission: the intake drops it
-                    continue
-                if not seen[direction]:
-                    seen[direction] = self._older(oldest, direction, item[S_SUBMIT_NS])
-        unacked: dict[str, Any] = dict.fromkeys(DIRECTIONS)
+        inflight, oldest, unacked = dict(self._inflight), dict.fromkeys(DIRECTIONS), dict.fromkeys(DIRECTIONS)
+        times = [(record.direction, record.submit_ns) for record in tuple(self._pending)]
+        for item in queued:  # (not validated yet)
+            direction = item[0] if type(item) is list and item else None
+            if isinstance(direction, str) and direction in inflight:
+                inflight[direction] += 1
+                times.append((direction, item[S_SUBMIT_NS]))
+        for direction, submit_ns in times:
+            if type(submit_ns) is int and (oldest[direction] is None or submit_ns < oldest[direction]):
+                oldest[direction] = submit_ns
         for record in tuple(self._awaiting):
             first = unacked[record.direction]
             if record.handle[S_ACK_NS] is None and (first is None or record.completed_at_ns < first):
                 unacked[record.direction] = record.completed_at_ns
         return (rec.STATE, inflight, oldest, unacked, len(queued) + self.held, cpu_s)
 
-    @staticmethod
-    def _older(oldest: dict[str, Any], direction: str, submit_ns: Any) -> bool:
-        """Keeps ``submit_ns`` as ``direction``'s oldest if it is older; False when it is no usable time
-        (an int, a NumPy or torch integer, a finite float)."""
-        if type(submit_ns) is not int:
-            try:
-                submit_ns = operator.index(submit_ns)
-            except TypeError:
-                if not (isinstance(submit_ns, float) and math.isfinite(submit_ns)):
-                    return False
-        first = oldest.get(direction, 0)
-        if first is None or submit_ns < first:
-            oldest[direction] = submit_ns
-        return True
-
     def _release_flush_waiters(self, everyone: bool = False) -> None:
-        """A flush is done once every record submitted before it was taken in and is no longer in flight
-        (``everyone``: on stop, nothing is in flight any more)."""
+        """Release the flushes whose records were all taken in and are complete (on stop, all)."""
         oldest_pending = self._pending[0].seq if self._pending else self._taken  # (in intake order)
         with self._lock:
             waiting = []
@@ -732,7 +619,7 @@ class Poller:
             self._flush_waiters = waiting
 
     def _cycle_final(self) -> None:
-        """On stop: what is still in flight is dropped and counted, the ack waits end."""
+        """On stop: what is in flight is dropped and counted, the ack waits end."""
         if self._pending:
             self._drop(sc.DROP_SHUTDOWN, len(self._pending))
             for record in self._pending:
@@ -743,18 +630,16 @@ class Poller:
         self._scan_acks(self._clock())
         self.held = 0
         self._report_queue_full()
-        if self.queue:
-            self._drop_queued()
+        self._drop_queued()
         self._state(force=True)
         self._write()
         self._release_flush_waiters(everyone=True)
 
     def _drop_queued(self) -> None:
-        """Records submitted but never taken in (the poller has stopped): counted, not lost silently."""
+        """Records never taken in (the poller stopped): counted."""
         count = 0
         while self.queue:
-            if type(self.queue.popleft()) is list:
-                count += 1
+            count += type(self.queue.popleft()) is list
         if count:
             self._drop(sc.DROP_SHUTDOWN, count)
             warn_once("shutdown:queued", "otel-hicache: %d transfers submitted during shutdown were not reported",
@@ -764,7 +649,7 @@ class Poller:
         self._drops[reason] = self._drops.get(reason, 0) + count
 
     def _internal_error(self, stage: str, exc: Exception) -> None:
-        """One record lost to an error of ours: counted, never the rest of its batch."""
+        """One record lost to an error of ours: counted."""
         self._drop(sc.DROP_INTERNAL_ERROR)
         warn_once(f"{stage}:{type(exc).__name__}", "otel-hicache: a record could not be %s (%r); counted in "
                   "otel_hicache.records.dropped{reason=internal_error}", stage, exc)

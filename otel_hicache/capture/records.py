@@ -1,4 +1,4 @@
-"""Transfer records: ``submit()`` queues a plain list, the poller makes it a slotted record and validates it here."""
+"""Transfer records: ``submit()`` queues a plain list; the poller makes it a record and validates it here."""
 
 from __future__ import annotations
 
@@ -14,39 +14,29 @@ from ..record import DEVICE_EVENT, DIRECT, HOST_CLOCK, INT64_MAX, MERGED_OP, TIE
 __all__ = ["DEVICE_EVENT", "DIRECT", "HOST_CLOCK", "INT64_MAX", "MERGED_OP", "SUBMISSION_FIELDS", "TransferRecord",
            "submission", "validate"]
 
+# The layout of submit()'s list, also the handle ack() stamps (the last field); checked in test_records.py.
 SUBMISSION_FIELDS = (
-    # captured on the caller's thread
-    "direction", "tokens_by_pool", "num_bytes", "page_size", "start_event", "finish_event", "timing_enabled",
-    "io_backend", "attributes", "expect_ack", "submit_ns", "parent_context", "host_start_ns", "host_end_ns",
-    "ack_watch", "cause", "host_slots", "requests",
-    # stamped later, on the list itself, by ack() or the poller (ack_watch)
-    "ack_ns",
-)
-"""The layout of what ``submit()`` queues: a plain list (cheapest to build), also the handle ``ack()``
-stamps; ``submit()``'s list literal is checked against it (tests/test_records.py)."""
-
+    "direction", "tokens_by_pool", "num_bytes", "page_size", "start_event", "finish_event", "io_backend",
+    "attributes", "expect_ack", "submit_ns", "parent_context", "host_start_ns", "host_end_ns", "ack_watch",
+    "cause", "cause_call", "host_slots", "requests", "ack_ns")
 S_SUBMIT_NS = SUBMISSION_FIELDS.index("submit_ns")
 S_ACK_NS = SUBMISSION_FIELDS.index("ack_ns")
-_TIME = "must be a time in ns from 0 to 2**63-1"
-_DEFAULTS = {"num_bytes": 0, "page_size": 1, "timing_enabled": False, "expect_ack": False, "submit_ns": 0}
+_DEFAULTS = {"num_bytes": 0, "page_size": 1, "expect_ack": False, "submit_ns": 0}
 
 
 def submission(*values: Any, **fields: Any) -> list[Any]:
-    """A list as ``submit()`` builds it, for tests: the ``SUBMISSION_FIELDS`` in order, positionally and/or by name."""
-    if len(values) > len(SUBMISSION_FIELDS):
-        raise TypeError(f"submission() takes at most {len(SUBMISSION_FIELDS)} values, got {len(values)}")
+    """For tests: a list as ``submit()`` builds it, from ``SUBMISSION_FIELDS`` by position or name."""
     handle = [*values, *(fields.pop(name, _DEFAULTS.get(name)) for name in SUBMISSION_FIELDS[len(values):])]
-    if fields:
-        raise TypeError(f"submission() got unknown or repeated fields: {', '.join(sorted(fields))}")
+    if fields or len(handle) != len(SUBMISSION_FIELDS):
+        raise TypeError(f"submission() got too many or unknown fields: {', '.join(sorted(fields))}")
     return handle
 
 
 class TransferRecord:
-    """One merged op (or one direct copy) on the poller, from its submitted list (``handle``,
-    whose ``ack_ns`` is read live: ``ack()`` may stamp it later)."""
+    """One op on the poller, from its submitted list ``handle`` (which ``ack()`` may stamp later)."""
 
     __slots__ = ("handle", *SUBMISSION_FIELDS[:S_ACK_NS],
-                 # filled by the poller; cause_parts: a mixed op's ((cause, pool names, pool tokens, bytes), ...)
+                 # set by the poller; cause_parts: a mixed op's ((cause, pool names, pool tokens, bytes), ...)
                  "origin", "cause_parts", "request_links", "request_links_dropped", "tokens", "blocks", "pool_names",
                  "pool_tokens", "timing_source", "placement", "start_ns", "end_ns", "duration_ns", "queue_wait_ns",
                  "error", "completed_at_ns", "seq")
@@ -54,9 +44,8 @@ class TransferRecord:
     def __init__(self, handle: list[Any]) -> None:
         self.handle = handle
         (self.direction, self.tokens_by_pool, self.num_bytes, self.page_size, self.start_event, self.finish_event,
-         self.timing_enabled, self.io_backend, self.attributes, self.expect_ack, self.submit_ns, self.parent_context,
-         self.host_start_ns, self.host_end_ns, self.ack_watch, self.cause, self.host_slots, self.requests, _) = handle
-        # the poller's fields read before they may be set (validate() and timing.resolve() set the others)
+         self.io_backend, self.attributes, self.expect_ack, self.submit_ns, self.parent_context, self.host_start_ns,
+         self.host_end_ns, self.ack_watch, self.cause, self.cause_call, self.host_slots, self.requests, _) = handle
         self.queue_wait_ns = self.placement = self.error = self.completed_at_ns = None
         self.request_links, self.request_links_dropped = (), 0
 
@@ -66,39 +55,31 @@ class TransferRecord:
 
 
 def _shown(value: Any) -> str:
-    """``value`` for an error message, short whatever it is (a 5,000-digit int, a 10 MB string)."""
+    """``value`` for a message, short whatever it is."""
     if isinstance(value, int) and not -2**64 < value < 2**64:
         return f"an integer of {value.bit_length()} bits"
     return reprlib.repr(value)
 
 
-def _integer(value: Any, what: str) -> int:
-    """``value`` as an int (ints, NumPy and torch integer scalars), or a TypeError naming ``what``."""
-    if type(value) is int:  # the common case, first
-        return value
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an integer, got bool {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {_shown(value)}") from None
+def _count(value: Any, what: str, low: int = 0) -> int:
+    """An int (NumPy and torch integers too, not bool or float) from ``low`` to ``INT64_MAX``."""
+    if type(value) is not int:
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{what} must be an integer, got {type(value).__name__} {_shown(value)}") from None
+    if not low <= value <= INT64_MAX:
+        raise ValueError(f"{what} must be >= {low} and < 2**63, got {_shown(value)}")
+    return value
 
 
-def _count(value: Any, what: str, rule: str = "must be >= 0 and < 2**63") -> int:
-    """0 to ``INT64_MAX`` (a float is refused, not rounded), or a ValueError/TypeError naming ``what``."""
-    if type(value) is int and 0 <= value <= INT64_MAX:  # the common case, first
-        return value
-    number = _integer(value, what)
-    if not 0 <= number <= INT64_MAX:
-        raise ValueError(f"{what} {rule}, got {_shown(number)}")
-    return number
-
-
-_NAMES_SEEN: set[str] = set()  # names checked once (a few pool names, seen on every op), up to 1,024 short ones
+_NAMES_SEEN: set[str] = set()  # names checked once (a few pool names, on every op), up to 1,024
 
 
 def _name(name: Any, what: str) -> str:
-    """A non-empty string that encodes as UTF-8, a str enum member as its plain value."""
+    """A non-empty string that encodes as UTF-8 (a str enum member as its value)."""
     if type(name) is str and name in _NAMES_SEEN:
         return name
     if not isinstance(name, str) or not name:
@@ -112,99 +93,74 @@ def _name(name: Any, what: str) -> str:
 
 
 def validate(record: TransferRecord) -> None:
-    """Check and normalize a record's submitted fields in place (a ValueError/TypeError names the
-    problem); sets ``tokens`` (the first pool's), ``blocks``, ``pool_names`` and ``pool_tokens``."""
+    """Check and normalize a record's fields in place, or a ValueError/TypeError naming the problem."""
     if record.direction not in TIERS:
         raise ValueError(f"direction must be 'offload' or 'onboard', got {_shown(record.direction)}")
-    page_size = record.page_size = _integer(record.page_size, "page_size")
-    if not 1 <= page_size <= INT64_MAX:
-        raise ValueError(f"page_size must be >= 1 and < 2**63, got {_shown(page_size)}")
+    page_size = record.page_size = _count(record.page_size, "page_size", 1)
     record.num_bytes = _count(record.num_bytes, "num_bytes")
-    pools = record.tokens_by_pool
-    if pools is None:
-        pools = {}
-    if type(pools) is not dict and not isinstance(pools, Mapping):
+    pools = record.tokens_by_pool if record.tokens_by_pool is not None else {}
+    if not isinstance(pools, Mapping):
         raise TypeError(f"tokens_by_pool must be a mapping of pool name to tokens, got {type(pools).__name__}")
-    names = []
-    counts = []
-    for name, count in pools.items():
-        name = _name(name, "tokens_by_pool keys")
-        names.append(name)
-        if type(count) is int and 0 <= count <= INT64_MAX:  # the common case, first: no message built
-            counts.append(count)
-        else:
-            counts.append(_count(count, f"tokens_by_pool[{_shown(name)}]"))
-    record.pool_names = tuple(names)
-    record.pool_tokens = tuple(counts)
-    record.tokens = counts[0] if counts else 0
+    record.pool_names = tuple(_name(name, "tokens_by_pool keys") for name in pools)
+    record.pool_tokens = tuple(c if type(c) is int and 0 <= c <= INT64_MAX else  # (no message built)
+                               _count(c, f"tokens_by_pool[{_shown(n)}]") for n, c in pools.items())
+    record.tokens = record.pool_tokens[0] if record.pool_tokens else 0
     record.blocks = -(-record.tokens // page_size)
-    if record.host_start_ns is not None:  # submit() takes it as the submit time too
-        record.host_start_ns = _count(record.host_start_ns, "host_start_ns", _TIME)
-    record.submit_ns = _count(record.submit_ns, "submit_ns", _TIME)
+    if record.host_start_ns is not None:  # (first: it is also the submit time)
+        record.host_start_ns = _count(record.host_start_ns, "host_start_ns")
+    record.submit_ns = _count(record.submit_ns, "submit_ns")
     if record.host_end_ns is not None:
-        record.host_end_ns = _count(record.host_end_ns, "host_end_ns", _TIME)
+        record.host_end_ns = _count(record.host_end_ns, "host_end_ns")
     if record.io_backend is not None:
         record.io_backend = _name(str(record.io_backend), "io_backend")
     record.origin = MERGED_OP if record.expect_ack else DIRECT
     _validate_cause(record)
-    slots = record.host_slots
+    slots, watch = record.host_slots, record.ack_watch  # a bad one costs only the host pages, or the ack time
     if slots is not None and not (type(slots) is tuple and len(slots) == 2 and hasattr(slots[0], "pool_id")):
-        record.host_slots = None  # the op is still reported; its host pages are not tracked
-        warn_once("host_slots", "otel-hicache: host_slots must be (TransferTelemetry.host_pool(...), slots), got "
-                  "%r; ignored", type(slots).__name__)
-    watch = record.ack_watch
+        record.host_slots = None
+        warn_once("host_slots", "otel-hicache: host_slots must be (pool, slots), not %s", type(slots).__name__)
     if watch is not None and not (type(watch) is tuple and len(watch) == 2 and hasattr(watch[0], "__iter__")):
-        record.ack_watch = None  # the op is still reported; only its ack time is unknown
-        warn_once("ack_watch", "otel-hicache: ack_watch must be a (container, item) tuple, got %r; ignored",
-                  type(watch).__name__)
+        record.ack_watch = None
+        warn_once("ack_watch", "otel-hicache: ack_watch must be (container, item), not %s", type(watch).__name__)
 
 
 def _known_cause(cause: Any, direction: str) -> str:
-    """``cause`` if it is one of ``direction``'s, else ``other`` (warned once): a closed set."""
-    if cause in causes()[direction]:
-        return cause
+    """``cause`` if it is one of ``direction``'s (a closed set), else ``other`` (warned once)."""
+    if isinstance(cause, str) and cause in causes()[direction]:
+        return str.__str__(cause)
     warn_once(f"cause:{direction}:{cause!r}"[:200], "otel-hicache: %r is not a %s cause (%s); counted as %r",
               cause, direction, ", ".join(causes()[direction]), sc.CAUSE_OTHER)
     return sc.CAUSE_OTHER
 
 
 def _validate_cause(record: TransferRecord) -> None:
-    """``cause``: None (``other``), one cause, parts ``[(cause, tokens_by_pool, num_bytes), ...]``
-    that must sum to the op's totals (several causes: ``mixed``; not summing: ``other``, warned
-    once), or a deferred call returning one of these (made here, on the poller)."""
-    cause = record.cause
-    record.cause_parts = None
-    if callable(cause) or (type(cause) is tuple and cause and callable(cause[0])):
+    """``cause``, or what ``cause_call`` returns: a cause, or parts summing to the op's totals."""
+    cause, record.cause_parts = record.cause, None
+    if record.cause_call is not None:
         try:
-            cause = record.cause = cause() if callable(cause) else cause[0](*cause[1:])
-        except Exception as exc:  # pylint: disable=broad-except  # the op is still reported
+            cause = record.cause_call[0](*record.cause_call[1:])
+        except Exception as exc:  # the op is still reported
             warn_once(f"cause:call:{type(exc).__name__}", "otel-hicache: could not work out an op's cause (%r); "
                       "counted as %r", exc, sc.CAUSE_OTHER)
             cause = None
-    if cause is None:
-        record.cause = sc.CAUSE_OTHER
-        return
-    if isinstance(cause, str):  # a str enum member too: its plain value
-        record.cause = _known_cause(str.__str__(cause), record.direction)
+    if cause is None or isinstance(cause, str) or record.cause_call is None:
+        record.cause = sc.CAUSE_OTHER if cause is None else _known_cause(cause, record.direction)
         return
     try:
-        parts: dict[str, list[Any]] = {}  # cause -> [pools {name: tokens}, bytes]
-        for part_cause, pools, num_bytes in cause:
-            part_cause = _known_cause(part_cause, record.direction)
-            entry = parts.setdefault(part_cause, [{}, 0])
-            for name, count in (pools or {}).items():
-                name = _name(name, "cause part pool names")
-                entry[0][name] = entry[0].get(name, 0) + _count(count, f"cause part tokens[{name!r}]")
-            entry[1] += _count(num_bytes, "cause part num_bytes")
+        parts: dict[str, list[Any]] = {}  # cause -> [{pool: tokens}, bytes]
         totals: dict[str, int] = {}
-        for pools, _ in parts.values():
-            for name, count in pools.items():
+        for part_cause, pools, num_bytes in cause:
+            entry = parts.setdefault(_known_cause(part_cause, record.direction), [{}, 0])
+            for name, count in (pools or {}).items():
+                name, count = _name(name, "cause part pool names"), _count(count, f"cause part tokens[{name!r}]")
+                entry[0][name] = entry[0].get(name, 0) + count
                 totals[name] = totals.get(name, 0) + count
+            entry[1] += _count(num_bytes, "cause part num_bytes")
         expected = {n: c for n, c in zip(record.pool_names, record.pool_tokens) if c}
-        if {n: c for n, c in totals.items() if c} != expected or \
-                sum(b for _, b in parts.values()) != record.num_bytes:
-            raise ValueError(f"parts sum to {totals} tokens and {sum(b for _, b in parts.values())} bytes, "
-                             f"the op moved {expected} and {record.num_bytes}")
+        part_bytes = sum(b for _, b in parts.values())
+        if {n: c for n, c in totals.items() if c} != expected or part_bytes != record.num_bytes:
+            raise ValueError(f"parts sum to {totals} tokens and {part_bytes} bytes, the op moved {expected} "
+                             f"and {record.num_bytes}")
     except (TypeError, ValueError) as exc:
         warn_once("cause:parts", "otel-hicache: a merged op's cause parts are malformed (%s); such ops are "
                   "counted as %r", exc, sc.CAUSE_OTHER)
@@ -214,6 +170,4 @@ def _validate_cause(record: TransferRecord) -> None:
         record.cause = next(iter(parts))
         return
     record.cause = sc.CAUSE_MIXED
-    record.cause_parts = tuple(
-        (part_cause, tuple(pools), tuple(pools.values()), num_bytes)
-        for part_cause, (pools, num_bytes) in sorted(parts.items()))
+    record.cause_parts = tuple((c, tuple(pools), tuple(pools.values()), b) for c, (pools, b) in sorted(parts.items()))

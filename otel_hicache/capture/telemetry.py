@@ -1,13 +1,10 @@
-"""``TransferTelemetry``: the API adapters and applications call.
-
-``submit()`` and ``ack()`` are the hot path: no SDK call, no device synchronization, no formatting,
-never a raise; they stamp the host clock and the current context and append a list to a bounded
-queue. The poller (:mod:`.poller`) does the rest and writes to the channel to the sinks.
-"""
+"""``TransferTelemetry``: the API adapters and applications call; ``submit()`` and ``ack()`` only
+stamp the host clock and the context and append to a bounded queue, the poller does the rest."""
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import time
 import weakref
 from contextlib import contextmanager
@@ -22,31 +19,25 @@ from ..settings import env_bool, env_float, sdk_disabled
 from . import fork
 from .attributes import static_attributes
 from .device import timing_event_pair
-from .poller import HostFree, HostPoolRef, PollerSettings, Poller
+from .poller import HostPoolRef, PollerSettings, Poller
 from .process_exit import on_exit
 from .records import INT64_MAX, S_ACK_NS
 
 _get_current_context = otel_context.get_current
-# A forked child's capacity until its first submit() or host_freed(): below any queue length, so the
-# capacity check every submit makes anyway sends that call to _first_in_child.
+_POOL_IDS = itertools.count(1)
+# A forked child's capacity until its first call: below any queue length, so submit()'s capacity
+# check sends that call to _first_in_child.
 _OPEN_FIRST = -1
 
 
 def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
-    poller = ref()  # (a running poller is referenced by its thread, its TransferTelemetry maybe not)
-    if poller is not None:
+    if (poller := ref()) is not None:
         poller.stop(timeout_s)
 
 
 class TransferTelemetry:
-    """Turns L1<->L2 transfers into device-timed spans and exact metrics.
-
-    ``tracer_provider``/``meter_provider`` default to those :func:`otel_hicache.configure` built, else
-    the global ones; ``attributes`` go on every span and point (into the resource, where the sinks build
-    providers for this process alone); ``clock`` is the host clock in ns;
-    ``anchor_event_factory`` returns a freshly recorded timing event for the wall-clock anchor
-    (derived from the events when omitted).
-    """
+    """Turns L1<->L2 transfers into device-timed spans and exact metrics; the providers default to
+    :func:`otel_hicache.configure`'s, else the global ones; ``attributes`` go on every span and point."""
 
     def __init__(self, tracer_provider: Any = None, meter_provider: Any = None,
                  attributes: Mapping[str, Any] | None = None, *, clock: Callable[[], int] | None = None,
@@ -54,9 +45,9 @@ class TransferTelemetry:
         self._static = static_attributes(attributes)
         self._clock = clock or time.time_ns
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
-        self._pipeline: Poller | None = None  # (its poller; tests/harness.py reads it by this name)
-        self.enabled = False  # an attribute, not a property: adapters guard their argument building with it
-        if not (env_bool(ev.OTEL_HICACHE_ENABLED) and not sdk_disabled()):
+        self._pipeline: Poller | None = None  # (tests/harness.py reads it by this name)
+        self.enabled = False  # (a plain attribute: adapters read it on their hot path)
+        if not env_bool(ev.OTEL_HICACHE_ENABLED) or sdk_disabled():
             return
         settings = PollerSettings.from_environment()
         self._cap = settings.max_queue_size
@@ -72,8 +63,7 @@ class TransferTelemetry:
             self._cap = _OPEN_FIRST
 
     def _first_in_child(self, poller: Poller) -> bool:
-        """A forked child's first submit() opens its channel, on the caller's thread. False when it is
-        not that call, or the queue is full."""
+        """A forked child's first call opens its channel on its thread; True if there is room."""
         if self._cap != _OPEN_FIRST:
             return False
         self._cap = poller.settings.max_queue_size
@@ -82,27 +72,17 @@ class TransferTelemetry:
 
     @property
     def channel(self) -> Any:
-        """The channel to the sinks once opened (a ``ProcessChannel`` or an ``EmbeddedChannel``), else None."""
-        poller = self._pipeline
-        return poller.channel if poller is not None else None
+        """The channel to the sinks once opened, else None."""
+        return self._pipeline.channel if self._pipeline is not None else None
 
-    def submit(self, direction: str, tokens_by_pool: Mapping[str, int] | None = None, num_bytes: int = 0,
-               page_size: int = 1, start_event: Any = None, finish_event: Any = None, timing_enabled: bool = False,
-               io_backend: str | None = None, attributes: Mapping[str, Any] | None = None, *,
-               expect_ack: bool = True, host_start_ns: int | None = None, host_end_ns: int | None = None,
-               ack_watch: tuple[Any, Any] | None = None, cause: str | Sequence[Any] | Callable[[], Any] | None = None,
-               host_slots: tuple[Any, Any] | None = None, requests: Any = None) -> list | None:
-        """Report one merged op (or one direct copy); returns the handle for ``ack()``.
-
-        Mappings, slots and callables passed are read on the poller: do not mutate them afterwards.
-        ``expect_ack=False``: nobody acknowledges it. ``host_start_ns``/``host_end_ns``: host times the
-        caller knows (used without timing events; the start is then the submit time).
-        ``ack_watch=(container, item)``: acked once ``item`` is gone from ``container``.
-        ``cause``: one of ``adapters.causes()[direction]``, parts ``[(cause, tokens_by_pool, num_bytes),
-        ...]`` summing to the op's totals, or a deferred call (a callable or ``(function, *args)``)
-        returning one of these. ``host_slots=(pool, slots)``: the op's slots in a :meth:`host_pool`.
-        ``requests``: the traced requests' span contexts (or spans, contexts, a callable), linked.
-        """
+    def submit(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, page_size: int = 1,
+               start_event: Any = None, finish_event: Any = None, io_backend: str | None = None,
+               attributes: Mapping[str, Any] | None = None, expect_ack: bool = True, host_start_ns: int | None = None,
+               host_end_ns: int | None = None, ack_watch: tuple[Any, Any] | None = None, cause: str | None = None,
+               cause_call: tuple | None = None,
+               host_slots: tuple[Any, Any] | None = None, requests: Sequence[Any] | None = None) -> list | None:
+        """Report one merged op (or direct copy); returns the handle for ``ack()``. The keywords are
+        described in docs/configuration.md; what is passed is read on the poller, later."""
         poller = self._pipeline
         if poller is None:
             return None
@@ -111,11 +91,11 @@ class TransferTelemetry:
                 next(poller.refused)
                 poller.stalled()  # a full queue may be a stuck poller: it says where
                 return None
-            # records.SUBMISSION_FIELDS spelled out (a literal is the cheapest build; test_records.py checks it)
-            record = [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, timing_enabled,
-                      io_backend, attributes, expect_ack, self._clock() if host_start_ns is None else host_start_ns,
-                      _get_current_context(), host_start_ns, host_end_ns, ack_watch, cause, host_slots, requests,
-                      None]  # the last: the ack time, set by ack() or the poller (ack_watch)
+            # records.SUBMISSION_FIELDS: a literal is the cheapest build (test_records.py checks it)
+            record = [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, io_backend,
+                      attributes, expect_ack, self._clock() if host_start_ns is None else host_start_ns,
+                      _get_current_context(), host_start_ns, host_end_ns, ack_watch, cause, cause_call,
+                      host_slots, requests, None]  # the last: the ack time, set by ack() or the poller
             poller.queue.append(record)
             if poller.idle:  # asleep with nothing to poll: woken once; otherwise one flag read
                 poller.wake()
@@ -124,8 +104,7 @@ class TransferTelemetry:
             return None
 
     def host_pool(self, slots: int, page_size: int, name: str = "kv") -> Any:
-        """A host pool of ``slots`` token slots in pages of ``page_size``, for the ops' ``host_slots`` and
-        :meth:`host_freed` (its residence is tracked by the sinks); None when disabled, without NumPy,
+        """A host pool for ``host_slots`` and :meth:`host_freed`; None when disabled, without NumPy,
         or for a bad size (warned once)."""
         poller = self._pipeline
         if poller is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
@@ -134,29 +113,25 @@ class TransferTelemetry:
             warn_once("host_pool:numpy", "otel-hicache: host residence needs NumPy (pip install numpy); not tracked")
             return None
         try:
-            slots, page_size = int(slots), int(page_size)
-            if slots < 1 or page_size < 1 or slots > INT64_MAX:
+            slots, page_size, name = int(slots), int(page_size), str(name)
+            if not (1 <= slots <= INT64_MAX and page_size >= 1):
                 raise ValueError(f"a host pool needs slots >= 1 and page_size >= 1, got {slots} and {page_size}")
-            name = str(name)
         except (TypeError, ValueError) as exc:
             warn_once(f"host_pool:{exc}"[:200], "otel-hicache: cannot track the %s host pool (%s)", name, exc)
             return None
-        pool = HostPoolRef(name, slots, page_size)
-        poller.add_pool(pool)
+        pool = HostPoolRef(next(_POOL_IDS), name, slots, page_size)
+        poller.add(pool)
         return pool
 
     def host_freed(self, pool: Any, slots: Any) -> None:
-        """The host freed ``slots`` of ``pool``: pages written and never loaded back count as wasted
-        offloads. In order with the ops around it; never refused (tiny, and must not be lost)."""
+        """The host freed ``slots`` of ``pool``; never refused (tiny, and must not be lost)."""
         poller = self._pipeline
-        if poller is None or pool is None:
+        if poller is None or type(pool) is not HostPoolRef:
             return
         try:
             if self._cap == _OPEN_FIRST:
                 self._first_in_child(poller)
-            poller.queue.append(HostFree(pool.pool_id, slots, pool.page_size))
-            if poller.idle:
-                poller.wake()
+            poller.add((pool, slots))
         except Exception:  # never raise into the host application
             return
 
@@ -170,36 +145,29 @@ class TransferTelemetry:
                       type(handle).__name__)
 
     @contextmanager
-    def transfer(self, direction: str, tokens_by_pool: Mapping[str, int] | None = None, num_bytes: int = 0,
-                 page_size: int = 1, stream: Any = None, io_backend: str | None = None,
-                 attributes: Mapping[str, Any] | None = None, cause: str | None = None,
-                 host_slots: tuple[Any, Any] | None = None, requests: Any = None) -> Iterator[None]:
-        """Report the copies enqueued inside the block as one op, timed by events recorded on ``stream``
-        around it (nothing synchronized), else on the host clock. Nothing is reported if it raises."""
-        if self._pipeline is None:
-            yield None
-            return
+    def transfer(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, stream: Any = None,
+                 **options: Any) -> Iterator[None]:
+        """The copies enqueued in the block as one op without an ack, timed by events recorded on
+        ``stream``, else the host clock (``options``: submit()'s). Not reported if the block raises."""
         events = None
-        if stream is not None:
+        if stream is not None and self._pipeline is not None:
             try:
                 events = timing_event_pair(stream)
                 events[0].record(stream)
             except Exception as exc:
                 events = None
-                warn_once(f"stream:{type(stream).__name__}",
-                          "otel-hicache: cannot record timing events on %s (%r); using the host clock",
-                          type(stream).__name__, exc)
+                warn_once(f"stream:{type(stream).__name__}", "otel-hicache: cannot record timing events on %s "
+                          "(%r); using the host clock", type(stream).__name__, exc)
         host_start = self._clock()
         yield None
-        try:
-            if events is not None:
+        if events is not None:
+            try:
                 events[1].record(stream)
-        except Exception:
-            events = None
-        self.submit(direction, tokens_by_pool, num_bytes, page_size, *(events or (None, None)), events is not None,
-                    io_backend, attributes, expect_ack=False, host_start_ns=host_start,
-                    host_end_ns=None if events else self._clock(), cause=cause, host_slots=host_slots,
-                    requests=requests)
+            except Exception:
+                events = None
+        self.submit(direction, tokens_by_pool, num_bytes, start_event=events and events[0],
+                    finish_event=events and events[1], expect_ack=False, host_start_ns=host_start,
+                    host_end_ns=None if events else self._clock(), **options)
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         """Report every completed op (acked or not waiting for an ack) and export. Bounded."""
@@ -209,13 +177,11 @@ class TransferTelemetry:
         deadline = time.monotonic() + timeout_s
         flushed = poller.flush(timeout_s)
         channel = poller.channel  # what was taken in is exported even if something is still in flight
-        remaining = max(0.1 * timeout_s, deadline - time.monotonic())
-        exported = channel.flush(remaining) if channel is not None else True
+        exported = channel is None or channel.flush(max(0.1 * timeout_s, deadline - time.monotonic()))
         return flushed and exported
 
     def shutdown(self) -> None:
-        """Stop accepting, report what was recorded (unacked: ``hicache.acked=false``) and export,
-        within OTEL_HICACHE_SHUTDOWN_TIMEOUT_S."""
+        """Stop, report what was recorded (unacked: ``hicache.acked=false``) and export, bounded."""
         poller, self._pipeline = self._pipeline, None
         self.enabled = False
         if poller is not None:

@@ -1,11 +1,6 @@
-"""Completion and timing of a record, on the poller.
-
-Completion is seen by ``finish_event.query()``, never a blocking ``synchronize()``, and
-``elapsed_time()`` is read only once both events completed: the duration is then the copy's device
-time (``device_event``), placed on the wall clock by :mod:`.clock`. Without usable events the
-duration is host time from submit (or the caller's start stamp) to completion (the caller's end
-stamp, else when the poller saw it; with neither, at submit), labelled ``host_clock``.
-"""
+"""Completion (``finish_event.query()``, never ``synchronize()``) and timing of a record: with both
+events completed, ``elapsed_time()`` (``device_event``) placed by :mod:`.clock`; else host times
+(``host_clock``), from submit or the caller's start to the caller's end or when it was seen complete."""
 
 from __future__ import annotations
 
@@ -19,26 +14,19 @@ from .clock import PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, EventTimeline, W
 from .device import anchor_factory_for
 from .records import TransferRecord
 
-MAX_DEVICE_DURATION_MS = 86_400_000.0  # above a day: a broken event (past ~100 days OTLP cannot encode the end)
+MAX_DEVICE_DURATION_MS = 86_400_000.0  # above a day: a broken event
 
 
 def is_complete(record: TransferRecord) -> bool:
-    """True once the transfer finished. Raises whatever the events raise."""
-    finish = record.finish_event
-    if finish is None:
+    """True once the transfer finished; raises whatever the events raise."""
+    finish, start = record.finish_event, record.start_event
+    if finish is None or (record.host_end_ns is not None and start is None):  # nothing left to read
         return True
-    # the caller's end stamp ends the wait only when no elapsed_time() will be read
-    if record.host_end_ns is not None and not (record.timing_enabled and record.start_event is not None):
-        return True
-    if not finish.query():
-        return False
-    start = record.start_event
-    return start is None or bool(start.query())
+    return bool(finish.query()) and (start is None or bool(start.query()))
 
 
 class Timing:
-    """The poller's timing of completed records: one wall-clock anchor (from ``anchor_factory``, else
-    made from the first device-timed op's events) and the event timeline for what it cannot place."""
+    """The poller's anchor (from ``anchor_factory``, else the first timed op's events) and timeline."""
 
     def __init__(self, anchor_factory: Any, interval_s: float, clock: Any) -> None:
         self._factory, self._interval_s, self._clock = anchor_factory, interval_s, clock
@@ -50,14 +38,12 @@ class Timing:
             self._anchor.maybe_refresh(now_ns)
 
     def resolve(self, record: TransferRecord, now_ns: int) -> None:
-        if self._anchor is False and record.timing_enabled and record.start_event is not None:
-            self._anchor = None
-            factory = self._factory
-            if factory is None:
-                try:
-                    factory = anchor_factory_for(record.start_event)
-                except Exception:
-                    factory = None
+        if self._anchor is False and record.start_event is not None:
+            self._anchor, factory = None, self._factory
+            try:
+                factory = factory or anchor_factory_for(record.start_event)
+            except Exception:
+                factory = None
             if factory is not None:
                 self._anchor = WallClockAnchor(factory, self._interval_s, self._clock)
                 self._anchor.refresh()
@@ -67,34 +53,30 @@ class Timing:
 def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
             timeline: EventTimeline | None = None) -> None:
     """Set duration, wall-clock start and end, placement, timing source and queue wait."""
-    start_event, finish_event = record.start_event, record.finish_event
-    if record.timing_enabled and start_event is not None and finish_event is not None:
-        duration_ms = _device_duration_ms(start_event, finish_event)
+    if record.start_event is not None and record.finish_event is not None:
+        duration_ms = _device_duration_ms(record.start_event, record.finish_event)
         if duration_ms is not None:
-            duration_ns = int(round(duration_ms * 1e6))
+            duration_ns = record.duration_ns = int(round(duration_ms * 1e6))
             record.timing_source = DEVICE_EVENT
-            record.duration_ns = duration_ns
             bound = record.host_end_ns if record.host_end_ns is not None else now_ns
-            start_wall, record.placement = _place(record, anchor, timeline, duration_ns, bound)
+            start, record.placement = _place(record, anchor, timeline, duration_ns, bound)
             if record.placement == PLACEMENT_ANCHOR:
-                record.queue_wait_ns = max(0, start_wall - record.submit_ns)
-            record.start_ns = start_wall
-            record.end_ns = start_wall + duration_ns
+                record.queue_wait_ns = max(0, start - record.submit_ns)
+            record.start_ns, record.end_ns = start, start + duration_ns
             return
     resolve_host_clock(record, now_ns)
 
 
 def _place(record: TransferRecord, anchor: WallClockAnchor | None, timeline: EventTimeline | None,
            duration_ns: int, bound_ns: int) -> tuple[int, str]:
-    """Where a device-timed op starts, and how that was found; events that return nonsense give way
-    to the host completion (warned once): one bad event must not cost the op its span."""
+    """Where a device-timed op starts, and how that was found; nonsense from the events gives way to
+    the host completion (warned once)."""
     try:
         start = anchor.wall_time_ns(record.start_event) if anchor is not None else None
-        if start is not None:
-            placement = PLACEMENT_ANCHOR
-        elif timeline is not None:
+        placement = PLACEMENT_ANCHOR
+        if start is None and timeline is not None:
             start, placement = timeline.place(record.start_event, duration_ns, bound_ns)
-        else:
+        elif start is None:
             start, placement = bound_ns - duration_ns, PLACEMENT_HOST_COMPLETION
         if type(start) is int and 0 <= start <= INT64_MAX - duration_ns:
             return start, placement
@@ -107,16 +89,14 @@ def _place(record: TransferRecord, anchor: WallClockAnchor | None, timeline: Eve
 
 
 def resolve_host_clock(record: TransferRecord, now_ns: int) -> None:
-    """Host-clock timing: no usable timing events (or the record failed)."""
-    record.timing_source = HOST_CLOCK
-    record.placement = None
+    """Host-clock timing: no usable timing events, or the record failed."""
+    record.timing_source, record.placement = HOST_CLOCK, None
     start = record.host_start_ns if record.host_start_ns is not None else record.submit_ns
     if record.host_end_ns is not None:
         end = record.host_end_ns
     else:  # seen complete now, or (nothing says when) complete at submit
         end = now_ns if record.finish_event is not None else record.submit_ns
-    record.start_ns = start
-    record.end_ns = max(end, start)
+    record.start_ns, record.end_ns = start, max(end, start)
     record.duration_ns = record.end_ns - start
 
 
@@ -128,7 +108,7 @@ def _device_duration_ms(start_event: Any, finish_event: Any) -> float | None:
                   "(%r): were they created with enable_timing=True? These transfers are reported with "
                   "hicache.timing_source=host_clock.", type(start_event).__name__, exc)
         return None
-    if not math.isfinite(value) or value < 0 or value > MAX_DEVICE_DURATION_MS:
+    if not math.isfinite(value) or not 0 <= value <= MAX_DEVICE_DURATION_MS:
         warn_once("elapsed_time:negative", "otel-hicache: elapsed_time() returned %r ms (finish before start, or "
                   "more than a day?); reporting such transfers with hicache.timing_source=host_clock", value)
         return None

@@ -867,12 +867,12 @@ def test_the_scans_flag_leaks_injected_through_the_public_api(sglang_cpu, monkey
                                              attributes={"tp_rank": 0, "request_id": RID})
         try:
             clean = {"hicache.controller": "HiCacheController"}
-            tel.submit("offload", {"kv": 64}, 12_288, 4, attributes=clean, expect_ack=False,
+            tel.submit("offload", {"kv": 64}, 12_288, page_size=4, attributes=clean, expect_ack=False,
                        host_start_ns=1, host_end_ns=2_000)
             leaky = {"prompt_text": PROMPT, "input_ids": [4_817_001, 4_817_002], "node_id": 6_290_007,
                      "page_hash": page_hash, "page_hash_int": signed, "note": "first id 4817001",
                      "score": 4_817_002.0}
-            tel.submit("onboard", {"kv": 64}, 12_288, 4, attributes=leaky, expect_ack=False,
+            tel.submit("onboard", {"kv": 64}, 12_288, page_size=4, attributes=leaky, expect_ack=False,
                        host_start_ns=3_000, host_end_ns=5_000)
             assert tel.force_flush(10.0)
             logging.getLogger("otel_hicache").debug("reused prefix of request %s: tokens=%d", RID, 4_817_001)
@@ -956,7 +956,7 @@ def test_the_name_scan_flags_links_to_anything_but_traced_requests():
     with LogCapture(("otel_hicache",)) as logs:
         tel = otel_hicache.TransferTelemetry(tracer_provider, MeterProvider(shutdown_on_exit=False), {})
         try:
-            tel.submit("onboard", {"kv": 4}, 4096, 4, expect_ack=False, host_start_ns=1, host_end_ns=2_000,
+            tel.submit("onboard", {"kv": 4}, 4096, page_size=4, expect_ack=False, host_start_ns=1, host_end_ns=2_000,
                        requests=[request])
             assert tel.force_flush(10.0)
         finally:

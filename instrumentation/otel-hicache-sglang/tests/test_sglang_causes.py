@@ -139,7 +139,7 @@ def test_causes_are_exact_when_the_worker_resolves_them_long_after(instrumented,
         assert sum(type(item) is list for item in pipeline.queue) == len(expected)  # (and the host pool, announced)
         # each merged op carries the site calls logged before it, and only those
         from otel_hicache.capture.records import SUBMISSION_FIELDS
-        causes = [record[SUBMISSION_FIELDS.index("cause")] for record in pipeline.queue if type(record) is list]
+        causes = [record[SUBMISSION_FIELDS.index("cause_call")] for record in pipeline.queue if type(record) is list]
         logs = [cause[-1] for cause in causes if type(cause) is tuple]
         assert [len(log) for log in logs] == [1, 1, 0] * 3  # the insert's backup, the load-back, nothing
         assert len({id(log) for log in logs if log}) == 6 and not any(log is observer_log() for log in logs)

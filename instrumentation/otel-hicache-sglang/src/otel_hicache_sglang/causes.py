@@ -17,6 +17,7 @@ from threading import get_ident
 from types import SimpleNamespace
 from typing import Any, Callable, NamedTuple
 
+from opentelemetry.trace import get_current_span
 from otel_hicache import semconv as sc
 from otel_hicache.diagnostics import warn_once
 
@@ -114,11 +115,11 @@ MAX_LOG = 16384  # site calls logged between two merged ops; later ones are not
 
 
 def request_context(req: Any) -> Any:
-    """A traced request's root span context, else None. Read from the trace context's own
-    ``__dict__``: SGLang's ``TraceNullContext`` answers any attribute, slowly."""
+    """A traced request's root span context, else None (read from ``__dict__``: SGLang's
+    ``TraceNullContext`` answers any attribute, slowly)."""
     trace_ctx = getattr(getattr(req, "time_stats", None), "trace_ctx", None)
     context = getattr(trace_ctx, "__dict__", {}).get("root_span_context")
-    return context if isinstance(context, dict) else None  # an OTel Context is a dict
+    return get_current_span(context).get_span_context() if isinstance(context, dict) else None
 
 
 class QueuedCauses:
@@ -211,7 +212,7 @@ class QueuedCauses:
 
     def hand_over(self, pending: Any) -> Any:
         """As the merged op is submitted (only then: a ``start_*`` may submit nothing):
-        ``submit(cause=)``, the deferred call of :meth:`resolve` with the log so far."""
+        ``submit(cause_call=)``, the deferred call of :meth:`resolve` with the log so far."""
         if type(pending) is not tuple:
             return pending
         logged = self.log

@@ -35,9 +35,10 @@ def sglang_tracing_enabled() -> bool:
     return bool(enabled()) if enabled is not None else False
 
 
-def _host_end(timing: bool, finish: Any, end_ns: int) -> int | None:
-    """The end of a synchronous copy (``torch.cpu`` events are no-ops; it ran inside the call)."""
-    return end_ns if not timing and type(finish).__module__ == "torch.cpu" else None
+def _events(timing: bool, start: Any, finish: Any, end_ns: int) -> dict[str, Any]:
+    """submit()'s events; a synchronous copy (``torch.cpu`` events do nothing) ends as its call returns."""
+    sync = not timing and type(finish).__module__ == "torch.cpu"
+    return {"start_event": start if timing else None, "finish_event": finish, "host_end_ns": end_ns if sync else None}
 
 
 class _ControllerInfo:
@@ -233,7 +234,7 @@ class TransferObserver:
         """Each held copy with its ack (direct without one); the queued ops' cause, host slots
         and requests go with the first copy paired with an ack."""
         info = self._info(controller)
-        host_slots = None  # the queued ops' host token slots (CPU tensors, read on the poller)
+        host_slots = None  # the queued ops' host slots (CPU tensors, read on the poller)
         if info.host_pool is not None and ops:
             host_slots = (info.host_pool, [getattr(op, "host_indices", None) for op in ops])
         handed = False
@@ -249,11 +250,12 @@ class TransferObserver:
             if info.has_drafts and direction == ONBOARD and transfers is not MISSING:
                 draft = _tally(transfers, info.pool_names)[2]
                 attributes = {**attributes, DRAFT_BYTES: draft} if draft else attributes
+            call = cause if type(cause) is tuple else None  # (made on the poller)
             telemetry.submit(
-                direction, ack.num_tokens_by_pool or {ANCHOR_POOL: ack.num_tokens}, ack.num_bytes, info.page_size,
-                ack.start_event, finish, ack.timing_enabled, info.io_backend, attributes,
-                host_start_ns=copy[5], host_end_ns=_host_end(ack.timing_enabled, finish, copy[6]),
-                ack_watch=(queue, ack), cause=cause, host_slots=host_slots, requests=requests)
+                direction, ack.num_tokens_by_pool or {ANCHOR_POOL: ack.num_tokens}, ack.num_bytes,
+                page_size=info.page_size, io_backend=info.io_backend, attributes=attributes, ack_watch=(queue, ack),
+                host_start_ns=copy[5], **_events(ack.timing_enabled, ack.start_event, finish, copy[6]),
+                cause=None if call else cause, cause_call=call, host_slots=host_slots, requests=requests)
             host_slots = requests = None
 
     def _report_direct(self, telemetry: TransferTelemetry, direction: str, copy: tuple, cause: str | None) -> None:
@@ -268,9 +270,9 @@ class TransferObserver:
         if draft:
             attributes = {**attributes, DRAFT_BYTES: draft}
         request = self.local.current_request()
-        timing, finish = completion.timing_enabled, completion.finish_event
         telemetry.submit(
-            direction, pools, num_bytes + draft, info.page_size if info is not None else page_size or 1,
-            completion.start_event, finish, timing, getattr(engine, "io_backend", None), attributes,
-            expect_ack=False, host_start_ns=start_ns, host_end_ns=_host_end(timing, finish, end_ns), cause=cause,
-            requests=[request] if request is not None and cause in causes.REQUEST_CAUSES else None)
+            direction, pools, num_bytes + draft, page_size=info.page_size if info is not None else page_size or 1,
+            io_backend=getattr(engine, "io_backend", None), attributes=attributes, expect_ack=False,
+            host_start_ns=start_ns, **_events(completion.timing_enabled, completion.start_event,
+                                              completion.finish_event, end_ns),
+            cause=cause, requests=[request] if request is not None and cause in causes.REQUEST_CAUSES else None)
