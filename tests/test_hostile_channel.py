@@ -153,14 +153,16 @@ STALLED = textwrap.dedent("""
 
     before = rss()
     os.kill(child, signal.SIGSTOP)  # the telemetry process frozen: nothing leaves the pipe
-    for i in range(OPS):
-        now = time.time_ns()
-        tel.ack(tel.submit("offload", {"kv": 64}, 4096, page_size=64, host_start_ns=now - 1000, host_end_ns=now,
-                           attributes={"x.blob": blob + str(i)}))  # (each its own: no encoder shares them)
-        time.sleep(0.001)
-    time.sleep(0.5)  # the poller's last sends
-    grown = rss() - before
-    os.kill(child, signal.SIGCONT)
+    try:
+        for i in range(OPS):
+            now = time.time_ns()
+            tel.ack(tel.submit("offload", {"kv": 64}, 4096, page_size=64, host_start_ns=now - 1000,
+                               host_end_ns=now, attributes={"x.blob": blob + str(i)}))  # (each its own)
+            time.sleep(0.001)
+        time.sleep(0.5)  # the poller's last sends
+        grown = rss() - before
+    finally:  # never a stopped orphan left behind, whatever failed
+        os.kill(child, signal.SIGCONT)
     assert tel.force_flush(30.0)
     with open(OUT, "w") as f:
         json.dump({"grown": grown}, f)

@@ -56,6 +56,7 @@ HOST = textwrap.dedent("""
     case = sys.argv[1]
     configure()
     tel = TransferTelemetry(attributes={"tp_rank": 0})
+    tel.force_flush()  # the telemetry process is up: the metric exports counted below happen after this
     raised = []
     for i in range(%(ops)d):
         if i == %(ops)d // 2:
