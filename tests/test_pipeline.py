@@ -575,6 +575,49 @@ def test_flush_waits_for_earlier_submissions_but_not_for_their_acks(make):
     assert sorted(found, key=repr) == sorted([("op", 1, None), ("ack", 0, T0)], key=repr)
 
 
+def _first_write_with_ops(rig, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        written = [entry[1] for c in rig.channels for entry in c.log if entry[0] == "write"]
+        with_ops = [batch for batch in written if any(m[0] == rec.OP for m in batch)]
+        if with_ops:
+            return sorted(ops(with_ops[0]))
+        time.sleep(0.005)
+    return None
+
+
+def _wait_idle(rig):
+    deadline = time.monotonic() + 5.0
+    while not rig.p.idle and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert rig.p.idle
+
+
+def test_ops_submitted_while_the_poller_gathers_share_its_cycle(make, monkeypatch):
+    """Woken from sleep by a submit, the poller waits for more before its cycle: at low rates
+    several ops share one cycle and one write."""
+    monkeypatch.setattr(engine, "GATHER_S", 1.0)
+    rig = make(manual=False)
+    _wait_idle(rig)
+    rig.submit()  # complete at submit: its times do not depend on when the poller looks
+    time.sleep(0.05)
+    rig.submit()
+    assert _first_write_with_ops(rig, 5.0) == [0, 1]
+
+
+@pytest.mark.parametrize("stamped", ["end", "ack"])
+def test_an_op_the_poller_stamps_when_it_looks_is_not_gathered(make, monkeypatch, stamped):
+    """A host-clock op ends, and a watched ack is taken, when the poller sees it: the poller does not wait."""
+    monkeypatch.setattr(engine, "GATHER_S", 30.0)
+    rig = make(manual=False)
+    _wait_idle(rig)
+    if stamped == "end":
+        rig.submit(Event(done=True))
+    else:
+        rig.submit(expect_ack=True, ack_watch=([], object()))
+    assert _first_write_with_ops(rig, 10.0) == [0]
+
+
 def test_flush_on_a_stopped_poller_answers_at_once(make):
     rig = make(manual=False)
     assert rig.p.stop(5.0) is True

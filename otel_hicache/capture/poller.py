@@ -27,7 +27,7 @@ from ..record import DIRECTIONS
 from ..settings import env_float, env_int
 from . import fork, request_links
 from .attributes import call_attributes, limits
-from .records import S_ACK_NS, S_SUBMIT_NS, TransferRecord, validate
+from .records import S_ACK_NS, S_SUBMIT_NS, SUBMISSION_FIELDS, TransferRecord, validate
 from .timing import Timing, is_complete, resolve_host_clock
 
 
@@ -54,6 +54,7 @@ class PollerSettings:
 
 
 _ACTIVE_GRACE_S = 0.1  # under load, polls this long after work, so that submit() need not wake it
+GATHER_S = 0.1  # woken from sleep by a submit, waits this long for more: at low rates ops share a cycle
 _ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts: scanned at most this often
 _STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs: sent at most this often (and at every flush)
 _WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # batches sent on (a system call) this often, or this many
@@ -75,6 +76,17 @@ def _where(thread: threading.Thread) -> str:
     code = callee.f_code
     where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{callee.f_lineno})"
     return where if callee is innermost else f"{where}, in {innermost.f_code.co_name}"
+
+
+_FINISH, _START, _HOST_END, _WATCH = map(SUBMISSION_FIELDS.index, ("finish_event", "start_event", "host_end_ns",
+                                                                     "ack_watch"))
+
+
+def _seen_when_polled(item: Any) -> bool:
+    """A submitted op with a time the poller stamps when it looks: its end (host clock, no ``host_end_ns``)
+    or its ack (``ack_watch``). Such ops are never gathered."""
+    return type(item) is list and (item[_WATCH] is not None or (
+        item[_FINISH] is not None and item[_START] is None and item[_HOST_END] is None))
 
 
 class _Wake:
@@ -309,6 +321,8 @@ class Poller:
         if not (self.queue or self._stopping):  # (appended before submit() could see idle)
             self._wake.wait(max(0.0, (min(due) - time.monotonic_ns()) / 1e9) if due else None)
         self.idle = False
+        if self.queue and not (self._flush_waiters or self._stopping) and not any(map(_seen_when_polled, self.queue)):
+            self._wake.wait(GATHER_S)  # (a flush or stop cuts it short; a submit does not wake a poller not idle)
 
     def _cycle(self) -> None:
         end = time.thread_time_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
