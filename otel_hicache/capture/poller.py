@@ -54,7 +54,7 @@ class PollerSettings:
 
 
 _ACTIVE_GRACE_S = 0.1  # under load, polls this long after work, so that submit() need not wake it
-GATHER_S = 0.1  # woken from sleep by a submit, waits this long for more: at low rates ops share a cycle
+GATHER_S = 0.25  # woken from sleep by a submit, waits this long for more: at low rates ops share a cycle
 _ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts: scanned at most this often
 _STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs: sent at most this often (and at every flush)
 _WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # batches sent on (a system call) this often, or this many
