@@ -54,7 +54,7 @@ class PollerSettings:
 
 
 _ACTIVE_GRACE_S = 0.1  # under load, polls this long after work, so that submit() need not wake it
-GATHER_S = 0.25  # woken from sleep by a submit, waits this long for more: at low rates ops share a cycle
+GATHER_S = 0.25  # woken from sleep by a submit while submits are sparse, waits this long for more ops
 _ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts: scanned at most this often
 _STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs: sent at most this often (and at every flush)
 _WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # batches sent on (a system call) this often, or this many
@@ -298,9 +298,9 @@ class Poller:
                   or (interval < self.settings.poll_interval_s and time.monotonic() - active < _ACTIVE_GRACE_S)):
                 self._wake.wait(self.settings.poll_interval_s)
             else:
-                self._sleep()
+                self._sleep(gather=interval >= self.settings.poll_interval_s)
 
-    def _sleep(self) -> None:
+    def _sleep(self, gather: bool) -> None:
         """Nothing to poll: block until the next timer, or until submit() or flush() wakes us."""
         try:  # a STATE compared or a send made now costs less than a wake-up for them
             if self._state_held and self._state_message(self._cpu_s)[1:5] == self._state_sent:
@@ -321,7 +321,10 @@ class Poller:
         if not (self.queue or self._stopping):  # (appended before submit() could see idle)
             self._wake.wait(max(0.0, (min(due) - time.monotonic_ns()) / 1e9) if due else None)
         self.idle = False
-        if self.queue and not (self._flush_waiters or self._stopping) and not any(map(_seen_when_polled, self.queue)):
+        # only while submits are sparse (the queue must not outgrow the channel's byte bound), and never for
+        # a flush, a stop, or an op whose time the poller stamps when it looks
+        held = self._flush_waiters or self._stopping or any(map(_seen_when_polled, self.queue))
+        if gather and self.queue and not held:
             self._wake.wait(GATHER_S)  # (a flush or stop cuts it short; a submit does not wake a poller not idle)
 
     def _cycle(self) -> None:
