@@ -618,6 +618,24 @@ def test_an_op_the_poller_stamps_when_it_looks_is_not_gathered(make, monkeypatch
     assert _first_write_with_ops(rig, 10.0) == [0]
 
 
+@pytest.mark.parametrize("changing", [False, True])
+def test_a_queue_changed_while_the_gather_reads_it_is_not_gathered(make, monkeypatch, changing):
+    """submit() may append while the poller reads the queue (a deque then raises): no gather, no error."""
+
+    class Changing(deque):
+        def __iter__(self):
+            raise RuntimeError("deque mutated during iteration")
+
+    rig = make()
+    if changing:
+        rig.p.queue = Changing()
+    rig.submit()
+    waits = []
+    monkeypatch.setattr(rig.p, "_wake", SimpleNamespace(wait=waits.append))
+    rig.p._sleep(gather=True)
+    assert waits == ([] if changing else [engine.GATHER_S])
+
+
 def test_flush_on_a_stopped_poller_answers_at_once(make):
     rig = make(manual=False)
     assert rig.p.stop(5.0) is True

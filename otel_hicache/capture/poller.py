@@ -323,7 +323,10 @@ class Poller:
         self.idle = False
         # only while submits are sparse (the queue must not outgrow the channel's byte bound), and never for
         # a flush, a stop, or an op whose time the poller stamps when it looks
-        held = self._flush_waiters or self._stopping or any(map(_seen_when_polled, self.queue))
+        try:
+            held = self._flush_waiters or self._stopping or any(map(_seen_when_polled, self.queue))
+        except RuntimeError:  # a submit() appended while it was read: no gather this time
+            held = True
         if gather and self.queue and not held:
             self._wake.wait(GATHER_S)  # (a flush or stop cuts it short; a submit does not wake a poller not idle)
 
