@@ -50,6 +50,7 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
             if not chunk:
                 return
             buffer += chunk
+            wait = 0.0  # what it brings may owe a checkpoint: idle() sets the next wait
         elif os.getppid() != parent:
             return
         else:
