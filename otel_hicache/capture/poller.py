@@ -292,13 +292,14 @@ class Poller:
             if self._stopping:
                 self._cycle_final()
                 return
+            sparse = interval >= self.settings.poll_interval_s  # submits further apart than a poll
             if self._more:  # cut short by its budget: the rest once the others had the GIL
                 time.sleep(0)
             elif (self._pending or self._awaiting or self._flush_waiters
-                  or (interval < self.settings.poll_interval_s and time.monotonic() - active < _ACTIVE_GRACE_S)):
+                  or (not sparse and time.monotonic() - active < _ACTIVE_GRACE_S)):
                 self._wake.wait(self.settings.poll_interval_s)
             else:
-                self._sleep(gather=interval >= self.settings.poll_interval_s)
+                self._sleep(gather=sparse)
 
     def _sleep(self, gather: bool) -> None:
         """Nothing to poll: block until the next timer, or until submit() or flush() wakes us."""
@@ -323,12 +324,13 @@ class Poller:
         self.idle = False
         # only while submits are sparse (the queue must not outgrow the channel's byte bound), and never for
         # a flush, a stop, or an op whose time the poller stamps when it looks
-        try:
-            held = self._flush_waiters or self._stopping or any(map(_seen_when_polled, self.queue))
-        except RuntimeError:  # a submit() appended while it was read: no gather this time
-            held = True
-        if gather and self.queue and not held:
-            self._wake.wait(GATHER_S)  # (a flush or stop cuts it short; a submit does not wake a poller not idle)
+        if gather and self.queue and not (self._flush_waiters or self._stopping):
+            try:
+                held = any(map(_seen_when_polled, self.queue))
+            except RuntimeError:  # a submit() appended while it was read: no gather this time
+                held = True
+            if not held:
+                self._wake.wait(GATHER_S)  # (a flush or stop cuts it short; a submit does not wake a poller not idle)
 
     def _cycle(self) -> None:
         end = time.thread_time_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
