@@ -1,6 +1,5 @@
-"""Placing device events on the host wall clock: by an *anchor*, an event synchronized between two
-host clock readings (re-taken every OTEL_HICACHE_ANCHOR_INTERVAL_S, for drift), else relative to
-each other on an :class:`EventTimeline` whose offset to the wall clock is estimated."""
+"""Device events on the host wall clock: by an *anchor*, an event synchronized between two host clock
+readings (re-taken every OTEL_HICACHE_ANCHOR_INTERVAL_S), else relative to each other (EventTimeline)."""
 
 from __future__ import annotations
 
@@ -29,10 +28,6 @@ class WallClockAnchor:
         self._best_ns: int | None = None
         self._failed = False
 
-    @property
-    def usable(self) -> bool:
-        return self.event is not None
-
     def maybe_refresh(self, now_ns: int) -> None:
         if not self._failed and (self.event is None or now_ns - self._taken_at_ns >= self._interval_ns):
             self.refresh()
@@ -40,14 +35,13 @@ class WallClockAnchor:
     def refresh(self) -> None:
         try:
             samples = [self._sample() for _ in range(_FIRST_SAMPLES if self.event is None else 1)]
-        except Exception as exc:  # never let a device problem stop the poller
+        except Exception as exc:  # a device problem never stops the poller
             self._failed = self.event is None
             warn_once("anchor", "otel-hicache: cannot record a wall-clock anchor event (%r); device-timed spans "
                       "are placed from host completion times instead", exc)
             return
         before, event, after = min(samples, key=lambda s: s[2] - s[0])
-        half = (after - before) // 2
-        best = self._best_ns
+        half, best = (after - before) // 2, self._best_ns
         # a sample much noisier than the best one replaces only an old anchor (drift)
         if self.event is not None and best is not None and half > max(4 * best, 20_000) \
                 and after - self._taken_at_ns < 8 * self._interval_ns:
@@ -102,8 +96,7 @@ class _Timeline:
             want = min(self.owed_ns, -excess)
         shift = 0
         if want:
-            # corrected only at an idle gap before it, so that no overlap with earlier ops changes:
-            # earlier by at most the gap, later only if it overlaps none of them
+            # only at an idle gap before it, so that no overlap with earlier ops changes
             gap = start - self.latest_end_ns
             shift = (max(want, -gap) if gap > 0 else 0) if want < 0 else (want if gap >= 0 else 0)
             if shift != want:  # a device busy without a gap would keep a wrong offset for ever
@@ -132,9 +125,8 @@ class _Timeline:
 
 
 class EventTimeline:
-    """Places device-timed ops without an anchor: a timeline's first op ends at ``bound_ns`` (seen
-    complete); later ops that compare with it are placed by their device time difference, so they
-    overlap as on the device, the offset corrected at idle gaps. Not thread-safe."""
+    """Without an anchor: a timeline's first op ends at ``bound_ns`` (seen complete), later ops that compare
+    with it by their device time difference, the offset corrected at idle gaps. Not thread-safe."""
 
     __slots__ = ("_timelines", "_seeded", "_compared", "_disabled")
 
@@ -145,10 +137,9 @@ class EventTimeline:
 
     def place(self, start_event: Any, duration_ns: int, bound_ns: int) -> tuple[int, str]:
         """Wall-clock start of a completed op, and how it was placed."""
-        start = bound_ns - duration_ns
+        start, timelines = bound_ns - duration_ns, self._timelines
         if self._disabled:
             return start, PLACEMENT_HOST_COMPLETION
-        timelines = self._timelines
         for index, timeline in enumerate(timelines):
             try:
                 offset_ms = float(timeline.event.elapsed_time(start_event))

@@ -1,6 +1,5 @@
-"""Completion (``finish_event.query()``, never ``synchronize()``) and timing of a record: with both
-events completed, ``elapsed_time()`` (``device_event``) placed by :mod:`.clock`; else host times
-(``host_clock``), from submit or the caller's start to the caller's end or when it was seen complete."""
+"""A record's completion (``query()``, never ``synchronize()``) and timing: with both events completed,
+``elapsed_time()`` (``device_event``) placed by :mod:`.clock`; else host times (``host_clock``)."""
 
 from __future__ import annotations
 
@@ -53,29 +52,26 @@ class Timing:
 def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
             timeline: EventTimeline | None = None) -> None:
     """Set duration, wall-clock start and end, placement, timing source and queue wait."""
-    if record.start_event is not None and record.finish_event is not None:
-        duration_ms = _device_duration_ms(record.start_event, record.finish_event)
-        if duration_ms is not None:
-            duration_ns = record.duration_ns = int(round(duration_ms * 1e6))
-            record.timing_source = DEVICE_EVENT
-            bound = record.host_end_ns if record.host_end_ns is not None else now_ns
-            start, record.placement = _place(record, anchor, timeline, duration_ns, bound)
-            if record.placement == PLACEMENT_ANCHOR:
-                record.queue_wait_ns = max(0, start - record.submit_ns)
-            record.start_ns, record.end_ns = start, start + duration_ns
-            return
-    resolve_host_clock(record, now_ns)
+    duration_ms = None if record.start_event is None or record.finish_event is None else \
+        _device_duration_ms(record.start_event, record.finish_event)
+    if duration_ms is None:
+        return resolve_host_clock(record, now_ns)
+    duration_ns = record.duration_ns = int(round(duration_ms * 1e6))
+    record.timing_source = DEVICE_EVENT
+    bound = record.host_end_ns if record.host_end_ns is not None else now_ns
+    start, record.placement = _place(record.start_event, anchor, timeline, duration_ns, bound)
+    if record.placement == PLACEMENT_ANCHOR:
+        record.queue_wait_ns = max(0, start - record.submit_ns)
+    record.start_ns, record.end_ns = start, start + duration_ns
 
 
-def _place(record: TransferRecord, anchor: WallClockAnchor | None, timeline: EventTimeline | None,
-           duration_ns: int, bound_ns: int) -> tuple[int, str]:
-    """Where a device-timed op starts, and how that was found; nonsense from the events gives way to
-    the host completion (warned once)."""
+def _place(event: Any, anchor: WallClockAnchor | None, timeline: EventTimeline | None, duration_ns: int,
+           bound_ns: int) -> tuple[int, str]:
+    """Where a device-timed op starts, and how that was found (nonsense: the host completion, warned once)."""
     try:
-        start = anchor.wall_time_ns(record.start_event) if anchor is not None else None
-        placement = PLACEMENT_ANCHOR
+        start, placement = anchor.wall_time_ns(event) if anchor is not None else None, PLACEMENT_ANCHOR
         if start is None and timeline is not None:
-            start, placement = timeline.place(record.start_event, duration_ns, bound_ns)
+            start, placement = timeline.place(event, duration_ns, bound_ns)
         elif start is None:
             start, placement = bound_ns - duration_ns, PLACEMENT_HOST_COMPLETION
         if type(start) is int and 0 <= start <= INT64_MAX - duration_ns:
