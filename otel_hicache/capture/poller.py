@@ -1,16 +1,9 @@
-"""The poller: the capture's one thread, a batch processor over submit()'s queue.
-
-Each cycle: intake (validate, deferred causes, host pages), completion (``finish_event.query()``,
-never ``synchronize()``; timing; timeouts), acks (acked or timed out), and hand-over of the cycle's
-messages as one batch to the channel. It polls while work is in flight, else sleeps until a timer
-is due or a submit() wakes it.
-"""
+"""The capture's one thread: each cycle takes submit()'s lists in, watches them complete (``query()``, never
+``synchronize()``), times them, ends their ack waits and writes the cycle's messages to the channel as one batch."""
 
 from __future__ import annotations
 
 import itertools
-import os
-import sys
 import threading
 import time
 from collections import deque
@@ -32,21 +25,17 @@ from .timing import Timing, is_complete, resolve_host_clock
 
 
 class PollerSettings:
-    """The poller's knobs; the defaults are the documented ones (environment_variables.DEFAULTS)."""
-
     def __init__(self, max_queue_size: int = DEFAULTS[ev.OTEL_HICACHE_MAX_QUEUE_SIZE],
                  poll_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_POLL_INTERVAL_MS] / 1e3,
                  ack_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_ACK_TIMEOUT_S],
                  transfer_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S],
-                 anchor_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_ANCHOR_INTERVAL_S],
-                 stall_warning_s: float = 10.0) -> None:
-        self.max_queue_size, self.poll_interval_s = max_queue_size, poll_interval_s
-        self.anchor_interval_s, self.stall_warning_s = anchor_interval_s, stall_warning_s
+                 anchor_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_ANCHOR_INTERVAL_S]) -> None:
+        self.max_queue_size, self.poll_interval_s, self.anchor_interval_s = max_queue_size, poll_interval_s, \
+            anchor_interval_s
         self.ack_timeout_ns, self.transfer_timeout_ns = int(ack_timeout_s * 1e9), int(transfer_timeout_s * 1e9)
 
     @classmethod
     def from_environment(cls) -> "PollerSettings":
-        """From the ``OTEL_HICACHE_*`` variables (malformed ones: warned, the default used)."""
         return cls(env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE),
                    env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS, minimum=0.01) / 1e3,
                    env_float(ev.OTEL_HICACHE_ACK_TIMEOUT_S), env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S),
@@ -58,39 +47,20 @@ GATHER_S = 0.25  # woken from sleep by a submit while submits are sparse, waits 
 _ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts: scanned at most this often
 _STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs: sent at most this often (and at every flush)
 _WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # batches sent on (a system call) this often, or this many
-CYCLE_BUDGET_NS = 150_000  # a cycle's CPU time, so that it never holds the GIL longer; checked
-_BUDGET_EVERY = 4  # every this many records
+CYCLE_BUDGET_NS, _BUDGET_EVERY = 150_000, 4  # a cycle's CPU time (the GIL), checked every this many records
 _INTAKE_PASS = 8  # records popped per pass
 _LOCK_WAIT_S = 0.05  # the longest another thread waits for the intake lock
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _where(thread: threading.Thread) -> str:
-    """Where a thread of ours is blocked: its first call out of otel-hicache, and the innermost function."""
-    frame = sys._current_frames().get(thread.ident)  # CPython's only view of another thread's frame
-    innermost = callee = frame
-    while frame is not None and not frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        callee, frame = frame, frame.f_back
-    if callee is None:
-        return "an unknown place"
-    code = callee.f_code
-    where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{callee.f_lineno})"
-    return where if callee is innermost else f"{where}, in {innermost.f_code.co_name}"
-
-
-_FINISH, _START, _HOST_END, _WATCH = map(SUBMISSION_FIELDS.index, ("finish_event", "start_event", "host_end_ns",
-                                                                     "ack_watch"))
+_FINISH, _START, _END, _WATCH = map(SUBMISSION_FIELDS.index, ("finish_event", "start_event", "host_end_ns", "ack_watch"))
 
 
 def _seen_when_polled(item: Any) -> bool:
-    """A submitted op with a time the poller stamps when it looks: its end (host clock, no ``host_end_ns``)
-    or its ack (``ack_watch``). Such ops are never gathered."""
+    """An op whose end (host clock, no ``host_end_ns``) or ack (``ack_watch``) the poller stamps when it looks."""
     return type(item) is list and (item[_WATCH] is not None or (
-        item[_FINISH] is not None and item[_START] is None and item[_HOST_END] is None))
+        item[_FINISH] is not None and item[_START] is None and item[_END] is None))
 
 
 class _Wake:
-    """A wake-up never lost, ``wait()`` consumes it: a lock is one C call per wait (an Event is Python)."""
+    """A wake-up never lost, consumed by ``wait()``: a lock is one C call per wait (an Event is Python)."""
 
     __slots__ = ("_lock",)
 
@@ -109,13 +79,12 @@ class _Wake:
 
 
 class _Refusals:
-    """submit()s refused on a full queue: ``next(count)`` is atomic; read() subtracts its own calls."""
+    """submit()s refused on a full queue: ``next(count)`` is atomic; ``read()`` (any thread) subtracts its own."""
 
     def __init__(self) -> None:
         self.count, self._reads, self._reported, self._lock = itertools.count(), 0, 0, threading.Lock()
 
     def read(self) -> int:
-        """Refused since the last read (any thread)."""
         with self._lock:
             refused = next(self.count) - self._reads
             self._reads += 1
@@ -124,7 +93,7 @@ class _Refusals:
 
 
 class HostPoolRef(NamedTuple):
-    """A host pool as ``host_slots`` and ``host_freed`` name it (the sinks track its pages)."""
+    """A host pool as ``host_slots`` and ``host_freed`` name it."""
 
     pool_id: int
     name: str
@@ -144,8 +113,7 @@ class Poller:
         self._init_state()
         fork.after_fork_in_child(self._after_fork_in_child)
 
-    def _init_state(self) -> None:
-        """Fresh state and a thread (at start, and in a forked child)."""
+    def _init_state(self) -> None:  # (at start, and in a forked child)
         self.queue: deque[Any] = deque()  # submitted lists, (pool, slots) freed, and pools
         self.held = 0  # records held (pending + awaiting ack); never below the truth
         self._taken = 0  # records taken from the queue (their sequence numbers); with held, under _lock
@@ -157,19 +125,19 @@ class Poller:
         self._inflight = dict.fromkeys(DIRECTIONS, 0)
         self._timing = Timing(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
         self._attribute_limits = limits()
-        self._last_ack_scan = self._last_send = self._last_state = self._stall_written = self._ops_out = 0
+        self._last_ack_scan = self._last_send = self._last_state = self._ops_out = 0
         self.channel: Any = None
         self._out: list[tuple[Any, ...]] = []  # this cycle's messages
         self._drops: dict[str, int] = {}
         self._unsent_ops = -1  # ops written and not sent on yet; -1: nothing written at all
         self._state_sent: tuple[Any, ...] | None = None
         self._cpu_s = 0.0  # the thread's CPU time at its last STATE
-        # idle: asleep, the next submit() wakes it; _more: the last cycle stopped at its budget
-        self.idle = self._more = self._state_held = False  # (_state_held: a changed STATE held back)
+        # idle: asleep, the next submit() wakes it; _more: the last cycle stopped at its budget; _state_held:
+        # a changed STATE held back
+        self.idle = self._more = self._state_held = False
         self._wake = _Wake()
         self._flush_waiters: list[tuple[int, threading.Event]] = []
-        self._stopping = self._stop_called = self._abandoned = self._stall_reported = False
-        self._cycle_started: float | None = None  # time.monotonic() of the running cycle
+        self._stopping = self._stop_called = self._abandoned = False
         self._start_thread()
 
     def _start_thread(self) -> None:  # (tests replace it)
@@ -203,31 +171,7 @@ class Poller:
             if locked:
                 self._lock.release()
 
-    # -- any thread: a stuck poller, flush, stop
-    def stalled(self) -> float:
-        """Seconds the running cycle has run once past ``stall_warning_s``, else 0; says once where it is
-        blocked and writes the refusals and STATE it cannot."""
-        started = self._cycle_started
-        stalled_for = time.monotonic() - started if started is not None and self.thread.is_alive() else 0.0
-        if stalled_for < self.settings.stall_warning_s:
-            return 0.0
-        if not self._stall_reported:
-            self._stall_reported = True
-            logger.warning("otel-hicache: the poller has not finished a cycle for %.0f s; it is blocked in %s. "
-                           "No transfer is reported until it returns; submits refused meanwhile are counted in "
-                           "otel_hicache.records.dropped{reason=queue_full}", stalled_for, _where(self.thread))
-        mono = time.monotonic_ns()
-        if mono - self._stall_written >= _STATE_INTERVAL_NS and self.channel is not None:
-            self._stall_written = mono
-            refused = self._refusals.read()
-            batch = [(rec.DROPPED, sc.DROP_QUEUE_FULL, refused)] if refused else []
-            try:
-                self.channel.write([*batch, self._state_message(self._cpu_s)], 0)
-                getattr(self.channel, "send", lambda: None)()
-            except Exception as exc:  # never into the caller
-                warn_once(f"stall:{type(exc).__name__}", "otel-hicache: cannot report the stuck poller (%r)", exc)
-        return stalled_for
-
+    # -- any thread: flush, stop
     def flush(self, timeout_s: float) -> bool:
         """Wait until every record submitted before was taken in, is complete and was written."""
         if not self.thread.is_alive():
@@ -236,10 +180,7 @@ class Poller:
         with self._lock:
             self._flush_waiters.append((self._taken + len(self.queue), done))
         self.wake()
-        if done.wait(timeout_s):
-            return True
-        self.stalled()
-        return False
+        return done.wait(timeout_s)
 
     def stop(self, timeout_s: float) -> bool:
         """Flush, end the ack waits, stop the thread and the channel, within ``timeout_s`` (plus 0.1 s)."""
@@ -252,13 +193,14 @@ class Poller:
         self.wake()
         self.thread.join(max(0.1, deadline - time.monotonic()))
         stopped = not self.thread.is_alive()
-        if not stopped and self.stalled():
-            self._abandoned = True  # what it holds and what is queued is lost: counted now
-            lost = len(self.queue) + self.held
+        if not stopped:  # stuck in a host call: what it holds and what is queued is counted lost now
+            self._abandoned = True
+            lost, refused = len(self.queue) + self.held, self._refusals.read()
             logger.warning("otel-hicache: %d transfers held by the stuck poller were not reported; "
                            "counted in otel_hicache.records.dropped{reason=shutdown}", lost)
-            if self.channel is not None and lost:
-                self.channel.write([(rec.DROPPED, sc.DROP_SHUTDOWN, lost)], 0)
+            if self.channel is not None:
+                self.channel.write([(rec.DROPPED, sc.DROP_QUEUE_FULL, refused), self._state_message(self._cpu_s),
+                                    (rec.DROPPED, sc.DROP_SHUTDOWN, lost)], 0)
         elif self.queue:  # appended by a submit() that raced the final cycle
             self._drop_queued()
             self._write()
@@ -272,7 +214,7 @@ class Poller:
         active = taken = 0.0  # the last time there was work, and work came in
         interval = _ACTIVE_GRACE_S  # between submits, a moving average (capped: a long pause is soon forgotten)
         while True:
-            now = self._cycle_started = time.monotonic()
+            now = time.monotonic()
             if self.queue:
                 interval += (min(now - taken, _ACTIVE_GRACE_S) / len(self.queue) - interval) / 4
                 taken = now
@@ -283,12 +225,8 @@ class Poller:
             except Exception as exc:  # keep the poller alive whatever happens
                 warn_once("poller", "otel-hicache: poller error %r (continuing)", exc)
                 logger.debug("otel-hicache poller error", exc_info=True)
-            self._cycle_started = None
             if self._abandoned:
                 return
-            if self._stall_reported:
-                self._stall_reported = False
-                logger.warning("otel-hicache: the poller finished its stalled cycle; reporting again")
             if self._stopping:
                 self._cycle_final()
                 return
