@@ -78,20 +78,6 @@ class _Wake:
         return self._lock.acquire(timeout=-1 if timeout is None else timeout)
 
 
-class _Refusals:
-    """submit()s refused on a full queue: ``next(count)`` is atomic; ``read()`` (any thread) subtracts its own."""
-
-    def __init__(self) -> None:
-        self.count, self._reads, self._reported, self._lock = itertools.count(), 0, 0, threading.Lock()
-
-    def read(self) -> int:
-        with self._lock:
-            refused = next(self.count) - self._reads
-            self._reads += 1
-            drops, self._reported = refused - self._reported, refused
-        return drops
-
-
 class HostPoolRef(NamedTuple):
     """A host pool as ``host_slots`` and ``host_freed`` name it."""
 
@@ -102,8 +88,7 @@ class HostPoolRef(NamedTuple):
 
 
 class Poller:
-    """Takes submit()'s lists in, watches them complete, writes their messages to the channel that
-    ``open_channel()`` makes at the first batch (again in a forked child)."""
+    """Writes to the channel that ``open_channel()`` makes at the first batch (again in a forked child)."""
 
     def __init__(self, settings: PollerSettings, open_channel: Callable[[], Any],
                  clock: Callable[[], int] = time.time_ns, anchor_factory: Callable[[], Any] | None = None) -> None:
@@ -115,11 +100,11 @@ class Poller:
 
     def _init_state(self) -> None:  # (at start, and in a forked child)
         self.queue: deque[Any] = deque()  # submitted lists, (pool, slots) freed, and pools
-        self.held = 0  # records held (pending + awaiting ack); never below the truth
+        self.held = 0  # records pending or awaiting their ack; never below the truth
         self._taken = 0  # records taken from the queue (their sequence numbers); with held, under _lock
         self._lock, self._open_lock = threading.Lock(), threading.Lock()
-        self._refusals = _Refusals()
-        self.refused = self._refusals.count  # submit()'s next() on a full queue
+        self.refused = itertools.count()  # submit()'s next() on a full queue (atomic)
+        self._reads = self._reported = 0  # our own next()s on it, and the refusals counted
         self._pending: list[TransferRecord] = []  # not yet complete
         self._awaiting: list[TransferRecord] = []  # complete, waiting for their ack
         self._inflight = dict.fromkeys(DIRECTIONS, 0)
@@ -132,8 +117,7 @@ class Poller:
         self._unsent_ops = -1  # ops written and not sent on yet; -1: nothing written at all
         self._state_sent: tuple[Any, ...] | None = None
         self._cpu_s = 0.0  # the thread's CPU time at its last STATE
-        # idle: asleep, the next submit() wakes it; _more: the last cycle stopped at its budget; _state_held:
-        # a changed STATE held back
+        # asleep (the next submit() wakes it); the last cycle stopped at its budget; a changed STATE held back
         self.idle = self._more = self._state_held = False
         self._wake = _Wake()
         self._flush_waiters: list[tuple[int, threading.Event]] = []
@@ -163,7 +147,7 @@ class Poller:
             self.wake()
 
     def size(self) -> int:
-        """Records queued or held, read together under the intake lock."""
+        """Records queued or held (under the intake lock)."""
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
             return len(self.queue) + self.held
@@ -183,7 +167,7 @@ class Poller:
         return done.wait(timeout_s)
 
     def stop(self, timeout_s: float) -> bool:
-        """Flush, end the ack waits, stop the thread and the channel, within ``timeout_s`` (plus 0.1 s)."""
+        """Flush, end the ack waits, stop the thread and the channel within ``timeout_s`` (plus 0.1 s)."""
         deadline = time.monotonic() + timeout_s
         if self._stop_called or not self.thread.is_alive():
             return False
@@ -193,9 +177,9 @@ class Poller:
         self.wake()
         self.thread.join(max(0.1, deadline - time.monotonic()))
         stopped = not self.thread.is_alive()
-        if not stopped:  # stuck in a host call: what it holds and what is queued is counted lost now
+        if not stopped:  # stuck in a host call: what it holds and what is queued, counted lost now
             self._abandoned = True
-            lost, refused = len(self.queue) + self.held, self._refusals.read()
+            lost, refused = len(self.queue) + self.held, self._refused_since()
             logger.warning("otel-hicache: %d transfers held by the stuck poller were not reported; "
                            "counted in otel_hicache.records.dropped{reason=shutdown}", lost)
             if self.channel is not None:
@@ -212,7 +196,7 @@ class Poller:
         if not self._forked:  # the sinks' zero series exist from start-up
             self.open_channel()
         active = taken = 0.0  # the last time there was work, and work came in
-        interval = _ACTIVE_GRACE_S  # between submits, a moving average (capped: a long pause is soon forgotten)
+        interval = _ACTIVE_GRACE_S  # between submits, a moving average (capped: a pause is soon forgotten)
         while True:
             now = time.monotonic()
             if self.queue:
@@ -231,7 +215,7 @@ class Poller:
                 self._cycle_final()
                 return
             sparse = interval >= self.settings.poll_interval_s  # submits further apart than a poll
-            if self._more:  # cut short by its budget: the rest once the others had the GIL
+            if self._more:  # cut short by its budget: the rest after the others had the GIL
                 time.sleep(0)
             elif (self._pending or self._awaiting or self._flush_waiters
                   or (not sparse and time.monotonic() - active < _ACTIVE_GRACE_S)):
@@ -240,7 +224,7 @@ class Poller:
                 self._sleep(gather=sparse)
 
     def _sleep(self, gather: bool) -> None:
-        """Nothing to poll: block until the next timer, or until submit() or flush() wakes us."""
+        """Nothing to poll: block until the next timer, a submit() or a flush()."""
         try:  # a STATE compared or a send made now costs less than a wake-up for them
             if self._state_held and self._state_message(self._cpu_s)[1:5] == self._state_sent:
                 self._state_held = False
@@ -254,21 +238,21 @@ class Poller:
             due.append(self._last_send + _WRITE_INTERVAL_NS)
         if self._out:  # not written (no channel yet, or a failed cycle): again in a while
             due.append(now + _WRITE_INTERVAL_NS)
-        if (at := self._channel_due()) is not None:  # (just handled by the cycle: not again at once)
+        if (at := self._channel_due()) is not None:  # (the cycle just handled it: not again at once)
             due.append(max(at, now + _ACK_SCAN_INTERVAL_NS))
         self.idle = True
         if not (self.queue or self._stopping):  # (appended before submit() could see idle)
             self._wake.wait(max(0.0, (min(due) - time.monotonic_ns()) / 1e9) if due else None)
         self.idle = False
-        # only while submits are sparse (the queue must not outgrow the channel's byte bound), and never for
-        # a flush, a stop, or an op whose time the poller stamps when it looks
+        # only while submits are sparse (the queue must stay within the channel's bound); never for a flush, a
+        # stop, or an op whose time the poller stamps when it looks
         if gather and self.queue and not (self._flush_waiters or self._stopping):
             try:
                 held = any(map(_seen_when_polled, self.queue))
             except RuntimeError:  # a submit() appended while it was read: no gather this time
                 held = True
             if not held:
-                self._wake.wait(GATHER_S)  # (a flush or stop cuts it short; a submit does not wake a poller not idle)
+                self._wake.wait(GATHER_S)  # (a flush or stop cuts it short, a submit does not)
 
     def _cycle(self) -> None:
         end = time.thread_time_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
@@ -286,7 +270,6 @@ class Poller:
         self.held = len(self._pending) + len(self._awaiting)
         self._hand_over(end)
 
-    # -- 1. intake
     def _intake(self, end: int) -> None:
         """At most what the cap leaves room for; the rest stays queued."""
         queue = self.queue
@@ -312,7 +295,7 @@ class Poller:
                     self._pages((rec.FREE, item[0].pool_id), item[1], item[0].page_size)
 
     def _take_in(self, item: list[Any], seq: int) -> bool:
-        """Validate a submitted list and hold it until it completes; False if dropped."""
+        """Validate a submitted list and hold it; False if dropped."""
         try:
             record = TransferRecord(item)
             record.seq = seq
@@ -337,14 +320,13 @@ class Poller:
             return False
 
     def _pages(self, head: tuple[Any, ...], slots: Any, page_size: int, tail: tuple[Any, ...] = ()) -> None:
-        """A ``record.HOST`` or ``record.FREE`` message, its slots as pages."""
+        """A ``record.HOST`` or ``record.FREE`` message."""
         try:
             self._out.append((*head, rec.page_text(slots, page_size), *tail))
         except Exception as exc:  # the op is still reported; these pages are not tracked
             warn_once(f"host:{head[0]}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
                       "an op's" if head[0] == rec.HOST else "freed", exc)
 
-    # -- 2. completion and timing
     def _completions(self, now: int, end: int) -> None:
         self._timing.refresh(now)
         still: list[TransferRecord] = []
@@ -379,7 +361,7 @@ class Poller:
         if awaits:
             record.completed_at_ns = now
             if record.ack_watch is not None:
-                self._watch_acks(now, [record])  # taken before we saw it complete?
+                self._watch_acks(now, [record])  # (taken before it was seen complete?)
         self._send(record)
         if awaits and record.handle[S_ACK_NS] is None:
             self._awaiting.append(record)
@@ -398,7 +380,7 @@ class Poller:
                       "reported as an error span and its slot freed", self.settings.transfer_timeout_ns / 1e9)
 
     def _send(self, record: TransferRecord) -> None:
-        """The op as a ``record.OP`` message, its requests and parent as plain values."""
+        """The op as a ``record.OP`` message."""
         if record.requests is not None:
             try:
                 contexts, record.request_links_dropped = request_links.resolve(record.requests)
@@ -419,9 +401,8 @@ class Poller:
         self._ops_out += 1
         self._inflight[record.direction] -= 1
 
-    # -- 3. ack watching
     def _watch_acks(self, now: int, awaiting: list[TransferRecord]) -> int:
-        """Stamp watched records whose item left its container (a ``tuple()`` snapshot each); how many."""
+        """Stamps watched records whose item left its container (a ``tuple()`` snapshot each); how many."""
         snapshots: dict[int, set[int] | None] = {}
         stamped = 0
         for record in awaiting:
@@ -455,14 +436,13 @@ class Poller:
                 keep.append(record)
         self._awaiting = keep
 
-    # -- 4. hand-over
     def _hand_over(self, end: int) -> None:
         self._report_queue_full()
         flushing = bool(self._flush_waiters)
         urgent = flushing or self._stopping
-        # forced once a flush can be released (not during a backlog: the state reads the queue)
+        # forced once a flush can be released (not in a backlog: the state reads the queue)
         self._state(force=self._stopping or (flushing and not self._more and not self.queue))
-        # (not in a forked child that reported nothing: opening its channel would reach the parent's providers)
+        # (a forked child that reported nothing opens no channel: it would reach the parent's providers)
         if flushing and not (self._forked and self.channel is None and not self._out and not self._drops):
             self._take_drops()
             self._out.append((rec.FLUSH, 0))  # the sinks hand what they summed to the SDK now
@@ -485,7 +465,6 @@ class Poller:
         return due() if due is not None else None
 
     def _write(self) -> None:
-        """This cycle's messages to the channel (opened at the first batch, after any fork)."""
         self._take_drops()
         if not self._out:
             return
@@ -500,8 +479,7 @@ class Poller:
         channel.write(out, ops)
         self._unsent_ops = max(0, self._unsent_ops) + ops
 
-    def _send_on(self) -> None:
-        """What was written since the last send, on to its destination (a system call)."""
+    def _send_on(self) -> None:  # what was written, on to its destination (a system call)
         self._last_send, self._unsent_ops = time.monotonic_ns(), -1
         send = getattr(self.channel, "send", None)  # (the embedded channel applies at write)
         if send is not None:
@@ -512,8 +490,7 @@ class Poller:
         self._out.extend((rec.DROPPED, reason, count) for reason, count in drops.items())
 
     def open_channel(self) -> Any:
-        """The channel, opened now if it is not (in a forked child by its first submit(), never in an
-        exit hook, where the SDK cannot start threads)."""
+        """The channel, opened now if it is not (never in an exit hook: the SDK cannot start threads)."""
         if self.channel is not None:
             return self.channel
         with self._open_lock:
@@ -541,7 +518,7 @@ class Poller:
             self._out.append(message)
 
     def _state_message(self, cpu_s: float) -> tuple[Any, ...]:
-        """What the gauges show, from ``tuple()`` snapshots (the poller's, or a thread's that found it stuck)."""
+        """What the gauges show, from ``tuple()`` snapshots (also read by the shutdown of a stuck poller)."""
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
             queued = tuple(self.queue)
@@ -567,7 +544,7 @@ class Poller:
         return (rec.STATE, inflight, oldest, unacked, len(queued) + self.held, cpu_s)
 
     def _release_flush_waiters(self, everyone: bool = False) -> None:
-        """Release the flushes whose records were all taken in and are complete (on stop, all)."""
+        """Releases the flushes whose records were all taken in and are complete (on stop, all)."""
         oldest_pending = self._pending[0].seq if self._pending else self._taken  # (in intake order)
         with self._lock:
             waiting = []
@@ -596,7 +573,6 @@ class Poller:
         self._release_flush_waiters(everyone=True)
 
     def _drop_queued(self) -> None:
-        """Records never taken in (the poller stopped): counted."""
         count = 0
         while self.queue:
             count += type(self.queue.popleft()) is list
@@ -615,8 +591,15 @@ class Poller:
                   "otel_hicache.records.dropped{reason=internal_error}", stage, exc)
         logger.debug("otel-hicache error (a record not %s)", stage, exc_info=True)
 
+    def _refused_since(self) -> int:
+        with self._lock:  # (the shutdown reads it for a stuck poller)
+            refused = next(self.refused) - self._reads
+            self._reads += 1
+            drops, self._reported = refused - self._reported, refused
+        return drops
+
     def _report_queue_full(self) -> None:
-        drops = self._refusals.read()
+        drops = self._refused_since()
         if drops:
             self._drop(sc.DROP_QUEUE_FULL, drops)
             warn_once("queue_full", "otel-hicache: transfer record queue full (OTEL_HICACHE_MAX_QUEUE_SIZE=%d); "
