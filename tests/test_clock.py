@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from otel_hicache.capture import clock
-from otel_hicache.capture.clock import PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE, EventTimeline, WallClockAnchor
+from otel_hicache.capture import timing as clock
+from otel_hicache.capture.timing import PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE, EventTimeline, WallClockAnchor
 from otel_hicache.testing import DuckEvent, OneStreamEvent, SimulatedDevice
 
 

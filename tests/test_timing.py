@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from otel_hicache.capture.clock import PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE, EventTimeline
 from otel_hicache.capture.records import DEVICE_EVENT, HOST_CLOCK, TransferRecord, submission, validate
+from otel_hicache.capture.timing import (PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE, EventTimeline,
+                                         is_complete, resolve, resolve_host_clock)
 from otel_hicache.testing import SimulatedDevice
-from otel_hicache.capture.timing import is_complete, resolve, resolve_host_clock
 
 SUBMIT = 1_767_225_600_000_000_000
 NOW = SUBMIT + 50_000_000  # when the poller observed the completion

@@ -21,7 +21,7 @@ from ..settings import env_float, env_int
 from . import fork, request_links
 from .attributes import call_attributes, limits
 from .records import S_ACK_NS, S_SUBMIT_NS, SUBMISSION_FIELDS, TransferRecord, validate
-from .timing import Timing, is_complete, resolve_host_clock
+from .timing import EventTimeline, WallClockAnchor, is_complete, resolve, resolve_host_clock
 
 
 class PollerSettings:
@@ -108,7 +108,8 @@ class Poller:
         self._pending: list[TransferRecord] = []  # not yet complete
         self._awaiting: list[TransferRecord] = []  # complete, waiting for their ack
         self._inflight = dict.fromkeys(DIRECTIONS, 0)
-        self._timing = Timing(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
+        self._anchor = WallClockAnchor(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
+        self._timeline = EventTimeline()
         self._attribute_limits = limits()
         self._last_ack_scan = self._last_send = self._last_state = self._ops_out = 0
         self.channel: Any = None
@@ -328,7 +329,7 @@ class Poller:
                       "an op's" if head[0] == rec.HOST else "freed", exc)
 
     def _completions(self, now: int, end: int) -> None:
-        self._timing.refresh(now)
+        self._anchor.maybe_refresh(now)
         still: list[TransferRecord] = []
         pending = self._pending
         for index, record in enumerate(pending):
@@ -356,7 +357,7 @@ class Poller:
         self._pending = still
 
     def _complete(self, record: TransferRecord, now: int) -> None:
-        self._timing.resolve(record, now)
+        resolve(record, now, self._anchor, self._timeline)
         awaits = record.expect_ack and record.handle[S_ACK_NS] is None
         if awaits:
             record.completed_at_ns = now

@@ -1,18 +1,21 @@
 """A record's completion (``query()``, never ``synchronize()``) and timing: with both events completed,
-``elapsed_time()`` (``device_event``) placed by :mod:`.clock`; else host times (``host_clock``)."""
+``elapsed_time()`` (``device_event``) placed on the wall clock by an anchor (an event synchronized between
+two host clock readings) or relative to earlier ops (EventTimeline); else host times (``host_clock``)."""
 
 from __future__ import annotations
 
 import math
 import reprlib
-from typing import Any
+import time
+from typing import Any, Callable
 
-from ..diagnostics import warn_once
+from ..diagnostics import logger, warn_once
 from ..record import DEVICE_EVENT, HOST_CLOCK, INT64_MAX
-from .clock import PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, EventTimeline, WallClockAnchor
 from .device import anchor_factory_for
 from .records import TransferRecord
 
+# hicache.placement_source: by the anchor, relative to an earlier op's event, or from the host completion
+PLACEMENT_ANCHOR, PLACEMENT_RELATIVE, PLACEMENT_HOST_COMPLETION = "anchor", "relative", "host_completion"
 MAX_DEVICE_DURATION_MS = 86_400_000.0  # above a day: a broken event
 
 
@@ -22,31 +25,6 @@ def is_complete(record: TransferRecord) -> bool:
     if finish is None or (record.host_end_ns is not None and start is None):  # nothing left to read
         return True
     return bool(finish.query()) and (start is None or bool(start.query()))
-
-
-class Timing:
-    """The poller's anchor (from ``anchor_factory``, else the first timed op's events) and timeline."""
-
-    def __init__(self, anchor_factory: Any, interval_s: float, clock: Any) -> None:
-        self._factory, self._interval_s, self._clock = anchor_factory, interval_s, clock
-        self._anchor: Any = False  # False: not looked for yet
-        self._timeline = EventTimeline()
-
-    def refresh(self, now_ns: int) -> None:
-        if self._anchor:
-            self._anchor.maybe_refresh(now_ns)
-
-    def resolve(self, record: TransferRecord, now_ns: int) -> None:
-        if self._anchor is False and record.start_event is not None:
-            self._anchor, factory = None, self._factory
-            try:
-                factory = factory or anchor_factory_for(record.start_event)
-            except Exception:
-                factory = None
-            if factory is not None:
-                self._anchor = WallClockAnchor(factory, self._interval_s, self._clock)
-                self._anchor.refresh()
-        resolve(record, now_ns, self._anchor or None, self._timeline)
 
 
 def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
@@ -109,3 +87,167 @@ def _device_duration_ms(start_event: Any, finish_event: Any) -> float | None:
                   "more than a day?); reporting such transfers with hicache.timing_source=host_clock", value)
         return None
     return value
+
+
+_FIRST_SAMPLES = 3  # the first sample pays one-time costs inside its bracket: the narrowest of a few
+
+
+class WallClockAnchor:
+    """Maps completed device events to host wall-clock ns: the anchor ran at the midpoint of its bracket.
+    Without a ``factory``, the first event placed finds one (``device.anchor_factory_for``)."""
+
+    __slots__ = ("_factory", "_clock", "_interval_ns", "event", "wall_ns", "uncertainty_ns", "_best_ns",
+                 "_taken_at_ns", "_failed")
+
+    def __init__(self, factory: Callable[[], Any] | None, interval_s: float = 1.0,
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        self._factory, self._clock, self._interval_ns = factory, clock, int(interval_s * 1e9)
+        self.event: Any = None
+        self.wall_ns = self.uncertainty_ns = self._taken_at_ns = 0
+        self._best_ns: int | None = None
+        self._failed = False  # no first anchor: none is tried again
+
+    def maybe_refresh(self, now_ns: int) -> None:
+        if self.event is not None and now_ns - self._taken_at_ns >= self._interval_ns:
+            self.refresh()
+
+    def refresh(self) -> None:
+        try:
+            samples = [self._sample() for _ in range(_FIRST_SAMPLES if self.event is None else 1)]
+        except Exception as exc:  # a device problem never stops the poller
+            self._failed = self.event is None
+            warn_once("anchor", "otel-hicache: cannot record a wall-clock anchor event (%r); device-timed spans "
+                      "are placed from host completion times instead", exc)
+            return
+        before, event, after = min(samples, key=lambda s: s[2] - s[0])
+        half, best = (after - before) // 2, self._best_ns
+        # a sample much noisier than the best one replaces only an old anchor (drift)
+        if self.event is not None and best is not None and half > max(4 * best, 20_000) \
+                and after - self._taken_at_ns < 8 * self._interval_ns:
+            return
+        self.event, self.wall_ns, self.uncertainty_ns, self._taken_at_ns = event, before + half, half, after
+        self._best_ns = half if best is None else min(best, half)
+        logger.log(5, "otel-hicache anchor wall_ns=%d uncertainty_ns=%d", self.wall_ns, half)
+
+    def _sample(self) -> tuple[int, Any, int]:
+        before = self._clock()
+        event = self._factory()
+        event.synchronize()
+        return before, event, self._clock()
+
+    def wall_time_ns(self, event: Any) -> int | None:
+        """Wall-clock time of a completed timing event, or None if unknown."""
+        if self.event is None and not self._failed:
+            try:
+                self._factory = self._factory or anchor_factory_for(event)
+            except Exception:
+                self._factory = None
+            self._failed = self._factory is None
+            if self._factory is not None:
+                self.refresh()
+        if self.event is None:
+            return None
+        try:
+            offset_ms = self.event.elapsed_time(event)
+        except Exception:
+            return None
+        return self.wall_ns + int(round(offset_ms * 1e6))
+
+
+_REFRESH_MS = 1000.0  # an op this far after its reference becomes the reference (a float32 of ms)
+_WINDOW_NS = 1_000_000_000  # host time over which a timeline looks for evidence it is placed too early
+_MAX_TIMELINES = 4  # devices, or streams whose events cannot be compared (least recently used dropped)
+_GIVE_UP_AFTER = 8  # timelines started with no comparison succeeding: the events cannot be compared
+_FORCE_AFTER_NS = 10_000_000_000  # a correction that found no idle gap for this long is made anyway
+_NO_LAG = 1 << 62
+
+
+class _Timeline:
+    """One device timeline: a reference event and its wall-clock placement."""
+
+    __slots__ = ("event", "wall_ns", "latest_end_ns", "window_end_ns", "window_min_lag_ns", "owed_ns",
+                 "blocked_since_ns")
+
+    def __init__(self, event: Any, start_ns: int, end_ns: int) -> None:
+        self.event, self.wall_ns, self.latest_end_ns = event, start_ns, end_ns
+        self.window_end_ns = end_ns + _WINDOW_NS
+        self.window_min_lag_ns = self.owed_ns = 0  # (the seed ends at its observation)
+        self.blocked_since_ns: int | None = None
+
+    def place(self, event: Any, offset_ms: float, duration_ns: int, bound_ns: int) -> int:
+        start = self.wall_ns + int(round(offset_ms * 1e6))
+        excess = start + duration_ns - bound_ns
+        if excess > 0:  # it ends after it was seen to end: the timeline is late by at least that
+            self.owed_ns, want = 0, -excess
+        else:  # every op of the last window was seen to end owed_ns after it was placed to: later
+            want = min(self.owed_ns, -excess)
+        shift = 0
+        if want:
+            # only at an idle gap before it, so that no overlap with earlier ops changes
+            gap = start - self.latest_end_ns
+            shift = (max(want, -gap) if gap > 0 else 0) if want < 0 else (want if gap >= 0 else 0)
+            if shift != want:  # a device busy without a gap would keep a wrong offset for ever
+                if self.blocked_since_ns is None:
+                    self.blocked_since_ns = bound_ns
+                elif bound_ns - self.blocked_since_ns >= _FORCE_AFTER_NS:
+                    shift = want
+            if shift == want and want > 0:
+                self.owed_ns = 0
+        if shift == want:
+            self.blocked_since_ns = None
+        if shift:
+            start += shift
+            self.wall_ns += shift
+            if self.window_min_lag_ns != _NO_LAG:
+                self.window_min_lag_ns -= shift  # the window's ops, as the new offset places them
+        end = start + duration_ns
+        self.latest_end_ns = max(self.latest_end_ns, end)
+        self.window_min_lag_ns = min(self.window_min_lag_ns, bound_ns - end)
+        if bound_ns >= self.window_end_ns:  # what the last window shows (an older correction is stale)
+            self.owed_ns = max(0, self.window_min_lag_ns)
+            self.window_min_lag_ns, self.window_end_ns = _NO_LAG, bound_ns + _WINDOW_NS
+        if offset_ms >= _REFRESH_MS:
+            self.event, self.wall_ns = event, start  # placed: as good a reference, and newer
+        return start
+
+
+class EventTimeline:
+    """Without an anchor: a timeline's first op ends at ``bound_ns`` (seen complete), later ops that compare
+    with it by their device time difference, the offset corrected at idle gaps. Not thread-safe."""
+
+    __slots__ = ("_timelines", "_seeded", "_compared", "_disabled")
+
+    def __init__(self) -> None:
+        self._timelines: list[_Timeline] = []
+        self._seeded = 0
+        self._compared = self._disabled = False
+
+    def place(self, start_event: Any, duration_ns: int, bound_ns: int) -> tuple[int, str]:
+        """Wall-clock start of a completed op, and how it was placed."""
+        start, timelines = bound_ns - duration_ns, self._timelines
+        if self._disabled:
+            return start, PLACEMENT_HOST_COMPLETION
+        for index, timeline in enumerate(timelines):
+            try:
+                offset_ms = float(timeline.event.elapsed_time(start_event))
+            except Exception:  # another device, stream or back-end: try the next
+                continue
+            if math.isfinite(offset_ms):
+                self._compared = True
+                timelines.insert(0, timelines.pop(index))
+                return timeline.place(start_event, offset_ms, duration_ns, bound_ns), PLACEMENT_RELATIVE
+        self._seeded += 1
+        if not self._compared and self._seeded > _GIVE_UP_AFTER:
+            self._disabled = True
+            timelines.clear()
+            warn_once(f"timeline:{type(start_event).__name__}", "otel-hicache: elapsed_time() between the events "
+                      "of different transfers fails on %s events; without a wall-clock anchor they are placed from "
+                      "when their completion was seen (hicache.placement_source=host_completion), so overlapping "
+                      "ones can be under-counted in hicache.transfer.busy_time", type(start_event).__name__)
+            return start, PLACEMENT_HOST_COMPLETION
+        timelines.insert(0, _Timeline(start_event, start, bound_ns))
+        del timelines[_MAX_TIMELINES:]
+        return start, PLACEMENT_HOST_COMPLETION
+
+    def __len__(self) -> int:
+        return len(self._timelines)
