@@ -1,6 +1,5 @@
-"""Device back-ends, found from the events themselves (duck-typed: ``query()``, ``synchronize()``,
-``elapsed_time()``). Only the wall-clock anchor creates events: from an event's ``anchor_factory()``
-(test doubles, custom devices), or for a ``torch.<backend>.Event`` on a side stream of its device."""
+"""Device back-ends, found from the (duck-typed) events themselves: an event's ``anchor_factory()`` or
+``torch.<backend>``."""
 
 from __future__ import annotations
 

@@ -59,6 +59,14 @@ def _seen_when_polled(item: Any) -> bool:
         item[_FINISH] is not None and item[_START] is None and item[_END] is None))
 
 
+def _oldest(times: list[tuple[str, Any]]) -> dict[str, int | None]:
+    oldest: dict[str, int | None] = dict.fromkeys(DIRECTIONS)
+    for direction, ns in times:
+        if type(ns) is int and (oldest[direction] is None or ns < oldest[direction]):
+            oldest[direction] = ns
+    return oldest
+
+
 class _Wake:
     """A wake-up never lost, consumed by ``wait()``: a lock is one C call per wait (an Event is Python)."""
 
@@ -98,14 +106,14 @@ class Poller:
         self._init_state()
         fork.after_fork_in_child(self._after_fork_in_child)
 
-    def _init_state(self) -> None:  # (at start, and in a forked child)
+    def _init_state(self) -> None:
         self.queue: deque[Any] = deque()  # submitted lists, (pool, slots) freed, and pools
         self.held = 0  # records pending or awaiting their ack; never below the truth
         self._taken = 0  # records taken from the queue (their sequence numbers); with held, under _lock
         self._lock, self._open_lock = threading.Lock(), threading.Lock()
         self.refused = itertools.count()  # submit()'s next() on a full queue (atomic)
-        self._reads = self._reported = 0  # our own next()s on it, and the refusals counted
-        self._pending: list[TransferRecord] = []  # not yet complete
+        self._reads = self._reported = 0  # our own next()s on it; the refusals counted
+        self._pending: list[TransferRecord] = []
         self._awaiting: list[TransferRecord] = []  # complete, waiting for their ack
         self._inflight = dict.fromkeys(DIRECTIONS, 0)
         self._anchor = WallClockAnchor(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
@@ -140,7 +148,7 @@ class Poller:
         self._wake.set()
 
     def add(self, item: Any) -> None:
-        """A pool (announced in order, before the ops that use it), or ``(pool, slots)`` freed."""
+        """A pool (before the ops that use it), or ``(pool, slots)`` freed."""
         if type(item) is HostPoolRef:
             self.pools.append(item)
         self.queue.append(item)
@@ -148,7 +156,7 @@ class Poller:
             self.wake()
 
     def size(self) -> int:
-        """Records queued or held (under the intake lock)."""
+        """Records queued or held."""
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
             return len(self.queue) + self.held
@@ -156,9 +164,8 @@ class Poller:
             if locked:
                 self._lock.release()
 
-    # -- any thread: flush, stop
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every record submitted before was taken in, is complete and was written."""
+        """Wait until every record submitted before is complete and written."""
         if not self.thread.is_alive():
             return not (self.queue or self._pending)
         done = threading.Event()
@@ -172,7 +179,7 @@ class Poller:
         deadline = time.monotonic() + timeout_s
         if self._stop_called or not self.thread.is_alive():
             return False
-        self._stop_called = True  # (at exit it is called twice: by atexit and by multiprocessing)
+        self._stop_called = True  # (at exit: by atexit and by multiprocessing)
         flushed = self.flush(timeout_s)
         self._stopping = True
         self.wake()
@@ -192,7 +199,6 @@ class Poller:
         closed = self.channel is None or self.channel.stop(max(0.1, deadline - time.monotonic()), timeout_s)
         return flushed and stopped and closed
 
-    # -- the thread
     def _run(self) -> None:
         if not self._forked:  # the sinks' zero series exist from start-up
             self.open_channel()
@@ -302,7 +308,7 @@ class Poller:
             record.seq = seq
             try:
                 validate(record)  # may call the host's deferred cause
-            except Exception as exc:  # whatever the caller passed: counted, and on
+            except Exception as exc:  # whatever the caller passed
                 self.held -= 1
                 self._drop(sc.DROP_INVALID_INPUT)
                 warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
@@ -315,16 +321,15 @@ class Poller:
             self._inflight[record.direction] += 1
             self._pending.append(record)
             return True
-        except Exception as exc:  # one record lost, counted; never the rest of its batch
+        except Exception as exc:  # one record lost, never the rest of its batch
             self.held -= 1
             self._internal_error("taken in", exc)
             return False
 
     def _pages(self, head: tuple[Any, ...], slots: Any, page_size: int, tail: tuple[Any, ...] = ()) -> None:
-        """A ``record.HOST`` or ``record.FREE`` message."""
         try:
             self._out.append((*head, rec.page_text(slots, page_size), *tail))
-        except Exception as exc:  # the op is still reported; these pages are not tracked
+        except Exception as exc:  # the op is still reported
             warn_once(f"host:{head[0]}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
                       "an op's" if head[0] == rec.HOST else "freed", exc)
 
@@ -351,7 +356,7 @@ class Poller:
                     self._fail(record, sc.FAIL_TRANSFER_TIMEOUT, now, None)
                 else:
                     still.append(record)
-            except Exception as exc:  # a record is handled once, whatever happens
+            except Exception as exc:  # a record is handled once
                 self._inflight[record.direction] -= 1
                 self._internal_error("reported", exc)
         self._pending = still
@@ -381,7 +386,6 @@ class Poller:
                       "reported as an error span and its slot freed", self.settings.transfer_timeout_ns / 1e9)
 
     def _send(self, record: TransferRecord) -> None:
-        """The op as a ``record.OP`` message."""
         if record.requests is not None:
             try:
                 contexts, record.request_links_dropped = request_links.resolve(record.requests)
@@ -501,7 +505,7 @@ class Poller:
                     if self.pools:
                         channel.write([(rec.POOL, *pool) for pool in self.pools], 0)
                     self.channel = channel
-                except Exception as exc:  # the poller goes on; the next batch tries again
+                except Exception as exc:  # the next batch tries again
                     warn_once(f"channel:{type(exc).__name__}", "otel-hicache: cannot open the telemetry "
                               "channel (%r)", exc)
         return self.channel
@@ -510,7 +514,7 @@ class Poller:
         """A ``record.STATE`` when the gauges changed, at most every ``_STATE_INTERVAL_NS``."""
         mono = time.monotonic_ns()
         self._state_held = not force and mono - self._last_state < _STATE_INTERVAL_NS
-        if self._state_held or (self._forked and self.channel is None):  # (a silent forked child: no sinks)
+        if self._state_held or (self._forked and self.channel is None):  # (a silent forked child)
             return
         self._last_state, self._cpu_s = mono, time.thread_time()
         message = self._state_message(self._cpu_s)
@@ -519,30 +523,24 @@ class Poller:
             self._out.append(message)
 
     def _state_message(self, cpu_s: float) -> tuple[Any, ...]:
-        """What the gauges show, from ``tuple()`` snapshots (also read by the shutdown of a stuck poller)."""
+        """What the gauges show, from ``tuple()`` snapshots (also by the shutdown of a stuck poller)."""
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
             queued = tuple(self.queue)
-        except RuntimeError:  # a deque mutated while copied (only a GC finalizer could)
+        except RuntimeError:  # a deque mutated while copied (a GC finalizer)
             queued = ()
         finally:
             if locked:
                 self._lock.release()
-        inflight, oldest, unacked = dict(self._inflight), dict.fromkeys(DIRECTIONS), dict.fromkeys(DIRECTIONS)
+        inflight = dict(self._inflight)
         times = [(record.direction, record.submit_ns) for record in tuple(self._pending)]
         for item in queued:  # (not validated yet)
             direction = item[0] if type(item) is list and item else None
-            if isinstance(direction, str) and direction in inflight:
+            if type(direction) is str and direction in inflight:
                 inflight[direction] += 1
                 times.append((direction, item[S_SUBMIT_NS]))
-        for direction, submit_ns in times:
-            if type(submit_ns) is int and (oldest[direction] is None or submit_ns < oldest[direction]):
-                oldest[direction] = submit_ns
-        for record in tuple(self._awaiting):
-            first = unacked[record.direction]
-            if record.handle[S_ACK_NS] is None and (first is None or record.completed_at_ns < first):
-                unacked[record.direction] = record.completed_at_ns
-        return (rec.STATE, inflight, oldest, unacked, len(queued) + self.held, cpu_s)
+        unacked = [(r.direction, r.completed_at_ns) for r in tuple(self._awaiting) if r.handle[S_ACK_NS] is None]
+        return (rec.STATE, inflight, _oldest(times), _oldest(unacked), len(queued) + self.held, cpu_s)
 
     def _release_flush_waiters(self, everyone: bool = False) -> None:
         """Releases the flushes whose records were all taken in and are complete (on stop, all)."""
@@ -586,7 +584,6 @@ class Poller:
         self._drops[reason] = self._drops.get(reason, 0) + count
 
     def _internal_error(self, stage: str, exc: Exception) -> None:
-        """One record lost to an error of ours: counted."""
         self._drop(sc.DROP_INTERNAL_ERROR)
         warn_once(f"{stage}:{type(exc).__name__}", "otel-hicache: a record could not be %s (%r); counted in "
                   "otel_hicache.records.dropped{reason=internal_error}", stage, exc)
