@@ -30,8 +30,8 @@ class PollerSettings:
                  ack_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_ACK_TIMEOUT_S],
                  transfer_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S],
                  anchor_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_ANCHOR_INTERVAL_S]) -> None:
-        self.max_queue_size, self.poll_interval_s, self.anchor_interval_s = max_queue_size, poll_interval_s, \
-            anchor_interval_s
+        self.max_queue_size, self.poll_interval_s = max_queue_size, poll_interval_s
+        self.anchor_interval_s = anchor_interval_s
         self.ack_timeout_ns, self.transfer_timeout_ns = int(ack_timeout_s * 1e9), int(transfer_timeout_s * 1e9)
 
     @classmethod
@@ -50,7 +50,8 @@ _WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # batches sent on (a system ca
 CYCLE_BUDGET_NS, _BUDGET_EVERY = 150_000, 4  # a cycle's CPU time (the GIL), checked every this many records
 _INTAKE_PASS = 8  # records popped per pass
 _LOCK_WAIT_S = 0.05  # the longest another thread waits for the intake lock
-_FINISH, _START, _END, _WATCH = map(SUBMISSION_FIELDS.index, ("finish_event", "start_event", "host_end_ns", "ack_watch"))
+_FINISH, _START, _END, _WATCH = map(SUBMISSION_FIELDS.index, ("finish_event", "start_event", "host_end_ns",
+                                                                "ack_watch"))
 
 
 def _seen_when_polled(item: Any) -> bool:
