@@ -1,6 +1,5 @@
-"""A simulated device for tests and CPU-only runs: one nanosecond timeline you control is both the
-host wall clock (``TransferTelemetry(clock=device.time_ns)``) and the device clock, and its events
-behave like ``torch.cuda.Event`` (``elapsed_time`` in ms, raising as CUDA does)."""
+"""A simulated device for tests and CPU-only runs: one nanosecond timeline is both the host clock
+(``TransferTelemetry(clock=device.time_ns)``) and the device's, its events behave like ``torch.cuda.Event``."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ class SimulatedEvent:
         self.raise_on_query: BaseException | None = None  # a fault for tests
 
     def record(self, stream: Any = None, at_ns: float | None = None) -> SimulatedEvent:
-        """Complete at ``at_ns`` (default: now)."""
         self.at_ns = self._device.time_ns() if at_ns is None else at_ns
         return self
 
@@ -31,8 +29,7 @@ class SimulatedEvent:
             raise self.raise_on_query
         return self.at_ns is not None and self._device.time_ns() >= self.at_ns
 
-    def synchronize(self) -> None:
-        """Advance the clock to the event."""
+    def synchronize(self) -> None:  # advances the clock to the event
         if self.at_ns == _NEVER:
             raise RuntimeError("simulated event never completes")
         if self.at_ns is not None:
@@ -56,9 +53,9 @@ class SimulatedDevice:
     def time_ns(self) -> int:
         return self._now
 
-    def advance(self, seconds: float = 0.0, ms: float = 0.0, us: float = 0.0, ns: int = 0) -> int:
+    def advance(self, seconds: float = 0.0, ms: float = 0.0, ns: int = 0) -> int:
         with self._lock:
-            self._now += int(round(seconds * 1e9 + ms * 1e6 + us * 1e3)) + ns
+            self._now += int(round(seconds * 1e9 + ms * 1e6)) + ns
             return self._now
 
     def advance_to(self, at_ns: int) -> None:
@@ -78,7 +75,6 @@ class SimulatedDevice:
         return self.event().record()
 
     def stream(self) -> Any:
-        """A stream whose timing events record at the device's current time."""
         return SimpleNamespace(timing_event_pair=lambda: (self.event(), self.event()))
 
 
@@ -89,8 +85,7 @@ class WallClockDevice(SimulatedDevice):
 
 
 class DuckEvent:
-    """A timing event of a back-end otel-hicache does not know (no ``anchor_factory()``); one given
-    a ``stream`` compares only with events recorded on that stream."""
+    """An event of an unknown back-end (no ``anchor_factory()``); with a ``stream``, comparable only on it."""
 
     def __init__(self, inner: SimulatedEvent, stream: Any = None) -> None:
         self._inner, self.stream = inner, stream
@@ -108,6 +103,3 @@ class DuckEvent:
         if self.stream is not None and getattr(end, "stream", None) != self.stream:
             raise RuntimeError("events of different streams cannot be compared")
         return self._inner.elapsed_time(end._inner)
-
-
-OneStreamEvent = DuckEvent  # the name tests give it when they pass a stream
