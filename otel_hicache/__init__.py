@@ -1,5 +1,5 @@
-"""otel-hicache: every HiCache L1<->L2 merged op as an OpenTelemetry span timed with device events, and exact
-counters and histograms, exported over OTLP. ``configure()``, then ``TransferTelemetry.submit()``/``ack()``."""
+"""otel-hicache: HiCache's L1<->L2 transfers as OpenTelemetry spans and metrics (``configure()``, then
+``TransferTelemetry.submit()``/``ack()``)."""
 
 from .configuration import Configuration, configure, configured, shutdown
 from .capture.records import TransferRecord

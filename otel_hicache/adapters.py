@@ -8,9 +8,9 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .diagnostics import warn_once
+from .semconv import CAUSE_OTHER as OTHER
 
 GROUP = "otel_hicache.adapters"
-OTHER = "other"  # the cause of an op no adapter's cause names
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import logging
 import os
-import platform
 import re
 import shlex
 import sys
@@ -15,6 +14,12 @@ import threading
 import time
 from logging.handlers import BufferingHandler
 from typing import Any, Iterator, TextIO
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.version import __version__ as sdk
 
 from . import adapters, configuration
 from . import environment_variables as ev
@@ -26,12 +31,12 @@ from .version import __version__
 CAP_S = 10.0
 SPAN_NAME, METRIC_NAME = "otel_hicache.doctor", "otel_hicache.doctor.checks"
 _NOT_CHECKED = ("console", "prometheus")  # they write to, or serve from, the instrumented process
-HTTP = logging.getLogger("otel_hicache.http")  # the OTLP/HTTP session's errors: the exporters log them only on retry
+HTTP = logging.getLogger("otel_hicache.http")  # the OTLP/HTTP session: exporters log its errors only on retry
 
 
 @contextlib.contextmanager
 def _captured() -> Iterator[list[logging.LogRecord]]:
-    """Every warning logged (the SDK's, ours) and HTTP's records, for the report only."""
+    """Every warning and HTTP's records, for the report only."""
     handler, saved = BufferingHandler(sys.maxsize), (logging.root.handlers, HTTP.level)
     logging.root.handlers = [handler]
     HTTP.setLevel(logging.DEBUG)
@@ -40,11 +45,6 @@ def _captured() -> Iterator[list[logging.LogRecord]]:
     finally:
         logging.root.handlers = saved[0]
         HTTP.setLevel(saved[1])
-
-
-def _message(record: logging.LogRecord) -> str:
-    error = record.exc_info[1] if record.exc_info else None
-    return record.getMessage() + (f" ({type(error).__name__}: {error})" if error is not None else "")
 
 
 def _source(name: str) -> str:
@@ -57,8 +57,6 @@ def _variable(signal: str, suffix: str) -> str:  # the one set, else the general
 
 def _configuration(p: _Report) -> list[tuple[str, str, str | None]]:
     """Print what the variables resolve to; the exporters to check."""
-    from opentelemetry.sdk.trace import TracerProvider
-
     p(f"Configuration\n  OTEL_SDK_DISABLED   {str(sdk_disabled()).lower()} {_source('OTEL_SDK_DISABLED')}")
     attributes = oe.resource().attributes
     if str(attributes.get("service.name")).startswith("unknown_service"):
@@ -85,7 +83,7 @@ def _configuration(p: _Report) -> list[tuple[str, str, str | None]]:
             for suffix, variable, path, problem in oe.tls_files(signal, protocol):
                 p(f"      {suffix.lower().replace('_', ' '):<13} {path} ({variable}): "
                   + (f"NOT readable: {problem}" if problem else "readable"))
-        if signal == "traces":  # (the SDK reads the sampler variables itself)
+        if signal == "traces":
             sampler = TracerProvider(sampler=oe.sampler(), shutdown_on_exit=False).sampler.get_description()
             if names and sampler.removeprefix("ParentBased{root:").startswith(("AlwaysOff", "TraceIdRatioBased{0.0}")):
                 p.notes.append("the sampler keeps no root span: transfer spans without a sampled parent are dropped")
@@ -98,7 +96,7 @@ def _configuration(p: _Report) -> list[tuple[str, str, str | None]]:
     why = (ev.OTEL_HICACHE_TELEMETRY_PROCESS if oe.raw(ev.OTEL_HICACHE_TELEMETRY_PROCESS)
            else "an exporter sends over OTLP" if process else "no exporter sends over the network")
     p(f"  otel-hicache\n    sinks           {'a telemetry process of their own' if process else 'embedded'} ({why})")
-    for name in ev.DEFAULTS:  # (a malformed value warns: Warnings, below)
+    for name in ev.DEFAULTS:
         if oe.raw(name) is not None:
             p(f"    {name:<15} {os.environ[name]!r}")
     if not env_bool(ev.OTEL_HICACHE_ENABLED):
@@ -112,30 +110,14 @@ class Check(threading.Thread):
         super().__init__(daemon=True)
         self.signal, self.exporter, self.protocol = signal, exporter, protocol
         self.where = f"{oe.endpoint(signal, protocol)} ({protocol})" if protocol else name
-        self.data: tuple[Any, dict[str, Any]] = (None, {})
-        self.seconds, self.accepted, self.error = 0.0, False, ""
+        self.data, self.ended, self.accepted, self.error = None, 0.0, False, ""
 
     def run(self) -> None:
-        start = time.monotonic()
         try:
-            self.accepted = getattr(self.exporter.export(self.data[0], **self.data[1]), "name", "") == "SUCCESS"
+            self.accepted = getattr(self.exporter.export(self.data), "name", "") == "SUCCESS"
         except BaseException as exc:  # pylint: disable=broad-except
             self.error = f"{type(exc).__name__}: {exc}"
-        self.seconds = time.monotonic() - start
-
-
-def _test_data() -> tuple[list[Any], Any, str]:
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-
-    resource, reader = oe.resource(), InMemoryMetricReader()
-    tracer = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False).get_tracer(SPAN_NAME)
-    (span := tracer.start_span(SPAN_NAME)).end()
-    meter = MeterProvider([reader], resource, shutdown_on_exit=False).get_meter(SPAN_NAME)
-    meter.create_counter(METRIC_NAME, unit="{check}").add(1)
-    return [span], reader.get_metrics_data(), f"{span.get_span_context().trace_id:032x}"
+        self.ended = time.monotonic()
 
 
 def _build(p: _Report, planned: list[tuple[str, str, str | None]], logs: list[Any]) -> list[Check]:
@@ -146,34 +128,38 @@ def _build(p: _Report, planned: list[tuple[str, str, str | None]], logs: list[An
         if built := providers.exporters(signal, names=[name], own_process=True):
             checks += [Check(signal, name, exporter, protocol) for exporter in built]
         else:
-            said = _message(logs[-1]) if logs[mark:] else "see the warnings"
-            p.problems.append((signal, f"the {name} {signal} exporter is not built: {said}", "fix the variable the "
-                             f"warning names, or leave {name} out of {providers.EXPORTER_GROUPS[signal][0]}"))
+            said = logs[-1].getMessage() if logs[mark:] else "see the warnings"
+            p.problems.append((signal, f"the {name} {signal} exporter is not built: {said}", "fix what the warning "
+                             f"names, or leave {name} out of {providers.EXPORTER_GROUPS[signal][0]}"))
     return checks
 
 
 def _exports(p: _Report, checks: list[Check], logs: list[Any], cap_s: float) -> str:
-    """Export through every exporter at once, waiting at most ``cap_s``; the trace id."""
+    """Export through every exporter at once; the trace id."""
     p(f"Test export (span '{SPAN_NAME}', metric '{METRIC_NAME}'; waiting at most {cap_s:g} s)")
     if not checks:
         return ""
-    spans, metrics, trace_id = _test_data()
-    for found in list(logging.Logger.manager.loggerDict.values()):  # it would drop the other signal's error
-        if isinstance(found, logging.Logger):
-            found.filters = [f for f in found.filters if type(f).__name__ != "DuplicateFilter"]
-    mark, deadline = len(logs), time.monotonic() + cap_s
+    resource, reader = oe.resource(), InMemoryMetricReader()
+    tracer = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False).get_tracer(SPAN_NAME)
+    (span := tracer.start_span(SPAN_NAME)).end()
+    meter = MeterProvider([reader], resource, shutdown_on_exit=False).get_meter(SPAN_NAME)
+    meter.create_counter(METRIC_NAME, unit="{check}").add(1)
+    metrics = reader.get_metrics_data()
+    # its DuplicateFilter would drop the other signal's error
+    logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").filters.clear()
+    mark, start = len(logs), time.monotonic()
     for check in checks:
-        check.data = (spans, {}) if check.signal == "traces" else (metrics, {"timeout_millis": cap_s * 1e3})
+        check.data = [span] if check.signal == "traces" else metrics  # (each within its own timeout)
         check.start()
     for check in checks:
-        check.join(max(0.0, deadline - time.monotonic()))
+        check.join(max(0.0, start + cap_s - time.monotonic()))
     for c in checks:
         if c.accepted:
-            p(f"  {c.signal:<8} ACCEPTED by {c.where} in {c.seconds:.2f} s")
+            p(f"  {c.signal:<8} ACCEPTED by {c.where} in {c.ended - start:.2f} s")
         else:
             mine = [r for r in logs[mark:] if r.thread == c.ident]
-            ours = [r for r in mine if r.name.startswith("otel_hicache")][:1]  # a refusal or transport error
-            said = c.error or "".join(_message(r) for r in (ours or mine[-1:]))  # (later ones may be timeouts)
+            ours = [r for r in mine if r.name.startswith("otel_hicache")][:1]  # a refusal, a transport error
+            said = c.error or "".join(r.getMessage() for r in (ours or mine[-1:]))  # (later ones may time out)
             what = (f"no answer in {cap_s:g} s" if c.is_alive() else "export failed") + (f": {said[:400]}" * bool(said))
             fix = f"check {', '.join(_variable(c.signal, v) for v in ('ENDPOINT', 'PROTOCOL', 'CERTIFICATE'))} " \
                 "and that the Collector is up" if c.protocol else f"check {c.where}'s settings"
@@ -181,15 +167,13 @@ def _exports(p: _Report, checks: list[Check], logs: list[Any], cap_s: float) -> 
             p.problems.append((c.signal, what, fix))
         with contextlib.suppress(Exception):
             c.exporter.shutdown()
-    if (problem := _telemetry_process(p, cap_s)) is not None:
-        p.problems.append(("traces", *problem))
-    return trace_id
+    _telemetry_process(p, cap_s)
+    return f"{span.get_span_context().trace_id:032x}"
 
 
-def _telemetry_process(p: Any, cap_s: float) -> tuple[str, str] | None:
-    """Start a telemetry process as the capture would and have it flush; (what, fix) if it does not."""
+def _telemetry_process(p: _Report, cap_s: float) -> None:
     if not configuration.uses_telemetry_process():
-        return None
+        return
     from .capture.channel import ProcessChannel, telemetry_process_command
 
     started, channel = time.monotonic(), ProcessChannel(configuration.hello({}), 1, lambda: None)
@@ -201,11 +185,11 @@ def _telemetry_process(p: Any, cap_s: float) -> tuple[str, str] | None:
         channel.stop(1.0)
     if answered:
         p(f"  sinks    the telemetry process (pid {pid}) started and flushed in {time.monotonic() - started:.2f} s")
-        return None
+        return
     what = "the telemetry process " + ("could not be started" if pid is None else f"did not answer in {cap_s:g} s")
     p(f"  sinks    NOT working: {what} (the serving process would fall back to exporting itself)")
-    return what, (f"run `{shlex.join(telemetry_process_command())} < /dev/null` to see its error, "
-                  f"or set {ev.OTEL_HICACHE_TELEMETRY_PROCESS}=false")
+    p.problems.append(("sinks", what, f"run `{shlex.join(telemetry_process_command())} < /dev/null` to see its "
+                       f"error, or set {ev.OTEL_HICACHE_TELEMETRY_PROCESS}=false"))
 
 
 def _verdict(p: _Report, checks: list[Check], trace_id: str) -> int:
@@ -216,7 +200,7 @@ def _verdict(p: _Report, checks: list[Check], trace_id: str) -> int:
         p.notes.append("nothing to check: no push exporter in OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER")
     for note in p.notes:
         p(f"  NOTE: {note}")
-    merged: dict[tuple[str, ...], list[Any]] = {}  # one line for both signals when alike
+    merged: dict[tuple[str, ...], list[Any]] = {}  # both signals' alike problems on one line
     for problem in p.problems:
         key = tuple(re.sub(r"\b(traces|metrics|spans)\b", "{traces,metrics}", t) for t in problem[1:])
         merged.setdefault(key, []).append(problem)
@@ -229,7 +213,7 @@ def _verdict(p: _Report, checks: list[Check], trace_id: str) -> int:
 
 
 class _Report:
-    """``out`` with every header value and URL userinfo masked; called, it prints a line."""
+    """``out`` with header values and URL userinfo masked; called, it prints a line."""
 
     def __init__(self, out: TextIO) -> None:
         secrets = {s for signal in ("traces", "metrics") for s in oe.headers(signal)[1]}
@@ -248,20 +232,18 @@ class _Report:
             text = text.replace(secret, "***")
         return self.out.write(text)
 
-    def __getattr__(self, name: str) -> Any:  # flush, encoding...: what code writing to stderr may ask
+    def __getattr__(self, name: str) -> Any:  # flush, encoding...
         return getattr(self.out, name)
 
 
-def doctor(timeout_s: float = CAP_S, check_adapters: bool = True, out: TextIO | None = None) -> int:
-    """Print the report to ``out`` (stdout); the exit status."""
-    from opentelemetry.sdk.version import __version__ as sdk
-
+def doctor(timeout_s: float, check_adapters: bool) -> int:
+    """Print the report; the exit status."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # grpc's C-core lines would repeat the errors
     with _captured() as logs, contextlib.redirect_stderr(_Report(sys.stderr)):
-        (p := _Report(out or sys.stdout))(f"otel-hicache doctor {__version__} (OpenTelemetry SDK {sdk}, "
-                                          f"Python {platform.python_version()})\n")
+        (p := _Report(sys.stdout))(f"otel-hicache doctor {__version__} (OpenTelemetry SDK {sdk}, "
+                                   f"Python {sys.version.split()[0]})\n")
         checks = _build(p, _configuration(p), logs)
-        lines = dict.fromkeys(f"  {r.levelname} {r.name}: {_message(r)}" for r in logs)
+        lines = dict.fromkeys(f"  {r.levelname} {r.name}: {r.getMessage()}" for r in logs)
         p("\n".join(["Warnings while resolving", *(lines or ["  (none)"]), ""]))
         trace_id = _exports(p, checks, logs, timeout_s)
         p()
@@ -278,13 +260,10 @@ def _adapters(out: TextIO, check: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``otel-hicache`` console script: ``otel-hicache doctor [options]``."""
     parser = argparse.ArgumentParser(prog="otel-hicache", description="What to run when nothing shows up.")
     parser.add_argument("command", choices=["doctor"])
-    parser.add_argument("--timeout", type=float, default=CAP_S, metavar="SECONDS",
-                        help=f"wait at most this long for the test exports (default {CAP_S:g})")
-    parser.add_argument("--skip-adapters", action="store_true",
-                        help="do not import the frameworks' modules to check the adapters' patches")
+    parser.add_argument("--timeout", type=float, default=CAP_S, metavar="SECONDS", help="cap on the test exports (10)")
+    parser.add_argument("--skip-adapters", action="store_true", help="import no framework to check the patches")
     parser.add_argument("--skip-sglang", action="store_true", dest="skip_adapters", help=argparse.SUPPRESS)
     if not (args := parser.parse_args(argv)).timeout > 0:
         parser.error("--timeout must be > 0")

@@ -1,5 +1,5 @@
-"""A simulated device for tests and CPU-only runs: one nanosecond timeline is both the host clock
-(``TransferTelemetry(clock=device.time_ns)``) and the device's, its events behave like ``torch.cuda.Event``."""
+"""A simulated device: one timeline for the host clock (``TransferTelemetry(clock=device.time_ns)``) and the
+device's; its events behave like ``torch.cuda.Event``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class SimulatedEvent:
     def __init__(self, device: SimulatedDevice, enable_timing: bool = True) -> None:
         self._device, self.enable_timing = device, enable_timing
         self.at_ns: float | None = None
-        self.raise_on_query: BaseException | None = None  # a fault for tests
+        self.raise_on_query: BaseException | None = None
 
     def record(self, stream: Any = None, at_ns: float | None = None) -> SimulatedEvent:
         self.at_ns = self._device.time_ns() if at_ns is None else at_ns
@@ -66,7 +66,6 @@ class SimulatedDevice:
         return SimulatedEvent(self, enable_timing)
 
     def copy(self, start_ns: float, duration_ms: float, enable_timing: bool = True) -> tuple[Any, Any]:
-        """Start and finish events of a copy running ``[start_ns, start_ns + duration)``."""
         end_ns = start_ns + int(round(duration_ms * 1e6))
         return self.event(enable_timing).record(at_ns=start_ns), self.event(enable_timing).record(at_ns=end_ns)
 
@@ -79,13 +78,13 @@ class SimulatedDevice:
 
 
 class WallClockDevice(SimulatedDevice):
-    """A simulated device on the host wall clock (spans land at the real time): benchmarks."""
+    """On the host wall clock (spans land at the real time): benchmarks."""
 
     time_ns = staticmethod(time.time_ns)  # type: ignore[assignment]
 
 
 class DuckEvent:
-    """An event of an unknown back-end (no ``anchor_factory()``); with a ``stream``, comparable only on it."""
+    """An unknown back-end's event (no ``anchor_factory()``); with a ``stream``, comparable only on it."""
 
     def __init__(self, inner: SimulatedEvent, stream: Any = None) -> None:
         self._inner, self.stream = inner, stream

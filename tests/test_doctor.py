@@ -130,7 +130,7 @@ def test_tls(protocol, certificates):
         assert "cannot be read" in missing.stdout.split("Warnings while resolving")[1]  # configure()'s warning
         assert ("PROBLEM (traces): the otlp traces exporter is not built: otel-hicache: "
                 f"OTEL_EXPORTER_OTLP_CERTIFICATE='/nonexistent/ca.pem' cannot be read") in result(missing)
-        assert "FIX: fix the variable the warning names" in result(missing)
+        assert "FIX: fix what the warning names" in result(missing)
         fifo = Path(certificates["ca"]).parent / f"ca-{protocol.replace('/', '-')}.fifo"  # open() would wait forever
         os.mkfifo(fifo)
         started = time.monotonic()
@@ -178,7 +178,7 @@ def test_settings_and_otel_hicache_warnings_are_reported():
         assert done.returncode == 1  # zipkin is not installed
         assert "PROBLEM (traces): the zipkin traces exporter is not built: otel-hicache: " \
             "OTEL_TRACES_EXPORTER='otlp,zipkin': unknown exporter 'zipkin'" in result(done)
-        assert "FIX: fix the variable the warning names, or leave zipkin out of OTEL_TRACES_EXPORTER" in result(done)
+        assert "FIX: fix what the warning names, or leave zipkin out of OTEL_TRACES_EXPORTER" in result(done)
     finally:
         receiver.stop()
 
@@ -285,10 +285,11 @@ def test_a_telemetry_process_that_fails_is_a_problem_with_a_fix(monkeypatch):
     lines: list[str] = []
     for command in (["/nonexistent/python"], [sys.executable, "-c", "raise SystemExit(3)"]):
         monkeypatch.setattr(channel, "telemetry_process_command", lambda command=command: command)
-        problem = doctor_module._telemetry_process(lines.append, 2.0)  # noqa: SLF001
-        assert problem is not None, lines
-        what, fix = problem
-        assert "telemetry process" in what and "OTEL_HICACHE_TELEMETRY_PROCESS=false" in fix
+        report = doctor_module._Report(io.StringIO())  # noqa: SLF001
+        doctor_module._telemetry_process(report, 2.0)  # noqa: SLF001
+        lines.append(report.out.getvalue())
+        [(where, what, fix)] = report.problems
+        assert where == "sinks" and "telemetry process" in what and "OTEL_HICACHE_TELEMETRY_PROCESS=false" in fix
         assert "NOT working" in lines[-1]
     assert "could not be started" in lines[0]
 
