@@ -129,7 +129,7 @@ def test_tls(protocol, certificates):
         assert "NOT readable: cannot be read (FileNotFoundError)" in missing.stdout
         assert "cannot be read" in missing.stdout.split("Warnings while resolving")[1]  # configure()'s warning
         assert ("PROBLEM (traces): the otlp traces exporter is not built: otel-hicache: "
-                f"OTEL_EXPORTER_OTLP_CERTIFICATE='/nonexistent/ca.pem' cannot be read") in result(missing)
+                "OTEL_EXPORTER_OTLP_CERTIFICATE='/nonexistent/ca.pem' cannot be read") in result(missing)
         assert "FIX: fix what the warning names" in result(missing)
         fifo = Path(certificates["ca"]).parent / f"ca-{protocol.replace('/', '-')}.fifo"  # open() would wait forever
         os.mkfifo(fifo)
