@@ -1,8 +1,5 @@
-"""Framework adapters' registrations (the core knows no framework): the entry-point group
-``otel_hicache.adapters`` names objects (a module will do) with any of ``CAUSES``, ``{direction:
-(cause, ...)}``, the causes its ops report; ``DIRECT_CAUSES``, those whose copies nobody acks;
-``doctor(out, check)``, its section of ``otel-hicache doctor``. One that fails to load is warned
-about once and left out: its causes count as ``other``."""
+"""Framework adapters, by entry point (group ``otel_hicache.adapters``): objects with any of ``CAUSES``
+(``{direction: causes}``), ``DIRECT_CAUSES`` (causes whose copies nobody acks) and ``doctor(out, check)``."""
 
 from __future__ import annotations
 
@@ -11,20 +8,19 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .diagnostics import warn_once
+from .semconv import CAUSE_OTHER as OTHER
 
 GROUP = "otel_hicache.adapters"
-OTHER = "other"
-"""A cause every direction has: a caller's op whose cause no adapter registered."""
 
 
 @functools.lru_cache(maxsize=None)
 def registered() -> tuple[tuple[str, Any], ...]:
-    """``(name, registration)`` of every adapter installed, by name."""
+    """``(name, registration)`` of every adapter installed, by name; a broken one is warned about and left out."""
     found = []
     for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
         try:
             found.append((ep.name, ep.load()))
-        except Exception as exc:  # pylint: disable=broad-except  # a broken adapter costs only its causes
+        except Exception as exc:  # pylint: disable=broad-except
             warn_once(f"adapter:{ep.name}", "otel-hicache: adapter %s not loaded (%s: %s); its causes count as %r",
                       ep.name, type(exc).__name__, exc, OTHER)
     return tuple(found)

@@ -4,7 +4,7 @@ No token ids, node ids or hashes are ever attributes."""
 SCOPE_NAME = "otel_hicache"
 SPAN_OFFLOAD = "hicache.offload"
 SPAN_ONBOARD = "hicache.onboard"
-EVENT_REQUEST = "hicache.request"  # one per linked request: its trace id, searchable in Jaeger
+EVENT_REQUEST = "hicache.request"
 
 # attributes: spans carry all but POOL, REASON and OFFLOAD_CAUSE (metric-only)
 DIRECTION = "hicache.direction"
@@ -28,7 +28,7 @@ BANDWIDTH = "hicache.bandwidth_bytes_per_second"
 ERROR_TYPE = "error.type"
 REASON = "reason"
 CAUSE = "hicache.cause"
-CAUSES_ATTR = "hicache.causes"  # a mixed merged op's distinct causes, sorted
+CAUSES_ATTR = "hicache.causes"  # a mixed op's causes, sorted
 CAUSE_OTHER = "other"
 CAUSE_MIXED = "mixed"
 OFFLOAD_CAUSE = "hicache.offload_cause"
@@ -38,7 +38,7 @@ UNKNOWN_PAGES = "hicache.host.unknown_pages"
 LINKS_DROPPED = "hicache.host.links_dropped"
 REQUEST_TRACE_ID = "hicache.request.trace_id"
 REQUEST_LINKS_DROPPED = "hicache.request.links_dropped"
-LINK_TO = "hicache.link_to"  # on span links: what the link points to
+LINK_TO = "hicache.link_to"
 LINK_TO_OFFLOAD = "offload"
 LINK_TO_REQUEST = "request"
 LOCATION = "location"

@@ -1,6 +1,5 @@
-"""A simulated device for tests and CPU-only runs: one nanosecond timeline you control is both the
-host wall clock (``TransferTelemetry(clock=device.time_ns)``) and the device clock, and its events
-behave like ``torch.cuda.Event`` (``elapsed_time`` in ms, raising as CUDA does)."""
+"""A simulated device: one timeline for the host clock (``TransferTelemetry(clock=device.time_ns)``) and the
+device's; its events behave like ``torch.cuda.Event``."""
 
 from __future__ import annotations
 
@@ -16,10 +15,9 @@ class SimulatedEvent:
     def __init__(self, device: SimulatedDevice, enable_timing: bool = True) -> None:
         self._device, self.enable_timing = device, enable_timing
         self.at_ns: float | None = None
-        self.raise_on_query: BaseException | None = None  # a fault for tests
+        self.raise_on_query: BaseException | None = None
 
     def record(self, stream: Any = None, at_ns: float | None = None) -> SimulatedEvent:
-        """Complete at ``at_ns`` (default: now)."""
         self.at_ns = self._device.time_ns() if at_ns is None else at_ns
         return self
 
@@ -31,8 +29,7 @@ class SimulatedEvent:
             raise self.raise_on_query
         return self.at_ns is not None and self._device.time_ns() >= self.at_ns
 
-    def synchronize(self) -> None:
-        """Advance the clock to the event."""
+    def synchronize(self) -> None:  # advances the clock to the event
         if self.at_ns == _NEVER:
             raise RuntimeError("simulated event never completes")
         if self.at_ns is not None:
@@ -56,9 +53,9 @@ class SimulatedDevice:
     def time_ns(self) -> int:
         return self._now
 
-    def advance(self, seconds: float = 0.0, ms: float = 0.0, us: float = 0.0, ns: int = 0) -> int:
+    def advance(self, seconds: float = 0.0, ms: float = 0.0, ns: int = 0) -> int:
         with self._lock:
-            self._now += int(round(seconds * 1e9 + ms * 1e6 + us * 1e3)) + ns
+            self._now += int(round(seconds * 1e9 + ms * 1e6)) + ns
             return self._now
 
     def advance_to(self, at_ns: int) -> None:
@@ -69,7 +66,6 @@ class SimulatedDevice:
         return SimulatedEvent(self, enable_timing)
 
     def copy(self, start_ns: float, duration_ms: float, enable_timing: bool = True) -> tuple[Any, Any]:
-        """Start and finish events of a copy running ``[start_ns, start_ns + duration)``."""
         end_ns = start_ns + int(round(duration_ms * 1e6))
         return self.event(enable_timing).record(at_ns=start_ns), self.event(enable_timing).record(at_ns=end_ns)
 
@@ -78,19 +74,17 @@ class SimulatedDevice:
         return self.event().record()
 
     def stream(self) -> Any:
-        """A stream whose timing events record at the device's current time."""
         return SimpleNamespace(timing_event_pair=lambda: (self.event(), self.event()))
 
 
 class WallClockDevice(SimulatedDevice):
-    """A simulated device on the host wall clock (spans land at the real time): benchmarks."""
+    """On the host wall clock (spans land at the real time): benchmarks."""
 
     time_ns = staticmethod(time.time_ns)  # type: ignore[assignment]
 
 
 class DuckEvent:
-    """A timing event of a back-end otel-hicache does not know (no ``anchor_factory()``); one given
-    a ``stream`` compares only with events recorded on that stream."""
+    """An unknown back-end's event (no ``anchor_factory()``); with a ``stream``, comparable only on it."""
 
     def __init__(self, inner: SimulatedEvent, stream: Any = None) -> None:
         self._inner, self.stream = inner, stream
@@ -108,6 +102,3 @@ class DuckEvent:
         if self.stream is not None and getattr(end, "stream", None) != self.stream:
             raise RuntimeError("events of different streams cannot be compared")
         return self._inner.elapsed_time(end._inner)
-
-
-OneStreamEvent = DuckEvent  # the name tests give it when they pass a stream

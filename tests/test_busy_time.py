@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from otel_hicache import TransferTelemetry
 from otel_hicache.sinks.busy_time import BusyTimeTracker
 from otel_hicache.capture.device import anchor_factory_for
-from otel_hicache.testing import DuckEvent, OneStreamEvent, SimulatedDevice
+from otel_hicache.testing import DuckEvent, SimulatedDevice
 
 
 def test_overlapping_intervals_count_once():
@@ -168,13 +168,13 @@ def test_completions_seen_late_still_give_exact_overlap(unanchored):
 
 def test_events_that_cannot_be_compared_fall_back_to_host_completion_and_say_so(unanchored):
     t0 = unanchored.device.time_ns()
-    unanchored.submit(0, 10, OneStreamEvent, stream=1)
-    unanchored.submit(5, 10, OneStreamEvent, stream=2)
+    unanchored.submit(0, 10, DuckEvent, stream=1)
+    unanchored.submit(5, 10, DuckEvent, stream=2)
     unanchored.device.advance(ms=100)
     assert unanchored.busy_s() == pytest.approx(0.010)  # both end when seen: the overlap is not known
     a, b = unanchored.finished()
     assert (a.start_time - t0, a.end_time - t0, b.start_time - t0, b.end_time - t0) == (90 * MS, 100 * MS) * 2
     assert [_placement(s) for s in (a, b)] == [("device_event", "host_completion")] * 2
-    unanchored.submit(-2, 10, OneStreamEvent, stream=2)  # [98, 108] on stream 2: relative to its own stream's op
+    unanchored.submit(-2, 10, DuckEvent, stream=2)  # [98, 108] on stream 2: relative to its own stream's op
     unanchored.device.advance(ms=20)
     assert _placement(unanchored.finished()[-1]) == ("device_event", "relative")

@@ -8,7 +8,7 @@ import pytest
 
 from otel_hicache.capture import timing as clock
 from otel_hicache.capture.timing import PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE, EventTimeline, WallClockAnchor
-from otel_hicache.testing import DuckEvent, OneStreamEvent, SimulatedDevice
+from otel_hicache.testing import DuckEvent, SimulatedDevice
 
 
 class SkewedDevice(SimulatedDevice):
@@ -235,8 +235,8 @@ def test_events_that_cannot_be_compared_are_placed_from_their_host_completion():
     device = SimulatedDevice()
     base = device.time_ns()
     timeline = EventTimeline()
-    ops = [op(device, 0, 10, base, OneStreamEvent, stream=1), op(device, 5, 10, base, OneStreamEvent, stream=2),
-           op(device, 20, 10, base, OneStreamEvent, stream=2), op(device, 22, 10, base, OneStreamEvent, stream=1)]
+    ops = [op(device, 0, 10, base, DuckEvent, stream=1), op(device, 5, 10, base, DuckEvent, stream=2),
+           op(device, 20, 10, base, DuckEvent, stream=2), op(device, 22, 10, base, DuckEvent, stream=1)]
     placed = place_when_seen(timeline, device, ops, (100, 100, 120, 122), base)
     assert [how for _start, how in placed] == [PLACEMENT_HOST_COMPLETION, PLACEMENT_HOST_COMPLETION,
                                              PLACEMENT_RELATIVE, PLACEMENT_RELATIVE]
