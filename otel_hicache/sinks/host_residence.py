@@ -14,30 +14,30 @@ from ..diagnostics import warn_once
 OFFLOAD_CAUSES: tuple[str, ...] = (*causes()["offload"], sc.CAUSE_MIXED)  # what hicache.offload_cause can be
 _CAUSE_INDEX = {cause: index for index, cause in enumerate(OFFLOAD_CAUSES)}
 _N = len(OFFLOAD_CAUSES)
-MAX_LINKS = 16  # links of a load-back span to the offloads that wrote its pages; the rest: links_dropped
+MAX_LINKS = 16  # a load-back span's links to the offloads that wrote its pages; the rest: links_dropped
 
 
 class Reuse(NamedTuple):
-    """What a load-back read: residence and cause per writing offload, oldest first."""
+    """What a load-back read, per writing offload oldest first (writers: a page of each, newest first)."""
 
     residence_ns: Sequence[int]
     causes: Sequence[str]
     bytes_by_cause: list[int]  # per OFFLOAD_CAUSES index
     unknown_pages: int  # written before tracking began
-    writers: Any  # a page per writing offload, newest first, and its write time (for links)
+    writers: Any
     writers_ns: Any
 
 
 class HostPool:
-    """Per page of one host pool, in NumPy arrays: its last offload, and whether it was read since.
-    Events come in submission order; each is a few vectorised calls whatever its size."""
+    """Per page of one host pool: its last offload, and whether it was read since (events in
+    submission order, each a few vectorised calls)."""
 
     def __init__(self, slots: int, page_size: int, name: str = "kv") -> None:
         if page_size < 1 or slots < 1:
             raise ValueError(f"a host pool needs slots >= 1 and page_size >= 1, got {slots} and {page_size}")
         self.name, self.page_size = name, page_size
         self.size = size = -(-slots // page_size)
-        self.written_ns = np.zeros(size, np.int64)  # the writing offload's submit; 0: none seen
+        self.written_ns = np.zeros(size, np.int64)  # the writing offload's submit; 0: none
         self.cause = np.zeros(size, np.int8)
         self.page_bytes = np.zeros(size, np.int64)
         self.trace_hi, self.trace_lo = np.zeros(size, np.uint64), np.zeros(size, np.uint64)
@@ -47,7 +47,7 @@ class HostPool:
     def pages(self, page_bytes: bytes) -> Any:
         """The distinct in-range pages of ``record.page_bytes``, ascending."""
         pages = np.frombuffer(page_bytes, np.int64)
-        if pages.size > 1 and (pages[1:] <= pages[:-1]).any():  # (the capture sends them sorted, mostly)
+        if pages.size > 1 and (pages[1:] <= pages[:-1]).any():  # (mostly sent sorted)
             pages = np.unique(pages)
         if pages.size and (pages[0] < 0 or pages[-1] >= self.size):
             warn_once(f"host_slots:{self.name}", "otel-hicache: host slots outside the %s host pool (%d pages "
@@ -56,7 +56,7 @@ class HostPool:
         return pages
 
     def _forget(self, pages: Any) -> tuple[list[int], list[int]] | None:
-        """Unread ``pages`` as waste: (bytes, pages) per cause index, or None."""
+        """The waste of unread ``pages``: (bytes, pages) per cause index, or None."""
         unread = pages[(self.written_ns[pages] != 0) & ~self.reloaded[pages]]
         self.span_id[pages], self.reloaded[pages] = 0, False
         if unread.size == 0:
@@ -66,7 +66,7 @@ class HostPool:
                 np.bincount(cause, minlength=_N).tolist())
 
     def written(self, pages: Any, when_ns: int, cause: str, num_bytes: int) -> Any:
-        """An offload wrote ``pages`` at ``when_ns``; returns the waste it overwrote."""
+        """An offload wrote ``pages``; returns the waste it overwrote."""
         if pages.size == 0:
             return None
         waste = self._forget(pages)
@@ -78,7 +78,6 @@ class HostPool:
         return waste
 
     def freed(self, pages: Any) -> Any:
-        """The host application freed ``pages``; returns their waste."""
         if pages.size == 0:
             return None
         waste = self._forget(pages)
@@ -91,7 +90,6 @@ class HostPool:
         self.span_id[pages] = span_id
 
     def read(self, pages: Any, when_ns: int) -> Reuse | None:
-        """A load-back read ``pages`` at ``when_ns``."""
         if pages.size == 0:
             return None
         known = pages[self.written_ns[pages] != 0]
@@ -113,12 +111,3 @@ class HostPool:
         first = w[:MAX_LINKS]
         return ([((hi << 64) | lo, span) for hi, lo, span in zip(self.trace_hi[first].tolist(),
                  self.trace_lo[first].tolist(), self.span_id[first].tolist())], max(0, int(w.size) - MAX_LINKS))
-
-
-def make_host_pool(slots: int, page_size: int, name: str = "kv") -> HostPool | None:
-    """A :class:`HostPool`, or None (warned once) for a bad size."""
-    try:
-        return HostPool(int(slots), int(page_size), name)
-    except (TypeError, ValueError) as exc:
-        warn_once(f"host_pool:{exc}", "otel-hicache: cannot track the %s host pool (%s)", name, exc)
-    return None

@@ -1,9 +1,5 @@
-"""The telemetry process of one serving process (started by :mod:`otel_hicache.capture.channel`),
-at a lower CPU priority, deaf to Ctrl-C. Its input is frames (:mod:`..record`): the hello (the
-serving process's resource and static attributes), then batches; one not the capture's is counted
-and skipped. A ``FLUSH`` is answered once what came before it is exported; every ``CHECKPOINT_S``
-a checkpoint goes back for a successor (span ids come from the ops: a replayed op is the same
-span). At the end of its input it ends the ack waits, exports within the bound and exits."""
+"""The telemetry process of one serving process (started by :mod:`..capture.channel`), niced and deaf to
+Ctrl-C: its input is frames (the hello, then batches), its answers lines, as :mod:`..record` says."""
 
 from __future__ import annotations
 
@@ -22,21 +18,19 @@ from ..diagnostics import logger, mark_warned, warn_once
 from ..settings import env_float
 from .bounded_flush import bounded
 
-NICENESS = 10  # below the serving process: export waits, serving does not
 CHECKPOINT_S = 1.0  # spans exported and a checkpoint answered at most this often,
 CHECKPOINT_BYTES = 4 << 20  # and after this much input
-PARENT_CHECK_S = 1.0  # with nothing to checkpoint, an idle read waits this long, then looks for the serving process
-MALFORMED = object()  # a frame that is not the capture's: not JSON, or longer than any of its batches
+PARENT_CHECK_S = 1.0  # an idle read owing nothing waits this long, then looks for the serving process
 
 
 def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
-    """(value or ``MALFORMED``, size) of each frame until the input ends or the serving process is gone;
-    ``idle()`` runs when a read found nothing and says how long the next one waits."""
+    """(value, None if not the capture's; size) of each frame until the input ends or the serving
+    process is gone; ``idle()`` runs when a read found nothing and says how long the next one waits."""
     parent, buffer, header, wait = os.getppid(), bytearray(), rec.FRAME_HEADER.size, PARENT_CHECK_S
     while True:
         length = rec.FRAME_HEADER.unpack_from(buffer)[0] if len(buffer) >= header else -1
-        if length > rec.MAX_FRAME_BYTES:  # not the capture's: what was read with it goes too
-            yield MALFORMED, len(buffer)
+        if length > rec.MAX_FRAME_BYTES:  # what was read with it goes too
+            yield None, len(buffer)
             buffer.clear()
         elif 0 <= length <= len(buffer) - header:
             data = bytes(buffer[header:header + length])
@@ -44,7 +38,7 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
             try:
                 yield rec.decode(data), header + length
             except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
-                yield MALFORMED, header + length
+                yield None, header + length
         elif select.select([fd], [], [], wait)[0]:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
@@ -58,8 +52,7 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
 
 
 def well_formed(batch: Any) -> bool:
-    """Lists starting with their kind (a FLUSH's token an int, a STOP's bound a number), as the capture
-    writes them; any message may still fail alone later."""
+    """Lists starting with their kind (a FLUSH's token an int, a STOP's bound a number)."""
     return type(batch) is list and all(
         type(m) is list and m and type(m[0]) is int and rec.OP <= m[0] <= rec.CHECKPOINT
         and (m[0] != rec.FLUSH or (len(m) > 1 and type(m[1]) is int))
@@ -67,8 +60,6 @@ def well_formed(batch: Any) -> bool:
 
 
 class _Sinks:
-    """The providers and consumer a hello asks for, and their checkpoints."""
-
     def __init__(self, hello: dict[str, Any], answer: Callable[[bytes], None]) -> None:
         from opentelemetry.sdk.resources import Resource
 
@@ -88,13 +79,13 @@ class _Sinks:
 
     def take(self, batch: Any, size: int) -> None:
         self.frames, self.read = self.frames + 1, self.read + size
-        if batch is MALFORMED or not well_formed(batch):  # written by another process: skipped, counted
+        if not well_formed(batch):  # written by another process: skipped, counted
             self.consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
             warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
                       "capture's; skipped, counted in otel_hicache.records.dropped{reason=malformed_frame}")
             return
         self.bound = next((m[1] for m in batch if m[0] == rec.STOP), self.bound)
-        flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]  # (0: the poller's, no export)
+        flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]
         self.consumer.apply(batch)
         if not flushes:
             self.checkpoint()
@@ -105,7 +96,7 @@ class _Sinks:
         self.answer(b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
 
     def checkpoint(self, flushed: bool = False) -> None:
-        """The spans taken in exported (``flushed``: just now), then ``exported <frames> <checkpoint>``."""
+        """If due, the spans taken in exported (``flushed``: just now), then ``exported <frames> <checkpoint>``."""
         if not flushed and (self.frames == self.taken or time.monotonic() - self.at < CHECKPOINT_S
                             and self.read - self.read_then < CHECKPOINT_BYTES):
             return
@@ -116,7 +107,7 @@ class _Sinks:
             self.answer(b"exported %d %s\n" % (frames, message))
 
     def idle(self) -> float:
-        """A checkpoint if one is due, then how long the next read may wait: no wake-up while nothing is owed."""
+        """A checkpoint if due; then the next read's wait (no wake-up while nothing is owed)."""
         self.checkpoint()
         return PARENT_CHECK_S if self.frames == self.taken else max(0.01, self.at + CHECKPOINT_S - time.monotonic())
 
@@ -131,7 +122,7 @@ class _Sinks:
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        os.nice(NICENESS)
+        os.nice(10)  # export waits, serving does not
     except OSError:
         pass
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
