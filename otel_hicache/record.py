@@ -1,17 +1,15 @@
-"""The format from the capture to the sinks: batches (lists) of messages of JSON values only, so
-decoding one runs no code. A message is a tuple whose first item is its kind:
+"""The capture's messages to the sinks, JSON values only (decoding runs no code), in batches (lists).
+Each is a tuple of its kind and (STATE_FIELDS, OP_FIELDS below):
 
-* ``OP``: an op seen complete, ``OP_FIELDS`` in order; ``ACK``: ``(ACK, seq, ack_ns or None: none came)``;
-* ``HOST``: ``(HOST, seq, pool id, direction, pages, submit_ns, cause, num_bytes)``, an op's host pages;
-* ``POOL``: ``(POOL, pool id, name, slots, page_size)``; ``FREE``: ``(FREE, pool id, pages)``, freed;
-* ``DROPPED``: ``(DROPPED, reason, count)``; ``STATE``: ``(STATE, *STATE_FIELDS)``, when it changes;
-* ``FLUSH``: ``(FLUSH, token)``, export and answer (token 0: neither); ``STOP``: ``(STOP, export bound s)``;
-* ``CHECKPOINT``: ``(CHECKPOINT, [[counter, attributes, total], ...], [OP awaiting its ack, ...])``.
+* ``(OP, *OP_FIELDS)``: an op seen complete; ``(ACK, seq, ack_ns or None: no ack came)``;
+* ``(HOST, seq, pool id, direction, pages, submit_ns, cause, num_bytes)``: an op's host pages;
+* ``(POOL, pool id, name, slots, page_size)``; ``(FREE, pool id, pages)``; ``(DROPPED, reason, count)``;
+* ``(STATE, *STATE_FIELDS)``; ``(FLUSH, token)``: export, answer (token 0: neither); ``(STOP, bound s)``;
+* ``(CHECKPOINT, [[counter, attributes, total], ...], [OP awaiting its ack, ...])``.
 
-A frame is ``FRAME_HEADER`` (the length) and the UTF-8 JSON. The telemetry process answers lines:
-``hello``, ``flushed <token> <0|1>``, ``exported <frames> <[CHECKPOINT]>`` (the first ``frames``
-frames' spans are exported; a successor starts there). Pages: :func:`page_text`; span contexts:
-``(trace_id, span_id, trace_flags, is_remote, ((key, value), ...))``.
+A frame is ``FRAME_HEADER`` (the length) and UTF-8 JSON. The telemetry process answers ``hello``,
+``flushed <token> <0|1>`` and ``exported <frames> <[CHECKPOINT]>`` (the spans of that many frames are
+exported). Pages: :func:`page_text`; span contexts: ``(trace_id, span_id, flags, remote, state pairs)``.
 """
 
 from __future__ import annotations
@@ -41,25 +39,23 @@ def encode(value: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    """ValueError when not JSON."""
     return json.loads(data)
 
 
-# cause_parts: a mixed op's ((cause, pools, pool tokens, bytes), ...); attributes: the call's dict or None;
-# error: semconv.FAIL_* or None; ack_ns: acked before seen complete; expect_ack: an ACK follows if no ack_ns.
+# cause_parts: a mixed op's ((cause, pools, pool tokens, bytes), ...); error: semconv.FAIL_* or None
 OP_FIELDS = (
     "seq", "direction", "origin", "cause", "cause_parts", "tokens", "blocks", "pool_names", "pool_tokens",
     "num_bytes", "page_size", "io_backend", "attributes", "timing_source", "placement", "start_ns", "end_ns",
     "duration_ns", "queue_wait_ns", "error", "submit_ns", "ack_ns", "expect_ack", "parent", "request_links",
     "request_links_dropped",
 )
-# {direction: ops not seen complete}, {direction: the oldest one's submit_ns or None}, {direction: the
-# oldest completion awaiting its ack or None}, records the capture holds, the poller's CPU seconds.
+# per direction: ops not seen complete, the oldest one's submit_ns, the oldest awaiting its ack; then the
+# records the capture holds, the poller's CPU seconds
 STATE_FIELDS = ("inflight", "oldest_inflight_ns", "oldest_unacked_ns", "queue_size", "poller_cpu_s")
 
 
 def encodes(text: str) -> bool:
-    """Whether ``text`` encodes as UTF-8 (a lone surrogate would fail its batch's export)."""
+    """Not if a lone surrogate (it would fail the batch's export)."""
     if text.isascii():
         return True
     try:
@@ -70,7 +66,6 @@ def encodes(text: str) -> bool:
 
 
 def context_tuple(context: Any) -> tuple[int, int, int, bool, tuple[tuple[str, str], ...]] | None:
-    """A valid ``SpanContext`` as plain values, else None."""
     if context is None or not context.is_valid:
         return None
     state = context.trace_state
@@ -83,7 +78,7 @@ def page_text(slots: Any, page_size: int) -> str:
 
 
 def page_bytes(slots: Any, page_size: int) -> bytes:
-    """The pages of token slots as int64 bytes, repeats in a row dropped."""
+    """Of token slots, as int64 bytes, repeats in a row dropped."""
     import numpy as np
 
     pages = slot_array(slots) // page_size
@@ -93,7 +88,7 @@ def page_bytes(slots: Any, page_size: int) -> bytes:
 
 
 def slot_array(slots: Any) -> Any:
-    """Token slots (NumPy or CPU torch arrays, ints, a range) as int64; else TypeError or ValueError."""
+    """NumPy or CPU torch arrays, ints or a range as int64; else TypeError or ValueError."""
     import numpy as np
 
     if isinstance(slots, range) or (isinstance(slots, (list, tuple)) and (not slots or isinstance(slots[0], int))):

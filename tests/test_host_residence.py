@@ -163,7 +163,7 @@ def test_bad_slots_never_raise_and_the_op_is_still_reported(harness, caplog):
 
 
 def _pages(pool, slots):
-    return pool.pages(rec.page_bytes(slots, pool.page_size)).tolist()
+    return pool.pages(rec.page_text(slots, pool.page_size)).tolist()
 
 
 def test_bookkeeping_memory_per_page_and_pages():
@@ -220,7 +220,7 @@ def test_answers_and_state_match_a_page_by_page_model():
         warnings.simplefilter("ignore")
         for step in range(3000):
             kind, when, arg = rng.random(), step + 1, slots()
-            pages = pool.pages(rec.page_bytes(arg, pool.page_size))
+            pages = pool.pages(rec.page_text(arg, pool.page_size))
             expected = sorted({s // PAGE for s in arg if 0 <= s // PAGE < pool.size})
             assert pages.tolist() == expected, step
             if kind < 0.45:

@@ -9,8 +9,8 @@ _BULK = 1024  # forgotten intervals are deleted together, once this many or half
 
 
 class BusyTimeTracker:
-    """Disjoint sorted intervals, forgotten ``horizon_ns`` before the newest end or before
-    :meth:`forget_before` (one overlapping them later counts in full)."""
+    """Disjoint sorted intervals, forgotten ``horizon_ns`` before the newest end or as told (one
+    overlapping them later counts in full)."""
 
     __slots__ = ("_starts", "_ends", "_horizon_ns", "latest_end")
 
@@ -20,7 +20,6 @@ class BusyTimeTracker:
         self._horizon_ns, self.latest_end = horizon_ns, None
 
     def add(self, start_ns: int, end_ns: int) -> int:
-        """The ns ``[start_ns, end_ns)`` adds to the union."""
         if end_ns <= start_ns:
             return 0
         starts, ends = self._starts, self._ends

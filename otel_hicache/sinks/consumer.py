@@ -1,14 +1,9 @@
-"""Where the capture's messages (:mod:`..record`) become telemetry: one consumer per serving process,
-in its telemetry process or on its poller thread."""
+"""The capture's messages (:mod:`..record`) made telemetry, per serving process."""
 
 from __future__ import annotations
 
-import base64
 import time
 from typing import Any, Callable, Mapping
-
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
-from opentelemetry.trace.propagation import set_span_in_context
 
 from .. import record as rec
 from .. import semconv as sc
@@ -22,30 +17,16 @@ from .spans import SpanBuilder
 _BUSY_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
 
 
-def span_context(values: tuple[Any, ...]) -> SpanContext:
-    trace_id, span_id, flags, remote, state = values
-    return SpanContext(trace_id, span_id, remote, TraceFlags(flags), TraceState(list(state)) if state else None)
-
-
 class Op:
-    """An OP message's ``record.OP_FIELDS``, and what the sinks add."""
-
-    __slots__ = (*rec.OP_FIELDS, "parent_context", "span_context", "exemplar_context", "host", "links",
-                 "links_dropped")
+    span_context = exemplar_context = None  # (its span's)
+    host, links, links_dropped = (None, None, None), (), 0  # host: (HostPool, pages written, Reuse of those read)
 
     def __init__(self, message: tuple[Any, ...]) -> None:
-        for name, value in zip(rec.OP_FIELDS, message[1:]):
-            setattr(self, name, value)
-        self.parent_context = set_span_in_context(NonRecordingSpan(span_context(self.parent))) if self.parent else None
-        self.request_links = tuple(map(span_context, self.request_links))
-        self.span_context = self.exemplar_context = None
-        self.host = (None, None, None)  # (HostPool, pages written, Reuse of the pages read)
-        self.links, self.links_dropped = (), 0
+        self.__dict__.update(zip(rec.OP_FIELDS, message[1:]))
 
 
 class Consumer:
-    """The sinks of one serving process; ``hello``: its static ``attributes`` (on every span and point
-    unless ``in_resource``) and earlier ``pools``."""
+    """``hello``: static ``attributes`` (on each span and point unless ``in_resource``) and ``pools``."""
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns, ids: Any = None) -> None:
@@ -60,7 +41,7 @@ class Consumer:
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
         self._pools: dict[int, HostPool] = {}
         self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> Op.host, from its HOST to its OP
-        self._awaiting: dict[int, tuple[Op, Any, Any]] = {}  # seq -> (op, span, OP message) until its ACK
+        self._awaiting: dict[int, tuple[Op, Any, Any]] = {}  # seq -> (op, span, message), to its ACK
         self._handlers = {rec.OP: self._op, rec.ACK: self._ack, rec.HOST: self._host_pages, rec.POOL: self._pool,
                           rec.FREE: self._freed, rec.STATE: self._state, rec.CHECKPOINT: self._resume,
                           rec.DROPPED: lambda m: m[2] and self.metrics.dropped_records(m[1], m[2]),
@@ -68,12 +49,11 @@ class Consumer:
         self.apply(hello.get("pools") or [])
 
     def apply(self, batch: list[tuple[Any, ...]]) -> None:
-        """Every message of ``batch``; one that fails is warned about (an op's counted) and the rest go on."""
         handlers = self._handlers
         for message in batch:
             try:
                 handlers[message[0]](message)
-            except Exception as exc:  # pylint: disable=broad-except
+            except Exception as exc:  # pylint: disable=broad-except  # one message, never the batch
                 if message[0] in (rec.OP, rec.ACK):  # an op, or its span at the end of its wait
                     self.metrics.dropped_records(sc.DROP_INTERNAL_ERROR)
                 warn_once(f"consumer:{type(exc).__name__}", "otel-hicache: a transfer record could not be "
@@ -82,18 +62,15 @@ class Consumer:
                 logger.debug("otel-hicache consumer error", exc_info=True)
 
     def checkpoint(self) -> list[Any]:
-        """A ``record.CHECKPOINT`` of now, for a successor."""
         return [rec.CHECKPOINT, self.metrics.checkpoint(), [entry[2] for entry in self._awaiting.values()]]
 
     def _resume(self, message: tuple[Any, ...]) -> None:
-        """A predecessor's checkpoint: its counters go on, and its ops' ack waits (spans only)."""
         self.metrics.seed(message[1])
         for raw in message[2]:
             op = Op(raw)
             self._awaiting[op.seq] = (op, self.spans.begin(op), raw)
 
     def close(self) -> None:
-        """The end of the input: every ack wait ends, unacked."""
         for seq in list(self._awaiting):
             self._ack((rec.ACK, seq, None))
 
@@ -136,11 +113,10 @@ class Consumer:
             self._pools[message[1]] = HostPool(int(message[3]), int(message[4]), message[2])
 
     def _host_pages(self, message: tuple[Any, ...]) -> None:
-        """An op's host pages at intake, written or read now (a load-back's links: at its span)."""
         _kind, seq, pool_id, direction, data, submit_ns, cause, num_bytes = message
         pool = self._pools.get(pool_id)
         if pool is not None:
-            pages = pool.pages(base64.b64decode(data, validate=True))
+            pages = pool.pages(data)
             if direction == rec.OFFLOAD:
                 self._host[seq] = (pool, pages, None)
                 self.metrics.host_waste(pool.written(pages, submit_ns, cause, num_bytes), pool.page_size)
@@ -151,7 +127,7 @@ class Consumer:
     def _freed(self, message: tuple[Any, ...]) -> None:
         pool = self._pools.get(message[1])
         if pool is not None:
-            self.metrics.host_waste(pool.freed(pool.pages(base64.b64decode(message[2], validate=True))), pool.page_size)
+            self.metrics.host_waste(pool.freed(pool.pages(message[2])), pool.page_size)
 
     def _state(self, message: tuple[Any, ...]) -> None:
         self.metrics.state(*message[1:6])

@@ -1,5 +1,5 @@
-"""The sinks on the serving process's poller thread: for providers the caller passes, for ``configure()``
-exporting nothing over OTLP, and when no telemetry process can start (on private providers)."""
+"""The sinks on the poller thread: on the caller's providers, configure()'s when nothing goes over OTLP,
+or private ones when no telemetry process can start."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ class EmbeddedChannel:
         return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
-        """Ends the ack waits and exports; the providers (the caller's or configure()'s) stay up."""
+        """The providers (the caller's or configure()'s) stay up."""
         with self._lock:
             self.consumer.close()
         return self.flush(timeout_s)
 
     def forget_in_child(self) -> None:
-        """In a forked child the consumer is the parent's; the child opens its own."""
+        """A forked child opens its own."""

@@ -1,8 +1,9 @@
-"""Host residence: how long offloaded pages sat in host memory until a load-back read them (submit
-to submit), which offload wrote them, and which were freed never read (waste)."""
+"""Host residence: how long offloaded pages sat in host memory until read (submit to submit), who wrote
+them, and which were freed never read (waste)."""
 
 from __future__ import annotations
 
+import base64
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -18,7 +19,7 @@ MAX_LINKS = 16  # a load-back span's links to the offloads that wrote its pages;
 
 
 class Reuse(NamedTuple):
-    """What a load-back read, per writing offload oldest first (writers: a page of each, newest first)."""
+    """Per writing offload, oldest first (writers: a page of each, newest first)."""
 
     residence_ns: Sequence[int]
     causes: Sequence[str]
@@ -29,8 +30,7 @@ class Reuse(NamedTuple):
 
 
 class HostPool:
-    """Per page of one host pool: its last offload, and whether it was read since (events in
-    submission order, each a few vectorised calls)."""
+    """Per page: its last offload, and whether it was read since (events in submission order)."""
 
     def __init__(self, slots: int, page_size: int, name: str = "kv") -> None:
         if page_size < 1 or slots < 1:
@@ -44,9 +44,9 @@ class HostPool:
         self.span_id = np.zeros(size, np.uint64)  # of the writing offload's span; 0: not sampled
         self.reloaded = np.zeros(size, np.bool_)
 
-    def pages(self, page_bytes: bytes) -> Any:
-        """The distinct in-range pages of ``record.page_bytes``, ascending."""
-        pages = np.frombuffer(page_bytes, np.int64)
+    def pages(self, page_text: str) -> Any:
+        """The distinct in-range pages of a ``record.page_text``, ascending."""
+        pages = np.frombuffer(base64.b64decode(page_text, validate=True), np.int64)
         if pages.size > 1 and (pages[1:] <= pages[:-1]).any():  # (mostly sent sorted)
             pages = np.unique(pages)
         if pages.size and (pages[0] < 0 or pages[-1] >= self.size):
@@ -56,7 +56,6 @@ class HostPool:
         return pages
 
     def _forget(self, pages: Any) -> tuple[list[int], list[int]] | None:
-        """The waste of unread ``pages``: (bytes, pages) per cause index, or None."""
         unread = pages[(self.written_ns[pages] != 0) & ~self.reloaded[pages]]
         self.span_id[pages], self.reloaded[pages] = 0, False
         if unread.size == 0:
@@ -66,7 +65,6 @@ class HostPool:
                 np.bincount(cause, minlength=_N).tolist())
 
     def written(self, pages: Any, when_ns: int, cause: str, num_bytes: int) -> Any:
-        """An offload wrote ``pages``; returns the waste it overwrote."""
         if pages.size == 0:
             return None
         waste = self._forget(pages)
@@ -85,7 +83,6 @@ class HostPool:
         return waste
 
     def link(self, pages: Any, trace_id: int, span_id: int) -> None:
-        """The sampled span of the offload that wrote ``pages``."""
         self.trace_hi[pages], self.trace_lo[pages] = trace_id >> 64, trace_id & 0xFFFF_FFFF_FFFF_FFFF
         self.span_id[pages] = span_id
 
@@ -104,8 +101,7 @@ class HostPool:
                      int(pages.size - known.size), writers[::-1], when[::-1])
 
     def links(self, reuse: Reuse) -> tuple[list[tuple[int, int]], int]:
-        """The sampled spans that wrote ``reuse``'s pages and still own them (newest first, at most
-        MAX_LINKS), and how many more there were."""
+        """The sampled spans that wrote and still own the pages (newest first), and how many were cut."""
         w = reuse.writers
         w = w[(self.written_ns[w] == reuse.writers_ns) & (self.span_id[w] != 0)]
         first = w[:MAX_LINKS]

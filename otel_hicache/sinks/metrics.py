@@ -1,5 +1,5 @@
-"""otel-hicache's metrics on the public metrics API, whatever the sampler keeps: each counter series'
-total is kept here and observed at collection (exact). Duration and ack delay carry exemplars."""
+"""The metrics, whatever the sampler keeps: counters exact (each series' total kept here, observed at
+collection); duration and ack delay with exemplars."""
 
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ def _int64(name: str, total: Any) -> Any:
 
 
 class TransferMetrics:
-    """Every instrument on one meter provider, each point with ``static``; ``location``: where the
-    sinks run (a telemetry process reports its CPU, which the SDK's threads embedded would blur)."""
+    """Every point carries ``static``; ``location``: where the sinks run (only a telemetry process's CPU is ours)."""
 
     def __init__(self, meter_provider: Any, static: Mapping[str, Any], clock: Callable[[], int] = time.time_ns,
                  io_backend: str = "unknown", location: str = sc.LOCATION_EMBEDDED) -> None:
@@ -49,14 +48,11 @@ class TransferMetrics:
                     lambda: [(a, _int64(spec[0], v)) for a, v in list(table.values())])
             return table
 
-        def histogram(spec, buckets):
-            return meter.create_histogram(*spec, explicit_bucket_boundaries_advisory=buckets)
-
-        self.duration = histogram(sc.TRANSFER_DURATION, sc.DURATION_BUCKETS_S)
-        self.bandwidth = histogram(sc.TRANSFER_BANDWIDTH, sc.BANDWIDTH_BUCKETS)
-        self.queue_wait = histogram(sc.TRANSFER_QUEUE_WAIT, sc.DURATION_BUCKETS_S)
-        self.ack_delay = histogram(sc.TRANSFER_ACK_DELAY, sc.DURATION_BUCKETS_S)
-        self.residence = histogram(sc.HOST_RESIDENCE_TIME, sc.RESIDENCE_BUCKETS_S)
+        self.duration, self.bandwidth, self.queue_wait, self.ack_delay, self.residence = (
+            meter.create_histogram(*spec, explicit_bucket_boundaries_advisory=buckets) for spec, buckets in (
+                (sc.TRANSFER_DURATION, sc.DURATION_BUCKETS_S), (sc.TRANSFER_BANDWIDTH, sc.BANDWIDTH_BUCKETS),
+                (sc.TRANSFER_QUEUE_WAIT, sc.DURATION_BUCKETS_S), (sc.TRANSFER_ACK_DELAY, sc.DURATION_BUCKETS_S),
+                (sc.HOST_RESIDENCE_TIME, sc.RESIDENCE_BUCKETS_S)))
         (self.bytes, self.blocks, self.tokens, self.busy_time, self.dropped, self.failed, self.reloaded_bytes,
          self.wasted_bytes, self.wasted_tokens) = map(counter, (
             sc.TRANSFER_BYTES, sc.TRANSFER_BLOCKS, sc.TRANSFER_TOKENS, sc.TRANSFER_BUSY_TIME, sc.RECORDS_DROPPED,
@@ -89,7 +85,7 @@ class TransferMetrics:
                 self._count(table, 0, (sc.OFFLOAD_CAUSE, cause))
 
     def _attrs(self, *pairs: tuple[str, Any], capped: str | None = None) -> dict[str, Any]:
-        """One series' attributes, built once; ``capped``: the caller-chosen attribute (SERIES_CAP)."""
+        """One series' attributes, built once; ``capped``: the caller-chosen attribute."""
         attrs = self._series.get(pairs)
         if attrs is None:
             if capped:
@@ -114,16 +110,14 @@ class TransferMetrics:
 
     def state(self, inflight: Mapping[str, int], oldest_inflight: Mapping[str, Any],
               oldest_unacked: Mapping[str, Any], queue_size: int, poller_cpu_s: float | None = None) -> None:
-        """A ``record.STATE``'s fields."""
         self._inflight.update((d, n) for d, n in inflight.items() if d in self._inflight)
         self._oldest, self._queue_size, self.poller_cpu_s = (oldest_inflight, oldest_unacked), queue_size, poller_cpu_s
 
     def checkpoint(self) -> list[list[Any]]:
-        """Every nonzero total as ``[name, attributes, total]``."""
         return [[name, a, v] for name, table in self._totals.items() for a, v in list(table.values()) if v]
 
     def seed(self, totals: list[list[Any]]) -> None:
-        """Go on from a predecessor's :meth:`checkpoint`, skipping what is not ours."""
+        """Go on from a predecessor's :meth:`checkpoint` (what is not ours is skipped)."""
         for name, attrs, value in totals:
             table = self._totals.get(name)
             if table is not None and type(attrs) is dict and type(value) in (int, float) and value > 0:
@@ -163,14 +157,13 @@ class TransferMetrics:
         self._count(self.dropped, count, (sc.REASON, reason))
 
     def host_waste(self, waste: Any, page_size: int) -> None:
-        """Pages freed or overwritten never read: (bytes, pages) per cause index, or None."""
+        """Of pages never read: (bytes, pages) per cause index, or None."""
         for cause, num_bytes, pages in zip(OFFLOAD_CAUSES, *(waste or ((), ()))):
             if pages:
                 self._count(self.wasted_bytes, num_bytes, (sc.OFFLOAD_CAUSE, cause))
                 self._count(self.wasted_tokens, pages * page_size, (sc.OFFLOAD_CAUSE, cause))
 
     def host_reuse(self, cause: str, reuse: Any) -> None:
-        """A load-back's ``Reuse`` (or None): bytes and residence per writing offload's cause."""
         if reuse is None:
             return
         for offload_cause, num_bytes in zip(OFFLOAD_CAUSES, reuse.bytes_by_cause):

@@ -24,8 +24,8 @@ PARENT_CHECK_S = 1.0  # an idle read owing nothing waits this long, then looks f
 
 
 def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
-    """(value, None if not the capture's; size) of each frame until the input ends or the serving
-    process is gone; ``idle()`` runs when a read found nothing and says how long the next one waits."""
+    """(value or None, size) of each frame until the input ends or the serving process is gone;
+    ``idle()``: a read found nothing, how long may the next wait."""
     parent, buffer, header, wait = os.getppid(), bytearray(), rec.FRAME_HEADER.size, PARENT_CHECK_S
     while True:
         length = rec.FRAME_HEADER.unpack_from(buffer)[0] if len(buffer) >= header else -1
@@ -52,7 +52,6 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
 
 
 def well_formed(batch: Any) -> bool:
-    """Lists starting with their kind (a FLUSH's token an int, a STOP's bound a number)."""
     return type(batch) is list and all(
         type(m) is list and m and type(m[0]) is int and rec.OP <= m[0] <= rec.CHECKPOINT
         and (m[0] != rec.FLUSH or (len(m) > 1 and type(m[1]) is int))
@@ -96,7 +95,7 @@ class _Sinks:
         self.answer(b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
 
     def checkpoint(self, flushed: bool = False) -> None:
-        """If due, the spans taken in exported (``flushed``: just now), then ``exported <frames> <checkpoint>``."""
+        """If due, export the spans taken in (``flushed``: done), then answer ``exported``."""
         if not flushed and (self.frames == self.taken or time.monotonic() - self.at < CHECKPOINT_S
                             and self.read - self.read_then < CHECKPOINT_BYTES):
             return
@@ -107,12 +106,12 @@ class _Sinks:
             self.answer(b"exported %d %s\n" % (frames, message))
 
     def idle(self) -> float:
-        """A checkpoint if due; then the next read's wait (no wake-up while nothing is owed)."""
+        """No wake-up while nothing is owed."""
         self.checkpoint()
         return PARENT_CHECK_S if self.frames == self.taken else max(0.01, self.at + CHECKPOINT_S - time.monotonic())
 
     def close(self) -> None:
-        """The ack waits end; a flush first, within the bound: the SDK's self-metrics leave with it."""
+        """A flush first, within the bound: the SDK's self-metrics leave with it."""
         self.consumer.close()
         deadline = time.monotonic() + self.bound
         self.providers.force_flush(self.bound)

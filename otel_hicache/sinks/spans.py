@@ -1,14 +1,16 @@
-"""Transfer spans on the public ``Tracer`` API: timed by the copy (device time on the wall clock),
-begun when its completion arrives, ended after its ack wait, children of the context at submit."""
+"""Spans timed by the copy (device time on the wall clock), ended after the ack wait, children of the
+context at submit."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any, Mapping
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import TraceFlags, TraceState
 from opentelemetry.trace.propagation import set_span_in_context
 
 from .. import semconv as sc
@@ -25,25 +27,29 @@ def trace_id_hex(context: Any) -> str:
     return f"{context.trace_id:016x}" if context.trace_id < 1 << 64 else trace.format_trace_id(context.trace_id)
 
 
+def span_context(values: Any) -> SpanContext:
+    trace_id, span_id, flags, remote, state = values
+    return SpanContext(trace_id, span_id, remote, TraceFlags(flags), TraceState(list(state)) if state else None)
+
+
 class OpIds(IdGenerator):
-    """Ids hashed from the op's seq (:meth:`use`) and the serving process's key, so an op a successor
-    replays is the same span; random before the first op."""
+    """Ids hashed from the op's seq and a key: a successor's replayed op is the same span."""
 
     def __init__(self, key: bytes) -> None:
-        self._key, self._digest, self._random = key[:64], b"", RandomIdGenerator()
+        self._key, self._digest = key[:64], os.urandom(24)
 
     def use(self, seq: int) -> None:
         self._digest = hashlib.blake2b(seq.to_bytes(8, "little", signed=True), key=self._key, digest_size=24).digest()
 
     def generate_span_id(self) -> int:
-        return int.from_bytes(self._digest[:8], "little") or 1 if self._digest else self._random.generate_span_id()
+        return int.from_bytes(self._digest[:8], "little") or 1
 
     def generate_trace_id(self) -> int:
-        return int.from_bytes(self._digest[8:], "little") or 1 if self._digest else self._random.generate_trace_id()
+        return int.from_bytes(self._digest[8:], "little") or 1
 
 
 def span_attributes(r: Any, static: Mapping[str, Any]) -> dict[str, Any]:
-    """A span's attributes but the ack's: static, the call's, then the measured ones (which win)."""
+    """All but the ack's: static, the call's, then the measured ones (which win)."""
     (src, dst), reuse = TIERS[r.direction], r.host[2]
     residence = reuse.residence_ns if reuse else ()  # (oldest write first)
     attrs = {**static, **(r.attributes or {})}
@@ -77,30 +83,30 @@ class SpanBuilder:
         self._static, self._ids = static, ids
 
     def begin(self, r: Any) -> tuple[Any, bool]:
-        """The op's span, and whether it waits for the ack (else it has the ack's attributes)."""
+        """The span, and whether it waits for the ack (else it has the ack's attributes)."""
         if self._ids is not None:
             self._ids.use(r.seq)
         attrs = span_attributes(r, self._static)
         waits = r.expect_ack and r.ack_ns is None and r.error is None
         if not waits:
             attrs.update(_ack_attributes(r))
+        requests = [span_context(c) for c in r.request_links]
         # links: the sampled offloads that wrote a load-back's pages, then the requests it served
         links = [*(Link(SpanContext(t, s, False, _SAMPLED), _TO_OFFLOAD) for t, s in r.links),
-                 *(Link(context, _TO_REQUEST) for context in r.request_links)]
-        span = self._tracer.start_span(SPAN_NAMES[r.direction], r.parent_context, SpanKind.INTERNAL, attrs, links,
-                                       r.start_ns)
+                 *(Link(context, _TO_REQUEST) for context in requests)]
+        parent = set_span_in_context(NonRecordingSpan(span_context(r.parent))) if r.parent else None
+        span = self._tracer.start_span(SPAN_NAMES[r.direction], parent, SpanKind.INTERNAL, attrs, links, r.start_ns)
         r.span_context = span.get_span_context()
         if r.span_context.trace_flags.sampled:
             r.exemplar_context = set_span_in_context(span)
         if span.is_recording():
-            for context in r.request_links:  # the way back from a request, in Jaeger's search
+            for context in requests:  # the way back from a request, in Jaeger's search
                 span.add_event(sc.EVENT_REQUEST, {sc.REQUEST_TRACE_ID: trace_id_hex(context)}, r.submit_ns)
             if r.error is not None:
                 span.set_status(Status(StatusCode.ERROR, r.error))
         return span, waits
 
     def finish(self, r: Any, state: tuple[Any, bool]) -> None:
-        """End the span at the copy's end, with the ack's attributes if it waited."""
         span, waited = state
         if waited and span.is_recording():
             span.set_attributes(_ack_attributes(r))
