@@ -38,6 +38,3 @@ class BusyTimeTracker:
         n = bisect_left(self._ends, cutoff_ns)
         if n and (n >= _BULK or 2 * n >= len(self._ends)):
             del self._starts[:n], self._ends[:n]
-
-    def __len__(self) -> int:
-        return len(self._starts)

@@ -119,7 +119,7 @@ class Consumer:
             pages = pool.pages(data)
             if direction == rec.OFFLOAD:
                 self._host[seq] = (pool, pages, None)
-                self.metrics.host_waste(pool.written(pages, submit_ns, cause, num_bytes), pool.page_size)
+                self.metrics.host_waste(pool.written(pages, submit_ns, cause, num_bytes))
             else:
                 self._host[seq] = (pool, None, pool.read(pages, submit_ns))
                 self.metrics.host_reuse(cause, self._host[seq][2])
@@ -127,15 +127,12 @@ class Consumer:
     def _freed(self, message: tuple[Any, ...]) -> None:
         pool = self._pools.get(message[1])
         if pool is not None:
-            self.metrics.host_waste(pool.freed(pool.pages(message[2])), pool.page_size)
+            self.metrics.host_waste(pool.freed(pool.pages(message[2])))
 
     def _state(self, message: tuple[Any, ...]) -> None:
         self.metrics.state(*message[1:6])
-        inflight, oldest_inflight = message[1:3]
         # busy intervals ending well before the oldest op in flight can never overlap one to come
-        oldest = min((t for t in oldest_inflight.values() if t is not None), default=None)
-        if oldest is not None or not any(inflight.values()):
+        oldest = min((t for t in message[2].values() if t is not None), default=None)
+        if oldest is not None or not any(message[1].values()):
             for tracker in self._busy.values():
-                cutoff = oldest if oldest is not None else tracker.latest_end
-                if cutoff is not None:
-                    tracker.forget_before(cutoff - _BUSY_MARGIN_NS)
+                tracker.forget_before((tracker.latest_end or 0 if oldest is None else oldest) - _BUSY_MARGIN_NS)

@@ -55,19 +55,15 @@ class HostPool:
             pages = pages[(pages >= 0) & (pages < self.size)]
         return pages
 
-    def _forget(self, pages: Any) -> tuple[list[int], list[int]] | None:
-        unread = pages[(self.written_ns[pages] != 0) & ~self.reloaded[pages]]
-        self.span_id[pages], self.reloaded[pages] = 0, False
-        if unread.size == 0:
-            return None
-        cause = self.cause[unread]
-        return (np.bincount(cause, self.page_bytes[unread], _N).astype(np.int64).tolist(),
-                np.bincount(cause, minlength=_N).tolist())
-
     def written(self, pages: Any, when_ns: int, cause: str, num_bytes: int) -> Any:
+        """The waste overwritten (unread pages): (bytes, tokens) per cause index, or None."""
         if pages.size == 0:
             return None
-        waste = self._forget(pages)
+        unread, waste = pages[(self.written_ns[pages] != 0) & ~self.reloaded[pages]], None
+        if unread.size:
+            waste = (np.bincount(self.cause[unread], self.page_bytes[unread], _N).astype(np.int64).tolist(),
+                     (np.bincount(self.cause[unread], minlength=_N) * self.page_size).tolist())
+        self.span_id[pages], self.reloaded[pages] = 0, False
         base, extra = divmod(num_bytes, int(pages.size))  # the op's bytes over its pages, exactly
         self.written_ns[pages] = when_ns
         self.cause[pages] = _CAUSE_INDEX.get(cause, _CAUSE_INDEX[sc.CAUSE_OTHER])
@@ -76,11 +72,7 @@ class HostPool:
         return waste
 
     def freed(self, pages: Any) -> Any:
-        if pages.size == 0:
-            return None
-        waste = self._forget(pages)
-        self.written_ns[pages] = 0
-        return waste
+        return self.written(pages, 0, sc.CAUSE_OTHER, 0)  # (written at 0: none)
 
     def link(self, pages: Any, trace_id: int, span_id: int) -> None:
         self.trace_hi[pages], self.trace_lo[pages] = trace_id >> 64, trace_id & 0xFFFF_FFFF_FFFF_FFFF

@@ -156,12 +156,11 @@ class TransferMetrics:
     def dropped_records(self, reason: str, count: int = 1) -> None:
         self._count(self.dropped, count, (sc.REASON, reason))
 
-    def host_waste(self, waste: Any, page_size: int) -> None:
-        """Of pages never read: (bytes, pages) per cause index, or None."""
-        for cause, num_bytes, pages in zip(OFFLOAD_CAUSES, *(waste or ((), ()))):
-            if pages:
+    def host_waste(self, waste: Any) -> None:
+        for cause, num_bytes, tokens in zip(OFFLOAD_CAUSES, *(waste or ((), ()))):
+            if tokens:
                 self._count(self.wasted_bytes, num_bytes, (sc.OFFLOAD_CAUSE, cause))
-                self._count(self.wasted_tokens, pages * page_size, (sc.OFFLOAD_CAUSE, cause))
+                self._count(self.wasted_tokens, tokens, (sc.OFFLOAD_CAUSE, cause))
 
     def host_reuse(self, cause: str, reuse: Any) -> None:
         if reuse is None:

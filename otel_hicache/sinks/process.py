@@ -1,8 +1,9 @@
-"""The telemetry process of one serving process (started by :mod:`..capture.channel`), niced and deaf to
-Ctrl-C: its input is frames (the hello, then batches), its answers lines, as :mod:`..record` says."""
+"""The telemetry process of a serving process, niced, deaf to Ctrl-C: it reads frames (a hello, then
+batches) and answers lines, as :mod:`..record` says."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -24,8 +25,7 @@ PARENT_CHECK_S = 1.0  # an idle read owing nothing waits this long, then looks f
 
 
 def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
-    """(value or None, size) of each frame until the input ends or the serving process is gone;
-    ``idle()``: a read found nothing, how long may the next wait."""
+    """(value or None, size) of each frame until the input ends or the serving process is gone."""
     parent, buffer, header, wait = os.getppid(), bytearray(), rec.FRAME_HEADER.size, PARENT_CHECK_S
     while True:
         length = rec.FRAME_HEADER.unpack_from(buffer)[0] if len(buffer) >= header else -1
@@ -44,7 +44,7 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
             if not chunk:
                 return
             buffer += chunk
-            wait = 0.0  # what it brings may owe a checkpoint: idle() sets the next wait
+            wait = 0.0  # it may owe a checkpoint: idle() says
         elif os.getppid() != parent:
             return
         else:
@@ -120,19 +120,15 @@ class _Sinks:
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+    with contextlib.suppress(OSError):
         os.nice(10)  # export waits, serving does not
-    except OSError:
-        pass
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # anything printed goes to the serving process's standard error, not into the answers
     sys.stdout = sys.stderr
 
     def answer(line: bytes) -> None:
-        try:
+        with contextlib.suppress(OSError):  # it stopped reading: no answer is needed
             answers.write(line)
-        except OSError:  # it stopped reading: no answer is needed
-            pass
 
     sinks: _Sinks | None = None
     source = frames(0, lambda: sinks.idle() if sinks is not None else PARENT_CHECK_S)
