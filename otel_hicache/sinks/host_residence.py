@@ -78,9 +78,7 @@ class HostPool:
         self.trace_hi[pages], self.trace_lo[pages] = trace_id >> 64, trace_id & 0xFFFF_FFFF_FFFF_FFFF
         self.span_id[pages] = span_id
 
-    def read(self, pages: Any, when_ns: int) -> Reuse | None:
-        if pages.size == 0:
-            return None
+    def read(self, pages: Any, when_ns: int) -> Reuse:
         known = pages[self.written_ns[pages] != 0]
         when = self.written_ns[known]
         order = np.argsort(when, kind="stable")  # (stable: the lowest page of each write)

@@ -3,6 +3,7 @@ collection); duration and ack delay with exemplars."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Mapping
 
@@ -123,10 +124,8 @@ class TransferMetrics:
             if table is not None and type(attrs) is dict and type(value) in (int, float) and value > 0:
                 # (a list arrives for a tuple: metric points need hashable values)
                 pairs = [(k, tuple(v) if type(v) is list else v) for k, v in attrs.items() if k not in self._static]
-                try:
+                with contextlib.suppress(TypeError):  # a value no metric point can carry
                     self._count(table, value, *pairs)
-                except TypeError:  # a value no metric point can carry
-                    pass
 
     def completed(self, r: Any, busy_added_ns: int) -> None:
         d, timing, seconds = r.direction, r.timing_source, r.duration_ns / 1e9
@@ -163,8 +162,6 @@ class TransferMetrics:
                 self._count(self.wasted_tokens, tokens, (sc.OFFLOAD_CAUSE, cause))
 
     def host_reuse(self, cause: str, reuse: Any) -> None:
-        if reuse is None:
-            return
         for offload_cause, num_bytes in zip(OFFLOAD_CAUSES, reuse.bytes_by_cause):
             if num_bytes:
                 self._count(self.reloaded_bytes, num_bytes, (sc.OFFLOAD_CAUSE, offload_cause))

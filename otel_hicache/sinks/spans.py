@@ -7,7 +7,6 @@ import hashlib
 import os
 from typing import Any, Mapping
 
-from opentelemetry import trace
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
 from opentelemetry.trace import TraceFlags, TraceState
@@ -24,7 +23,7 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 def trace_id_hex(context: Any) -> str:
     """As Jaeger shows it: 16 hex digits for a 64-bit id (SGLang's), else 32."""
-    return f"{context.trace_id:016x}" if context.trace_id < 1 << 64 else trace.format_trace_id(context.trace_id)
+    return f"{context.trace_id:0{16 if context.trace_id < 1 << 64 else 32}x}"
 
 
 def span_context(values: Any) -> SpanContext:
