@@ -80,11 +80,8 @@ class HostPool:
 
     def read(self, pages: Any, when_ns: int) -> Reuse:
         known = pages[self.written_ns[pages] != 0]
-        when = self.written_ns[known]
-        order = np.argsort(when, kind="stable")  # (stable: the lowest page of each write)
-        when, known = when[order], known[order]
-        firsts = np.flatnonzero(np.concatenate(((True,), when[1:] != when[:-1])))[:when.size]  # one per write
-        writers, when = known[firsts], when[firsts]
+        when, firsts = np.unique(self.written_ns[known], return_index=True)  # each write's lowest page
+        writers = known[firsts]
         self.reloaded[known] = True
         return Reuse(np.maximum(when_ns - when, 0).tolist(), [OFFLOAD_CAUSES[c] for c in self.cause[writers].tolist()],
                      np.bincount(self.cause[known], self.page_bytes[known], _N).astype(np.int64).tolist(),

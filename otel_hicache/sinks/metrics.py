@@ -40,7 +40,7 @@ class TransferMetrics:
         self._queue_size, self._inflight, self._oldest = 0, dict.fromkeys(DIRECTIONS, 0), ({}, {})
         self.poller_cpu_s: float | None = None
 
-        def observe(make: Callable[..., Any], spec: tuple[str, ...], values: Callable[[], Any]) -> None:
+        def observe(make, spec, values):
             make(spec[0], [lambda _options: [Observation(v, a) for a, v in values()]], *spec[1:])
 
         def counter(spec):
