@@ -1,5 +1,4 @@
-"""The capture's messages to the sinks, JSON values only (decoding runs no code), in batches (lists).
-Each is a tuple of its kind and (STATE_FIELDS, OP_FIELDS below):
+"""The capture's messages to the sinks, in batches (lists): tuples of JSON values (decoding runs no code):
 
 * ``(OP, *OP_FIELDS)``: an op seen complete; ``(ACK, seq, ack_ns or None: no ack came)``;
 * ``(HOST, seq, pool id, direction, pages, submit_ns, cause, num_bytes)``: an op's host pages;

@@ -86,13 +86,11 @@ class _Sinks:
         self.bound = next((m[1] for m in batch if m[0] == rec.STOP), self.bound)
         flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]
         self.consumer.apply(batch)
-        if not flushes:
-            self.checkpoint()
-            return
-        ok = self.providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
-        if ok:
-            self.checkpoint(flushed=True)
-        self.answer(b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
+        ok = bool(flushes) and self.providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
+        if ok or not flushes:
+            self.checkpoint(flushed=ok)
+        if flushes:
+            self.answer(b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
 
     def checkpoint(self, flushed: bool = False) -> None:
         """If due, export the spans taken in (``flushed``: done), then answer ``exported``."""
