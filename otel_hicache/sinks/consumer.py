@@ -77,17 +77,17 @@ class Consumer:
     def _op(self, message: tuple[Any, ...]) -> None:
         op = Op(message)
         op.host = pool, written, reuse = self._host.pop(op.seq, op.host)
-        if op.error is not None:
-            self.metrics.failed_record(op.error)
-            self.spans.finish(op, self.spans.begin(op))
-            return
-        busy_added = self._busy[op.direction].add(op.start_ns, op.end_ns)
-        if reuse is not None:
+        if reuse is not None and op.error is None:
             try:
                 op.links, op.links_dropped = pool.links(reuse)
             except Exception as exc:  # the span is made, unlinked
                 warn_once(f"links:{type(exc).__name__}", "otel-hicache: cannot link a load-back's span (%r)", exc)
-        state = self.spans.begin(op)
+        state = self.spans.begin(op)  # first: an op whose span cannot begin changes nothing
+        if op.error is not None:
+            self.metrics.failed_record(op.error)
+            self.spans.finish(op, state)
+            return
+        busy_added = self._busy[op.direction].add(op.start_ns, op.end_ns)
         if written is not None and op.span_context.trace_flags.sampled:
             pool.link(written, op.span_context.trace_id, op.span_context.span_id)
         self.metrics.completed(op, busy_added)
