@@ -196,7 +196,7 @@ def test_static_attributes_go_into_the_resource_unless_a_pull_reader_serves_the_
         assert not built.static_in_resource and "tp_rank" not in built.tracer_provider.resource.attributes
         consumer = Consumer(built.tracer_provider, built.meter_provider,
                             {"attributes": static, "in_resource": built.static_in_resource})
-        assert consumer.metrics._default_io_backend == "kernel"  # pylint: disable=protected-access
+        assert consumer.metrics._io_backend == "kernel"  # pylint: disable=protected-access
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         built.shutdown(2.0)

@@ -151,13 +151,13 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     h.tracer_provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
-    # what only a telemetry process reports (otel_hicache.export.cpu_time): its sink, on a provider
-    # of its own (a second registration of poller.cpu_time on the harness's would be dropped)
+    # what only a telemetry process reports (otel_hicache.export.cpu_time): its metrics, on a provider
+    # of its own (a second registration of each instrument on the harness's would be dropped)
     from opentelemetry.sdk.metrics import MeterProvider
-    from otel_hicache.sinks.metrics import TelemetryCpu
+    from otel_hicache.sinks.metrics import TransferMetrics
     process_reader = InMemoryMetricReader()
     process_provider = MeterProvider(metric_readers=[process_reader], shutdown_on_exit=False)
-    TelemetryCpu(process_provider, STATIC, "telemetry_process")
+    TransferMetrics(process_provider, STATIC, location="telemetry_process")
     monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")
     pool = h.tel.host_pool(1024, 64)  # the load-back reads what the offload wrote, and a page it did not
     for direction, slots in (("offload", range(128)), ("onboard", range(192))):

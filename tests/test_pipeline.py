@@ -412,6 +412,22 @@ def test_busy_time_is_the_union_of_the_ops_intervals_per_direction(make, sinks):
     assert busy == pytest.approx({"offload": 0.006, "onboard": 0.004})
 
 
+def test_an_op_whose_span_cannot_begin_leaves_no_trace_in_another_ops_data(make, sinks):
+    """A malformed parent (as a hostile frame could send): that op is counted as an internal error,
+    and its interval does not eat into the busy time of an op that overlaps it."""
+    rig = make()
+    rig.submit(host_start_ns=T0, host_end_ns=T0 + 4 * MS)
+    rig.submit(host_start_ns=T0, host_end_ns=T0 + 4 * MS)
+    rig.cycle()
+    batch = [list(m) for m in rig.take()]
+    first = next(m for m in batch if m[0] == rec.OP)
+    first[1 + rec.OP_FIELDS.index("parent")] = [1, 2]
+    sinks.consumer.apply(batch)
+    busy = {p.attributes[sc.DIRECTION]: p.value for p in sinks.points(sc.TRANSFER_BUSY_TIME[0])}
+    lost = [p.value for p in sinks.points(sc.RECORDS_DROPPED[0]) if p.attributes[sc.REASON] == "internal_error"]
+    assert busy["offload"] == pytest.approx(0.004) and lost == [1] and len(sinks.spans.get_finished_spans()) == 1
+
+
 def test_a_sink_failing_while_an_acked_op_is_finished_loses_that_span_only(make, sinks, warnings_log):
     rig = make()
     handles = [rig.submit(expect_ack=True) for _ in range(2)]

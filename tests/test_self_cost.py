@@ -5,7 +5,7 @@
 * What the poller and the sinks cost per op is a benchmark's to report, side by side in one
   run (benchmarks/serving_cpu.py, benchmarks/sinks_cpu.py), never a unit test's to assert.
 * The sinks' counters (``sinks.metrics``): totals read at each collection, no SDK call per op.
-* Its CPU as counters (``sinks.metrics.TelemetryCpu``): ``otel_hicache.poller.cpu_time``, the poller
+* Its CPU as counters (``sinks.metrics``): ``otel_hicache.poller.cpu_time``, the poller
   thread's CPU clock as sent in its STATE, and ``otel_hicache.export.cpu_time``, the whole
   telemetry process's (none when the sinks are embedded).
 """

@@ -553,7 +553,7 @@ def test_busy_intervals_are_kept_only_around_the_ops_in_flight(harness):
             h.device.advance(ms=10)
         assert h.flush()
     consumer = h.tel.channel.consumer
-    held = max(len(t) for t in consumer._busy.values())  # pylint: disable=protected-access
+    held = max(len(t._ends) for t in consumer._busy.values())  # pylint: disable=protected-access
     live = 50 * 5  # one direction's intervals in the 5 s margin
     assert held <= max(2 * live, live + 1024), (held, per_direction)
     assert held < per_direction / 2

@@ -1,9 +1,5 @@
-"""Flush and shutdown within a time bound: the SDK's waits on an unreachable collector have none.
-
-Each runs on a daemon thread given up on after the bound; while one for the same providers is
-blocked, later ones are not waited for (several steps cost one bound); a shutdown behind a
-blocked call still runs once it returns.
-"""
+"""``force_flush`` or ``shutdown`` within a bound (the SDK's waits on an unreachable collector have none)
+on a daemon thread; while one for the same providers is blocked, later ones are not waited for."""
 
 from __future__ import annotations
 
@@ -16,7 +12,6 @@ _stuck: dict[tuple[int, int], threading.Thread] = {}
 
 
 def bounded(method: str, tracer_provider: Any, meter_provider: Any, timeout_s: float) -> bool:
-    """``force_flush`` or ``shutdown`` (exporting what they hold) both providers, bounded in time."""
     key, millis, result = (id(tracer_provider), id(meter_provider)), int(timeout_s * 1000), [True]
 
     def run() -> None:
@@ -31,9 +26,8 @@ def bounded(method: str, tracer_provider: Any, meter_provider: Any, timeout_s: f
 
     stuck = _stuck.pop(key, None)
     if stuck is not None and stuck.is_alive():
-        if method == "shutdown":  # still done once the blocked call returns: nothing may outlive the shutdown
-            stuck = threading.Thread(target=lambda blocked=stuck: (blocked.join(), run()), name="otel-hicache-flush",
-                                     daemon=True)
+        if method == "shutdown":  # it still runs once the blocked call returns
+            stuck = threading.Thread(target=lambda blocked=stuck: (blocked.join(), run()), daemon=True)
             stuck.start()
         _stuck[key] = stuck
         warn_once("bounded:stuck", "otel-hicache: an earlier telemetry flush is still blocked (collector "

@@ -1,5 +1,5 @@
 """Busy time: the union of device-busy intervals, so ``rate(bytes) / rate(busy_time)`` is the
-throughput while busy (bytes over summed durations is wrong when transfers overlap)."""
+throughput while busy (summed durations overcount overlapping transfers)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ _BULK = 1024  # forgotten intervals are deleted together, once this many or half
 
 
 class BusyTimeTracker:
-    """Disjoint sorted intervals; those ending ``horizon_ns`` before the newest end, or before a
-    :meth:`forget_before` cutoff, are forgotten (one overlapping them later counts in full)."""
+    """Disjoint sorted intervals, forgotten ``horizon_ns`` before the newest end or as told (one
+    overlapping them later counts in full)."""
 
     __slots__ = ("_starts", "_ends", "_horizon_ns", "latest_end")
 
@@ -20,7 +20,6 @@ class BusyTimeTracker:
         self._horizon_ns, self.latest_end = horizon_ns, None
 
     def add(self, start_ns: int, end_ns: int) -> int:
-        """Record ``[start_ns, end_ns)`` in any order; return the ns it adds to the union."""
         if end_ns <= start_ns:
             return 0
         starts, ends = self._starts, self._ends
@@ -30,16 +29,12 @@ class BusyTimeTracker:
         if lo < hi:
             start_ns, end_ns = min(start_ns, starts[lo]), max(end_ns, ends[hi - 1])
         starts[lo:hi], ends[lo:hi] = [start_ns], [end_ns]
-        if self.latest_end is None or ends[lo] > self.latest_end:
-            self.latest_end = ends[lo]
-            self.forget_before(self.latest_end - self._horizon_ns)
+        if self.latest_end is None or end_ns > self.latest_end:
+            self.latest_end = end_ns
+            self.forget_before(end_ns - self._horizon_ns)
         return added
 
     def forget_before(self, cutoff_ns: int) -> None:
-        """Forget intervals ending before ``cutoff_ns``, in bulk."""
         n = bisect_left(self._ends, cutoff_ns)
         if n and (n >= _BULK or 2 * n >= len(self._ends)):
             del self._starts[:n], self._ends[:n]
-
-    def __len__(self) -> int:
-        return len(self._starts)

@@ -1,79 +1,54 @@
-"""Where the capture's messages (:mod:`otel_hicache.record`) become telemetry: one consumer per
-serving process, in its telemetry process or on its poller thread (embedded)."""
+"""The capture's messages (:mod:`..record`) made telemetry, per serving process."""
 
 from __future__ import annotations
 
-import base64
 import time
 from typing import Any, Callable, Mapping
-
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
-from opentelemetry.trace.propagation import set_span_in_context
 
 from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 from .busy_time import BusyTimeTracker
-from .host_residence import make_host_pool
+from .host_residence import HostPool
 from .logs import TransferLog
-from .metrics import TelemetryCpu, TransferMetrics
+from .metrics import TransferMetrics
 from .spans import SpanBuilder
 
-_BUSY_LATE_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
+_BUSY_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
 
 
 class Op:
-    """One op: the ``record.OP_FIELDS`` and what the sinks add."""
-
-    __slots__ = (*rec.OP_FIELDS, "parent_context", "span_context", "exemplar_context", "host", "links",
-                 "links_dropped")
+    span_context = exemplar_context = None  # (its span's)
+    host, links, links_dropped = (None, None, None), (), 0  # host: (HostPool, pages written, Reuse of those read)
 
     def __init__(self, message: tuple[Any, ...]) -> None:
-        for name, value in zip(rec.OP_FIELDS, message[1:]):
-            setattr(self, name, value)
-        self.parent_context = set_span_in_context(NonRecordingSpan(span_context(self.parent))) if self.parent else None
-        self.request_links = tuple(map(span_context, self.request_links))
-        self.span_context = self.exemplar_context = None
-        self.host = (None, None, None)  # (host pool, pages written, Reuse of the pages read)
-        self.links, self.links_dropped = (), 0
-
-
-def span_context(values: tuple[Any, ...]) -> SpanContext:
-    """A ``record.context_tuple()`` as a ``SpanContext``."""
-    trace_id, span_id, flags, remote, state = values
-    return SpanContext(trace_id, span_id, is_remote=remote, trace_flags=TraceFlags(flags),
-                       trace_state=TraceState(list(state)) if state else None)
+        self.__dict__.update(zip(rec.OP_FIELDS, message[1:]))
 
 
 class Consumer:
-    """The sinks of one serving process; ``hello``: its static ``attributes`` (on every span and point,
-    unless ``in_resource``) and earlier ``pools``."""
+    """``hello``: static ``attributes`` (on each span and point unless ``in_resource``) and ``pools``."""
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns, ids: Any = None) -> None:
         # (lists arrive for tuples: metric points need hashable values)
         attributes = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
         static = {} if hello.get("in_resource") else attributes
-        self.metrics = TransferMetrics(meter_provider, static, clock,  # (ages: on the capture's clock)
-                                       str(attributes.get(sc.IO_BACKEND, "unknown")))
-        self.spans = SpanBuilder(tracer_provider, static, ids)
-        self.log = TransferLog()
         location = (sc.LOCATION_EMBEDDED_FALLBACK if hello.get("fallback") else
                     sc.LOCATION_EMBEDDED if hello.get("embedded") else sc.LOCATION_TELEMETRY_PROCESS)
-        self.cpu = TelemetryCpu(meter_provider, static, location)
+        self.metrics = TransferMetrics(meter_provider, static, clock,  # (ages: on the capture's clock)
+                                       str(attributes.get(sc.IO_BACKEND, "unknown")), location)
+        self.spans, self.log = SpanBuilder(tracer_provider, static, ids), TransferLog()
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
-        self._pools: dict[int, Any] = {}
+        self._pools: dict[int, HostPool] = {}
         self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> Op.host, from its HOST to its OP
-        self._awaiting: dict[int, tuple[Op, Any, Any]] = {}  # seq -> (op, span, OP message) until its ACK
-        for message in hello.get("pools") or ():
-            self._pool(message)
+        self._awaiting: dict[int, tuple[Op, Any, Any]] = {}  # seq -> (op, span, message), to its ACK
         self._handlers = {rec.OP: self._op, rec.ACK: self._ack, rec.HOST: self._host_pages, rec.POOL: self._pool,
                           rec.FREE: self._freed, rec.STATE: self._state, rec.CHECKPOINT: self._resume,
                           rec.DROPPED: lambda m: m[2] and self.metrics.dropped_records(m[1], m[2]),
-                          rec.FLUSH: _ignore, rec.STOP: _ignore}  # (FLUSH, STOP: for the channel)
+                          rec.FLUSH: lambda m: None, rec.STOP: lambda m: None}  # (FLUSH, STOP: the channel's)
+        self.apply(hello.get("pools") or [])
 
     def apply(self, batch: list[tuple[Any, ...]]) -> None:
-        """Every message of ``batch``, in order; one that fails is counted and the rest go on."""
         handlers = self._handlers
         for message in batch:
             try:
@@ -82,39 +57,37 @@ class Consumer:
                 if message[0] in (rec.OP, rec.ACK):  # an op, or its span at the end of its wait
                     self.metrics.dropped_records(sc.DROP_INTERNAL_ERROR)
                 warn_once(f"consumer:{type(exc).__name__}", "otel-hicache: a transfer record could not be "
-                          "reported (%r); counted in otel_hicache.records.dropped{reason=internal_error}", exc)
+                          "reported (%r); an op's is counted in otel_hicache.records.dropped{reason=internal_error}",
+                          exc)
                 logger.debug("otel-hicache consumer error", exc_info=True)
 
     def checkpoint(self) -> list[Any]:
-        """A ``record.CHECKPOINT`` of now (the counters' totals, the ops waiting for an ack), for a successor."""
         return [rec.CHECKPOINT, self.metrics.checkpoint(), [entry[2] for entry in self._awaiting.values()]]
 
     def _resume(self, message: tuple[Any, ...]) -> None:
-        """A predecessor's checkpoint: its counters go on, and its ops' ack waits (spans only)."""
         self.metrics.seed(message[1])
         for raw in message[2]:
             op = Op(raw)
             self._awaiting[op.seq] = (op, self.spans.begin(op), raw)
 
     def close(self) -> None:
-        """The end of the input: every ack wait ends, unacked."""
         for seq in list(self._awaiting):
             self._ack((rec.ACK, seq, None))
 
     def _op(self, message: tuple[Any, ...]) -> None:
         op = Op(message)
         op.host = pool, written, reuse = self._host.pop(op.seq, op.host)
-        if op.error is not None:
-            self.metrics.failed_record(op.error)
-            self.spans.finish(op, self.spans.begin(op))
-            return
-        busy_added = self._busy[op.direction].add(op.start_ns, op.end_ns)
-        if reuse is not None:
+        if reuse is not None and op.error is None:
             try:
                 op.links, op.links_dropped = pool.links(reuse)
             except Exception as exc:  # the span is made, unlinked
                 warn_once(f"links:{type(exc).__name__}", "otel-hicache: cannot link a load-back's span (%r)", exc)
-        state = self.spans.begin(op)
+        state = self.spans.begin(op)  # first: an op whose span cannot begin changes nothing
+        if op.error is not None:
+            self.metrics.failed_record(op.error)
+            self.spans.finish(op, state)
+            return
+        busy_added = self._busy[op.direction].add(op.start_ns, op.end_ns)
         if written is not None and op.span_context.trace_flags.sampled:
             pool.link(written, op.span_context.trace_id, op.span_context.span_id)
         self.metrics.completed(op, busy_added)
@@ -136,44 +109,30 @@ class Consumer:
             self._finish(entry[0], entry[1])
 
     def _pool(self, message: tuple[Any, ...]) -> None:
-        _kind, pool_id, name, slots, page_size = message
-        if pool_id not in self._pools:
-            self._pools[pool_id] = make_host_pool(slots, page_size, name)
+        if message[1] not in self._pools:  # (sent again to a successor)
+            self._pools[message[1]] = HostPool(int(message[3]), int(message[4]), message[2])
 
     def _host_pages(self, message: tuple[Any, ...]) -> None:
-        """An op's host pages at intake, written or read now (a load-back's links: at its span)."""
         _kind, seq, pool_id, direction, data, submit_ns, cause, num_bytes = message
         pool = self._pools.get(pool_id)
-        if pool is None:  # (no NumPy, or a bad size: warned)
-            return
-        try:
-            pages = pool.pages(base64.b64decode(data, validate=True))
+        if pool is not None:
+            pages = pool.pages(data)
             if direction == rec.OFFLOAD:
                 self._host[seq] = (pool, pages, None)
-                self.metrics.host_waste(pool.written(pages, submit_ns, cause, num_bytes), pool.page_size)
+                self.metrics.host_waste(pool.written(pages, submit_ns, cause, num_bytes))
             else:
                 self._host[seq] = (pool, None, pool.read(pages, submit_ns))
                 self.metrics.host_reuse(cause, self._host[seq][2])
-        except Exception as exc:  # the op is reported, its pages untracked
-            warn_once(f"host_pages:{type(exc).__name__}", "otel-hicache: cannot track an op's host pages (%r)", exc)
 
     def _freed(self, message: tuple[Any, ...]) -> None:
         pool = self._pools.get(message[1])
         if pool is not None:
-            self.metrics.host_waste(pool.freed(pool.pages(base64.b64decode(message[2], validate=True))), pool.page_size)
+            self.metrics.host_waste(pool.freed(pool.pages(message[2])))
 
     def _state(self, message: tuple[Any, ...]) -> None:
-        inflight, oldest_inflight, oldest_unacked, queue_size, poller_cpu_s = message[1:6]
-        self.metrics.state(inflight, oldest_inflight, oldest_unacked, queue_size)
-        self.cpu.poller_cpu_s = poller_cpu_s
+        self.metrics.state(*message[1:6])
         # busy intervals ending well before the oldest op in flight can never overlap one to come
-        oldest = min((t for t in oldest_inflight.values() if t is not None), default=None)
-        if oldest is not None or not any(inflight.values()):
+        oldest = min((t for t in message[2].values() if t is not None), default=None)
+        if oldest is not None or not any(message[1].values()):
             for tracker in self._busy.values():
-                cutoff = oldest if oldest is not None else tracker.latest_end
-                if cutoff is not None:
-                    tracker.forget_before(cutoff - _BUSY_LATE_MARGIN_NS)
-
-
-def _ignore(_message: tuple[Any, ...]) -> None:
-    pass
+                tracker.forget_before((tracker.latest_end or 0 if oldest is None else oldest) - _BUSY_MARGIN_NS)

@@ -1,6 +1,5 @@
-"""The embedded channel: the telemetry process's consumer on the poller thread of the serving process,
-for providers the caller passes, for ``configure()`` when nothing is exported over OTLP, and as the
-fallback when no telemetry process can start (on private providers: never the host's)."""
+"""The sinks on the poller thread: on the caller's providers, configure()'s when nothing goes over OTLP,
+or private ones when no telemetry process can start."""
 
 from __future__ import annotations
 
@@ -13,12 +12,10 @@ from .consumer import Consumer
 
 
 class EmbeddedChannel:
-    """Batches straight to a :class:`~.consumer.Consumer` on ``tracer_provider`` and ``meter_provider``."""
-
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns) -> None:
         self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
-        self._lock = threading.Lock()  # the poller applies; a flush or stop hands over from another thread
+        self._lock = threading.Lock()  # a flush or stop comes from another thread than the poller's writes
         self.consumer = Consumer(tracer_provider, meter_provider, {**hello, "embedded": True}, clock)
 
     def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
@@ -29,10 +26,10 @@ class EmbeddedChannel:
         return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
-        """Ends the ack waits and exports; the providers stay up (the caller's, or configure()'s)."""
+        """The providers (the caller's or configure()'s) stay up."""
         with self._lock:
             self.consumer.close()
         return self.flush(timeout_s)
 
     def forget_in_child(self) -> None:
-        """In a forked child: this consumer's state is the parent's; the child opens its own."""
+        """A forked child opens its own."""

@@ -1,8 +1,9 @@
-"""Host residence: how long offloaded pages sat in host memory until a load-back read them (submit
-to submit), which offload wrote them, and which were freed never read (waste)."""
+"""Host residence: how long offloaded pages sat in host memory until read (submit to submit), who wrote
+them, and which were freed never read (waste)."""
 
 from __future__ import annotations
 
+import base64
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -14,40 +15,39 @@ from ..diagnostics import warn_once
 OFFLOAD_CAUSES: tuple[str, ...] = (*causes()["offload"], sc.CAUSE_MIXED)  # what hicache.offload_cause can be
 _CAUSE_INDEX = {cause: index for index, cause in enumerate(OFFLOAD_CAUSES)}
 _N = len(OFFLOAD_CAUSES)
-MAX_LINKS = 16  # links of a load-back span to the offloads that wrote its pages; the rest: links_dropped
+MAX_LINKS = 16  # a load-back span's links to the offloads that wrote its pages; the rest: links_dropped
 
 
 class Reuse(NamedTuple):
-    """What a load-back read: residence and cause per writing offload, oldest first."""
+    """Per writing offload, oldest first (writers: a page of each, newest first)."""
 
     residence_ns: Sequence[int]
     causes: Sequence[str]
     bytes_by_cause: list[int]  # per OFFLOAD_CAUSES index
     unknown_pages: int  # written before tracking began
-    writers: Any  # a page per writing offload, newest first, and its write time (for links)
+    writers: Any
     writers_ns: Any
 
 
 class HostPool:
-    """Per page of one host pool, in NumPy arrays: its last offload, and whether it was read since.
-    Events come in submission order; each is a few vectorised calls whatever its size."""
+    """Per page: its last offload, and whether it was read since (events in submission order)."""
 
     def __init__(self, slots: int, page_size: int, name: str = "kv") -> None:
         if page_size < 1 or slots < 1:
             raise ValueError(f"a host pool needs slots >= 1 and page_size >= 1, got {slots} and {page_size}")
         self.name, self.page_size = name, page_size
         self.size = size = -(-slots // page_size)
-        self.written_ns = np.zeros(size, np.int64)  # the writing offload's submit; 0: none seen
+        self.written_ns = np.zeros(size, np.int64)  # the writing offload's submit; 0: none
         self.cause = np.zeros(size, np.int8)
         self.page_bytes = np.zeros(size, np.int64)
         self.trace_hi, self.trace_lo = np.zeros(size, np.uint64), np.zeros(size, np.uint64)
         self.span_id = np.zeros(size, np.uint64)  # of the writing offload's span; 0: not sampled
         self.reloaded = np.zeros(size, np.bool_)
 
-    def pages(self, page_bytes: bytes) -> Any:
-        """The distinct in-range pages of ``record.page_bytes``, ascending."""
-        pages = np.frombuffer(page_bytes, np.int64)
-        if pages.size > 1 and (pages[1:] <= pages[:-1]).any():  # (the capture sends them sorted, mostly)
+    def pages(self, page_text: str) -> Any:
+        """The distinct in-range pages of a ``record.page_text``, ascending."""
+        pages = np.frombuffer(base64.b64decode(page_text, validate=True), np.int64)
+        if pages.size > 1 and (pages[1:] <= pages[:-1]).any():  # (mostly sent sorted)
             pages = np.unique(pages)
         if pages.size and (pages[0] < 0 or pages[-1] >= self.size):
             warn_once(f"host_slots:{self.name}", "otel-hicache: host slots outside the %s host pool (%d pages "
@@ -55,21 +55,15 @@ class HostPool:
             pages = pages[(pages >= 0) & (pages < self.size)]
         return pages
 
-    def _forget(self, pages: Any) -> tuple[list[int], list[int]] | None:
-        """Unread ``pages`` as waste: (bytes, pages) per cause index, or None."""
-        unread = pages[(self.written_ns[pages] != 0) & ~self.reloaded[pages]]
-        self.span_id[pages], self.reloaded[pages] = 0, False
-        if unread.size == 0:
-            return None
-        cause = self.cause[unread]
-        return (np.bincount(cause, self.page_bytes[unread], _N).astype(np.int64).tolist(),
-                np.bincount(cause, minlength=_N).tolist())
-
     def written(self, pages: Any, when_ns: int, cause: str, num_bytes: int) -> Any:
-        """An offload wrote ``pages`` at ``when_ns``; returns the waste it overwrote."""
+        """The waste overwritten (unread pages): (bytes, tokens) per cause index, or None."""
         if pages.size == 0:
             return None
-        waste = self._forget(pages)
+        unread, waste = pages[(self.written_ns[pages] != 0) & ~self.reloaded[pages]], None
+        if unread.size:
+            waste = (np.bincount(self.cause[unread], self.page_bytes[unread], _N).astype(np.int64).tolist(),
+                     (np.bincount(self.cause[unread], minlength=_N) * self.page_size).tolist())
+        self.span_id[pages], self.reloaded[pages] = 0, False
         base, extra = divmod(num_bytes, int(pages.size))  # the op's bytes over its pages, exactly
         self.written_ns[pages] = when_ns
         self.cause[pages] = _CAUSE_INDEX.get(cause, _CAUSE_INDEX[sc.CAUSE_OTHER])
@@ -78,47 +72,25 @@ class HostPool:
         return waste
 
     def freed(self, pages: Any) -> Any:
-        """The host application freed ``pages``; returns their waste."""
-        if pages.size == 0:
-            return None
-        waste = self._forget(pages)
-        self.written_ns[pages] = 0
-        return waste
+        return self.written(pages, 0, sc.CAUSE_OTHER, 0)  # (written at 0: none)
 
     def link(self, pages: Any, trace_id: int, span_id: int) -> None:
-        """The sampled span of the offload that wrote ``pages``."""
         self.trace_hi[pages], self.trace_lo[pages] = trace_id >> 64, trace_id & 0xFFFF_FFFF_FFFF_FFFF
         self.span_id[pages] = span_id
 
-    def read(self, pages: Any, when_ns: int) -> Reuse | None:
-        """A load-back read ``pages`` at ``when_ns``."""
-        if pages.size == 0:
-            return None
+    def read(self, pages: Any, when_ns: int) -> Reuse:
         known = pages[self.written_ns[pages] != 0]
-        when = self.written_ns[known]
-        order = np.argsort(when, kind="stable")  # (stable: the lowest page of each write)
-        when, known = when[order], known[order]
-        firsts = np.flatnonzero(np.concatenate(((True,), when[1:] != when[:-1])))[:when.size]  # one per write
-        writers, when = known[firsts], when[firsts]
+        when, firsts = np.unique(self.written_ns[known], return_index=True)  # each write's lowest page
+        writers = known[firsts]
         self.reloaded[known] = True
         return Reuse(np.maximum(when_ns - when, 0).tolist(), [OFFLOAD_CAUSES[c] for c in self.cause[writers].tolist()],
                      np.bincount(self.cause[known], self.page_bytes[known], _N).astype(np.int64).tolist(),
                      int(pages.size - known.size), writers[::-1], when[::-1])
 
     def links(self, reuse: Reuse) -> tuple[list[tuple[int, int]], int]:
-        """The sampled spans that wrote ``reuse``'s pages and still own them (newest first, at most
-        MAX_LINKS), and how many more there were."""
+        """The sampled spans that wrote and still own the pages (newest first), and how many were cut."""
         w = reuse.writers
         w = w[(self.written_ns[w] == reuse.writers_ns) & (self.span_id[w] != 0)]
         first = w[:MAX_LINKS]
         return ([((hi << 64) | lo, span) for hi, lo, span in zip(self.trace_hi[first].tolist(),
                  self.trace_lo[first].tolist(), self.span_id[first].tolist())], max(0, int(w.size) - MAX_LINKS))
-
-
-def make_host_pool(slots: int, page_size: int, name: str = "kv") -> HostPool | None:
-    """A :class:`HostPool`, or None (warned once) for a bad size."""
-    try:
-        return HostPool(int(slots), int(page_size), name)
-    except (TypeError, ValueError) as exc:
-        warn_once(f"host_pool:{exc}", "otel-hicache: cannot track the %s host pool (%s)", name, exc)
-    return None

@@ -13,23 +13,22 @@ class TransferLog:
     def __init__(self) -> None:
         self.totals = {d: [0, 0, 0, 0, 0] for d in DIRECTIONS}  # events, blocks, bytes, tokens, busy ns
 
-    def completed(self, record: Any, busy_added_ns: int) -> None:
-        totals = self.totals[record.direction]
-        for i, value in enumerate((1, record.blocks, record.num_bytes, record.tokens, busy_added_ns)):
+    def completed(self, r: Any, busy_added_ns: int) -> None:
+        totals = self.totals[r.direction]
+        for i, value in enumerate((1, r.blocks, r.num_bytes, r.tokens, busy_added_ns)):
             totals[i] += value
         if not logger.isEnabledFor(logging.DEBUG):
             return
-        context, name = record.span_context, record.direction.capitalize()
+        context, name = r.span_context, r.direction.capitalize()
         sampled = context is not None and context.trace_flags.sampled  # (unsampled spans are never exported)
         trace_id, span_id = (f"{context.trace_id:032x}", f"{context.span_id:016x}") if sampled else ("", "")
         extra = {"otelTraceID": trace_id, "otelSpanID": span_id}
         logger.debug('%s transfer complete ts_us=%d blocks=%d bytes=%d tokens=%d xfer_us=%.1f bandwidth=%.2fGB/s '
-                     'src="%s" dst="%s" timing_source=%s trace_id=%s span_id=%s', name, record.end_ns // 1000,
-                     record.blocks, record.num_bytes, record.tokens, record.duration_ns / 1e3,
-                     record.num_bytes / record.duration_ns if record.duration_ns else 0.0, *TIERS[record.direction],
-                     record.timing_source, trace_id, span_id, extra=extra)
+                     'src="%s" dst="%s" timing_source=%s trace_id=%s span_id=%s', name, r.end_ns // 1000, r.blocks,
+                     r.num_bytes, r.tokens, r.duration_ns / 1e3, r.num_bytes / r.duration_ns if r.duration_ns else 0.0,
+                     *TIERS[r.direction], r.timing_source, trace_id, span_id, extra=extra)
         events, blocks, num_bytes, tokens, busy_ns = totals
         logger.debug('%s transfer cumulative direction="%s" total_events=%d total_blocks=%d total_bytes=%d '
                      'total_tokens=%d total_busy_us=%.1f bandwidth=%.2fGB/s trace_id=%s span_id=%s', name,
-                     record.direction, events, blocks, num_bytes, tokens, busy_ns / 1e3,
+                     r.direction, events, blocks, num_bytes, tokens, busy_ns / 1e3,
                      num_bytes / busy_ns if busy_ns else 0.0, trace_id, span_id, extra=extra)

@@ -1,8 +1,9 @@
-"""otel-hicache's metrics on the public metrics API, whatever the sampler keeps. Counters are exact:
-each series' total is kept here and observed at collection. Duration and ack delay carry exemplars."""
+"""The metrics, whatever the sampler keeps: counters exact (each series' total kept here, observed at
+collection); duration and ack delay with exemplars."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Mapping
 
@@ -19,58 +20,58 @@ SERIES_CAP = 2000  # series of caller values (pools, I/O backends) kept apart; t
 
 
 def _int64(name: str, total: Any) -> Any:
-    """A total OTLP can carry (one past 2**63-1 would fail every export)."""
     if total <= INT64_MAX:
         return total
     warn_once(f"overflow:{name}", "otel-hicache: %s passed 2**63-1; reported as that from now on", name)
     return INT64_MAX
 
 
-def _observe(make: Callable[..., Any], spec: tuple[str, ...], values: Callable[[], Any]) -> None:
-    """An observable instrument of ``spec`` reporting the ``(attributes, value)`` pairs of ``values()``."""
-    make(spec[0], [lambda _options: [Observation(v, a) for a, v in values()]], *spec[1:])
-
-
 class TransferMetrics:
-    """Every transfer instrument on one meter provider; every point carries ``static``."""
+    """Every point carries ``static``; ``location``: where the sinks run (only a telemetry process's CPU is ours)."""
 
     def __init__(self, meter_provider: Any, static: Mapping[str, Any], clock: Callable[[], int] = time.time_ns,
-                 io_backend: str = "unknown") -> None:
+                 io_backend: str = "unknown", location: str = sc.LOCATION_EMBEDDED) -> None:
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
-        self._static, self._clock, self._default_io_backend = dict(static), clock, io_backend
+        self._static = static = dict(static)
+        self._clock, self._io_backend = clock, io_backend
         self._series: dict[tuple, dict] = {}  # (key, value) pairs -> a point's attributes
         self._capped = {sc.POOL: 0, sc.IO_BACKEND: 0}
         self._totals: dict[str, dict] = {}  # counter -> id(attributes) -> [attributes, total]
         self._queue_size, self._inflight, self._oldest = 0, dict.fromkeys(DIRECTIONS, 0), ({}, {})
+        self.poller_cpu_s: float | None = None
+
+        def observe(make, spec, values):
+            make(spec[0], [lambda _options: [Observation(v, a) for a, v in values()]], *spec[1:])
 
         def counter(spec):
             table = self._totals[spec[0]] = {}
-            _observe(meter.create_observable_counter, spec,
-                     lambda: [(a, _int64(spec[0], v)) for a, v in list(table.values())])
+            observe(meter.create_observable_counter, spec,
+                    lambda: [(a, _int64(spec[0], v)) for a, v in list(table.values())])
             return table
 
-        def histogram(spec, buckets):
-            return meter.create_histogram(*spec, explicit_bucket_boundaries_advisory=buckets)
-
-        self.duration = histogram(sc.TRANSFER_DURATION, sc.DURATION_BUCKETS_S)
-        self.bandwidth = histogram(sc.TRANSFER_BANDWIDTH, sc.BANDWIDTH_BUCKETS)
-        self.queue_wait = histogram(sc.TRANSFER_QUEUE_WAIT, sc.DURATION_BUCKETS_S)
-        self.ack_delay = histogram(sc.TRANSFER_ACK_DELAY, sc.DURATION_BUCKETS_S)
-        self.residence = histogram(sc.HOST_RESIDENCE_TIME, sc.RESIDENCE_BUCKETS_S)
+        self.duration, self.bandwidth, self.queue_wait, self.ack_delay, self.residence = (
+            meter.create_histogram(*spec, explicit_bucket_boundaries_advisory=buckets) for spec, buckets in (
+                (sc.TRANSFER_DURATION, sc.DURATION_BUCKETS_S), (sc.TRANSFER_BANDWIDTH, sc.BANDWIDTH_BUCKETS),
+                (sc.TRANSFER_QUEUE_WAIT, sc.DURATION_BUCKETS_S), (sc.TRANSFER_ACK_DELAY, sc.DURATION_BUCKETS_S),
+                (sc.HOST_RESIDENCE_TIME, sc.RESIDENCE_BUCKETS_S)))
         (self.bytes, self.blocks, self.tokens, self.busy_time, self.dropped, self.failed, self.reloaded_bytes,
          self.wasted_bytes, self.wasted_tokens) = map(counter, (
             sc.TRANSFER_BYTES, sc.TRANSFER_BLOCKS, sc.TRANSFER_TOKENS, sc.TRANSFER_BUSY_TIME, sc.RECORDS_DROPPED,
             sc.RECORDS_FAILED, sc.HOST_RELOADED_BYTES, sc.HOST_WASTED_BYTES, sc.HOST_WASTED_TOKENS))
         by_d = {d: self._attrs((sc.DIRECTION, d)) for d in DIRECTIONS}
-        _observe(meter.create_observable_up_down_counter, sc.TRANSFER_INFLIGHT,
-                 lambda: [(by_d[d], n) for d, n in self._inflight.items()])
-        _observe(meter.create_observable_gauge, sc.QUEUE_SIZE, lambda: [(self._static, self._queue_size)])
+        gauge, process = meter.create_observable_gauge, {**static, sc.THREAD: sc.THREAD_TELEMETRY_PROCESS}
+        observe(meter.create_observable_up_down_counter, sc.TRANSFER_INFLIGHT,
+                lambda: [(by_d[d], n) for d, n in self._inflight.items()])
+        observe(gauge, sc.QUEUE_SIZE, lambda: [(static, self._queue_size)])
         for i, spec in enumerate((sc.TRANSFER_OLDEST_INFLIGHT_AGE, sc.TRANSFER_OLDEST_UNACKED_AGE)):
-            _observe(meter.create_observable_gauge, spec, lambda i=i: [
-                (by_d[d], 0.0 if t is None else max(0.0, (self._clock() - t) / 1e9))
-                for d in DIRECTIONS for t in (self._oldest[i].get(d),)])
-        # zero series from start-up
-        for d in DIRECTIONS:
+            observe(gauge, spec, lambda i=i: [(by_d[d], 0.0 if t is None else max(0.0, (self._clock() - t) / 1e9))
+                                              for d in DIRECTIONS for t in (self._oldest[i].get(d),)])
+        observe(meter.create_observable_counter, sc.POLLER_CPU_TIME,
+                lambda: [] if self.poller_cpu_s is None else [(static, self.poller_cpu_s)])
+        observe(meter.create_observable_counter, sc.EXPORT_CPU_TIME,
+                lambda: [(process, time.process_time())] if location == sc.LOCATION_TELEMETRY_PROCESS else [])
+        observe(gauge, sc.SINKS, lambda: [({**static, sc.LOCATION: location}, 1)])
+        for d in DIRECTIONS:  # zero series from start-up
             self._count(self.busy_time, 0, (sc.DIRECTION, d))
             for o in ORIGINS:
                 self._count(self.blocks, 0, (sc.DIRECTION, d), (sc.ORIGIN, o))
@@ -85,7 +86,7 @@ class TransferMetrics:
                 self._count(table, 0, (sc.OFFLOAD_CAUSE, cause))
 
     def _attrs(self, *pairs: tuple[str, Any], capped: str | None = None) -> dict[str, Any]:
-        """One series' attributes, built once; ``capped``: the caller-chosen attribute (SERIES_CAP)."""
+        """One series' attributes, built once; ``capped``: the caller-chosen attribute."""
         attrs = self._series.get(pairs)
         if attrs is None:
             if capped:
@@ -99,7 +100,7 @@ class TransferMetrics:
 
     def _count(self, table: dict, amount: float, *pairs: tuple[str, Any], capped: str | None = None) -> None:
         attrs = self._attrs(*pairs, capped=capped)
-        table.setdefault(id(attrs), [attrs, 0])[1] += amount  # (_attrs builds each series' dict once)
+        table.setdefault(id(attrs), [attrs, 0])[1] += amount  # (one dict per series: its id is the key)
 
     def _moved(self, d: str, origin: tuple, cause: str, num_bytes: int, pools: Any, tokens: Any) -> None:
         src, dst = TIERS[d]
@@ -109,49 +110,44 @@ class TransferMetrics:
             self._count(self.tokens, n, (sc.DIRECTION, d), origin, (sc.CAUSE, cause), (sc.POOL, pool), capped=sc.POOL)
 
     def state(self, inflight: Mapping[str, int], oldest_inflight: Mapping[str, Any],
-              oldest_unacked: Mapping[str, Any], queue_size: int) -> None:
+              oldest_unacked: Mapping[str, Any], queue_size: int, poller_cpu_s: float | None = None) -> None:
         self._inflight.update((d, n) for d, n in inflight.items() if d in self._inflight)
-        self._oldest, self._queue_size = (oldest_inflight, oldest_unacked), queue_size
+        self._oldest, self._queue_size, self.poller_cpu_s = (oldest_inflight, oldest_unacked), queue_size, poller_cpu_s
 
     def checkpoint(self) -> list[list[Any]]:
-        """Every nonzero counter total as ``[name, attributes, total]``, for a successor."""
         return [[name, a, v] for name, table in self._totals.items() for a, v in list(table.values()) if v]
 
     def seed(self, totals: list[list[Any]]) -> None:
-        """Go on from a predecessor's :meth:`checkpoint`, skipping what is not ours."""
+        """Go on from a predecessor's :meth:`checkpoint` (what is not ours is skipped)."""
         for name, attrs, value in totals:
             table = self._totals.get(name)
             if table is not None and type(attrs) is dict and type(value) in (int, float) and value > 0:
-                # (a list arrives for a tuple: metric points need hashable attribute values)
+                # (a list arrives for a tuple: metric points need hashable values)
                 pairs = [(k, tuple(v) if type(v) is list else v) for k, v in attrs.items() if k not in self._static]
-                try:
+                with contextlib.suppress(TypeError):  # a value no metric point can carry
                     self._count(table, value, *pairs)
-                except TypeError:  # a value no metric point can carry
-                    pass
 
-    def completed(self, record: Any, busy_added_ns: int) -> None:
-        """A transfer finished successfully: counters, duration, bandwidth, queue wait."""
-        d, timing, seconds = record.direction, record.timing_source, record.duration_ns / 1e9
-        by_d, origin, src, dst = (sc.DIRECTION, d), (sc.ORIGIN, record.origin), *TIERS[d]
-        self._count(self.blocks, record.blocks, by_d, origin)
+    def completed(self, r: Any, busy_added_ns: int) -> None:
+        d, timing, seconds = r.direction, r.timing_source, r.duration_ns / 1e9
+        by_d, origin, src, dst = (sc.DIRECTION, d), (sc.ORIGIN, r.origin), *TIERS[d]
+        self._count(self.blocks, r.blocks, by_d, origin)
         # a mixed merged op counts each queued op's tokens and bytes under its own cause
-        for cause, pools, tokens, num_bytes in record.cause_parts or (
-                (record.cause, record.pool_names, record.pool_tokens, record.num_bytes),):
+        for cause, pools, tokens, num_bytes in r.cause_parts or ((r.cause, r.pool_names, r.pool_tokens, r.num_bytes),):
             self._moved(d, origin, cause, num_bytes, pools, tokens)
         if busy_added_ns:
             self._count(self.busy_time, busy_added_ns / 1e9, by_d)
-        io_backend = self._default_io_backend if record.io_backend is None else str(record.io_backend)
+        io_backend = self._io_backend if r.io_backend is None else str(r.io_backend)
         self.duration.record(seconds, self._attrs(
             by_d, (sc.SRC_TIER, src), (sc.DST_TIER, dst), origin, (sc.IO_BACKEND, io_backend),
-            (sc.TIMING_SOURCE, timing), (sc.CAUSE, record.cause), capped=sc.IO_BACKEND), record.exemplar_context)
+            (sc.TIMING_SOURCE, timing), (sc.CAUSE, r.cause), capped=sc.IO_BACKEND), r.exemplar_context)
         if seconds > 0:
-            self.bandwidth.record(record.num_bytes / seconds, self._attrs(by_d, (sc.TIMING_SOURCE, timing)))
-        if record.queue_wait_ns is not None:
-            self.queue_wait.record(record.queue_wait_ns / 1e9, self._attrs(by_d))
+            self.bandwidth.record(r.num_bytes / seconds, self._attrs(by_d, (sc.TIMING_SOURCE, timing)))
+        if r.queue_wait_ns is not None:
+            self.queue_wait.record(r.queue_wait_ns / 1e9, self._attrs(by_d))
 
-    def acked(self, record: Any) -> None:
-        self.ack_delay.record(max(0, record.ack_ns - record.end_ns) / 1e9,
-                              self._attrs((sc.DIRECTION, record.direction)), record.exemplar_context)
+    def acked(self, r: Any) -> None:
+        self.ack_delay.record(max(0, r.ack_ns - r.end_ns) / 1e9, self._attrs((sc.DIRECTION, r.direction)),
+                              r.exemplar_context)
 
     def failed_record(self, reason: str) -> None:
         self._count(self.failed, 1, (sc.REASON, reason))
@@ -159,34 +155,15 @@ class TransferMetrics:
     def dropped_records(self, reason: str, count: int = 1) -> None:
         self._count(self.dropped, count, (sc.REASON, reason))
 
-    def host_waste(self, waste: Any, page_size: int) -> None:
-        """Host pages freed or overwritten never read: (bytes, pages) per cause index, or None."""
-        for cause, num_bytes, pages in zip(OFFLOAD_CAUSES, *(waste or ((), ()))):
-            if pages:
+    def host_waste(self, waste: Any) -> None:
+        for cause, num_bytes, tokens in zip(OFFLOAD_CAUSES, *(waste or ((), ()))):
+            if tokens:
                 self._count(self.wasted_bytes, num_bytes, (sc.OFFLOAD_CAUSE, cause))
-                self._count(self.wasted_tokens, pages * page_size, (sc.OFFLOAD_CAUSE, cause))
+                self._count(self.wasted_tokens, tokens, (sc.OFFLOAD_CAUSE, cause))
 
     def host_reuse(self, cause: str, reuse: Any) -> None:
-        """A load-back's pages (a ``Reuse`` or None): residence per writing offload, and bytes."""
-        if reuse is None:
-            return
         for offload_cause, num_bytes in zip(OFFLOAD_CAUSES, reuse.bytes_by_cause):
             if num_bytes:
                 self._count(self.reloaded_bytes, num_bytes, (sc.OFFLOAD_CAUSE, offload_cause))
         for ns, offload_cause in zip(reuse.residence_ns, reuse.causes):
             self.residence.record(ns / 1e9, self._attrs((sc.CAUSE, cause), (sc.OFFLOAD_CAUSE, offload_cause)))
-
-
-class TelemetryCpu:
-    """CPU seconds of the poller (``poller_cpu_s``, set from each state) and of the telemetry process
-    (none embedded: the SDK's threads are not ours to find), and where the sinks run."""
-
-    def __init__(self, meter_provider: Any, static: Mapping[str, Any], location: str) -> None:
-        self.poller_cpu_s: float | None = None
-        meter, attrs = meter_provider.get_meter(sc.SCOPE_NAME, __version__), dict(static)
-        process, alone = {**attrs, sc.THREAD: sc.THREAD_TELEMETRY_PROCESS}, location == sc.LOCATION_TELEMETRY_PROCESS
-        _observe(meter.create_observable_counter, sc.POLLER_CPU_TIME,
-                 lambda: [] if self.poller_cpu_s is None else [(attrs, self.poller_cpu_s)])
-        _observe(meter.create_observable_counter, sc.EXPORT_CPU_TIME,
-                 lambda: [(process, time.process_time())] if alone else [])
-        _observe(meter.create_observable_gauge, sc.SINKS, lambda: [({**attrs, sc.LOCATION: location}, 1)])

@@ -1,12 +1,9 @@
-"""The telemetry process of one serving process (started by :mod:`otel_hicache.capture.channel`),
-at a lower CPU priority, deaf to Ctrl-C. Its input is frames (:mod:`..record`): the hello (the
-serving process's resource and static attributes), then batches; one not the capture's is counted
-and skipped. A ``FLUSH`` is answered once what came before it is exported; every ``CHECKPOINT_S``
-a checkpoint goes back for a successor (span ids come from the ops: a replayed op is the same
-span). At the end of its input it ends the ack waits, exports within the bound and exits."""
+"""The telemetry process of a serving process, niced, deaf to Ctrl-C: it reads frames (a hello, then
+batches) and answers lines, as :mod:`..record` says."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -22,21 +19,18 @@ from ..diagnostics import logger, mark_warned, warn_once
 from ..settings import env_float
 from .bounded_flush import bounded
 
-NICENESS = 10  # below the serving process: export waits, serving does not
 CHECKPOINT_S = 1.0  # spans exported and a checkpoint answered at most this often,
 CHECKPOINT_BYTES = 4 << 20  # and after this much input
-PARENT_CHECK_S = 1.0  # with nothing to checkpoint, an idle read waits this long, then looks for the serving process
-MALFORMED = object()  # a frame that is not the capture's: not JSON, or longer than any of its batches
+PARENT_CHECK_S = 1.0  # an idle read owing nothing waits this long, then looks for the serving process
 
 
 def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
-    """(value or ``MALFORMED``, size) of each frame until the input ends or the serving process is gone;
-    ``idle()`` runs when a read found nothing and says how long the next one waits."""
+    """(value or None, size) of each frame until the input ends or the serving process is gone."""
     parent, buffer, header, wait = os.getppid(), bytearray(), rec.FRAME_HEADER.size, PARENT_CHECK_S
     while True:
         length = rec.FRAME_HEADER.unpack_from(buffer)[0] if len(buffer) >= header else -1
-        if length > rec.MAX_FRAME_BYTES:  # not the capture's: what was read with it goes too
-            yield MALFORMED, len(buffer)
+        if length > rec.MAX_FRAME_BYTES:  # what was read with it goes too
+            yield None, len(buffer)
             buffer.clear()
         elif 0 <= length <= len(buffer) - header:
             data = bytes(buffer[header:header + length])
@@ -44,13 +38,13 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
             try:
                 yield rec.decode(data), header + length
             except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
-                yield MALFORMED, header + length
+                yield None, header + length
         elif select.select([fd], [], [], wait)[0]:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 return
             buffer += chunk
-            wait = 0.0  # what it brings may owe a checkpoint: idle() sets the next wait
+            wait = 0.0  # it may owe a checkpoint: idle() says
         elif os.getppid() != parent:
             return
         else:
@@ -58,8 +52,6 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
 
 
 def well_formed(batch: Any) -> bool:
-    """Lists starting with their kind (a FLUSH's token an int, a STOP's bound a number), as the capture
-    writes them; any message may still fail alone later."""
     return type(batch) is list and all(
         type(m) is list and m and type(m[0]) is int and rec.OP <= m[0] <= rec.CHECKPOINT
         and (m[0] != rec.FLUSH or (len(m) > 1 and type(m[1]) is int))
@@ -67,8 +59,6 @@ def well_formed(batch: Any) -> bool:
 
 
 class _Sinks:
-    """The providers and consumer a hello asks for, and their checkpoints."""
-
     def __init__(self, hello: dict[str, Any], answer: Callable[[bytes], None]) -> None:
         from opentelemetry.sdk.resources import Resource
 
@@ -88,24 +78,22 @@ class _Sinks:
 
     def take(self, batch: Any, size: int) -> None:
         self.frames, self.read = self.frames + 1, self.read + size
-        if batch is MALFORMED or not well_formed(batch):  # written by another process: skipped, counted
+        if not well_formed(batch):  # written by another process: skipped, counted
             self.consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
             warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
                       "capture's; skipped, counted in otel_hicache.records.dropped{reason=malformed_frame}")
             return
         self.bound = next((m[1] for m in batch if m[0] == rec.STOP), self.bound)
-        flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]  # (0: the poller's, no export)
+        flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]
         self.consumer.apply(batch)
-        if not flushes:
-            self.checkpoint()
-            return
-        ok = self.providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
-        if ok:
-            self.checkpoint(flushed=True)
-        self.answer(b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
+        ok = bool(flushes) and self.providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
+        if ok or not flushes:
+            self.checkpoint(flushed=ok)
+        if flushes:
+            self.answer(b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
 
     def checkpoint(self, flushed: bool = False) -> None:
-        """The spans taken in exported (``flushed``: just now), then ``exported <frames> <checkpoint>``."""
+        """If due, export the spans taken in (``flushed``: done), then answer ``exported``."""
         if not flushed and (self.frames == self.taken or time.monotonic() - self.at < CHECKPOINT_S
                             and self.read - self.read_then < CHECKPOINT_BYTES):
             return
@@ -116,12 +104,12 @@ class _Sinks:
             self.answer(b"exported %d %s\n" % (frames, message))
 
     def idle(self) -> float:
-        """A checkpoint if one is due, then how long the next read may wait: no wake-up while nothing is owed."""
+        """No wake-up while nothing is owed."""
         self.checkpoint()
         return PARENT_CHECK_S if self.frames == self.taken else max(0.01, self.at + CHECKPOINT_S - time.monotonic())
 
     def close(self) -> None:
-        """The ack waits end; a flush first, within the bound: the SDK's self-metrics leave with it."""
+        """A flush first, within the bound: the SDK's self-metrics leave with it."""
         self.consumer.close()
         deadline = time.monotonic() + self.bound
         self.providers.force_flush(self.bound)
@@ -130,19 +118,15 @@ class _Sinks:
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        os.nice(NICENESS)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        os.nice(10)  # export waits, serving does not
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # anything printed goes to the serving process's standard error, not into the answers
     sys.stdout = sys.stderr
 
     def answer(line: bytes) -> None:
-        try:
+        with contextlib.suppress(OSError):  # it stopped reading: no answer is needed
             answers.write(line)
-        except OSError:  # it stopped reading: no answer is needed
-            pass
 
     sinks: _Sinks | None = None
     source = frames(0, lambda: sinks.idle() if sinks is not None else PARENT_CHECK_S)

@@ -1,14 +1,15 @@
-"""Transfer spans on the public ``Tracer`` API: timed by the copy (device time on the wall clock),
-begun when its completion arrives, ended after its ack wait, children of the context at submit."""
+"""Spans timed by the copy (device time on the wall clock), ended after the ack wait, children of the
+context at submit."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any, Mapping
 
-from opentelemetry import trace
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import TraceFlags, TraceState
 from opentelemetry.trace.propagation import set_span_in_context
 
 from .. import semconv as sc
@@ -21,30 +22,34 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
 def trace_id_hex(context: Any) -> str:
-    """A trace id as Jaeger shows it: 16 hex digits for a 64-bit one (SGLang's), else 32."""
-    return f"{context.trace_id:016x}" if context.trace_id < 1 << 64 else trace.format_trace_id(context.trace_id)
+    """As Jaeger shows it: 16 hex digits for a 64-bit id (SGLang's), else 32."""
+    return f"{context.trace_id:0{16 if context.trace_id < 1 << 64 else 32}x}"
+
+
+def span_context(values: Any) -> SpanContext:
+    trace_id, span_id, flags, remote, state = values
+    return SpanContext(trace_id, span_id, remote, TraceFlags(flags), TraceState(list(state)) if state else None)
 
 
 class OpIds(IdGenerator):
-    """Ids hashed from the op's seq (:meth:`use`) and a key of the serving process, so an op a
-    successor replays is the same span; random ids before the first op."""
+    """Ids hashed from the op's seq and a key: a successor's replayed op is the same span."""
 
     def __init__(self, key: bytes) -> None:
-        self._key, self._digest, self._random = key[:64], b"", RandomIdGenerator()
+        self._key, self._digest = key[:64], os.urandom(24)
 
     def use(self, seq: int) -> None:
         self._digest = hashlib.blake2b(seq.to_bytes(8, "little", signed=True), key=self._key, digest_size=24).digest()
 
     def generate_span_id(self) -> int:
-        return int.from_bytes(self._digest[:8], "little") or 1 if self._digest else self._random.generate_span_id()
+        return int.from_bytes(self._digest[:8], "little") or 1
 
     def generate_trace_id(self) -> int:
-        return int.from_bytes(self._digest[8:], "little") or 1 if self._digest else self._random.generate_trace_id()
+        return int.from_bytes(self._digest[8:], "little") or 1
 
 
-def span_attributes(record: Any, static: Mapping[str, Any]) -> dict[str, Any]:
-    """A span's attributes but the ack's: static, the call's, then the measured ones (which win)."""
-    r, (src, dst), reuse = record, TIERS[record.direction], record.host[2]
+def span_attributes(r: Any, static: Mapping[str, Any]) -> dict[str, Any]:
+    """All but the ack's: static, the call's, then the measured ones (which win)."""
+    (src, dst), reuse = TIERS[r.direction], r.host[2]
     residence = reuse.residence_ns if reuse else ()  # (oldest write first)
     attrs = {**static, **(r.attributes or {})}
     for key, value in (
@@ -65,45 +70,43 @@ def span_attributes(record: Any, static: Mapping[str, Any]) -> dict[str, Any]:
     return attrs
 
 
-def _ack_attributes(record: Any) -> dict[str, Any]:
-    if record.ack_ns is not None:
-        return {sc.ACKED: True, sc.ACK_DELAY_US: max(0, record.ack_ns - record.end_ns) / 1e3}
-    return {sc.ACKED: False} if record.expect_ack else {}
+def _ack_attributes(r: Any) -> dict[str, Any]:
+    if r.ack_ns is not None:
+        return {sc.ACKED: True, sc.ACK_DELAY_US: max(0, r.ack_ns - r.end_ns) / 1e3}
+    return {sc.ACKED: False} if r.expect_ack else {}
 
 
 class SpanBuilder:
-    """Spans of the consumer's ops on one tracer provider (``ids``: the telemetry process's)."""
-
     def __init__(self, tracer_provider: Any, static: Mapping[str, Any], ids: OpIds | None = None) -> None:
         self._tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
         self._static, self._ids = static, ids
 
-    def begin(self, record: Any) -> tuple[Any, bool]:
-        """The op's span, and whether it waits for the ack (else it has the ack's attributes)."""
+    def begin(self, r: Any) -> tuple[Any, bool]:
+        """The span, and whether it waits for the ack (else it has the ack's attributes)."""
         if self._ids is not None:
-            self._ids.use(record.seq)
-        attrs = span_attributes(record, self._static)
-        waits = record.expect_ack and record.ack_ns is None and record.error is None
+            self._ids.use(r.seq)
+        attrs = span_attributes(r, self._static)
+        waits = r.expect_ack and r.ack_ns is None and r.error is None
         if not waits:
-            attrs.update(_ack_attributes(record))
+            attrs.update(_ack_attributes(r))
+        requests = [span_context(c) for c in r.request_links]
         # links: the sampled offloads that wrote a load-back's pages, then the requests it served
-        links = [*(Link(SpanContext(t, s, False, _SAMPLED), _TO_OFFLOAD) for t, s in record.links),
-                 *(Link(context, _TO_REQUEST) for context in record.request_links)]
-        span = self._tracer.start_span(SPAN_NAMES[record.direction], record.parent_context, SpanKind.INTERNAL,
-                                       attrs, links, record.start_ns)
-        record.span_context = span.get_span_context()
-        if record.span_context.trace_flags.sampled:
-            record.exemplar_context = set_span_in_context(span)
+        links = [*(Link(SpanContext(t, s, False, _SAMPLED), _TO_OFFLOAD) for t, s in r.links),
+                 *(Link(context, _TO_REQUEST) for context in requests)]
+        parent = set_span_in_context(NonRecordingSpan(span_context(r.parent))) if r.parent else None
+        span = self._tracer.start_span(SPAN_NAMES[r.direction], parent, SpanKind.INTERNAL, attrs, links, r.start_ns)
+        r.span_context = span.get_span_context()
+        if r.span_context.trace_flags.sampled:
+            r.exemplar_context = set_span_in_context(span)
         if span.is_recording():
-            for context in record.request_links:  # the way back from a request, in Jaeger's search
-                span.add_event(sc.EVENT_REQUEST, {sc.REQUEST_TRACE_ID: trace_id_hex(context)}, record.submit_ns)
-            if record.error is not None:
-                span.set_status(Status(StatusCode.ERROR, record.error))
+            for context in requests:  # the way back from a request, in Jaeger's search
+                span.add_event(sc.EVENT_REQUEST, {sc.REQUEST_TRACE_ID: trace_id_hex(context)}, r.submit_ns)
+            if r.error is not None:
+                span.set_status(Status(StatusCode.ERROR, r.error))
         return span, waits
 
-    def finish(self, record: Any, state: tuple[Any, bool]) -> None:
-        """End the span at the copy's end, with the ack's attributes if it waited."""
+    def finish(self, r: Any, state: tuple[Any, bool]) -> None:
         span, waited = state
         if waited and span.is_recording():
-            span.set_attributes(_ack_attributes(record))
-        span.end(end_time=record.end_ns)
+            span.set_attributes(_ack_attributes(r))
+        span.end(end_time=r.end_ns)
