@@ -1,15 +1,11 @@
-"""The standard ``OTEL_*`` variables, read by the SDK objects themselves, with the promises the SDK lacks.
-
-A constructor that rejects a value would raise into the host: :func:`build` retries with that
-variable's default and warns once. A blank value means unset (the specification's rule; the SDK
-takes some as values). Checked ahead, as the SDK would go on silently: a time <= 0 or infinite, and
-a certificate or key file that cannot be read or is not a regular file (a FIFO would block). The
-OTLP headers are parsed here, so that no header value reaches a log line. ``os.environ`` is never
-modified (in the host, it is not ours).
-"""
+"""The standard ``OTEL_*`` variables, read by the SDK objects themselves, with the promises the SDK lacks:
+a value a constructor would reject or silently misuse is replaced up front by its default with one warning,
+a blank one means unset, a certificate file is checked unread, the OTLP headers are parsed here (no value
+reaches a log line). ``os.environ`` is never modified (in the host, it is not ours)."""
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import string
@@ -19,11 +15,8 @@ from urllib.parse import unquote
 from ..diagnostics import shown, warn_once, withhold
 from .redaction import userinfo, without_userinfo
 
-Retry = tuple[str, Any, str]  # (the constructor's keyword, its default or a function giving it, as warned)
-
-MEANT = {"OTEL_METRICS_EXEMPLAR_FILTER": ("trace_based", "always_on", "always_off"),
-         "OTEL_EXPORTER_OTLP_COMPRESSION": ("none",)}
-"""Values the specification allows that an SDK constructor rejects: passed as what they mean, unwarned."""
+# (the constructor's keyword, the value of a valid text or None, the default or the variable tried next, as warned)
+Variable = tuple[str, Callable[[str], Any], Any, str]
 FILES = {"CERTIFICATE": "CA certificate", "CLIENT_KEY": "client key", "CLIENT_CERTIFICATE": "client certificate"}
 
 
@@ -37,58 +30,106 @@ def blank(name: str) -> bool:
     return name in os.environ and raw(name) is None
 
 
-def _number(text: str | None) -> bool:
+def _count(text: str) -> int | None:
+    # ASCII digits: int() takes other scripts' and raises past 4,300 digits
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+
+
+def _positive(text: str) -> int | None:
+    return value if (value := _count(text)) else None
+
+
+def _time(text: str) -> float | None:
     try:
-        return float(text) is not None  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0 < value < math.inf else None
 
 
-def _seconds(text: str | None) -> float | None:
-    """``text`` as a time > 0 and finite; None when it is not one."""
-    return value if _number(text) and 0 < (value := float(text)) < float("inf") else None  # type: ignore[arg-type]
+def _queue_size() -> int:
+    return _positive((raw("OTEL_BSP_MAX_QUEUE_SIZE") or "").strip()) or 2048
 
 
-def _count_or(name: str, default: int) -> Callable[[], int]:
-    """The integer >= 0 in ``name`` (ASCII digits: ``int()`` takes other scripts'), else ``default``."""
-    def value() -> int:
-        text = (raw(name) or "").strip()
-        return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else default
-    return value
+def _batch_size(text: str) -> int | None:
+    return value if (value := _positive(text)) and value <= _queue_size() else None
 
 
-def _exemplar_filter() -> Any:
+def _exemplar_filter(text: str) -> Any:
     from opentelemetry.sdk import metrics
 
-    name = (raw("OTEL_METRICS_EXEMPLAR_FILTER") or "").strip().lower()
-    return {"always_on": metrics.AlwaysOnExemplarFilter, "always_off": metrics.AlwaysOffExemplarFilter}.get(
-        name, metrics.TraceBasedExemplarFilter)()
+    return {"trace_based": metrics.TraceBasedExemplarFilter, "always_on": metrics.AlwaysOnExemplarFilter,
+            "always_off": metrics.AlwaysOffExemplarFilter}.get(text.lower(), lambda: None)()
 
 
+EXPECTED = {_count: "an integer >= 0", _positive: "an integer > 0", _time: "a number > 0",
+            _batch_size: "an integer > 0 and at most the queue size"}
 _COUNT, _LENGTH = "OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"
-SPAN_LIMITS: dict[str, Retry] = {  # SpanLimits keywords; the general limits first (-1: SpanLimits.UNSET)
-    _COUNT: ("max_attributes", 128, "128"),
-    **{f"OTEL_{kind}_ATTRIBUTE_COUNT_LIMIT": (f"max_{kind.lower()}_attributes", _count_or(_COUNT, 128),
-                                             f"{_COUNT}, else 128") for kind in ("SPAN", "EVENT", "LINK")},
-    "OTEL_SPAN_EVENT_COUNT_LIMIT": ("max_events", 128, "128"),
-    "OTEL_SPAN_LINK_COUNT_LIMIT": ("max_links", 128, "128"),
-    _LENGTH: ("max_attribute_length", -1, "no limit"),
-    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT": ("max_span_attribute_length", _count_or(_LENGTH, -1),
-                                               f"{_LENGTH}, else no limit"),
+SPAN_LIMITS: dict[str, Variable] = {  # SpanLimits keywords (-1: SpanLimits.UNSET)
+    _COUNT: ("max_attributes", _count, 128, "128"),
+    **{f"OTEL_{kind}_ATTRIBUTE_COUNT_LIMIT": (f"max_{kind.lower()}_attributes", _count, _COUNT, "")
+       for kind in ("SPAN", "EVENT", "LINK")},
+    "OTEL_SPAN_EVENT_COUNT_LIMIT": ("max_events", _count, 128, "128"),
+    "OTEL_SPAN_LINK_COUNT_LIMIT": ("max_links", _count, 128, "128"),
+    _LENGTH: ("max_attribute_length", _count, -1, "no limit"),
+    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT": ("max_span_attribute_length", _count, _LENGTH, ""),
 }
-BATCH_SPAN_PROCESSOR: dict[str, Retry] = {  # the batch size first: it is checked against the queue size
-    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": (
-        "max_export_batch_size", lambda: min(512, _count_or("OTEL_BSP_MAX_QUEUE_SIZE", 2048)() or 2048),
-        "512, or the queue size when that is smaller"),
-    "OTEL_BSP_SCHEDULE_DELAY": ("schedule_delay_millis", 5000, "5000"),
-    "OTEL_BSP_EXPORT_TIMEOUT": ("export_timeout_millis", 30000, "30000"),
-    "OTEL_BSP_MAX_QUEUE_SIZE": ("max_queue_size", 2048, "2048"),
+BATCH_SPAN_PROCESSOR: dict[str, Variable] = {
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": ("max_export_batch_size", _batch_size, lambda: min(512, _queue_size()),
+                                       "512, or the queue size when that is smaller"),
+    "OTEL_BSP_SCHEDULE_DELAY": ("schedule_delay_millis", _positive, 5000, "5000"),
+    "OTEL_BSP_EXPORT_TIMEOUT": ("export_timeout_millis", _positive, 30000, "30000"),
+    "OTEL_BSP_MAX_QUEUE_SIZE": ("max_queue_size", _positive, 2048, "2048"),
 }
-METRIC_READER: dict[str, Retry] = {
-    "OTEL_METRIC_EXPORT_INTERVAL": ("export_interval_millis", 60000.0, "60000"),
-    "OTEL_METRIC_EXPORT_TIMEOUT": ("export_timeout_millis", 30000.0, "30000"),
+METRIC_READER: dict[str, Variable] = {
+    "OTEL_METRIC_EXPORT_INTERVAL": ("export_interval_millis", _time, 60000.0, "60000"),
+    "OTEL_METRIC_EXPORT_TIMEOUT": ("export_timeout_millis", _time, 30000.0, "30000"),
 }
-METER_PROVIDER: dict[str, Retry] = {"OTEL_METRICS_EXEMPLAR_FILTER": ("exemplar_filter", _exemplar_filter, "trace_based")}
+METER_PROVIDER: dict[str, Variable] = {
+    "OTEL_METRICS_EXEMPLAR_FILTER": ("exemplar_filter", _exemplar_filter, lambda: _exemplar_filter("trace_based"),
+                                     "trace_based")}
+
+
+def used_instead(table: Mapping[str, Variable], name: str) -> str:
+    """What an invalid ``name`` gets, as warned and documented."""
+    _, _, instead, as_shown = table[name]
+    return f"{instead}, else {used_instead(table, instead)}" if isinstance(instead, str) and instead in table \
+        else as_shown
+
+
+def _value(table: Mapping[str, Variable], name: str, invalid: dict[str, str]) -> Any:
+    _, parse, instead, _ = table[name]
+    if (text := raw(name)) is not None:
+        if (value := parse(text.strip())) is not None:
+            return value
+        invalid[name] = EXPECTED.get(parse, "supported")
+    if isinstance(instead, str) and instead in table:
+        return _value(table, instead, invalid)
+    return instead() if callable(instead) else instead
+
+
+def build(what: str, make: Callable[..., Any], table: Mapping[str, Variable] | None = None) -> Any:
+    """``make()`` with the keyword of each variable of ``table`` that is set: its value, or when blank or
+    invalid what replaces it (one warning each invalid); None, warned once, when ``make()`` raises."""
+    table, keywords, invalid = table or {}, {}, {}
+    for name, (keyword, *_) in table.items():  # (a per-signal form before its general one)
+        if name in os.environ and keyword not in keywords:
+            keywords[keyword] = _value(table, name, invalid)
+
+    def quoted(name: str) -> str:
+        return shown(without_userinfo(os.environ.get(name, "")))
+
+    try:
+        built = make(**keywords)
+    except Exception as exc:  # pylint: disable=broad-except  # never into the host
+        read = "".join(f"; check {name}={quoted(name)}" for name in table if name in os.environ)
+        warn_once(f"otel_environment:{what}", "otel-hicache: cannot create the %s (%s: %s)%s; it is left out",
+                  what, type(exc).__name__, shown(exc), read)
+        return None
+    for name, expected in invalid.items():
+        warn_once(f"otel_environment:{name}", "otel-hicache: %s=%s is not %s; using %s instead", name,
+                  quoted(name), expected, used_instead(table, name))
+    return built
 
 
 def resource() -> Any:
@@ -139,32 +180,35 @@ def tls(signal: str, protocol: str) -> bool:
     return found[1].strip().lower() != "true" if found is not None else not url.startswith("http://")
 
 
-def _compression(signal: str, protocol: str) -> Any:
+def _compression(protocol: str, text: str) -> Any:
     if protocol == "grpc":
         from grpc import Compression
     else:
         from opentelemetry.exporter.otlp.proto.http import Compression  # type: ignore[assignment]
     known = {"gzip": Compression.Gzip, "none": Compression.NoCompression}
-    known.update({"deflate": Compression.Deflate} if protocol != "grpc" else {})
-    values = (known.get((raw(name) or "").strip().lower()) for name in signal_variable(signal, "COMPRESSION"))
-    return next((v for v in values if v is not None), Compression.NoCompression)
+    return (known | ({"deflate": Compression.Deflate} if protocol != "grpc" else {})).get(text.lower())
 
 
-def otlp_exporter(signal: str, protocol: str) -> dict[str, Retry]:
-    """What the OTLP exporter of ``signal`` (``traces``, ``metrics``) over ``protocol`` is retried with."""
-    default = "http://localhost:4317" if protocol == "grpc" else f"http://localhost:4318/v1/{signal}"
-    timeout = lambda: next((t for n in signal_variable(signal, "TIMEOUT") if (t := _seconds(raw(n)))), 10.0)  # noqa
-    suffixes = {"ENDPOINT": ("endpoint", lambda: endpoint(signal, protocol), default),
-                "TIMEOUT": ("timeout", timeout, "10"),
-                "COMPRESSION": ("compression", lambda: _compression(signal, protocol), "none")}
+def otlp_exporter(signal: str, protocol: str) -> dict[str, Variable]:
+    """The variables of the OTLP exporter of ``signal`` over ``protocol``, each per-signal form first."""
+    def url(_: str = "") -> str:
+        return endpoint(signal, protocol)
+
+    def insecure(_: str = "") -> bool:
+        return not tls(signal, protocol)
+
+    forms = {"ENDPOINT": ("endpoint", url, url, "http://localhost:4317" if protocol == "grpc" else
+                          f"http://localhost:4318/v1/{signal}"),
+             "TIMEOUT": ("timeout", _time, 10.0, "10"),
+             "COMPRESSION": ("compression", lambda text: _compression(protocol, text),
+                             lambda: _compression(protocol, "none"), "none")}
     if protocol == "grpc":
-        suffixes["INSECURE"] = ("insecure", lambda: not tls(signal, protocol), "by the endpoint's scheme")
-    retries: dict[str, Retry] = {}
-    for suffix, (keyword, value, shown_as) in suffixes.items():
+        forms["INSECURE"] = ("insecure", insecure, insecure, "by the endpoint's scheme")
+    table: dict[str, Variable] = {}
+    for suffix, (keyword, parse, default, as_shown) in forms.items():
         specific, general = signal_variable(signal, suffix)
-        retries[specific] = (keyword, value, f"{general}, else {shown_as}")  # as if it were unset
-        retries[general] = (keyword, value, shown_as)
-    return retries
+        table[specific], table[general] = (keyword, parse, general, ""), (keyword, parse, default, as_shown)
+    return table
 
 
 class Headers(dict):  # type: ignore[type-arg]
@@ -178,8 +222,8 @@ _TOKEN = frozenset("!#$%&'*+-.^_`|~" + string.ascii_letters + string.digits)
 
 
 def headers(signal: str) -> tuple[Headers | None, list[str]]:
-    """The signal's ``*_HEADERS`` pairs (None when unset) and the secrets they hold. Malformed entries
-    are left out with one warning that names their keys or places, never their text."""
+    """The signal's ``*_HEADERS`` pairs (None when unset) and the secrets they hold; malformed entries
+    are left out with one warning naming their keys or places, never their text."""
     if (found := first(signal, "HEADERS")) is None:
         return (Headers() if any(blank(n) for n in signal_variable(signal, "HEADERS")) else None), []
     pairs, bad, secrets = Headers(), [], []
@@ -202,17 +246,15 @@ def headers(signal: str) -> tuple[Headers | None, list[str]]:
 
 
 def file_variables(signal: str) -> list[str]:
-    """The signal's certificate and key variables, each per-signal form before its general one."""
     return [name for suffix in FILES for name in signal_variable(signal, suffix)]
 
 
-def unreadable(path: str, directory_ok: bool = False) -> str | None:
-    """Why ``path`` cannot be a certificate or key file, or None. A FIFO or a device is refused unread."""
+def _unreadable(path: str, directory_ok: bool) -> str | None:
     try:
         kind = os.stat(path).st_mode
         if stat.S_ISDIR(kind) and directory_ok:
             return None
-        if not stat.S_ISREG(kind):
+        if not stat.S_ISREG(kind):  # a FIFO would block, a device never end
             return "is not a regular file"
         os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
@@ -223,9 +265,8 @@ def unreadable(path: str, directory_ok: bool = False) -> str | None:
 def tls_files(signal: str, protocol: str) -> list[tuple[str, str, str, str | None]]:
     """(suffix, variable, path, why it cannot be used or None) of each file variable set for the signal."""
     found = [(suffix, *pair) for suffix in FILES if (pair := first(signal, suffix)) is not None]
-    return [(suffix, name, path.strip(), unreadable(path.strip(), directory_ok=protocol != "grpc" and
-                                                    suffix == "CERTIFICATE"))  # (requests takes a directory)
-            for suffix, name, path in found]
+    return [(suffix, name, path.strip(), _unreadable(path.strip(), protocol != "grpc" and suffix == "CERTIFICATE"))
+            for suffix, name, path in found]  # (requests takes a directory of CA certificates)
 
 
 def certificate_usable(signal: str, protocol: str) -> bool:
@@ -246,8 +287,8 @@ def _file(signal: str, suffix: str) -> str | None:
 
 
 def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, Any]:
-    """The signal's OTLP exporter's headers, parsed here, and gRPC credentials when a file variable is
-    blank (the exporter would take it as a path). Their and the endpoints' secrets are withheld from now on."""
+    """The signal's parsed headers, and gRPC credentials when a file variable is blank (the exporter would
+    take it as a path); their and the endpoints' secrets are withheld from now on."""
     pairs, secrets = headers(signal)
     withhold([*secrets, *(userinfo(os.environ.get(n, "")) for n in signal_variable(signal, "ENDPOINT"))],
              sdk_loggers)
@@ -270,43 +311,3 @@ def settle_session(session: Any, signal: str) -> None:
     if any(blank(n) for n in file_variables(signal)):
         ca, key, cert = (_file(signal, suffix) for suffix in FILES)
         session.verify, session.cert = ca or True, (cert, key) if cert and key else cert
-
-
-def build(what: str, make: Callable[..., Any], retries: Mapping[str, Retry]) -> Any:
-    """``make()`` with the default of each blank variable of ``retries``, each time <= 0 or infinite, and
-    while it raises, of the variable whose default cures the error. One warning per variable replaced
-    but a blank one; None (warned) if none helps."""
-    given = [name for name in retries if raw(name) is not None]
-    blanks = [name for name in retries if blank(name)]
-    chosen = {n: "is not > 0" for n in given if n.endswith(("TIMEOUT", "INTERVAL", "DELAY"))
-              and _seconds(os.environ[n]) is None and _number(os.environ[n])}  # (not a number: the SDK's parse)
-
-    def attempt(names: Any) -> tuple[Any, Exception | None]:
-        defaults = {retries[n][0]: retries[n][1] for n in [*blanks, *names]}  # (a keyword's forms share one)
-        try:
-            return make(**{k: d() if callable(d) else d for k, d in defaults.items()}), None
-        except Exception as exc:  # pylint: disable=broad-except  # never into the host
-            return None, exc
-
-    def quoted(name: str) -> str:
-        return shown(without_userinfo(os.environ.get(name, "")))
-
-    built, error = attempt(chosen)
-    while error is not None:
-        for n in (n for n in given if n not in chosen):
-            built, after = attempt([*chosen, n])
-            if after is None or str(after) != str(error):  # n was what the constructor rejected
-                chosen[n] = f"is rejected by the SDK ({type(error).__name__}: {shown(error)})"
-                error = after
-                break
-        else:
-            read = "".join(f"; check {name}={quoted(name)}" for name in [*given, *blanks])
-            warn_once(f"otel_environment:{what}", "otel-hicache: cannot create the %s (%s: %s)%s; it is left out",
-                      what, type(error).__name__, shown(error), read)
-            return None
-    for n, problem in chosen.items():
-        general = n.replace("_OTLP_TRACES_", "_OTLP_").replace("_OTLP_METRICS_", "_OTLP_")
-        if os.environ[n].strip().lower() not in MEANT.get(general, ()):
-            warn_once(f"otel_environment:{n}", "otel-hicache: %s=%s %s; using %s instead", n, quoted(n), problem,
-                      retries[n][2])
-    return built
