@@ -5,7 +5,6 @@ reaches a log line). ``os.environ`` is never modified (in the host, it is not ou
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 import string
@@ -41,10 +40,9 @@ def _positive(text: str) -> int | None:
 
 def _time(text: str) -> float | None:
     try:
-        value = float(text)
+        return value if 0 < (value := float(text)) < float("inf") else None
     except ValueError:
         return None
-    return value if 0 < value < math.inf else None
 
 
 def _queue_size() -> int:
@@ -67,12 +65,13 @@ EXPECTED = {_count: "an integer >= 0", _positive: "an integer > 0", _time: "a nu
 _COUNT, _LENGTH = "OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"
 SPAN_LIMITS: dict[str, Variable] = {  # SpanLimits keywords (-1: SpanLimits.UNSET)
     _COUNT: ("max_attributes", _count, 128, "128"),
-    **{f"OTEL_{kind}_ATTRIBUTE_COUNT_LIMIT": (f"max_{kind.lower()}_attributes", _count, _COUNT, "")
+    **{f"OTEL_{kind}_ATTRIBUTE_COUNT_LIMIT": (f"max_{kind.lower()}_attributes", _count, _COUNT, f"{_COUNT}, else 128")
        for kind in ("SPAN", "EVENT", "LINK")},
     "OTEL_SPAN_EVENT_COUNT_LIMIT": ("max_events", _count, 128, "128"),
     "OTEL_SPAN_LINK_COUNT_LIMIT": ("max_links", _count, 128, "128"),
     _LENGTH: ("max_attribute_length", _count, -1, "no limit"),
-    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT": ("max_span_attribute_length", _count, _LENGTH, ""),
+    "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT": ("max_span_attribute_length", _count, _LENGTH,
+                                               f"{_LENGTH}, else no limit"),
 }
 BATCH_SPAN_PROCESSOR: dict[str, Variable] = {
     "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": ("max_export_batch_size", _batch_size, lambda: min(512, _queue_size()),
@@ -88,13 +87,6 @@ METRIC_READER: dict[str, Variable] = {
 METER_PROVIDER: dict[str, Variable] = {
     "OTEL_METRICS_EXEMPLAR_FILTER": ("exemplar_filter", _exemplar_filter, lambda: _exemplar_filter("trace_based"),
                                      "trace_based")}
-
-
-def used_instead(table: Mapping[str, Variable], name: str) -> str:
-    """What an invalid ``name`` gets, as warned and documented."""
-    _, _, instead, as_shown = table[name]
-    return f"{instead}, else {used_instead(table, instead)}" if isinstance(instead, str) and instead in table \
-        else as_shown
 
 
 def _value(table: Mapping[str, Variable], name: str, invalid: dict[str, str]) -> Any:
@@ -128,7 +120,7 @@ def build(what: str, make: Callable[..., Any], table: Mapping[str, Variable] | N
         return None
     for name, expected in invalid.items():
         warn_once(f"otel_environment:{name}", "otel-hicache: %s=%s is not %s; using %s instead", name,
-                  quoted(name), expected, used_instead(table, name))
+                  quoted(name), expected, table[name][3])
     return built
 
 
@@ -207,7 +199,8 @@ def otlp_exporter(signal: str, protocol: str) -> dict[str, Variable]:
     table: dict[str, Variable] = {}
     for suffix, (keyword, parse, default, as_shown) in forms.items():
         specific, general = signal_variable(signal, suffix)
-        table[specific], table[general] = (keyword, parse, general, ""), (keyword, parse, default, as_shown)
+        table[specific] = (keyword, parse, general, f"{general}, else {as_shown}")
+        table[general] = (keyword, parse, default, as_shown)
     return table
 
 
