@@ -13,7 +13,7 @@ from ..diagnostics import logger, shown, warn_once, withhold
 from ..settings import sdk_disabled
 from . import otel_environment as oe
 from .bounded_flush import bounded
-from .http_session import otlp_session
+from .http_session import OtlpSession
 
 
 @dataclass
@@ -106,7 +106,7 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
         if otlp is not None and not oe.certificate_usable(signal, otlp):
             continue
         cls = oe.build(f"{name} {signal} exporter class", found.load)
-        fixed = {"session": otlp_session()} if otlp == "http/protobuf" else {}
+        fixed = {"session": OtlpSession()} if otlp == "http/protobuf" else {}
         if otlp is not None:
             fixed.update(oe.otlp_keywords(signal, otlp, own_process))
         if meter_provider is not None:
