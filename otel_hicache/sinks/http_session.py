@@ -12,11 +12,11 @@ import re
 import threading
 import time
 import weakref
-from email.utils import parsedate_to_datetime
 from http import HTTPStatus
 from typing import Any
 
 import requests
+from urllib3.util import Retry
 
 from ..diagnostics import warn_once
 from .redaction import without_userinfo
@@ -54,15 +54,11 @@ def describe(status: int, reason: str | None, location: str | None, url: str) ->
 
 
 def _retry_after_s(value: str | None) -> float:
-    """The seconds a ``Retry-After`` (a number or an HTTP date) asks for, at most an hour; 0 when none."""
+    """The seconds a ``Retry-After`` asks for, at most an hour; 0 when none or malformed."""
     try:
-        seconds = float(value.strip())  # type: ignore[union-attr]
-    except (AttributeError, ValueError):
-        try:
-            seconds = parsedate_to_datetime(value.strip()).timestamp() - time.time()  # type: ignore[union-attr]
-        except (AttributeError, TypeError, ValueError, OverflowError):
-            return 0.0
-    return min(max(seconds, 0.0), 3600.0) if seconds == seconds else 0.0  # NaN: none
+        return min(float(Retry().parse_retry_after(value)), 3600.0) if value else 0.0
+    except Exception:  # pylint: disable=broad-except  # a malformed header asks for nothing
+        return 0.0
 
 
 class OtlpSession(requests.Session):

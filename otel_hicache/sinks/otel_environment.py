@@ -134,8 +134,7 @@ def resource() -> Any:
         return Resource.create()
     named = [unquote(value.strip()) for key, _, value in (item.partition("=") for item in
              (raw("OTEL_RESOURCE_ATTRIBUTES") or "").split(",")) if key.strip() == SERVICE_NAME]
-    executable = f":{os.path.basename(sys.executable)}" if sys.executable else ""
-    return Resource.create({SERVICE_NAME: named[-1] if named else f"unknown_service{executable}"})
+    return Resource.create({SERVICE_NAME: (named or [f"unknown_service:{os.path.basename(sys.executable)}"])[-1]})
 
 
 def sampler() -> Any:
@@ -177,18 +176,13 @@ def _compression(protocol: str, text: str) -> Any:
         from grpc import Compression
     else:
         from opentelemetry.exporter.otlp.proto.http import Compression  # type: ignore[assignment]
-    known = {"gzip": Compression.Gzip, "none": Compression.NoCompression}
-    return (known | ({"deflate": Compression.Deflate} if protocol != "grpc" else {})).get(text.lower())
+    names = {"gzip": "Gzip", "none": "NoCompression", **({"deflate": "Deflate"} if protocol != "grpc" else {})}
+    return getattr(Compression, names.get(text.lower(), "?"), None)
 
 
 def otlp_exporter(signal: str, protocol: str) -> dict[str, Variable]:
     """The variables of the OTLP exporter of ``signal`` over ``protocol``, each per-signal form first."""
-    def url(_: str = "") -> str:
-        return endpoint(signal, protocol)
-
-    def insecure(_: str = "") -> bool:
-        return not tls(signal, protocol)
-
+    url, insecure = lambda _="": endpoint(signal, protocol), lambda _="": not tls(signal, protocol)
     forms = {"ENDPOINT": ("endpoint", url, url, "http://localhost:4317" if protocol == "grpc" else
                           f"http://localhost:4318/v1/{signal}"),
              "TIMEOUT": ("timeout", _time, 10.0, "10"),

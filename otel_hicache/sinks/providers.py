@@ -32,8 +32,7 @@ class Providers:
         done = bounded("shutdown", self.tracer_provider, self.meter_provider, timeout_s)
         if left := max((ended - handed for ended, handed in self.undelivered), default=0):  # no metric can carry it
             logger.warning("otel-hicache: %d spans ended but were never handed to the exporter: dropped by the "
-                           "SDK's full span queue (also in its own otel.sdk.processor.span.processed, "
-                           "error.type=queue_full, where enabled) or still queued at exit", left)
+                           "SDK's full span queue (error.type=queue_full) or still queued at exit", left)
         return done
 
     def force_flush(self, timeout_s: float) -> bool:
@@ -125,10 +124,8 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
           wrap_export: Callable[[Any], Any] | None = None, id_generator: Any = None,
           counters_since_ns: int | None = None, own_process: bool = False,
           static: Mapping[str, Any] | None = None) -> Providers:
-    """Providers from the ``OTEL_*`` variables on ``resource`` (default: the SDK's). ``wrap_export`` wraps
-    each gRPC exporter's ``export`` (the fork guard); ``counters_since_ns``: the start of every monotonic sum
-    exported; ``own_process``: the telemetry process, whose SDK loggers are ours to filter; ``static``: the
-    serving process's attributes, put in the resource unless a pull reader serves the metrics."""
+    """Providers on ``resource``; ``wrap_export`` wraps each gRPC export (the fork guard), ``own_process``: the
+    telemetry process; ``static`` goes into the resource unless a pull reader serves the metrics."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
