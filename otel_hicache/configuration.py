@@ -53,7 +53,6 @@ def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Con
         if previous is not None and not force and previous.pid == os.getpid():
             return previous
         from .sinks import otel_environment, providers
-
         resource = None if sdk_disabled() else otel_environment.resource()
         if not metric_readers and uses_telemetry_process():
             _configured = Configuration(True, None, disabled=False, resource=resource)
@@ -86,7 +85,6 @@ def shutdown(timeout_s: float | None = None) -> bool:
 def uses_telemetry_process() -> bool:
     """:envvar:`OTEL_HICACHE_TELEMETRY_PROCESS`, or when unset: whether an exporter sends over OTLP."""
     from .sinks import providers
-
     if (os.environ.get(ev.OTEL_HICACHE_TELEMETRY_PROCESS) or "").strip() and not sdk_disabled():
         return env_bool(ev.OTEL_HICACHE_TELEMETRY_PROCESS, default=False)
     return not sdk_disabled() and any(providers.otlp_protocol(signal, name) is not None
@@ -96,7 +94,6 @@ def uses_telemetry_process() -> bool:
 def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
     """What the sinks are told of this process (``record``: the hello)."""
     from .sinks import otel_environment
-
     resource = resource if resource is not None else otel_environment.resource()
     return {"resource": dict(resource.attributes), "schema_url": resource.schema_url, "attributes": dict(static),
             "pid": os.getpid(), "warned": warned(), "log_level": logger.getEffectiveLevel()
@@ -109,9 +106,7 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
     providers passed (the other from configure(), else the global one), else configure()'s choice."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
-
     from .sinks.embedded import EmbeddedChannel
-
     def opened() -> Any:
         current, given = configured(), tracer_provider is not None or meter_provider is not None
         if current is None and not given and opened.used_configure:
@@ -134,7 +129,6 @@ def _embedded_fallback(static: Mapping[str, Any], resource: Any) -> Any:
     """Providers built here after all when no telemetry process could run (the static attributes in their resource)."""
     from .sinks import providers
     from .sinks.embedded import EmbeddedChannel
-
     built = providers.build(resource, wrap_export=fork.quiet_at_fork, static=static)
     with _lock:
         if _configured is not None and _configured.pid == os.getpid() and _configured.built is None:

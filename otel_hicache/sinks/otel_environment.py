@@ -1,7 +1,5 @@
-"""The standard ``OTEL_*`` variables, read by the SDK objects themselves, with the promises the SDK lacks:
-a value a constructor would reject or silently misuse is replaced up front by its default with one warning,
-a blank one means unset, a certificate file is checked unread, the OTLP headers are parsed here (no value
-reaches a log line). ``os.environ`` is never modified (in the host, it is not ours)."""
+"""The standard ``OTEL_*`` variables with the promises the SDK lacks: a malformed value is replaced up front
+(one warning), a blank one is unset, certificate files are checked unread, headers never logged."""
 
 from __future__ import annotations
 
@@ -55,7 +53,6 @@ def _batch_size(text: str) -> int | None:
 
 def _exemplar_filter(text: str) -> Any:
     from opentelemetry.sdk import metrics
-
     return {"trace_based": metrics.TraceBasedExemplarFilter, "always_on": metrics.AlwaysOnExemplarFilter,
             "always_off": metrics.AlwaysOffExemplarFilter}.get(text.lower(), lambda: None)()
 
@@ -101,8 +98,7 @@ def _value(table: Mapping[str, Variable], name: str, invalid: dict[str, str]) ->
 
 
 def build(what: str, make: Callable[..., Any], table: Mapping[str, Variable] | None = None) -> Any:
-    """``make()`` with the keyword of each variable of ``table`` that is set: its value, or when blank or
-    invalid what replaces it (one warning each invalid); None, warned once, when ``make()`` raises."""
+    """``make()`` given each variable of ``table`` that is set (a malformed one replaced, warned); None if it raises."""
     table, keywords, invalid = table or {}, {}, {}
     for name, (keyword, *_) in table.items():  # (a per-signal form before its general one)
         if name in os.environ and keyword not in keywords:
@@ -125,11 +121,9 @@ def build(what: str, make: Callable[..., Any], table: Mapping[str, Variable] | N
 
 
 def resource() -> Any:
-    """``Resource.create()``, a blank ``OTEL_SERVICE_NAME`` unset (the SDK would name the service blank)."""
+    """``Resource.create()`` with a blank ``OTEL_SERVICE_NAME`` unset."""
     import sys
-
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-
     if not blank("OTEL_SERVICE_NAME"):
         return Resource.create()
     named = [unquote(value.strip()) for key, _, value in (item.partition("=") for item in
@@ -138,9 +132,8 @@ def resource() -> Any:
 
 
 def sampler() -> Any:
-    """None (the SDK reads ``OTEL_TRACES_SAMPLER``), or its default when the variable is blank."""
+    """None (the SDK reads ``OTEL_TRACES_SAMPLER``), or its default when that is blank."""
     from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
-
     return ParentBased(ALWAYS_ON) if blank("OTEL_TRACES_SAMPLER") else None
 
 
@@ -155,7 +148,7 @@ def first(signal: str, suffix: str) -> tuple[str, str] | None:
 
 
 def endpoint(signal: str, protocol: str) -> str:
-    """The endpoint the signal's OTLP exporter uses, as the exporters resolve it with blanks unset."""
+    """The endpoint the signal's OTLP exporter uses, blanks unset."""
     specific, general = signal_variable(signal, "ENDPOINT")
     if protocol == "grpc" or raw(specific) is not None:
         return (raw(specific) or raw(general) or "http://localhost:4317").strip()
@@ -199,7 +192,7 @@ def otlp_exporter(signal: str, protocol: str) -> dict[str, Variable]:
 
 
 class Headers(dict):  # type: ignore[type-arg]
-    """Pairs an exporter takes even when empty (else it would read the variable, and log its bad entries)."""
+    """Pairs an exporter takes even when empty (else it reads the variable, logging bad entries whole)."""
 
     def __bool__(self) -> bool:
         return True
@@ -209,8 +202,7 @@ _TOKEN = frozenset("!#$%&'*+-.^_`|~" + string.ascii_letters + string.digits)
 
 
 def headers(signal: str) -> tuple[Headers | None, list[str]]:
-    """The signal's ``*_HEADERS`` pairs (None when unset) and the secrets they hold; malformed entries
-    are left out with one warning naming their keys or places, never their text."""
+    """The signal's ``*_HEADERS`` pairs (None when unset) and their secrets; a malformed entry is left out."""
     if (found := first(signal, "HEADERS")) is None:
         return (Headers() if any(blank(n) for n in signal_variable(signal, "HEADERS")) else None), []
     pairs, bad, secrets = Headers(), [], []
@@ -257,8 +249,7 @@ def tls_files(signal: str, protocol: str) -> list[tuple[str, str, str, str | Non
 
 
 def certificate_usable(signal: str, protocol: str) -> bool:
-    """False, warned once, when a file of the signal cannot be read and the connection uses TLS: no
-    default is safe (gRPC would trust the system's CAs, HTTP fail every export, either block on a FIFO)."""
+    """False, warned once, when a file of the signal cannot be read over TLS: no default is safe."""
     for suffix, name, path, problem in tls_files(signal, protocol):
         if problem is not None:
             if tls(signal, protocol):
@@ -274,15 +265,13 @@ def _file(signal: str, suffix: str) -> str | None:
 
 
 def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, Any]:
-    """The signal's parsed headers, and gRPC credentials when a file variable is blank (the exporter would
-    take it as a path); their and the endpoints' secrets are withheld from now on."""
+    """The parsed headers, and gRPC credentials when a file variable is blank (else taken as a path)."""
     pairs, secrets = headers(signal)
     withhold([*secrets, *(userinfo(os.environ.get(n, "")) for n in signal_variable(signal, "ENDPOINT"))],
              sdk_loggers)
     keywords: dict[str, Any] = {} if pairs is None else {"headers": pairs}
     if protocol == "grpc" and tls(signal, protocol) and any(blank(n) for n in file_variables(signal)):
         import grpc
-
         def read(suffix: str) -> bytes | None:
             if (path := _file(signal, suffix)) is None:
                 return None
@@ -294,7 +283,7 @@ def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, An
 
 
 def settle_session(session: Any, signal: str) -> None:
-    """OTLP/HTTP: the session's files as resolved with blank variables unset (the SDK put a blank one on it)."""
+    """OTLP/HTTP: the session's files with blank variables unset (the SDK set a blank one as a path)."""
     if any(blank(n) for n in file_variables(signal)):
         ca, key, cert = (_file(signal, suffix) for suffix in FILES)
         session.verify, session.cert = ca or True, (cert, key) if cert and key else cert

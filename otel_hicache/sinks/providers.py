@@ -1,5 +1,4 @@
-"""Tracer and meter providers from the standard ``OTEL_*`` variables, built as the SDK's configurator
-would but privately (never the host's globals), each SDK object reading its own variables."""
+"""Private tracer and meter providers (never the host's globals) from the ``OTEL_*`` variables."""
 
 from __future__ import annotations
 
@@ -133,7 +132,6 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.trace import NoOpTracerProvider
-
     if sdk_disabled():
         return Providers(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
     withhold((), own_process)  # no log line of ours (and in our own process, the SDK's) quotes a whole value
@@ -182,7 +180,6 @@ def _counters_since(export: Callable[..., Any], start_ns: int) -> Callable[..., 
     """``export`` with every monotonic sum counting since ``start_ns``: a successor's counters go on from
     its predecessor's totals, and a later start time is a reset to ``rate()`` and delta converters."""
     from opentelemetry.sdk.metrics.export import Sum
-
     def since(point: Any) -> Any:
         return replace(point, start_time_unix_nano=start_ns) if point.start_time_unix_nano > start_ns else point
 
