@@ -130,7 +130,7 @@ BAD = [
     ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", HTTP, {"span.timeout": 10.0, "metric.timeout": 10.0}, "using 10 instead"),
     ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "soon", HTTP, {"span.timeout": 10.0},
      "using OTEL_EXPORTER_OTLP_TIMEOUT, else 10"),
-    # the gRPC exporters float() their per-signal timeout whatever timeout= says: no retry works
+    # the gRPC exporters float() their per-signal timeout whatever timeout= says: that exporter is left out
     ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "nan?", {}, {"span_exporters": 1, "metric_readers": 0}, "left out"),
     # headers: malformed entries are dropped, with one warning naming their places (never their text)
     ("OTEL_EXPORTER_OTLP_HEADERS", "a=1,secret-token,b=2", {},
@@ -220,8 +220,8 @@ def _matches(found, expected):
 
 @pytest.mark.parametrize("case", BAD, ids=[_ids(c) for c in BAD])
 def test_a_malformed_value_never_raises_and_is_warned_about_once(monkeypatch, tmp_path, warnings_log, case):
-    """configure() does not raise; a value a constructor rejects gets one WARNING naming the
-    variable and the default used; one the SDK handles itself gets the SDK's own handling."""
+    """configure() does not raise; a malformed value of a checked variable gets one WARNING naming
+    the variable and what is used instead; one the SDK handles itself gets the SDK's own handling."""
     variable, value, others, expected, using = case
     _setenv(monkeypatch, tmp_path, {**others, variable: value})
 
@@ -305,13 +305,13 @@ def test_the_variables_table_is_the_documented_one():
     oe = otel_environment
     tables = (oe.SPAN_LIMITS, oe.BATCH_SPAN_PROCESSOR, oe.METRIC_READER, oe.METER_PROVIDER,
               *(oe.otlp_exporter("traces", protocol) for protocol in ("grpc", "http/protobuf")))
-    retried = {name.replace("_OTLP_", "_OTLP_{,TRACES_,METRICS_}"): table[name][3]
+    replaced = {name.replace("_OTLP_", "_OTLP_{,TRACES_,METRICS_}"): table[name][3]
                for table in tables for name in table if "_TRACES_" not in name}
     documented = {row[0].strip("`"): row[1] for row in rows}
     endpoints = documented.pop("OTEL_EXPORTER_OTLP_{,TRACES_,METRICS_}ENDPOINT")
     assert "http://localhost:4317" in endpoints and "http://localhost:4318/v1/<signal>" in endpoints
-    retried.pop("OTEL_EXPORTER_OTLP_{,TRACES_,METRICS_}ENDPOINT")
-    assert documented == retried
+    replaced.pop("OTEL_EXPORTER_OTLP_{,TRACES_,METRICS_}ENDPOINT")
+    assert documented == replaced
     assert all(len(row) == 3 and row[2] for row in rows)  # and what the bare SDK did
 
 
