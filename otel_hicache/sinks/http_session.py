@@ -62,8 +62,6 @@ def _retry_after_s(value: str | None) -> float:
 
 
 class OtlpSession(requests.Session):
-    """The session of one OTLP/HTTP exporter (see the module docstring)."""
-
     def __init__(self) -> None:
         super().__init__()
         self._gate = threading.Lock()
