@@ -19,8 +19,7 @@ FILES = {"CERTIFICATE": "CA certificate", "CLIENT_KEY": "client key", "CLIENT_CE
 
 def raw(name: str) -> str | None:
     """The value of ``name``; None when unset or blank (the specification's "unset")."""
-    value = os.environ.get(name)
-    return value if value is not None and value.strip() else None
+    return value if (value := os.environ.get(name)) and value.strip() else None
 
 
 def blank(name: str) -> bool:
@@ -251,12 +250,10 @@ def tls_files(signal: str, protocol: str) -> list[tuple[str, str, str, str | Non
 def certificate_usable(signal: str, protocol: str) -> bool:
     """False, warned once, when a file of the signal cannot be read over TLS: no default is safe."""
     for suffix, name, path, problem in tls_files(signal, protocol):
-        if problem is not None:
-            if tls(signal, protocol):
-                warn_once(f"certificate:{name}", "otel-hicache: %s=%s %s; there is no safe default for a %s, so what "
-                          "would be exported with it over TLS is not exported", name, shown(path), problem,
-                          FILES[suffix])
-            return not tls(signal, protocol)  # plain text: the files are unused
+        if problem is not None and tls(signal, protocol):  # (over plain text the files are unused)
+            warn_once(f"certificate:{name}", "otel-hicache: %s=%s %s; there is no safe default for a %s, so what "
+                      "would be exported with it over TLS is not exported", name, shown(path), problem, FILES[suffix])
+            return False
     return True
 
 
