@@ -1,6 +1,5 @@
 """``configure()``: where the sinks run, once per process (a forked child chooses again): in a telemetry
-process of their own when an exporter sends over OTLP, else embedded on private providers (never the
-host's globals). The capture asks for its channel here (:func:`open_channel`)."""
+process when an exporter sends over OTLP, else embedded on private providers (never the host's globals)."""
 
 from __future__ import annotations
 
@@ -35,7 +34,6 @@ class Configuration:
     meter_provider = property(lambda self: getattr(self.built, "meter_provider", None))
     metric_readers = property(lambda self: getattr(self.built, "metric_readers", ()))
     span_processors = property(lambda self: getattr(self.built, "span_processors", ()))
-    channel = property(lambda self: "telemetry process" if self.telemetry_process else "embedded")
 
     def shutdown(self, timeout_s: float) -> bool:
         return self.built.shutdown(timeout_s) if self.built is not None else True
@@ -55,7 +53,6 @@ def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Con
         if previous is not None and not force and previous.pid == os.getpid():
             return previous
         from .sinks import otel_environment, providers
-
         resource = None if sdk_disabled() else otel_environment.resource()
         if not metric_readers and uses_telemetry_process():
             _configured = Configuration(True, None, disabled=False, resource=resource)
@@ -71,7 +68,6 @@ def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Con
 
 
 def configured() -> Configuration | None:
-    """What :func:`configure` chose in this process, if it ran."""
     current = _configured
     return None if current is None or current.pid != os.getpid() else current
 
@@ -89,7 +85,6 @@ def shutdown(timeout_s: float | None = None) -> bool:
 def uses_telemetry_process() -> bool:
     """:envvar:`OTEL_HICACHE_TELEMETRY_PROCESS`, or when unset: whether an exporter sends over OTLP."""
     from .sinks import providers
-
     if (os.environ.get(ev.OTEL_HICACHE_TELEMETRY_PROCESS) or "").strip() and not sdk_disabled():
         return env_bool(ev.OTEL_HICACHE_TELEMETRY_PROCESS, default=False)
     return not sdk_disabled() and any(providers.otlp_protocol(signal, name) is not None
@@ -99,7 +94,6 @@ def uses_telemetry_process() -> bool:
 def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
     """What the sinks are told of this process (``record``: the hello)."""
     from .sinks import otel_environment
-
     resource = resource if resource is not None else otel_environment.resource()
     return {"resource": dict(resource.attributes), "schema_url": resource.schema_url, "attributes": dict(static),
             "pid": os.getpid(), "warned": warned(), "log_level": logger.getEffectiveLevel()
@@ -112,21 +106,18 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
     providers passed (the other from configure(), else the global one), else configure()'s choice."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
-
     from .sinks.embedded import EmbeddedChannel
-
     def opened() -> Any:
         current, given = configured(), tracer_provider is not None or meter_provider is not None
         if current is None and not given and opened.used_configure:
             current = configure()  # a forked child: its own
         opened.used_configure = opened.used_configure or current is not None
         if not given and current is not None and current.telemetry_process:
-            return ProcessChannel(hello(static, current.resource), max_ops, lambda: _embedded_fallback(
-                {**hello(static, current.resource), "fallback": True}, current.resource))
+            return ProcessChannel(hello(static, current.resource), max_ops,
+                                  lambda: _embedded_fallback(static, current.resource))
         tracer = tracer_provider or getattr(current, "tracer_provider", None) or trace.get_tracer_provider()
         meter = meter_provider or getattr(current, "meter_provider", None) or metrics.get_meter_provider()
-        # (embedded, the sinks use the providers' resource: none is detected, which an exit hook could not do;
-        # the static attributes go on every point, as these providers may serve other callers)
+        # (the static attributes on every point: these providers may serve other callers)
         return EmbeddedChannel(tracer, meter, hello(static, current.resource if current else Resource.get_empty()),
                                clock)
 
@@ -134,22 +125,19 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
     return opened
 
 
-def _embedded_fallback(hello_: dict[str, Any], resource: Any) -> Any:
-    """Providers built here after all, for the sinks no telemetry process could run (the static attributes
-    in their resource, as there)."""
+def _embedded_fallback(static: Mapping[str, Any], resource: Any) -> Any:
+    """Providers built here after all when no telemetry process could run (the static attributes in their resource)."""
     from .sinks import providers
     from .sinks.embedded import EmbeddedChannel
-
-    built = providers.build(resource, wrap_export=fork.quiet_at_fork, static=hello_["attributes"])
+    built = providers.build(resource, wrap_export=fork.quiet_at_fork, static=static)
     with _lock:
         if _configured is not None and _configured.pid == os.getpid() and _configured.built is None:
             _configured.built = built  # shut down with the rest at exit
     return EmbeddedChannel(built.tracer_provider, built.meter_provider,
-                           {**hello_, "in_resource": built.static_in_resource})
+                           {**hello(static, resource), "fallback": True, "in_resource": built.static_in_resource})
 
 
 def _after_fork_in_child() -> None:
-    """The child builds its own providers when it first reports."""
     global _configured, _lock
     _lock = threading.RLock()
     _configured = None

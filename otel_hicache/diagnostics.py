@@ -1,6 +1,5 @@
-"""One-time warnings through the ``otel_hicache`` logger (never raised into the host), and what a log
-line may show of a setting: a quoted value is cut short (:func:`shown`); secrets are withheld
-(:func:`withhold`) from our logger, and in the telemetry process, which is ours, from the SDK's too."""
+"""One-time warnings on the ``otel_hicache`` logger (never raised into the host), values quoted short
+(:func:`shown`), and secrets withheld (:func:`withhold`) from our logger and, in our own process, the SDK's."""
 
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ def warn_once(key: str, message: str, *args: object) -> bool:
 
 
 def warned() -> list[str]:
-    """The keys warned about so far (in the hello: the telemetry process does not say them again)."""
     with _lock:
         return sorted(_warned)
 
@@ -42,23 +40,19 @@ def mark_warned(keys: list[str]) -> None:
 
 
 def reset_warnings() -> None:
-    """Forget which warnings were emitted (tests, and the child after fork)."""
     with _lock:
         _warned.clear()
 
 
 def shown(value: object) -> str:
-    """``repr(value)`` (a string) or ``str(value)`` (an error) as a log line quotes it: at most
-    :data:`SHOWN_CHARACTERS` characters, and how long it was when cut."""
-    quote, text = (repr, value) if isinstance(value, str) else (str, str(value))  # (an error: unquoted)
+    """A string quoted (an error unquoted), cut to :data:`SHOWN_CHARACTERS` with its length when longer."""
+    quote, text = (repr, value) if isinstance(value, str) else (str, str(value))
     if len(text) <= SHOWN_CHARACTERS:
         return quote(text)
     return f"{quote(text[:SHOWN_CHARACTERS])}... ({len(text)} characters)"
 
 
 class _Withhold(logging.Filter):
-    """Replaces the secrets it knows, and cuts long strings, in a record's message and arguments."""
-
     secrets: frozenset[str] = frozenset()
 
     def _clean(self, value: Any, longest: int) -> Any:
@@ -82,9 +76,8 @@ _withhold = _Withhold()
 
 
 def withhold(secrets: Iterable[str], sdk_loggers: bool = False) -> None:
-    """From now on, records of our logger (and with ``sdk_loggers``, of every ``opentelemetry*`` logger:
-    only in our own telemetry process) show none of ``secrets`` and no long string whole. The SDK logs a
-    malformed header entry and the endpoint it failed to reach in full."""
+    """From now on no record of our logger (with ``sdk_loggers``, of any ``opentelemetry*`` one) shows
+    ``secrets`` or a long string whole."""
     with _lock:
         _withhold.secrets = _withhold.secrets | {s for s in secrets if len(s) >= SECRET_CHARACTERS}
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)

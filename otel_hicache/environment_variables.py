@@ -1,5 +1,5 @@
-"""The ``OTEL_HICACHE_*`` variables (what no standard ``OTEL_*`` one covers) and their defaults; what each
-means is in ``docs/configuration.md``. A malformed value warns once and its default is used (:mod:`.settings`)."""
+"""The ``OTEL_HICACHE_*`` variables (what no standard ``OTEL_*`` one covers) and their documented defaults
+(``docs/configuration.md``); a malformed value warns once and its default is used (:mod:`.settings`)."""
 
 OTEL_HICACHE_ENABLED = "OTEL_HICACHE_ENABLED"
 OTEL_HICACHE_MAX_QUEUE_SIZE = "OTEL_HICACHE_MAX_QUEUE_SIZE"
@@ -22,4 +22,3 @@ DEFAULTS = {
     OTEL_HICACHE_HOST_RESIDENCE: True,  # false: host_pool() returns None, no host pages tracked
     OTEL_HICACHE_TELEMETRY_PROCESS: None,  # where configure()'s sinks run; unset: a process when OTLP exports
 }
-"""The documented default of every ``OTEL_HICACHE_*`` variable."""

@@ -125,11 +125,12 @@ BAD = [
     ("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost:4318", HTTP, {"span.endpoint": "localhost:4318/v1/traces"}, SDK),
     # timeouts (seconds, as the Python exporters read them)
     ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", {}, {"span.timeout": 10.0, "metric.timeout": 10.0}, "using 10 instead"),
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", "-5", {}, {"span.timeout": 10.0, "metric.timeout": 10.0}, "is not > 0"),
-    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "0", HTTP, {"span.timeout": 10.0}, "is not > 0"),
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", HTTP, {"span.timeout": 10.0, "metric.timeout": 10.0}, SDK),
-    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "soon", HTTP, {"span.timeout": 10.0}, SDK),
-    # the gRPC exporters float() their per-signal timeout whatever timeout= says: no retry works
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "-5", {}, {"span.timeout": 10.0, "metric.timeout": 10.0}, "is not a number > 0"),
+    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "0", HTTP, {"span.timeout": 10.0}, "is not a number > 0"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", HTTP, {"span.timeout": 10.0, "metric.timeout": 10.0}, "using 10 instead"),
+    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "soon", HTTP, {"span.timeout": 10.0},
+     "using OTEL_EXPORTER_OTLP_TIMEOUT, else 10"),
+    # the gRPC exporters float() their per-signal timeout whatever timeout= says: that exporter is left out
     ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "nan?", {}, {"span_exporters": 1, "metric_readers": 0}, "left out"),
     # headers: malformed entries are dropped, with one warning naming their places (never their text)
     ("OTEL_EXPORTER_OTLP_HEADERS", "a=1,secret-token,b=2", {},
@@ -139,7 +140,8 @@ BAD = [
      "using none instead"),
     ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "zstd", {"OTEL_EXPORTER_OTLP_COMPRESSION": "gzip"},  # as if unset
      {"span.compression": "gzip", "metric.compression": "gzip"}, "using OTEL_EXPORTER_OTLP_COMPRESSION, else none"),
-    ("OTEL_EXPORTER_OTLP_COMPRESSION", "br", HTTP, {"span.compression": "none", "metric.compression": "none"}, SDK),
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", "br", HTTP, {"span.compression": "none", "metric.compression": "none"},
+     "using none instead"),
     # CA certificate: no safe default over TLS (not exported); unused over plain text
     ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent/ca.pem", {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://h:4317"},
      {"span_exporters": 0, "metric_readers": 0}, "not exported"),
@@ -148,17 +150,17 @@ BAD = [
     ("OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE", "/nonexistent/ca.pem", {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://h:4317"},
      {"span_exporters": 1, "metric_readers": 0}, "not exported"),
     # metric reader
-    ("OTEL_METRIC_EXPORT_INTERVAL", "abc", {}, {"reader": (60000.0, 30000.0)}, SDK),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "abc", {}, {"reader": (60000.0, 30000.0)}, "using 60000 instead"),
     ("OTEL_METRIC_EXPORT_INTERVAL", "0", {}, {"reader": (60000.0, 30000.0)}, "using 60000 instead"),
     ("OTEL_METRIC_EXPORT_INTERVAL", "-1", {}, {"reader": (60000.0, 30000.0)}, "using 60000 instead"),
-    ("OTEL_METRIC_EXPORT_INTERVAL", "inf", {}, {"reader": (60000.0, 30000.0)}, "is not > 0"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "inf", {}, {"reader": (60000.0, 30000.0)}, "is not a number > 0"),
     ("OTEL_METRIC_EXPORT_TIMEOUT", "-1", {}, {"reader": (60000.0, 30000.0)}, "using 30000 instead"),
     ("OTEL_BSP_EXPORT_TIMEOUT", "-1", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 30000 instead"),
     # batch span processor
     ("OTEL_BSP_SCHEDULE_DELAY", "0", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 5000 instead"),
-    ("OTEL_BSP_SCHEDULE_DELAY", "5000.5", {}, {"bsp": (2048, 5000, 512, 30000)}, SDK),
+    ("OTEL_BSP_SCHEDULE_DELAY", "5000.5", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 5000 instead"),
     ("OTEL_BSP_MAX_QUEUE_SIZE", "-5", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 2048 instead"),
-    ("OTEL_BSP_MAX_QUEUE_SIZE", "lots", {}, {"bsp": (2048, 5000, 512, 30000)}, SDK),
+    ("OTEL_BSP_MAX_QUEUE_SIZE", "lots", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 2048 instead"),
     ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "0", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 512, or the queue size"),
     ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4096", {}, {"bsp": (2048, 5000, 512, 30000)}, "using 512, or the queue size"),
     ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "x", {"OTEL_BSP_MAX_QUEUE_SIZE": "100"}, {"bsp": (100, 5000, 100, 30000)},
@@ -218,8 +220,8 @@ def _matches(found, expected):
 
 @pytest.mark.parametrize("case", BAD, ids=[_ids(c) for c in BAD])
 def test_a_malformed_value_never_raises_and_is_warned_about_once(monkeypatch, tmp_path, warnings_log, case):
-    """configure() does not raise; a value a constructor rejects gets one WARNING naming the
-    variable and the default used; one the SDK handles itself gets the SDK's own handling."""
+    """configure() does not raise; a malformed value of a checked variable gets one WARNING naming
+    the variable and what is used instead; one the SDK handles itself gets the SDK's own handling."""
     variable, value, others, expected, using = case
     _setenv(monkeypatch, tmp_path, {**others, variable: value})
 
@@ -295,22 +297,21 @@ def test_valid_values_do_not_warn(monkeypatch, tmp_path, warnings_log, env, expe
 
 
 def test_the_variables_table_is_the_documented_one():
-    """docs/configuration.md "Malformed values" says what otel_environment.VARIABLES says."""
+    """docs/configuration.md "Malformed values" says what the tables of otel_environment say."""
     with open(os.path.join(ROOT, "docs", "configuration.md"), encoding="utf-8") as file:
         section = file.read().split("## Malformed values", 1)[1].split("\n## ", 1)[0]
     rows = [[cell.strip() for cell in line.strip().strip("|").split(" | ")]
             for line in section.splitlines() if line.startswith("| `OTEL_")]
-    retried = {name: shown for table in (otel_environment.SPAN_LIMITS, otel_environment.BATCH_SPAN_PROCESSOR,
-                                         otel_environment.METRIC_READER, otel_environment.METER_PROVIDER)
-               for name, (_, _, shown) in table.items()}
-    for protocol in ("grpc", "http/protobuf"):
-        for name, (_, _, shown) in otel_environment.otlp_exporter("traces", protocol).items():
-            retried[re.sub(r"_OTLP_(TRACES_)?", "_OTLP_{,TRACES_,METRICS_}", name)] = shown
+    oe = otel_environment
+    tables = (oe.SPAN_LIMITS, oe.BATCH_SPAN_PROCESSOR, oe.METRIC_READER, oe.METER_PROVIDER,
+              *(oe.otlp_exporter("traces", protocol) for protocol in ("grpc", "http/protobuf")))
+    replaced = {name.replace("_OTLP_", "_OTLP_{,TRACES_,METRICS_}"): table[name][3]
+               for table in tables for name in table if "_TRACES_" not in name}
     documented = {row[0].strip("`"): row[1] for row in rows}
     endpoints = documented.pop("OTEL_EXPORTER_OTLP_{,TRACES_,METRICS_}ENDPOINT")
     assert "http://localhost:4317" in endpoints and "http://localhost:4318/v1/<signal>" in endpoints
-    retried.pop("OTEL_EXPORTER_OTLP_{,TRACES_,METRICS_}ENDPOINT")
-    assert documented == retried
+    replaced.pop("OTEL_EXPORTER_OTLP_{,TRACES_,METRICS_}ENDPOINT")
+    assert documented == replaced
     assert all(len(row) == 3 and row[2] for row in rows)  # and what the bare SDK did
 
 
@@ -353,8 +354,9 @@ ALL_BAD = {
 
 OURS = {  # what otel-hicache warns about in that host: one line each
     "OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER",
-    "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
-    "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE", "OTEL_BSP_EXPORT_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_COMPRESSION", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+    "OTEL_EXPORTER_OTLP_METRICS_CERTIFICATE", "OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_EXPORT_TIMEOUT",
     "OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "OTEL_METRICS_EXEMPLAR_FILTER",
     "OTEL_ATTRIBUTE_COUNT_LIMIT", "OTEL_SPAN_EVENT_COUNT_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
 }

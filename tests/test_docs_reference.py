@@ -434,8 +434,8 @@ def _expand(pattern: str) -> list[str]:
 
 
 def standard_variables() -> set[str]:
-    """Every OTEL_* variable configure() reads or retries: the literals of configuration.py,
-    otel_environment.py and settings.py, their per-signal templates, the retry tables and
+    """Every OTEL_* variable configure() reads or checks: the literals of configuration.py,
+    otel_environment.py and settings.py, their per-signal templates, the checked tables and
     the certificate and key variables."""
     from otel_hicache import settings
     from otel_hicache.sinks import otel_environment

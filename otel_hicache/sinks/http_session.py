@@ -1,21 +1,22 @@
-"""The ``requests`` session of the OTLP/HTTP exporters, for three SDK gaps: ``REQUESTS_CA_BUNDLE``
-would override the OTLP certificate (it wins here); the SDK takes a 3xx as a delivery and counts an
-error status as exported (here no redirect is followed, and an answer outside 2xx raises ``Refused``,
-warned once per endpoint and status); a retryable status raises ``Busy``, which the exporter retries
-with its backoff, but never sooner than the collector's ``Retry-After``."""
+"""The ``requests`` session of the OTLP/HTTP exporters, for three SDK gaps: the OTLP certificate wins over
+``REQUESTS_CA_BUNDLE``; no redirect is followed and an answer outside 2xx raises ``Refused`` (the SDK
+counts both as exported), warned once per endpoint and status; a retryable one raises ``Busy``, which the
+exporter retries with its backoff but never sooner than the collector's ``Retry-After``."""
 
 from __future__ import annotations
 
-import functools
+import importlib
 import logging
 import os
 import re
 import threading
 import time
 import weakref
-from email.utils import parsedate_to_datetime
 from http import HTTPStatus
 from typing import Any
+
+import requests
+from urllib3.util import Retry
 
 from ..diagnostics import warn_once
 from .redaction import without_userinfo
@@ -25,22 +26,15 @@ RETRY_GAP_S = 0.5  # the exporter's repeat at once of a connection error is held
 WANTS_TLS = "the collector wants TLS; set an https endpoint"  # a redirect from http:// to https://
 REFUSAL = re.compile(r"HTTP (?P<status>\d{3})(?: [\w'-]+)*(?: \(to [^()]*\))?")  # what describe() says
 _transport = logging.getLogger("otel_hicache.http")  # the doctor reads its DEBUG records
+importlib.import_module("netrc")  # requests imports it at its first request: a fork then would hang the child
 
 
-@functools.cache
-def errors() -> tuple[type, type]:
-    """(``Refused``, ``Busy``), the ``error.type`` of the SDK's self-metrics; made at first use."""
-    import requests
+class Refused(requests.exceptions.HTTPError):
+    """The collector answered outside 2xx: nothing in that request was delivered."""
 
-    class Refused(requests.exceptions.HTTPError):
-        """The collector answered outside 2xx: nothing in that request was delivered."""
 
-    class Busy(Refused, requests.exceptions.ConnectionError):
-        """A retryable refusal: the SDK's HTTP exporters retry a connection error with their backoff."""
-
-    for cls in (Refused, Busy):
-        cls.__qualname__, cls.__module__ = cls.__name__, __name__
-    return Refused, Busy
+class Busy(Refused, requests.exceptions.ConnectionError):
+    """A retryable refusal: the SDK's HTTP exporters retry a connection error with their backoff."""
 
 
 def describe(status: int, reason: str | None, location: str | None, url: str) -> str:
@@ -60,72 +54,57 @@ def describe(status: int, reason: str | None, location: str | None, url: str) ->
 
 
 def _retry_after_s(value: str | None) -> float:
-    """The seconds a ``Retry-After`` asks for (a number or an HTTP date), at most an hour; 0 when none."""
+    """The seconds a ``Retry-After`` asks for, at most an hour; 0 when none or malformed."""
     try:
-        seconds = float(value.strip())  # type: ignore[union-attr]
-    except (AttributeError, ValueError):
+        return min(float(Retry().parse_retry_after(value)), 3600.0) if value else 0.0
+    except Exception:  # pylint: disable=broad-except  # a malformed header asks for nothing
+        return 0.0
+
+
+class OtlpSession(requests.Session):
+    def __init__(self) -> None:
+        super().__init__()
+        self._gate = threading.Lock()
+        self._not_before = self._repeat_before = 0.0  # time.monotonic(): Retry-After, a repeat at once
+        self._busy = ""  # the refusal that set them
+        own = weakref.WeakMethod(self._after_fork_in_child)
+        os.register_at_fork(after_in_child=lambda: (own() or (lambda: None))())
+
+    def _after_fork_in_child(self) -> None:
+        # a pool's lock held by another thread at the fork stays held in the child: new pools
+        self._gate = threading.Lock()
+        for prefix in list(self.adapters):
+            self.mount(prefix, requests.adapters.HTTPAdapter())
+
+    def merge_environment_settings(self, url: Any, proxies: Any, stream: Any, verify: Any, cert: Any) -> Any:
+        settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+        if isinstance(self.verify, str) and verify in (None, True):
+            settings["verify"] = self.verify  # the OTLP certificate, not REQUESTS_CA_BUNDLE
+        return settings
+
+    def send(self, request: Any, **kwargs: Any) -> Any:
+        with self._gate:
+            now, repeat, self._repeat_before = time.monotonic(), self._repeat_before, 0.0
+            if now < max(self._not_before, repeat):
+                raise Busy(f"{self._busy} (not sent again " + (f"within the {self._not_before - now:.1f} s it "
+                           "asked for)" if now < self._not_before else "at once)"), request=request)
+        kwargs["allow_redirects"] = False  # a redirected POST would be a delivery nobody checked
         try:
-            seconds = parsedate_to_datetime(value.strip()).timestamp() - time.time()  # type: ignore[union-attr]
-        except (AttributeError, TypeError, ValueError, OverflowError):
-            return 0.0
-    return min(max(seconds, 0.0), 3600.0) if seconds == seconds else 0.0  # NaN: none
-
-
-def otlp_session() -> Any:
-    """A ``requests.Session`` for one OTLP/HTTP exporter (see the module docstring)."""
-    import importlib
-
-    import requests
-
-    importlib.import_module("netrc")  # requests imports it at its first request: a fork then would hang the child
-    refused, busy = errors()
-
-    class OtlpSession(requests.Session):
-        def __init__(self) -> None:
-            super().__init__()
-            self._gate = threading.Lock()
-            self._not_before = self._repeat_before = 0.0  # time.monotonic(): Retry-After, a repeat at once
-            self._busy = ""  # the refusal that set them
-            own = weakref.WeakMethod(self._after_fork_in_child)
-            os.register_at_fork(after_in_child=lambda: (own() or (lambda: None))())
-
-        def _after_fork_in_child(self) -> None:
-            # a pool's lock held by another thread at the fork stays held in the child: new pools
-            self._gate = threading.Lock()
-            for prefix in list(self.adapters):
-                self.mount(prefix, requests.adapters.HTTPAdapter())
-
-        def merge_environment_settings(self, url: Any, proxies: Any, stream: Any, verify: Any, cert: Any) -> Any:
-            settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
-            if isinstance(self.verify, str) and verify in (None, True):
-                settings["verify"] = self.verify  # the OTLP certificate, not REQUESTS_CA_BUNDLE
-            return settings
-
-        def send(self, request: Any, **kwargs: Any) -> Any:
+            response = super().send(request, **kwargs)
+        except Exception as exc:
+            _transport.debug("%s: %s", type(exc).__name__, exc)
+            raise
+        if 200 <= (status := response.status_code) < 300:
+            return response
+        url = without_userinfo(str(request.url))
+        what = describe(status, response.reason, response.headers.get("Location"), url)
+        if retryable := status in RETRYABLE:
             with self._gate:
-                now, repeat, self._repeat_before = time.monotonic(), self._repeat_before, 0.0
-                if now < max(self._not_before, repeat):
-                    raise busy(f"{self._busy} (not sent again " + (f"within the {self._not_before - now:.1f} s it "
-                               "asked for)" if now < self._not_before else "at once)"), request=request)
-            kwargs["allow_redirects"] = False  # a redirected POST would be a delivery nobody checked
-            try:
-                response = super().send(request, **kwargs)
-            except Exception as exc:
-                _transport.debug("%s: %s", type(exc).__name__, exc)
-                raise
-            if 200 <= (status := response.status_code) < 300:
-                return response
-            url = without_userinfo(str(request.url))
-            what = describe(status, response.reason, response.headers.get("Location"), url)
-            if retryable := status in RETRYABLE:
-                with self._gate:
-                    now = time.monotonic()
-                    self._not_before = now + _retry_after_s(response.headers.get("Retry-After"))
-                    self._repeat_before, self._busy = now + RETRY_GAP_S, what
-            warn_once(f"http_session:{url}:{status}", "otel-hicache: the OTLP export to %s was refused: %s; nothing "
-                      "in a refused request is delivered (counted as failed%s)", url, what,
-                      "; retried within the export timeout" if retryable else "")
-            response.close()
-            raise (busy if retryable else refused)(what, request=request, response=response)
-
-    return OtlpSession()
+                now = time.monotonic()
+                self._not_before = now + _retry_after_s(response.headers.get("Retry-After"))
+                self._repeat_before, self._busy = now + RETRY_GAP_S, what
+        warn_once(f"http_session:{url}:{status}", "otel-hicache: the OTLP export to %s was refused: %s; nothing "
+                  "in a refused request is delivered (counted as failed%s)", url, what,
+                  "; retried within the export timeout" if retryable else "")
+        response.close()
+        raise (Busy if retryable else Refused)(what, request=request, response=response)

@@ -1,6 +1,4 @@
-"""Tracer and meter providers from the standard ``OTEL_*`` variables, as the SDK's configurator builds
-them but privately (never the host's globals): exporters by the SDK's entry-point names, each object
-reading its own variables (:mod:`.otel_environment` retries what a constructor rejects)."""
+"""Private tracer and meter providers (never the host's globals) from the ``OTEL_*`` variables."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ from ..diagnostics import logger, shown, warn_once, withhold
 from ..settings import sdk_disabled
 from . import otel_environment as oe
 from .bounded_flush import bounded
-from .http_session import otlp_session
+from .http_session import OtlpSession
 
 
 @dataclass
@@ -27,14 +25,13 @@ class Providers:
     metric_readers: Sequence[Any] = ()
     span_processors: Sequence[Any] = ()
     undelivered: list[list[int]] = field(default_factory=list)  # [ended, handed] per span processor
-    static_in_resource: bool = False  # build()'s ``static`` attributes went into the resource, not the points
+    static_in_resource: bool = False  # build()'s ``static`` went into the resource, not on the points
 
     def shutdown(self, timeout_s: float) -> bool:
         done = bounded("shutdown", self.tracer_provider, self.meter_provider, timeout_s)
         if left := max((ended - handed for ended, handed in self.undelivered), default=0):  # no metric can carry it
             logger.warning("otel-hicache: %d spans ended but were never handed to the exporter: dropped by the "
-                           "SDK's full span queue (also in its own otel.sdk.processor.span.processed, "
-                           "error.type=queue_full, where enabled) or still queued at exit", left)
+                           "SDK's full span queue (error.type=queue_full) or still queued at exit", left)
         return done
 
     def force_flush(self, timeout_s: float) -> bool:
@@ -42,8 +39,7 @@ class Providers:
 
 
 def _counting(counts: list[list[int]], processor: Any, exporter: Any) -> Any:
-    """``processor``, counting the sampled spans it was given and those its exporter was handed: what
-    is left at exit was never sent (the SDK's own counts die with the process)."""
+    """``processor``, counting the sampled spans it was given and those its exporter was handed."""
     ended_handed = [0, 0]
     counts.append(ended_handed)
     on_end, export = processor.on_end, exporter.export
@@ -67,9 +63,8 @@ OTLP_EXPORTERS = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
 
 def exporter_names(signal: str) -> list[str]:
     """The names ``OTEL_{TRACES,METRICS}_EXPORTER`` lists (``otlp`` when unset); [] for ``none``."""
-    raw = os.environ.get(EXPORTER_GROUPS[signal][0], "otlp")
-    names = [n.strip().lower() for n in raw.split(",") if n.strip()] or ["otlp"]
-    return [] if "none" in names else names
+    names = [n.strip().lower() for n in os.environ.get(EXPORTER_GROUPS[signal][0], "").split(",") if n.strip()]
+    return [] if "none" in names else names or ["otlp"]
 
 
 def otlp_protocol(signal: str, name: str) -> str | None:
@@ -77,8 +72,7 @@ def otlp_protocol(signal: str, name: str) -> str | None:
     if name != "otlp":
         return {v: k for k, v in OTLP_EXPORTERS.items()}.get(name)
     for variable in oe.signal_variable(signal, "PROTOCOL"):
-        value = (oe.raw(variable) or "").strip().lower()
-        if value in OTLP_EXPORTERS:
+        if (value := (oe.raw(variable) or "").strip().lower()) in OTLP_EXPORTERS:
             return value
         if value:
             warn_once(f"protocol:{variable}", "otel-hicache: %s=%s is not supported (grpc, http/protobuf); "
@@ -96,8 +90,7 @@ def _accepted(cls: Any, **kwargs: Any) -> dict[str, Any]:
 
 def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | None = None,
               wrap_export: Callable[[Any], Any] | None = None, own_process: bool = False) -> list[Any]:
-    """The exporters (or, for metrics, pull readers) ``names`` (default: what
-    ``OTEL_{TRACES,METRICS}_EXPORTER`` names) stand for, built as configure() builds them."""
+    """The exporters (metrics: or pull readers) ``names`` (default: the variable's) stand for."""
     variable, group = EXPORTER_GROUPS[signal]
     built = []
     for name in exporter_names(signal) if names is None else names:
@@ -110,18 +103,17 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
             continue
         if otlp is not None and not oe.certificate_usable(signal, otlp):
             continue
-        cls = oe.build(f"{name} {signal} exporter class", found.load, {})
-        fixed = {"session": otlp_session()} if otlp == "http/protobuf" else {}
-        if otlp is not None:  # its headers, parsed here (none of their values reaches a log line)
+        cls = oe.build(f"{name} {signal} exporter class", found.load)
+        fixed = {"session": OtlpSession()} if otlp == "http/protobuf" else {}
+        if otlp is not None:
             fixed.update(oe.otlp_keywords(signal, otlp, own_process))
         if meter_provider is not None:
             fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
-        retries = oe.otlp_exporter(signal, otlp) if otlp else {}
-        exporter = cls and oe.build(f"{name} {signal} exporter", lambda **kw: cls(**fixed, **kw), retries)
-        if exporter is not None:
+        table = oe.otlp_exporter(signal, otlp) if otlp else {}
+        if cls and (exporter := oe.build(f"{name} {signal} exporter", lambda **kw: cls(**fixed, **kw), table)):
             if otlp == "grpc" and wrap_export is not None:
                 exporter.export = wrap_export(exporter.export)
-            if "session" in fixed:  # a blank certificate or key variable means unset
+            if "session" in fixed:
                 oe.settle_session(fixed["session"], signal)
             built.append(exporter)
     return built
@@ -131,11 +123,8 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
           wrap_export: Callable[[Any], Any] | None = None, id_generator: Any = None,
           counters_since_ns: int | None = None, own_process: bool = False,
           static: Mapping[str, Any] | None = None) -> Providers:
-    """Providers from the ``OTEL_*`` variables, on ``resource`` (default: the SDK's). ``wrap_export``
-    wraps each gRPC exporter's ``export`` (the fork guard); ``counters_since_ns``: the start time of every
-    monotonic sum exported; ``own_process``: the telemetry process, whose SDK loggers are ours to filter;
-    ``static``: the serving process's attributes, put in the resource (not where a pull reader serves the
-    metrics: it shows the resource on ``target_info`` only)."""
+    """Providers on ``resource``; ``wrap_export`` wraps each gRPC export (the fork guard), ``own_process``: the
+    telemetry process; ``static`` goes into the resource unless a pull reader serves the metrics."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
@@ -143,21 +132,19 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.trace import NoOpTracerProvider
-
     if sdk_disabled():
         return Providers(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
-    withhold((), own_process)  # no log line of ours (in our own process, the SDK's too) quotes a whole value
+    withhold((), own_process)  # no log line of ours (and in our own process, the SDK's) quotes a whole value
     resource = resource if resource is not None else oe.resource()
     readers, pushed = [], []
     for made in exporters("metrics", wrap_export=wrap_export, own_process=own_process):
-        if isinstance(made, MetricReader):
-            readers.append(made)  # a pull reader (prometheus) serving its own endpoint
+        if isinstance(made, MetricReader):  # a pull reader (prometheus) serving its own endpoint
+            readers.append(made)
             continue
         if counters_since_ns is not None:
             made.export = _counters_since(made.export, counters_since_ns)
-        reader = oe.build("periodic metric reader", lambda **kw: PeriodicExportingMetricReader(made, **kw),
-                          oe.METRIC_READER)
-        if reader is not None:
+        if reader := oe.build("periodic metric reader", lambda **kw: PeriodicExportingMetricReader(made, **kw),
+                              oe.METRIC_READER):
             readers.append(reader)
             pushed.append(made)
     readers += extra_readers
@@ -165,26 +152,24 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
         resource = resource.merge(Resource(dict(static)))  # ours win
     meter_provider = oe.build("meter provider", lambda **kw: MeterProvider(
         metric_readers=readers, resource=resource, shutdown_on_exit=False, **kw),
-        oe.METER_PROVIDER) or NoOpMeterProvider()  # (warned)
+        oe.METER_PROVIDER) or NoOpMeterProvider()
     for exporter in pushed:  # the OTLP metric exporters' self-metrics
         if callable(getattr(exporter, "set_meter_provider", None)):
             exporter.set_meter_provider(meter_provider)
-    # Not this meter provider: otel.sdk.span.started/live would cost the sinks two SDK calls a span, and
-    # their own counters already count every op; nor the host's global one.
+    # a no-op meter provider: otel.sdk.span.started/live would cost the sinks two SDK calls a span
     own = _accepted(TracerProvider, meter_provider=NoOpMeterProvider())
     tracer_provider = oe.build("tracer provider", lambda **limits: TracerProvider(
         resource=resource, shutdown_on_exit=False, span_limits=SpanLimits(**limits) if limits else None,
         sampler=oe.sampler(), **({"id_generator": id_generator} if id_generator else {}), **own),
         oe.SPAN_LIMITS) or NoOpTracerProvider()
-    batch = _accepted(BatchSpanProcessor, meter_provider=meter_provider)
-    if "OTEL_BSP_MAX_EXPORT_BATCH_SIZE" not in os.environ:  # at most the queue size (the SDK raises); blank: build()
-        batch["max_export_batch_size"] = oe.BATCH_SPAN_PROCESSOR["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][1]()
+    # an unset batch size is the queue's when smaller (the SDK raises)
+    batch = {**_accepted(BatchSpanProcessor, meter_provider=meter_provider),
+             "max_export_batch_size": oe.BATCH_SPAN_PROCESSOR["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][2]()}
     undelivered: list[list[int]] = []
     processors = []
     for exporter in exporters("traces", meter_provider, wrap_export=wrap_export, own_process=own_process):
-        processor = oe.build("batch span processor", lambda **kw: BatchSpanProcessor(exporter, **batch, **kw),
-                             oe.BATCH_SPAN_PROCESSOR)
-        if processor is not None:
+        if processor := oe.build("batch span processor", lambda **kw: BatchSpanProcessor(exporter, **{**batch, **kw}),
+                                 oe.BATCH_SPAN_PROCESSOR):
             processors.append(_counting(undelivered, processor, exporter))
             tracer_provider.add_span_processor(processor)
     return Providers(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
@@ -192,10 +177,9 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
 
 
 def _counters_since(export: Callable[..., Any], start_ns: int) -> Callable[..., Any]:
-    """``export`` of metrics whose monotonic sums all count since ``start_ns``: a successor's counters go on
-    from its predecessor's totals, and a later start time is a reset to ``rate()`` and delta converters."""
+    """``export`` with every monotonic sum counting since ``start_ns``: a successor's counters go on from
+    its predecessor's totals, and a later start time is a reset to ``rate()`` and delta converters."""
     from opentelemetry.sdk.metrics.export import Sum
-
     def since(point: Any) -> Any:
         return replace(point, start_time_unix_nano=start_ns) if point.start_time_unix_nano > start_ns else point
 

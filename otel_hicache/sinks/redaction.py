@@ -1,5 +1,4 @@
-"""Credentials out of what otel-hicache prints: a URL's userinfo (``http://user:password@host``)
-shows as ``***``; scheme, host, port and path stay."""
+"""Credentials out of what otel-hicache prints: a URL's userinfo shows as ``***``."""
 
 from __future__ import annotations
 
