@@ -1,10 +1,6 @@
-"""The channel from the poller to its telemetry process (:mod:`otel_hicache.sinks.process`).
-
-Batches are encoded at once as JSON frames (reading one runs no code), written by ``send()`` down
-a non-blocking pipe and kept until a checkpoint answered covers them: a successor starts from it
-with every frame after it. ``MAX_BACKLOG_BYTES`` and ``max_ops`` bound what is kept (the oldest
-ops go, counted ``queue_full``). A telemetry process that cannot start or ends before its hello
-makes the sinks run embedded (``fallback()``)."""
+"""The channel to the telemetry process (:mod:`otel_hicache.sinks.process`): JSON frames (reading one
+runs no code) down a non-blocking pipe, each kept until a checkpoint covers it, for a successor to
+go on from; a process that cannot run here makes the sinks run embedded."""
 
 from __future__ import annotations
 
@@ -37,13 +33,11 @@ _START = ("import json,sys; sys.path[:0] = json.loads(sys.argv[1]); "
 _AUTO = os.path.join("opentelemetry", "instrumentation", "auto_instrumentation")
 _FULL = ("otel-hicache: the telemetry process is not keeping up; dropping transfer records, counted in "
          "otel_hicache.records.dropped{reason=queue_full}",
-         f"otel-hicache: the telemetry process is not keeping up and the messages waiting for it passed "
-         f"{MAX_BACKLOG_BYTES} bytes; dropping the oldest acks and host frees")
+         "otel-hicache: the telemetry process is not keeping up; dropping the oldest acks and host frees")
 
 
 def telemetry_process_command() -> list[str]:
-    """This interpreter, isolated, on this process's path less the working directory and the
-    auto-instrumentation's, otel-hicache's own location first."""
+    """This interpreter, isolated, on our path (otel-hicache's first) less the working directory."""
     try:
         cwd = os.getcwd()
     except OSError:  # (deleted meanwhile)
@@ -71,15 +65,15 @@ def _select(read: list[Any], write: list[Any], timeout_s: float) -> None:
 def _encoded(batch: Any) -> bytes:
     try:
         return rec.encode(batch)
-    except Exception:  # a message that does not encode (a caller's value): the others go
-        kept = [m if _encodes(m) else (rec.DROPPED, sc.DROP_INTERNAL_ERROR, int(m[0] == rec.OP)) for m in batch]
-        return rec.encode(kept)
+    except Exception:  # a message that does not encode (a caller's value) costs only itself
+        return rec.encode([m if _encodes(m) else (rec.DROPPED, sc.DROP_INTERNAL_ERROR, int(m[0] == rec.OP))
+                           for m in batch])
 
 
 def _encodes(message: Any) -> bool:
     try:
         return bool(rec.encode(message))
-    except Exception as exc:  # pylint: disable=broad-except
+    except Exception as exc:
         warn_once(f"encode:{type(exc).__name__}", "otel-hicache: a transfer record could not be sent to the "
                   "telemetry process (%r); counted as internal_error", exc)
         return False
@@ -89,16 +83,11 @@ class ProcessChannel:
     """Batches to a telemetry process; ``hello`` (a dict of plain values) is its first frame."""
 
     def __init__(self, hello: dict[str, Any], max_ops: int, fallback: Callable[[], Any]) -> None:
-        self._hello, self._max_ops, self._fallback = hello, max_ops, fallback
-        self._fresh()
-
-    def _fresh(self) -> None:
-        """No telemetry process yet; a span-id key and counter start of its own (a forked child's too)."""
-        self._lock = threading.Lock()
-        self._hello = dict(self._hello, key=os.urandom(16).hex(), start_ns=time.time_ns())
+        self._max_ops, self._fallback, self._lock = max_ops, fallback, threading.Lock()
+        self._hello = dict(hello, key=os.urandom(16).hex(), start_ns=time.time_ns())  # span ids, counters
         self._tokens, self._flushes = itertools.count(1), {}  # flush token -> its answer (None: not yet)
         self._pools: list[Any] = []  # every POOL message, in every hello
-        self._frames: deque[list[Any]] = deque()  # [frame, ops]: written after the checkpoint, then waiting
+        self._frames: deque[list[Any]] = deque()  # [frame, ops] from the checkpoint on
         self._queued = self._queued_bytes = 0  # how many of them were handed to writes, and their bytes
         self._bytes = self._waiting_ops = self._written_ops = self._short_lives = self._last_read = 0
         self._out, self._out_ops = memoryview(b""), 0  # the write under way, the ops in it
@@ -119,12 +108,12 @@ class ProcessChannel:
                     self._trim()
 
     def send(self) -> None:
-        """Write what waits as far as the pipe takes it now, read the answers every so often; never blocks."""
+        """Write what the pipe takes now, read the answers every so often; never blocks."""
         with self._lock:
             self._pump()
 
     def due(self) -> int | None:
-        """When (``time.monotonic_ns()``) send() is due for a restart, a full pipe or checkpoints."""
+        """When (``time.monotonic_ns()``) send() is due for a restart, a full pipe or the answers."""
         if self._embedded is not None or self._stopped or not self._frames:
             return None
         if self.process is None:
@@ -147,11 +136,11 @@ class ProcessChannel:
                 if self._flushes[token] is not None or left <= 0 or self._stopped:
                     return bool(self._flushes.pop(token))
                 waiting = [process.stdin] if process is not None and self._waiting() else []
-            _select([process.stdout] if process else [], waiting, min(left, 0.05))  # (none: a successor's delay)
+            _select([process.stdout] if process else [], waiting, min(left, 0.05))
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
-        """Write what waits and a STOP (export within ``export_s``), close the input and wait for the
-        process, all within ``timeout_s`` (then it is reaped in the background)."""
+        """Write what waits and a STOP (export within ``export_s``) and wait for the process, all
+        within ``timeout_s`` (then it is reaped in the background)."""
         deadline, lost = time.monotonic() + timeout_s, 0
         with self._lock:
             self._stopped = True
@@ -163,10 +152,10 @@ class ProcessChannel:
                 while self.process is process and self._waiting() and (left := deadline - time.monotonic()) > 0:
                     self._pump(final=True)
                     _select([], [process.stdin], min(0.05, left))
-                lost = self._waiting_ops + (self._out_ops if self._out else 0)  # (every op, after a death)
-                _close(process)  # (its answers are not read any more)
+                lost = self._waiting_ops + (self._out_ops if self._out else 0)
+                _close(process)
                 self.process = None
-        if self._embedded is not None:  # (what waited went to it)
+        if self._embedded is not None:
             return bool(self._embedded.stop(max(0.0, deadline - time.monotonic()), export_s))
         if lost:
             logger.warning("otel-hicache: %d transfers were still waiting for the telemetry process at shutdown "
@@ -180,12 +169,11 @@ class ProcessChannel:
         return not lost
 
     def forget_in_child(self) -> None:
-        """In a forked child: our copies of the parent's pipes closed (its telemetry process sees its
-        input end with the parent); this channel starts afresh."""
-        if self.process is not None:
-            _close(self.process, lambda stream: os.close(stream.fileno()))  # (no lock a parent's thread held)
-            self._inherited = self.process  # (kept: its file objects would close those numbers again)
-        self._fresh()
+        """In a forked child: closes our copies of the parent's pipes and starts afresh."""
+        if self.process is not None:  # os.close: no lock a parent's thread held; kept: none closed twice
+            _close(self.process, lambda stream: os.close(stream.fileno()))
+            self._inherited = self.process
+        self.__init__(self._hello, self._max_ops, self._fallback)
 
     def _start(self) -> bool:
         try:
@@ -197,27 +185,27 @@ class ProcessChannel:
             self._give_up(f"cannot start it ({exc!r})")
             return False
         try:  # 1 MiB, the most an unprivileged process may ask for: fewer waits here
-            fcntl.fcntl(process.stdin.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)  # type: ignore
+            fcntl.fcntl(process.stdin.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
         except OSError:
             pass
-        os.set_blocking(process.stdin.fileno(), False)  # type: ignore[union-attr]
-        os.set_blocking(process.stdout.fileno(), False)  # type: ignore[union-attr]
+        os.set_blocking(process.stdin.fileno(), False)
+        os.set_blocking(process.stdout.fileno(), False)
         self._started_at = time.monotonic()
-        # its hello, then its predecessor's last checkpoint (frame 1 when there is one), then the frames
+        # its hello, the last checkpoint (frame 1 when there is one), then the frames
         self._out = memoryview(rec.encode(dict(self._hello, pools=self._pools)) + (self._checkpoint or b""))
         self._numbered, self._out_ops = int(self._checkpoint is not None), 0
-        self._answered, self._replies, self._written_ops = False, b"", 0  # (the kill tests read the ops)
+        self._answered, self._replies, self._written_ops = False, b"", 0  # (the kill tests read those ops)
         return True
 
     def _died(self) -> None:
-        """It ended: reaped; a successor starts from its last checkpoint, or the sinks run embedded."""
-        self._read(ended=True)  # what it answered before it ended
+        """Reaped; a successor goes on from its last checkpoint, or the sinks run embedded."""
+        self._read(ended=True)
         process, self.process, now = self.process, None, time.monotonic()
         assert process is not None
         self._short_lives = self._short_lives + 1 if now - self._started_at < SHORT_LIFE_S else 1
         self._restart_at = now + RESTART_DELAYS_S[min(self._short_lives, len(RESTART_DELAYS_S)) - 1]
         try:
-            process.wait(1.0)  # reaped: no zombie
+            process.wait(1.0)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -234,10 +222,9 @@ class ProcessChannel:
             self._give_up(f"it ended before it was ready (exit code {process.returncode})")
 
     def _give_up(self, why: str) -> None:
-        """From now on the sinks run embedded, from the last checkpoint, with every frame after it."""
         warn_once("telemetry_process:fallback", "otel-hicache: telemetry process: %s; the sinks run embedded in "
                   "this process from now on", why)
-        embedded = self._fallback()
+        embedded = self._fallback()  # from the last checkpoint, with every frame after it
         embedded.write(self._pools + (rec.decode(self._checkpoint[_HEADER:]) if self._checkpoint else []), 0)
         for frame, ops in self._frames:
             embedded.write(rec.decode(frame[_HEADER:]), ops)
@@ -253,8 +240,8 @@ class ProcessChannel:
         return bool(self._out) or self._queued < len(self._frames)
 
     def _pump(self, answers: bool = False, final: bool = False) -> None:
-        """Write until the pipe is full or nothing waits (or, but ``final``, half the byte bound waits for
-        a checkpoint: more could not be replayed); read the answers (``answers``: now)."""
+        """Write until the pipe is full, nothing waits or (but ``final``) half the byte bound awaits a
+        checkpoint; read the answers every so often (``answers``: now)."""
         while self._embedded is None:
             if self.process is None and (self._stopped or not self._frames or time.monotonic() < self._restart_at
                                          or not self._start()):
@@ -262,16 +249,15 @@ class ProcessChannel:
             if not self._out:
                 if self._queued == len(self._frames) or self._queued_bytes >= MAX_BACKLOG_BYTES // 2 and not final:
                     break
-                first, size, self._out_ops = self._queued, 0, 0
-                while self._queued < len(self._frames) and size < _WRITE_BYTES:
-                    size += len(self._frames[self._queued][0])
-                    self._out_ops += self._frames[self._queued][1]
-                    self._queued += 1
-                self._out = memoryview(b"".join(e[0] for e in itertools.islice(self._frames, first, self._queued)))
-                self._queued_bytes += size
+                out, self._out_ops = bytearray(), 0
+                while self._queued < len(self._frames) and len(out) < _WRITE_BYTES:
+                    frame, ops = self._frames[self._queued]
+                    out += frame
+                    self._out_ops, self._queued = self._out_ops + ops, self._queued + 1
+                self._out, self._queued_bytes = memoryview(out), self._queued_bytes + len(out)
                 self._waiting_ops -= self._out_ops
             try:
-                self._out = self._out[os.write(self.process.stdin.fileno(), self._out):]  # type: ignore
+                self._out = self._out[os.write(self.process.stdin.fileno(), self._out):]
             except BlockingIOError:
                 break
             except (OSError, ValueError):  # (a broken pipe: it died)
@@ -289,7 +275,7 @@ class ProcessChannel:
         chunks, eof = [self._replies], False
         while not eof:
             try:
-                chunks.append(os.read(self.process.stdout.fileno(), 1 << 20))  # type: ignore[union-attr]
+                chunks.append(os.read(self.process.stdout.fileno(), 1 << 20))
             except (OSError, ValueError):  # (BlockingIOError: nothing more now)
                 break
             eof = not chunks[-1]
@@ -302,30 +288,25 @@ class ProcessChannel:
             elif kind == b"exported" and number.isdigit():  # its first frames exported, its state in value
                 self._checkpoint = rec.FRAME_HEADER.pack(len(value)) + value
                 while self._numbered < int(number) and self._queued:
-                    frame = self._frames.popleft()[0]
+                    size = len(self._frames.popleft()[0])
                     self._numbered, self._queued = self._numbered + 1, self._queued - 1
-                    self._queued_bytes -= len(frame)
-                    self._bytes -= len(frame)
+                    self._queued_bytes, self._bytes = self._queued_bytes - size, self._bytes - size
             elif kind == b"flushed" and number.isdigit() and self._flushes.get(int(number), 0) is None:
                 self._flushes[int(number)] = value == b"1"  # (asked twice: the second answer is not kept)
         if eof and not ended:
             self._died()
 
     def _trim(self) -> None:
-        """Past ``max_ops`` or the bytes, the oldest waiting frames lose their ops and host pages (counted
-        ``queue_full``), then their acks, frees, states and drop counts (the last state and the counts
-        go into the last frame trimmed)."""
+        """Past a bound, the oldest waiting frames lose their ops and host pages (counted ``queue_full``),
+        then their acks, frees, states and drop counts; the last state and the counts go in the last."""
         counts: Counter[str] = Counter()
         last, state = None, []  # (the last entry trimmed, what it kept), the last state removed
         for stage, kinds in enumerate(((rec.OP, rec.HOST), (rec.ACK, rec.FREE, rec.STATE, rec.DROPPED))):
             for entry in itertools.islice(self._frames, self._queued, None):
                 if self._waiting_ops <= self._max_ops and self._bytes <= MAX_BACKLOG_BYTES:
                     break
-                if stage == 0 and not entry[1]:
-                    continue
-                batch = rec.decode(entry[0][_HEADER:])
-                removed = [m for m in batch if m[0] in kinds]
-                if not removed:
+                batch = rec.decode(entry[0][_HEADER:]) if entry[1] or stage else []
+                if not (removed := [m for m in batch if m[0] in kinds]):
                     continue
                 counts[sc.DROP_QUEUE_FULL] += entry[1]
                 for m in removed:
