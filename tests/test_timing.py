@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from otel_hicache.capture.clock import PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE, EventTimeline
-from otel_hicache.capture.records import DEVICE_EVENT, HOST_CLOCK, TransferRecord, submission, validate
+from otel_hicache.capture.records import TransferRecord, submission, validate
+from otel_hicache.record import DEVICE_EVENT, HOST_CLOCK
 from otel_hicache.testing import SimulatedDevice
 from otel_hicache.capture.timing import is_complete, resolve, resolve_host_clock
 

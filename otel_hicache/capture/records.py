@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import operator
 import reprlib
+from collections import Counter
 from typing import Any, Mapping
 
 from .. import semconv as sc
 from ..adapters import causes
 from ..diagnostics import warn_once
-from ..record import DEVICE_EVENT, DIRECT, HOST_CLOCK, INT64_MAX, MERGED_OP, TIERS, encodes
+from ..record import DIRECT, INT64_MAX, MERGED_OP, TIERS, encodes
 
-__all__ = ["DEVICE_EVENT", "DIRECT", "HOST_CLOCK", "INT64_MAX", "MERGED_OP", "SUBMISSION_FIELDS", "TransferRecord",
-           "submission", "validate"]
-
-# The layout of submit()'s list, also the handle ack() stamps (the last field); checked in test_records.py.
+# submit()'s list, also the handle ack() stamps (the last field); checked in test_records.py
 SUBMISSION_FIELDS = (
     "direction", "tokens_by_pool", "num_bytes", "page_size", "start_event", "finish_event", "io_backend",
     "attributes", "expect_ack", "submit_ns", "parent_context", "host_start_ns", "host_end_ns", "ack_watch",
@@ -55,13 +53,12 @@ class TransferRecord:
 
 
 def _shown(value: Any) -> str:
-    """``value`` for a message, short whatever it is."""
     if isinstance(value, int) and not -2**64 < value < 2**64:
         return f"an integer of {value.bit_length()} bits"
     return reprlib.repr(value)
 
 
-def _count(value: Any, what: str, low: int = 0) -> int:
+def integer(value: Any, what: str, low: int = 0) -> int:
     """An int (NumPy and torch integers too, not bool or float) from ``low`` to ``INT64_MAX``."""
     if type(value) is not int:
         try:
@@ -93,24 +90,24 @@ def _name(name: Any, what: str) -> str:
 
 
 def validate(record: TransferRecord) -> None:
-    """Check and normalize a record's fields in place, or a ValueError/TypeError naming the problem."""
+    """Checks and normalizes a record's fields in place, or raises a ValueError/TypeError naming the problem."""
     if record.direction not in TIERS:
         raise ValueError(f"direction must be 'offload' or 'onboard', got {_shown(record.direction)}")
-    page_size = record.page_size = _count(record.page_size, "page_size", 1)
-    record.num_bytes = _count(record.num_bytes, "num_bytes")
+    page_size = record.page_size = integer(record.page_size, "page_size", 1)
+    record.num_bytes = integer(record.num_bytes, "num_bytes")
     pools = record.tokens_by_pool if record.tokens_by_pool is not None else {}
     if not isinstance(pools, Mapping):
         raise TypeError(f"tokens_by_pool must be a mapping of pool name to tokens, got {type(pools).__name__}")
     record.pool_names = tuple(_name(name, "tokens_by_pool keys") for name in pools)
     record.pool_tokens = tuple(c if type(c) is int and 0 <= c <= INT64_MAX else  # (no message built)
-                               _count(c, f"tokens_by_pool[{_shown(n)}]") for n, c in pools.items())
+                               integer(c, f"tokens_by_pool[{_shown(n)}]") for n, c in pools.items())
     record.tokens = record.pool_tokens[0] if record.pool_tokens else 0
     record.blocks = -(-record.tokens // page_size)
     if record.host_start_ns is not None:  # (first: it is also the submit time)
-        record.host_start_ns = _count(record.host_start_ns, "host_start_ns")
-    record.submit_ns = _count(record.submit_ns, "submit_ns")
+        record.host_start_ns = integer(record.host_start_ns, "host_start_ns")
+    record.submit_ns = integer(record.submit_ns, "submit_ns")
     if record.host_end_ns is not None:
-        record.host_end_ns = _count(record.host_end_ns, "host_end_ns")
+        record.host_end_ns = integer(record.host_end_ns, "host_end_ns")
     if record.io_backend is not None:
         record.io_backend = _name(str(record.io_backend), "io_backend")
     record.origin = MERGED_OP if record.expect_ack else DIRECT
@@ -125,7 +122,6 @@ def validate(record: TransferRecord) -> None:
 
 
 def _known_cause(cause: Any, direction: str) -> str:
-    """``cause`` if it is one of ``direction``'s (a closed set), else ``other`` (warned once)."""
     if isinstance(cause, str) and cause in causes()[direction]:
         return str.__str__(cause)
     warn_once(f"cause:{direction}:{cause!r}"[:200], "otel-hicache: %r is not a %s cause (%s); counted as %r",
@@ -135,39 +131,34 @@ def _known_cause(cause: Any, direction: str) -> str:
 
 def _validate_cause(record: TransferRecord) -> None:
     """``cause``, or what ``cause_call`` returns: a cause, or parts summing to the op's totals."""
-    cause, record.cause_parts = record.cause, None
-    if record.cause_call is not None:
+    cause, call, record.cause_parts = record.cause, record.cause_call, None
+    if call is not None:
         try:
-            cause = record.cause_call[0](*record.cause_call[1:])
+            cause = call[0](*call[1:])
         except Exception as exc:  # the op is still reported
             warn_once(f"cause:call:{type(exc).__name__}", "otel-hicache: could not work out an op's cause (%r); "
                       "counted as %r", exc, sc.CAUSE_OTHER)
             cause = None
-    if cause is None or isinstance(cause, str) or record.cause_call is None:
+    if cause is None or isinstance(cause, str) or call is None:
         record.cause = sc.CAUSE_OTHER if cause is None else _known_cause(cause, record.direction)
         return
     try:
-        parts: dict[str, list[Any]] = {}  # cause -> [{pool: tokens}, bytes]
-        totals: dict[str, int] = {}
+        parts: dict[str, list[Any]] = {}  # cause -> [Counter of tokens by pool, bytes]
         for part_cause, pools, num_bytes in cause:
-            entry = parts.setdefault(_known_cause(part_cause, record.direction), [{}, 0])
+            entry = parts.setdefault(_known_cause(part_cause, record.direction), [Counter(), 0])
             for name, count in (pools or {}).items():
-                name, count = _name(name, "cause part pool names"), _count(count, f"cause part tokens[{name!r}]")
-                entry[0][name] = entry[0].get(name, 0) + count
-                totals[name] = totals.get(name, 0) + count
-            entry[1] += _count(num_bytes, "cause part num_bytes")
-        expected = {n: c for n, c in zip(record.pool_names, record.pool_tokens) if c}
-        part_bytes = sum(b for _, b in parts.values())
-        if {n: c for n, c in totals.items() if c} != expected or part_bytes != record.num_bytes:
-            raise ValueError(f"parts sum to {totals} tokens and {part_bytes} bytes, the op moved {expected} "
-                             f"and {record.num_bytes}")
+                entry[0][_name(name, "cause part pool names")] += integer(count, f"cause part tokens[{name!r}]")
+            entry[1] += integer(num_bytes, "cause part num_bytes")
+        moved = Counter(dict(zip(record.pool_names, record.pool_tokens)))  # (== treats a missing pool as 0)
+        tokens, part_bytes = sum((p for p, _ in parts.values()), Counter()), sum(b for _, b in parts.values())
+        if tokens != moved or part_bytes != record.num_bytes:
+            raise ValueError(f"parts sum to {dict(tokens)} tokens and {part_bytes} bytes, the op moved "
+                             f"{dict(moved)} and {record.num_bytes}")
     except (TypeError, ValueError) as exc:
         warn_once("cause:parts", "otel-hicache: a merged op's cause parts are malformed (%s); such ops are "
                   "counted as %r", exc, sc.CAUSE_OTHER)
         record.cause = sc.CAUSE_OTHER
         return
-    if len(parts) == 1:
-        record.cause = next(iter(parts))
-        return
-    record.cause = sc.CAUSE_MIXED
-    record.cause_parts = tuple((c, tuple(pools), tuple(pools.values()), b) for c, (pools, b) in sorted(parts.items()))
+    record.cause = next(iter(parts)) if len(parts) == 1 else sc.CAUSE_MIXED
+    if len(parts) != 1:
+        record.cause_parts = tuple((c, tuple(p), tuple(p.values()), b) for c, (p, b) in sorted(parts.items()))

@@ -1,5 +1,5 @@
-"""``TransferTelemetry``: the API adapters and applications call; ``submit()`` and ``ack()`` only
-stamp the host clock and the context and append to a bounded queue, the poller does the rest."""
+"""``TransferTelemetry``, the API: ``submit()`` and ``ack()`` only stamp the clock and the context and
+append to a bounded queue; the poller does the rest."""
 
 from __future__ import annotations
 
@@ -21,13 +21,11 @@ from .attributes import static_attributes
 from .device import timing_event_pair
 from .poller import HostPoolRef, PollerSettings, Poller
 from .process_exit import on_exit
-from .records import INT64_MAX, S_ACK_NS
+from .records import S_ACK_NS, integer
 
 _get_current_context = otel_context.get_current
 _POOL_IDS = itertools.count(1)
-# A forked child's capacity until its first call: below any queue length, so submit()'s capacity
-# check sends that call to _first_in_child.
-_OPEN_FIRST = -1
+_OPEN_FIRST = -1  # a forked child's capacity until its first call, which the check sends to _first_in_child
 
 
 def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
@@ -36,8 +34,8 @@ def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
 
 
 class TransferTelemetry:
-    """Turns L1<->L2 transfers into device-timed spans and exact metrics; the providers default to
-    :func:`otel_hicache.configure`'s, else the global ones; ``attributes`` go on every span and point."""
+    """L1<->L2 transfers as device-timed spans and exact metrics, on :func:`otel_hicache.configure`'s
+    providers by default; ``attributes`` go on every span and point."""
 
     def __init__(self, tracer_provider: Any = None, meter_provider: Any = None,
                  attributes: Mapping[str, Any] | None = None, *, clock: Callable[[], int] | None = None,
@@ -46,7 +44,7 @@ class TransferTelemetry:
         self._clock = clock or time.time_ns
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self._pipeline: Poller | None = None  # (tests/harness.py reads it by this name)
-        self.enabled = False  # (a plain attribute: adapters read it on their hot path)
+        self.enabled = False  # (an attribute: adapters read it on their hot path)
         if not env_bool(ev.OTEL_HICACHE_ENABLED) or sdk_disabled():
             return
         settings = PollerSettings.from_environment()
@@ -59,11 +57,10 @@ class TransferTelemetry:
         fork.after_fork_in_child(self._after_fork_in_child)  # after the poller's (registration order)
 
     def _after_fork_in_child(self) -> None:
-        if self._pipeline is not None:
-            self._cap = _OPEN_FIRST
+        self._cap = _OPEN_FIRST
 
     def _first_in_child(self, poller: Poller) -> bool:
-        """A forked child's first call opens its channel on its thread; True if there is room."""
+        """A forked child's first call opens its channel, on its thread; True if there is room."""
         if self._cap != _OPEN_FIRST:
             return False
         self._cap = poller.settings.max_queue_size
@@ -81,8 +78,8 @@ class TransferTelemetry:
                host_end_ns: int | None = None, ack_watch: tuple[Any, Any] | None = None, cause: str | None = None,
                cause_call: tuple | None = None,
                host_slots: tuple[Any, Any] | None = None, requests: Sequence[Any] | None = None) -> list | None:
-        """Report one merged op (or direct copy); returns the handle for ``ack()``. The keywords are
-        described in docs/configuration.md; what is passed is read on the poller, later."""
+        """Report one merged op (or direct copy), read on the poller later (docs/configuration.md);
+        returns the handle for ``ack()``."""
         poller = self._pipeline
         if poller is None:
             return None
@@ -91,7 +88,7 @@ class TransferTelemetry:
                 next(poller.refused)
                 poller.stalled()  # a full queue may be a stuck poller: it says where
                 return None
-            # records.SUBMISSION_FIELDS: a literal is the cheapest build (test_records.py checks it)
+            # records.SUBMISSION_FIELDS as a literal, the cheapest build (test_records.py checks it)
             record = [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, io_backend,
                       attributes, expect_ack, self._clock() if host_start_ns is None else host_start_ns,
                       _get_current_context(), host_start_ns, host_end_ns, ack_watch, cause, cause_call,
@@ -104,8 +101,8 @@ class TransferTelemetry:
             return None
 
     def host_pool(self, slots: int, page_size: int, name: str = "kv") -> Any:
-        """A host pool for ``host_slots`` and :meth:`host_freed`; None when disabled, without NumPy,
-        or for a bad size (warned once)."""
+        """A host pool for ``host_slots`` and :meth:`host_freed`; None when disabled, without NumPy or
+        for a bad size (warned once)."""
         poller = self._pipeline
         if poller is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
             return None
@@ -113,9 +110,7 @@ class TransferTelemetry:
             warn_once("host_pool:numpy", "otel-hicache: host residence needs NumPy (pip install numpy); not tracked")
             return None
         try:
-            slots, page_size, name = int(slots), int(page_size), str(name)
-            if not (1 <= slots <= INT64_MAX and page_size >= 1):
-                raise ValueError(f"a host pool needs slots >= 1 and page_size >= 1, got {slots} and {page_size}")
+            slots, page_size, name = integer(slots, "slots", 1), integer(page_size, "page_size", 1), str(name)
         except (TypeError, ValueError) as exc:
             warn_once(f"host_pool:{exc}"[:200], "otel-hicache: cannot track the %s host pool (%s)", name, exc)
             return None
@@ -147,8 +142,8 @@ class TransferTelemetry:
     @contextmanager
     def transfer(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, stream: Any = None,
                  **options: Any) -> Iterator[None]:
-        """The copies enqueued in the block as one op without an ack, timed by events recorded on
-        ``stream``, else the host clock (``options``: submit()'s). Not reported if the block raises."""
+        """The copies the block enqueues as one op without an ack, timed by events on ``stream``, else
+        the host clock (``options``: submit()'s); none if the block raises."""
         events = None
         if stream is not None and self._pipeline is not None:
             try:
@@ -170,13 +165,13 @@ class TransferTelemetry:
                     host_end_ns=None if events else self._clock(), **options)
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
-        """Report every completed op (acked or not waiting for an ack) and export. Bounded."""
+        """Report every completed op (acked or not waiting for an ack) and export, bounded."""
         poller = self._pipeline
         if poller is None:
             return True
         deadline = time.monotonic() + timeout_s
         flushed = poller.flush(timeout_s)
-        channel = poller.channel  # what was taken in is exported even if something is still in flight
+        channel = poller.channel  # what was taken in is exported even while some op is in flight
         exported = channel is None or channel.flush(max(0.1 * timeout_s, deadline - time.monotonic()))
         return flushed and exported
 
