@@ -1,9 +1,6 @@
-"""What otel-hicache does in a forked child (SGLang's schedulers), behind one at-fork registration.
-
-``os.register_at_fork`` callbacks can never be removed, so parts register weakly here. The
-registration is made with the first callback, after the SDK objects ``configure()`` built
-registered theirs (they run in that order). Callbacks take no foreign lock and open nothing: a
-child's channel opens at its first submit, after fork() returned."""
+"""What otel-hicache does in a forked child (SGLang's schedulers), behind one at-fork registration
+(those can never be removed), made after the SDK's own by ``configure()``'s objects. Callbacks take
+no foreign lock and open nothing: a child's channel opens at its first submit."""
 
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ def after_fork_in_child(callback: Callable[[], Any]) -> None:
         if not _registered:
             os.register_at_fork(after_in_child=_run_in_child)
             _registered = True
-        _callbacks.append(weakref.WeakMethod(callback) if bound else lambda: callback)  # type: ignore[arg-type]
+        _callbacks.append(weakref.WeakMethod(callback) if bound else lambda: callback)
         if len(_callbacks) >= _prune_at:
             _callbacks[:] = [handle for handle in _callbacks if handle() is not None]
             _prune_at = max(64, 2 * len(_callbacks))
@@ -38,11 +35,10 @@ def after_fork_in_child(callback: Callable[[], Any]) -> None:
 def _run_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # the parent's may have been held by another thread at fork
-    for callback in [handle() for handle in _callbacks]:
+    for callback in filter(None, [handle() for handle in _callbacks]):
         try:
-            if callback is not None:
-                callback()
-        except Exception as exc:  # pylint: disable=broad-except  # one part's failure stops no other
+            callback()
+        except Exception as exc:  # one part's failure stops no other
             warn_once(f"fork:{type(exc).__name__}", "otel-hicache: after fork, %r failed: %r", callback, exc)
 
 
@@ -50,8 +46,7 @@ def _run_in_child() -> None:
 # export over gRPC: a fork waits (at most FORK_WAIT_S) for our exports to end and holds new ones back.
 FORK_WAIT_S = 2.0
 _exports = threading.Condition()
-_exporting = 0
-_forking = False
+_exporting, _forking = 0, False
 
 
 def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,7 +1,6 @@
-"""Exit hooks that also run in ``multiprocessing`` children (SGLang's schedulers), which end with
-``os._exit()`` after the ``multiprocessing.util`` finalizers only: each hook (idempotent) is
-registered both ways, and again in a fork child, whose bootstrap clears the inherited finalizers.
-A higher ``priority`` runs first in a child; ``atexit`` runs the last registered first."""
+"""Exit hooks that also run in ``multiprocessing`` children, which ``os._exit()`` after its finalizers
+only: each (idempotent) hook is registered both ways, again in a fork child (whose bootstrap clears
+the finalizers). A higher ``priority`` runs first in a child; ``atexit`` runs the last registered first."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from multiprocessing import util
 from typing import Any, Callable
 
 
-class _Hooks(list):  # type: ignore[type-arg]
+class _Hooks(list):
     """Every hook registered here (a list that ``register_after_fork`` can hold weakly)."""
 
 
