@@ -45,8 +45,8 @@ def _run_in_child() -> None:
 # gRPC skips its fork handlers while another thread is inside a call, and a child forked then can never
 # export over gRPC: a fork waits (at most FORK_WAIT_S) for our exports to end and holds new ones back.
 FORK_WAIT_S = 2.0
-_exports = threading.Condition()
-_exporting, _forking = 0, False
+_gate = threading.Lock()  # held through a fork
+_exports: set[object] = set()  # those under way (add and discard are atomic)
 
 
 def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:
@@ -54,41 +54,32 @@ def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:
     global _gated
     with _lock:
         if not _gated:
-            os.register_at_fork(before=_before_fork, after_in_parent=_forked, after_in_child=_forked_child)
+            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_forked_child)
             _gated = True
 
     def gated(*args: Any, **kwargs: Any) -> Any:
-        global _exporting
-        with _exports:
-            while _forking:
-                _exports.wait()
-            _exporting += 1
+        with _gate:
+            _exports.add(key := object())
         try:
             return export(*args, **kwargs)
         finally:
-            with _exports:
-                _exporting -= 1
-                _exports.notify_all()
+            _exports.discard(key)
 
     return gated
 
 
 def _before_fork() -> None:
-    global _forking
+    _gate.acquire()
     deadline = time.monotonic() + FORK_WAIT_S
-    with _exports:
-        _forking = True
-        while _exporting and (left := deadline - time.monotonic()) > 0:
-            _exports.wait(left)
+    while _exports and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
-def _forked() -> None:
-    global _forking
-    with _exports:
-        _forking = False
-        _exports.notify_all()
+def _after_fork() -> None:
+    _gate.release()  # (this process's: a child's is not the one registered)
 
 
 def _forked_child() -> None:
-    global _exports, _exporting, _forking
-    _exports, _exporting, _forking = threading.Condition(), 0, False  # the parent's exports are not ours
+    global _gate
+    _gate = threading.Lock()  # the parent's is held, and its exports are not ours
+    _exports.clear()

@@ -8,12 +8,7 @@ import atexit
 from multiprocessing import util
 from typing import Any, Callable
 
-
-class _Hooks(list):
-    """Every hook registered here (a list that ``register_after_fork`` can hold weakly)."""
-
-
-_hooks = _Hooks()
+_hooks: list[tuple[Callable[..., Any], tuple[Any, ...], int]] = []
 
 
 def on_exit(hook: Callable[..., Any], *args: Any, priority: int = 0) -> None:
@@ -22,9 +17,9 @@ def on_exit(hook: Callable[..., Any], *args: Any, priority: int = 0) -> None:
     util.Finalize(None, hook, args=args, exitpriority=priority)
 
 
-def _after_fork(hooks: _Hooks) -> None:
-    for hook, args, priority in hooks:
+def _after_fork(_: Any) -> None:
+    for hook, args, priority in _hooks:
         util.Finalize(None, hook, args=args, exitpriority=priority)
 
 
-util.register_after_fork(_hooks, _after_fork)
+util.register_after_fork(_after_fork, _after_fork)  # (held weakly: a function, not the list)

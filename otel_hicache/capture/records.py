@@ -1,4 +1,4 @@
-"""Transfer records: ``submit()`` queues a plain list; the poller makes it a record and validates it here."""
+"""Transfer records: ``submit()`` queues a plain list; the poller makes it a record, validated here."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def submission(*values: Any, **fields: Any) -> list[Any]:
 
 
 class TransferRecord:
-    """One op on the poller, from its submitted list ``handle`` (which ``ack()`` may stamp later)."""
+    """One op on the poller, from its submitted list ``handle`` (which ``ack()`` stamps)."""
 
     __slots__ = ("handle", *SUBMISSION_FIELDS[:S_ACK_NS],
                  # set by the poller; cause_parts: a mixed op's ((cause, pool names, pool tokens, bytes), ...)
@@ -46,10 +46,6 @@ class TransferRecord:
          self.host_end_ns, self.ack_watch, self.cause, self.cause_call, self.host_slots, self.requests, _) = handle
         self.queue_wait_ns = self.placement = self.error = self.completed_at_ns = None
         self.request_links, self.request_links_dropped = (), 0
-
-    @property
-    def ack_ns(self) -> int | None:
-        return self.handle[S_ACK_NS]
 
 
 def _shown(value: Any) -> str:
@@ -90,7 +86,7 @@ def _name(name: Any, what: str) -> str:
 
 
 def validate(record: TransferRecord) -> None:
-    """Checks and normalizes a record's fields in place, or raises a ValueError/TypeError naming the problem."""
+    """Check and normalize a record's fields in place; a ValueError or TypeError names a problem."""
     if record.direction not in TIERS:
         raise ValueError(f"direction must be 'offload' or 'onboard', got {_shown(record.direction)}")
     page_size = record.page_size = integer(record.page_size, "page_size", 1)
@@ -99,11 +95,11 @@ def validate(record: TransferRecord) -> None:
     if not isinstance(pools, Mapping):
         raise TypeError(f"tokens_by_pool must be a mapping of pool name to tokens, got {type(pools).__name__}")
     record.pool_names = tuple(_name(name, "tokens_by_pool keys") for name in pools)
-    record.pool_tokens = tuple(c if type(c) is int and 0 <= c <= INT64_MAX else  # (no message built)
+    record.pool_tokens = tuple(c if type(c) is int and 0 <= c <= INT64_MAX else  # no message built
                                integer(c, f"tokens_by_pool[{_shown(n)}]") for n, c in pools.items())
     record.tokens = record.pool_tokens[0] if record.pool_tokens else 0
     record.blocks = -(-record.tokens // page_size)
-    if record.host_start_ns is not None:  # (first: it is also the submit time)
+    if record.host_start_ns is not None:  # first: it may be the submit time
         record.host_start_ns = integer(record.host_start_ns, "host_start_ns")
     record.submit_ns = integer(record.submit_ns, "submit_ns")
     if record.host_end_ns is not None:
@@ -112,7 +108,7 @@ def validate(record: TransferRecord) -> None:
         record.io_backend = _name(str(record.io_backend), "io_backend")
     record.origin = MERGED_OP if record.expect_ack else DIRECT
     _validate_cause(record)
-    slots, watch = record.host_slots, record.ack_watch  # a bad one costs only the host pages, or the ack time
+    slots, watch = record.host_slots, record.ack_watch  # a bad one costs only the host pages or ack time
     if slots is not None and not (type(slots) is tuple and len(slots) == 2 and hasattr(slots[0], "pool_id")):
         record.host_slots = None
         warn_once("host_slots", "otel-hicache: host_slots must be (pool, slots), not %s", type(slots).__name__)
@@ -130,7 +126,7 @@ def _known_cause(cause: Any, direction: str) -> str:
 
 
 def _validate_cause(record: TransferRecord) -> None:
-    """``cause``, or what ``cause_call`` returns: a cause, or parts summing to the op's totals."""
+    """``cause``, or ``cause_call``'s: a cause, or parts summing to the op's totals."""
     cause, call, record.cause_parts = record.cause, record.cause_call, None
     if call is not None:
         try:
@@ -149,7 +145,7 @@ def _validate_cause(record: TransferRecord) -> None:
             for name, count in (pools or {}).items():
                 entry[0][_name(name, "cause part pool names")] += integer(count, f"cause part tokens[{name!r}]")
             entry[1] += integer(num_bytes, "cause part num_bytes")
-        moved = Counter(dict(zip(record.pool_names, record.pool_tokens)))  # (== treats a missing pool as 0)
+        moved = Counter(dict(zip(record.pool_names, record.pool_tokens)))  # == takes a missing pool as 0
         tokens, part_bytes = sum((p for p, _ in parts.values()), Counter()), sum(b for _, b in parts.values())
         if tokens != moved or part_bytes != record.num_bytes:
             raise ValueError(f"parts sum to {dict(tokens)} tokens and {part_bytes} bytes, the op moved "

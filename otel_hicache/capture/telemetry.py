@@ -3,11 +3,11 @@ append to a bounded queue; the poller does the rest."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import time
 import weakref
-from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
@@ -25,7 +25,7 @@ from .records import S_ACK_NS, integer
 
 _get_current_context = otel_context.get_current
 _POOL_IDS = itertools.count(1)
-_OPEN_FIRST = -1  # a forked child's capacity until its first call, which the check sends to _first_in_child
+_OPEN_FIRST = -1  # a forked child's capacity until its first call: below any queue length
 
 
 def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
@@ -40,27 +40,26 @@ class TransferTelemetry:
     def __init__(self, tracer_provider: Any = None, meter_provider: Any = None,
                  attributes: Mapping[str, Any] | None = None, *, clock: Callable[[], int] | None = None,
                  anchor_event_factory: Callable[[], Any] | None = None) -> None:
-        self._static = static_attributes(attributes)
-        self._clock = clock or time.time_ns
+        static, self._clock = static_attributes(attributes), clock or time.time_ns
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self._pipeline: Poller | None = None  # (tests/harness.py reads it by this name)
-        self.enabled = False  # (an attribute: adapters read it on their hot path)
+        self.enabled = False  # adapters read it on their hot path
         if not env_bool(ev.OTEL_HICACHE_ENABLED) or sdk_disabled():
             return
         settings = PollerSettings.from_environment()
         self._cap = settings.max_queue_size
         self._pipeline = Poller(settings, configuration.open_channel(
-            tracer_provider, meter_provider, self._static, settings.max_queue_size, self._clock),
+            tracer_provider, meter_provider, static, settings.max_queue_size, self._clock),
             self._clock, anchor_event_factory)
         self.enabled = True
         on_exit(_stop_at_exit, weakref.ref(self._pipeline), self._shutdown_timeout_s, priority=20)
-        fork.after_fork_in_child(self._after_fork_in_child)  # after the poller's (registration order)
+        fork.after_fork_in_child(self._after_fork_in_child)  # after the poller's
 
     def _after_fork_in_child(self) -> None:
         self._cap = _OPEN_FIRST
 
     def _first_in_child(self, poller: Poller) -> bool:
-        """A forked child's first call opens its channel, on its thread; True if there is room."""
+        """A forked child's first call opens its channel on its thread; True if there is room."""
         if self._cap != _OPEN_FIRST:
             return False
         self._cap = poller.settings.max_queue_size
@@ -69,7 +68,6 @@ class TransferTelemetry:
 
     @property
     def channel(self) -> Any:
-        """The channel to the sinks once opened, else None."""
         return self._pipeline.channel if self._pipeline is not None else None
 
     def submit(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, page_size: int = 1,
@@ -86,15 +84,15 @@ class TransferTelemetry:
         try:
             if len(poller.queue) + poller.held >= self._cap and not self._first_in_child(poller):
                 next(poller.refused)
-                poller.stalled()  # a full queue may be a stuck poller: it says where
+                poller.stalled()  # a full queue may be a stuck poller
                 return None
-            # records.SUBMISSION_FIELDS as a literal, the cheapest build (test_records.py checks it)
+            # records.SUBMISSION_FIELDS as a literal: the cheapest build (test_records.py checks it)
             record = [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, io_backend,
                       attributes, expect_ack, self._clock() if host_start_ns is None else host_start_ns,
                       _get_current_context(), host_start_ns, host_end_ns, ack_watch, cause, cause_call,
-                      host_slots, requests, None]  # the last: the ack time, set by ack() or the poller
+                      host_slots, requests, None]
             poller.queue.append(record)
-            if poller.idle:  # asleep with nothing to poll: woken once; otherwise one flag read
+            if poller.idle:  # asleep: woken once; otherwise one flag read
                 poller.wake()
             return record
         except Exception:  # never raise into the host application
@@ -121,17 +119,13 @@ class TransferTelemetry:
     def host_freed(self, pool: Any, slots: Any) -> None:
         """The host freed ``slots`` of ``pool``; never refused (tiny, and must not be lost)."""
         poller = self._pipeline
-        if poller is None or type(pool) is not HostPoolRef:
-            return
-        try:
-            if self._cap == _OPEN_FIRST:
+        if poller is not None and type(pool) is HostPoolRef:
+            with contextlib.suppress(Exception):  # never raise into the host application
                 self._first_in_child(poller)
-            poller.add((pool, slots))
-        except Exception:  # never raise into the host application
-            return
+                poller.add((pool, slots))
 
     def ack(self, handle: list | None) -> None:
-        """The consumer took this op's ack (optional). Never raises."""
+        """The consumer took this op's ack (optional)."""
         try:
             if handle is not None and handle[S_ACK_NS] is None:
                 handle[S_ACK_NS] = self._clock()
@@ -139,7 +133,7 @@ class TransferTelemetry:
             warn_once("ack:handle", "otel-hicache: ack() got %s, not a handle from submit(); ignored",
                       type(handle).__name__)
 
-    @contextmanager
+    @contextlib.contextmanager
     def transfer(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, stream: Any = None,
                  **options: Any) -> Iterator[None]:
         """The copies the block enqueues as one op without an ack, timed by events on ``stream``, else
