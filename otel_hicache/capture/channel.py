@@ -8,7 +8,6 @@ import fcntl
 import itertools
 import json
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ SHORT_LIFE_S = 60.0
 MAX_BACKLOG_BYTES = 32 << 20  # frames not confirmed by a checkpoint
 _KILLED = (-9, -15, -2)  # a signal before its hello: restarted, not a process that cannot run here
 _READ_NS = 100_000_000  # answers are read at least this often while frames wait
-_WRITE_BYTES = 1 << 20  # frames joined into one write
+_WRITE_BYTES = 1 << 20  # joined into one write
 _HEADER = rec.FRAME_HEADER.size
 # -I: no working directory, PYTHONPATH (an auto-instrumentation's) nor user site on its path
 _START = ("import json,sys; sys.path[:0] = json.loads(sys.argv[1]); "
@@ -39,7 +38,7 @@ _FULL = ("otel-hicache: the telemetry process is not keeping up; dropping transf
 def telemetry_process_command() -> list[str]:
     """This interpreter, isolated, on our path (otel-hicache's first) less the working directory."""
     cwd = ""
-    with contextlib.suppress(OSError):  # deleted meanwhile
+    with contextlib.suppress(OSError):
         cwd = os.getcwd()
     path = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
     path += [p for p in map(os.path.abspath, filter(None, sys.path)) if p not in (cwd, path[0]) and _AUTO not in p]
@@ -52,15 +51,10 @@ def _close(process: Any, close: Callable[[Any], Any] = lambda stream: stream.clo
             close(stream)
 
 
-def _select(read: list[Any], write: list[Any], timeout_s: float) -> None:
-    with contextlib.suppress(OSError, ValueError):  # closed meanwhile: the next pump sees it
-        select.select(read, write, [], timeout_s)
-
-
 def _encoded(batch: Any) -> bytes:
     try:
         return rec.encode(batch)
-    except Exception:  # a message that does not encode (a caller's value) costs only itself
+    except Exception:  # one message that does not encode costs only itself
         return rec.encode([m if _encodes(m) else (rec.DROPPED, sc.DROP_INTERNAL_ERROR, int(m[0] == rec.OP))
                            for m in batch])
 
@@ -86,9 +80,7 @@ class ProcessChannel:
         self._queued = self._queued_bytes = 0  # how many were handed to writes, and their bytes
         self._bytes = self._waiting_ops = self._written_ops = self._short_lives = self._last_read = 0
         self._out, self._out_ops = memoryview(b""), 0  # the write under way, the ops in it
-        self._checkpoint: bytes | None = None
-        self._embedded: Any = None
-        self.process: subprocess.Popen[bytes] | None = None
+        self._checkpoint = self._embedded = self.process = None  # bytes, the fallback's channel, a Popen
         self._stopped, self._started_at, self._restart_at = False, 0.0, 0.0
 
     def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
@@ -123,15 +115,14 @@ class ProcessChannel:
         self.write([(rec.FLUSH, token)], 0)
         while True:
             with self._lock:
-                left, process = deadline - time.monotonic(), self.process
+                left = deadline - time.monotonic()
                 if self._embedded is not None:
                     self._flushes.pop(token, None)
                     return bool(self._embedded.flush(max(0.0, left)))
                 self._pump(answers=True)
                 if self._flushes[token] is not None or left <= 0 or self._stopped:
                     return bool(self._flushes.pop(token))
-                waiting = [process.stdin] if process is not None and self._waiting() else []
-            _select([process.stdout] if process else [], waiting, min(left, 0.05))
+            time.sleep(min(left, 0.005))
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
         """Write what waits and a STOP (export within ``export_s``), wait ``timeout_s`` for the exit."""
@@ -139,12 +130,12 @@ class ProcessChannel:
         with self._lock:
             self._stopped = True
             if self.process is None and self._embedded is None and self._frames:
-                self._start()  # restart delay or not
+                self._start()
             if (process := self.process) is not None:
                 self._queue(rec.encode([(rec.STOP, timeout_s if export_s is None else export_s)]), 0)
                 while self.process is process and self._waiting() and (left := deadline - time.monotonic()) > 0:
                     self._pump(final=True)
-                    _select([], [process.stdin], min(0.05, left))
+                    time.sleep(min(left, 0.005))
                 lost = self._waiting_ops + (self._out_ops if self._out else 0)
                 _close(process)
                 self.process = None
@@ -155,7 +146,7 @@ class ProcessChannel:
         try:
             if process is not None:
                 process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # it exits after its export bound
+        except subprocess.TimeoutExpired:
             threading.Thread(target=process.wait, name="otel-hicache-reaper", daemon=True).start()
             return False
         return not lost
@@ -235,18 +226,18 @@ class ProcessChannel:
             if not self._out:
                 if self._queued == len(self._frames) or self._queued_bytes >= MAX_BACKLOG_BYTES // 2 and not final:
                     break
-                out, self._out_ops = bytearray(), 0
-                while self._queued < len(self._frames) and len(out) < _WRITE_BYTES:
+                out, size, self._out_ops = [], 0, 0  # (one join: growing a bytearray fragments the heap)
+                while self._queued < len(self._frames) and size < _WRITE_BYTES:
                     frame, ops = self._frames[self._queued]
-                    out += frame
-                    self._out_ops, self._queued = self._out_ops + ops, self._queued + 1
-                self._out, self._queued_bytes = memoryview(out), self._queued_bytes + len(out)
+                    out.append(frame)
+                    size, self._out_ops, self._queued = size + len(frame), self._out_ops + ops, self._queued + 1
+                self._out, self._queued_bytes = memoryview(b"".join(out)), self._queued_bytes + size
                 self._waiting_ops -= self._out_ops
             try:
                 self._out = self._out[os.write(self.process.stdin.fileno(), self._out):]
             except BlockingIOError:
                 break
-            except (OSError, ValueError):  # a broken pipe
+            except (OSError, ValueError):
                 self._died()
                 continue
             if not self._out:
@@ -286,7 +277,7 @@ class ProcessChannel:
         """Past a bound, the oldest waiting frames lose their ops (counted) and host pages, then their
         acks, frees, states and drop counts; the last state and the counts go in the last frame."""
         counts: Counter[str] = Counter()
-        last, state = None, []  # (the last entry trimmed, what it kept), the last state removed
+        last, state = None, []  # (the last entry trimmed, what it kept), the last state
         for stage, kinds in enumerate(((rec.OP, rec.HOST), (rec.ACK, rec.FREE, rec.STATE, rec.DROPPED))):
             for entry in itertools.islice(self._frames, self._queued, None):
                 if self._waiting_ops <= self._max_ops and self._bytes <= MAX_BACKLOG_BYTES:

@@ -58,9 +58,7 @@ def integer(value: Any, what: str, low: int = 0) -> int:
     """An int (NumPy and torch integers too, not bool or float) from ``low`` to ``INT64_MAX``."""
     if type(value) is not int:
         try:
-            if isinstance(value, bool):
-                raise TypeError
-            value = operator.index(value)
+            value = operator.index(None if isinstance(value, bool) else value)
         except TypeError:
             raise TypeError(f"{what} must be an integer, got {type(value).__name__} {_shown(value)}") from None
     if not low <= value <= INT64_MAX:
