@@ -76,7 +76,7 @@ def _before_fork() -> None:
 
 
 def _after_fork() -> None:
-    _gate.release()  # (this process's: a child's is not the one registered)
+    _gate.release()  # the current lock: a child has its own
 
 
 def _forked_child() -> None:

@@ -78,8 +78,7 @@ class TransferTelemetry:
                host_slots: tuple[Any, Any] | None = None, requests: Sequence[Any] | None = None) -> list | None:
         """Report one merged op (or direct copy), read on the poller later (docs/configuration.md);
         returns the handle for ``ack()``."""
-        poller = self._pipeline
-        if poller is None:
+        if (poller := self._pipeline) is None:
             return None
         try:
             if len(poller.queue) + poller.held >= self._cap and not self._first_in_child(poller):
@@ -101,8 +100,7 @@ class TransferTelemetry:
     def host_pool(self, slots: int, page_size: int, name: str = "kv") -> Any:
         """A host pool for ``host_slots`` and :meth:`host_freed`; None when disabled, without NumPy or
         for a bad size (warned once)."""
-        poller = self._pipeline
-        if poller is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
+        if (poller := self._pipeline) is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
             return None
         if importlib.util.find_spec("numpy") is None:
             warn_once("host_pool:numpy", "otel-hicache: host residence needs NumPy (pip install numpy); not tracked")
@@ -118,8 +116,7 @@ class TransferTelemetry:
 
     def host_freed(self, pool: Any, slots: Any) -> None:
         """The host freed ``slots`` of ``pool``; never refused (tiny, and must not be lost)."""
-        poller = self._pipeline
-        if poller is not None and type(pool) is HostPoolRef:
+        if (poller := self._pipeline) is not None and type(pool) is HostPoolRef:
             with contextlib.suppress(Exception):  # never raise into the host application
                 self._first_in_child(poller)
                 poller.add((pool, slots))
@@ -160,14 +157,11 @@ class TransferTelemetry:
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         """Report every completed op (acked or not waiting for an ack) and export, bounded."""
-        poller = self._pipeline
-        if poller is None:
+        if (poller := self._pipeline) is None:
             return True
-        deadline = time.monotonic() + timeout_s
-        flushed = poller.flush(timeout_s)
+        deadline, flushed = time.monotonic() + timeout_s, poller.flush(timeout_s)
         channel = poller.channel  # what was taken in is exported even while some op is in flight
-        exported = channel is None or channel.flush(max(0.1 * timeout_s, deadline - time.monotonic()))
-        return flushed and exported
+        return (channel is None or channel.flush(max(0.1 * timeout_s, deadline - time.monotonic()))) and flushed
 
     def shutdown(self) -> None:
         """Stop, report what was recorded (unacked: ``hicache.acked=false``) and export, bounded."""
