@@ -1,6 +1,5 @@
-"""What otel-hicache does in a forked child (SGLang's schedulers), behind one at-fork registration
-(those can never be removed), made after the SDK's own by ``configure()``'s objects. Callbacks take
-no foreign lock and open nothing: a child's channel opens at its first submit."""
+"""What otel-hicache does in a forked child (SGLang's schedulers), behind one at-fork registration (made
+after the SDK's): callbacks take no foreign lock and open nothing (a child's channel opens at its first submit)."""
 
 from __future__ import annotations
 

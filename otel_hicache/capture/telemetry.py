@@ -1,5 +1,4 @@
-"""``TransferTelemetry``, the API: ``submit()`` and ``ack()`` only stamp the clock and the context and
-append to a bounded queue; the poller does the rest."""
+"""``TransferTelemetry``: ``submit()`` and ``ack()`` only stamp the clock and context and queue."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ class TransferTelemetry:
                host_end_ns: int | None = None, ack_watch: tuple[Any, Any] | None = None, cause: str | None = None,
                cause_call: tuple | None = None,
                host_slots: tuple[Any, Any] | None = None, requests: Sequence[Any] | None = None) -> list | None:
-        """Report one merged op (or direct copy), read on the poller later (docs/configuration.md);
-        returns the handle for ``ack()``."""
+        """Report one merged op (or direct copy), read later on the poller; returns the handle to ack."""
         if (poller := self._pipeline) is None:
             return None
         try:
@@ -98,8 +96,7 @@ class TransferTelemetry:
             return None
 
     def host_pool(self, slots: int, page_size: int, name: str = "kv") -> Any:
-        """A host pool for ``host_slots`` and :meth:`host_freed`; None when disabled, without NumPy or
-        for a bad size (warned once)."""
+        """A pool for ``host_slots`` and :meth:`host_freed`; None if disabled, without NumPy or bad (warned)."""
         if (poller := self._pipeline) is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
             return None
         if importlib.util.find_spec("numpy") is None:
