@@ -1,6 +1,5 @@
-"""Attributes a caller passes, checked in the serving process: the static ones (every span and point)
-and each call's own (its span), within the SDK's span attribute limits, so that a huge value never
-reaches the channel. A value is a str, bool, int64 or float, or a list of them."""
+"""Attributes a caller passes (static ones, and each call's own) checked within the SDK's span limits,
+so that a huge value never reaches the channel: a str, bool, int64 or float, or a list of them."""
 
 from __future__ import annotations
 
@@ -26,19 +25,16 @@ def _valid(key: Any, value: Any) -> bool:
     return isinstance(key, str) and bool(key) and encodes(key) and valid_value(value)
 
 
-def _limit(names: tuple[str, str], default: int | None) -> int | None:
-    """The first of the two that is a count (sinks.otel_environment warns about a malformed one)."""
-    for name in names:
-        raw = (os.environ.get(name) or "").strip()
-        if raw.isdigit():
+def _limit(kind: str, default: int | None) -> int | None:
+    for name in (f"OTEL_SPAN_ATTRIBUTE_{kind}_LIMIT", f"OTEL_ATTRIBUTE_{kind}_LIMIT"):
+        if (raw := (os.environ.get(name) or "").strip()).isdigit():
             return int(raw)
-    return default
+    return default  # (sinks.otel_environment warns about a malformed one)
 
 
 def limits() -> tuple[int, int | None]:
     """The SDK's span attribute limits, as it reads them: (count, value length or None)."""
-    return (_limit(("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "OTEL_ATTRIBUTE_COUNT_LIMIT"), 128),  # type: ignore
-            _limit(("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"), None))
+    return _limit("COUNT", 128), _limit("VALUE_LENGTH", None)
 
 
 def static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -53,8 +49,8 @@ def static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def call_attributes(attributes: Any, count: int, length: int | None) -> dict[str, Any] | None:
-    """A call's own attributes as the SDK would keep them: invalid ones left out (warned once per type),
-    at most ``count``, str values cut to ``length``."""
+    """A call's own attributes as the SDK keeps them: valid ones (others warned once per type), at most
+    ``count``, str values cut to ``length``."""
     if not isinstance(attributes, Mapping):
         warn_once("attributes:type", "otel-hicache: attributes must be a mapping, got %s; ignored",
                   type(attributes).__name__)

@@ -1,18 +1,13 @@
-"""The channel from the poller to its telemetry process (:mod:`otel_hicache.sinks.process`).
-
-Batches are encoded at once as JSON frames (reading one runs no code), written by ``send()`` down
-a non-blocking pipe and kept until a checkpoint answered covers them: a successor starts from it
-with every frame after it. ``MAX_BACKLOG_BYTES`` and ``max_ops`` bound what is kept (the oldest
-ops go, counted ``queue_full``). A telemetry process that cannot start or ends before its hello
-makes the sinks run embedded (``fallback()``)."""
+"""The channel to the telemetry process: JSON frames (reading one runs no code) down a non-blocking
+pipe, each kept until a checkpoint covers it for a successor to go on from."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import json
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -26,28 +21,25 @@ from ..diagnostics import logger, warn_once
 
 RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # by deaths in a row, each within SHORT_LIFE_S
 SHORT_LIFE_S = 60.0
-MAX_BACKLOG_BYTES = 32 << 20  # frames written but not confirmed, and frames waiting
+MAX_BACKLOG_BYTES = 32 << 20  # frames not confirmed by a checkpoint
 _KILLED = (-9, -15, -2)  # a signal before its hello: restarted, not a process that cannot run here
 _READ_NS = 100_000_000  # answers are read at least this often while frames wait
-_WRITE_BYTES = 1 << 20  # frames joined into one write
+_WRITE_BYTES = 1 << 20  # joined into one write
 _HEADER = rec.FRAME_HEADER.size
-# -I: no working directory, PYTHONPATH (an auto-instrumentation's sitecustomize) nor user site on its path
+# -I: no working directory, PYTHONPATH (an auto-instrumentation's) nor user site on its path
 _START = ("import json,sys; sys.path[:0] = json.loads(sys.argv[1]); "
           "from otel_hicache.sinks.process import main; sys.exit(main())")
 _AUTO = os.path.join("opentelemetry", "instrumentation", "auto_instrumentation")
 _FULL = ("otel-hicache: the telemetry process is not keeping up; dropping transfer records, counted in "
          "otel_hicache.records.dropped{reason=queue_full}",
-         f"otel-hicache: the telemetry process is not keeping up and the messages waiting for it passed "
-         f"{MAX_BACKLOG_BYTES} bytes; dropping the oldest acks and host frees")
+         "otel-hicache: the telemetry process is not keeping up; dropping the oldest acks and host frees")
 
 
 def telemetry_process_command() -> list[str]:
-    """This interpreter, isolated, on this process's path less the working directory and the
-    auto-instrumentation's, otel-hicache's own location first."""
-    try:
+    """This interpreter, isolated, on our path (otel-hicache's first) less the working directory."""
+    cwd = ""
+    with contextlib.suppress(OSError):
         cwd = os.getcwd()
-    except OSError:  # (deleted meanwhile)
-        cwd = ""
     path = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
     path += [p for p in map(os.path.abspath, filter(None, sys.path)) if p not in (cwd, path[0]) and _AUTO not in p]
     return [sys.executable, "-I", "-c", _START, json.dumps(path)]
@@ -55,76 +47,60 @@ def telemetry_process_command() -> list[str]:
 
 def _close(process: Any, close: Callable[[Any], Any] = lambda stream: stream.close()) -> None:
     for stream in (process.stdin, process.stdout):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             close(stream)
-        except (OSError, ValueError):
-            pass
-
-
-def _select(read: list[Any], write: list[Any], timeout_s: float) -> None:
-    try:
-        select.select(read, write, [], timeout_s)
-    except (OSError, ValueError):  # closed meanwhile: the next pump sees why
-        pass
 
 
 def _encoded(batch: Any) -> bytes:
     try:
         return rec.encode(batch)
-    except Exception:  # a message that does not encode (a caller's value): the others go
-        kept = [m if _encodes(m) else (rec.DROPPED, sc.DROP_INTERNAL_ERROR, int(m[0] == rec.OP)) for m in batch]
-        return rec.encode(kept)
+    except Exception:  # one message that does not encode costs only itself
+        return rec.encode([m if _encodes(m) else (rec.DROPPED, sc.DROP_INTERNAL_ERROR, int(m[0] == rec.OP))
+                           for m in batch])
 
 
 def _encodes(message: Any) -> bool:
     try:
         return bool(rec.encode(message))
-    except Exception as exc:  # pylint: disable=broad-except
-        warn_once(f"encode:{type(exc).__name__}", "otel-hicache: a transfer record could not be sent to the "
-                  "telemetry process (%r); counted as internal_error", exc)
+    except Exception as exc:
+        warn_once(f"encode:{type(exc).__name__}", "otel-hicache: a transfer record could not be encoded (%r); "
+                  "counted as internal_error", exc)
         return False
 
 
 class ProcessChannel:
-    """Batches to a telemetry process; ``hello`` (a dict of plain values) is its first frame."""
+    """Batches to a telemetry process, after ``hello`` (plain values); ``fallback()``: embedded sinks."""
 
     def __init__(self, hello: dict[str, Any], max_ops: int, fallback: Callable[[], Any]) -> None:
-        self._hello, self._max_ops, self._fallback = hello, max_ops, fallback
-        self._fresh()
-
-    def _fresh(self) -> None:
-        """No telemetry process yet; a span-id key and counter start of its own (a forked child's too)."""
-        self._lock = threading.Lock()
-        self._hello = dict(self._hello, key=os.urandom(16).hex(), start_ns=time.time_ns())
+        self._max_ops, self._fallback, self._lock = max_ops, fallback, threading.Lock()
+        self._hello = dict(hello, key=os.urandom(16).hex(), start_ns=time.time_ns())  # a child's own
         self._tokens, self._flushes = itertools.count(1), {}  # flush token -> its answer (None: not yet)
         self._pools: list[Any] = []  # every POOL message, in every hello
-        self._frames: deque[list[Any]] = deque()  # [frame, ops]: written after the checkpoint, then waiting
-        self._queued = self._queued_bytes = 0  # how many of them were handed to writes, and their bytes
+        self._frames: deque[list[Any]] = deque()  # [frame, ops] from the checkpoint on
+        self._queued = self._queued_bytes = 0  # how many were handed to writes, and their bytes
         self._bytes = self._waiting_ops = self._written_ops = self._short_lives = self._last_read = 0
         self._out, self._out_ops = memoryview(b""), 0  # the write under way, the ops in it
-        self._checkpoint: bytes | None = None
-        self._embedded: Any = None
-        self.process: subprocess.Popen[bytes] | None = None
+        self._checkpoint = self._embedded = self.process = None  # bytes, the fallback's channel, a Popen
         self._stopped, self._started_at, self._restart_at = False, 0.0, 0.0
 
     def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
-        """Queue ``batch`` (``ops`` of its messages are OPs), encoded now; :meth:`send` writes it."""
+        """Queue ``batch`` (with ``ops`` OPs), encoded now; :meth:`send` writes it."""
         with self._lock:
             if self._embedded is not None:
                 self._embedded.write(batch, ops)
-            elif not self._stopped:  # (a write racing stop() has no telemetry process)
+            elif not self._stopped:  # a write racing stop() has no telemetry process
                 self._pools.extend(m for m in batch if m[0] == rec.POOL)
                 self._queue(_encoded(batch), ops)
                 if self._waiting_ops > self._max_ops or self._bytes > MAX_BACKLOG_BYTES:
                     self._trim()
 
     def send(self) -> None:
-        """Write what waits as far as the pipe takes it now, read the answers every so often; never blocks."""
+        """Write what the pipe takes now, read answers every so often; never blocks."""
         with self._lock:
             self._pump()
 
     def due(self) -> int | None:
-        """When (``time.monotonic_ns()``) send() is due for a restart, a full pipe or checkpoints."""
+        """When (``time.monotonic_ns()``) send() is due: a restart, a full pipe, the answers."""
         if self._embedded is not None or self._stopped or not self._frames:
             return None
         if self.process is None:
@@ -132,60 +108,55 @@ class ProcessChannel:
         return self._last_read + (_READ_NS if self._waiting() else 10 * _READ_NS)
 
     def flush(self, timeout_s: float) -> bool:
-        """Everything written before this call exported by the telemetry process (bounded)."""
+        """Whether all written before was exported within ``timeout_s``."""
         deadline, token = time.monotonic() + timeout_s, next(self._tokens)
         with self._lock:
             self._flushes[token] = None
         self.write([(rec.FLUSH, token)], 0)
         while True:
             with self._lock:
-                left, process = deadline - time.monotonic(), self.process
+                left = deadline - time.monotonic()
                 if self._embedded is not None:
                     self._flushes.pop(token, None)
                     return bool(self._embedded.flush(max(0.0, left)))
                 self._pump(answers=True)
                 if self._flushes[token] is not None or left <= 0 or self._stopped:
                     return bool(self._flushes.pop(token))
-                waiting = [process.stdin] if process is not None and self._waiting() else []
-            _select([process.stdout] if process else [], waiting, min(left, 0.05))  # (none: a successor's delay)
+            time.sleep(min(left, 0.005))
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
-        """Write what waits and a STOP (export within ``export_s``), close the input and wait for the
-        process, all within ``timeout_s`` (then it is reaped in the background)."""
+        """Write what waits and a STOP (export within ``export_s``), wait ``timeout_s`` for the exit."""
         deadline, lost = time.monotonic() + timeout_s, 0
         with self._lock:
             self._stopped = True
             if self.process is None and self._embedded is None and self._frames:
-                self._start()  # for what waits, restart delay or not
-            process = self.process
-            if process is not None:
+                self._start()
+            if (process := self.process) is not None:
                 self._queue(rec.encode([(rec.STOP, timeout_s if export_s is None else export_s)]), 0)
                 while self.process is process and self._waiting() and (left := deadline - time.monotonic()) > 0:
                     self._pump(final=True)
-                    _select([], [process.stdin], min(0.05, left))
-                lost = self._waiting_ops + (self._out_ops if self._out else 0)  # (every op, after a death)
-                _close(process)  # (its answers are not read any more)
+                    time.sleep(min(left, 0.005))
+                lost = self._waiting_ops + (self._out_ops if self._out else 0)
+                _close(process)
                 self.process = None
-        if self._embedded is not None:  # (what waited went to it)
+        if self._embedded is not None:
             return bool(self._embedded.stop(max(0.0, deadline - time.monotonic()), export_s))
         if lost:
-            logger.warning("otel-hicache: %d transfers were still waiting for the telemetry process at shutdown "
-                           "and were not reported", lost)
+            logger.warning("otel-hicache: %d transfers waiting for the telemetry process at exit were lost", lost)
         try:
             if process is not None:
                 process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:  # it exports what it has within its bound, then exits
+        except subprocess.TimeoutExpired:
             threading.Thread(target=process.wait, name="otel-hicache-reaper", daemon=True).start()
             return False
         return not lost
 
     def forget_in_child(self) -> None:
-        """In a forked child: our copies of the parent's pipes closed (its telemetry process sees its
-        input end with the parent); this channel starts afresh."""
-        if self.process is not None:
-            _close(self.process, lambda stream: os.close(stream.fileno()))  # (no lock a parent's thread held)
-            self._inherited = self.process  # (kept: its file objects would close those numbers again)
-        self._fresh()
+        """In a forked child: close our copies of the parent's pipes, start afresh."""
+        if self.process is not None:  # os.close: no lock a parent's thread held; kept: none closed twice
+            _close(self.process, lambda stream: os.close(stream.fileno()))
+            self._inherited = self.process
+        self.__init__(self._hello, self._max_ops, self._fallback)
 
     def _start(self) -> bool:
         try:
@@ -196,45 +167,39 @@ class ProcessChannel:
         except OSError as exc:
             self._give_up(f"cannot start it ({exc!r})")
             return False
-        try:  # 1 MiB, the most an unprivileged process may ask for: fewer waits here
-            fcntl.fcntl(process.stdin.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)  # type: ignore
-        except OSError:
-            pass
-        os.set_blocking(process.stdin.fileno(), False)  # type: ignore[union-attr]
-        os.set_blocking(process.stdout.fileno(), False)  # type: ignore[union-attr]
+        with contextlib.suppress(OSError):  # 1 MiB, the most an unprivileged process may ask for
+            fcntl.fcntl(process.stdin.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+        os.set_blocking(process.stdin.fileno(), False)
+        os.set_blocking(process.stdout.fileno(), False)
         self._started_at = time.monotonic()
-        # its hello, then its predecessor's last checkpoint (frame 1 when there is one), then the frames
+        # its hello, the last checkpoint (frame 1 when there is one), then the frames
         self._out = memoryview(rec.encode(dict(self._hello, pools=self._pools)) + (self._checkpoint or b""))
         self._numbered, self._out_ops = int(self._checkpoint is not None), 0
-        self._answered, self._replies, self._written_ops = False, b"", 0  # (the kill tests read the ops)
+        self._answered, self._replies, self._written_ops = False, b"", 0  # (kill tests read those ops)
         return True
 
     def _died(self) -> None:
-        """It ended: reaped; a successor starts from its last checkpoint, or the sinks run embedded."""
-        self._read(ended=True)  # what it answered before it ended
+        self._read(ended=True)
         process, self.process, now = self.process, None, time.monotonic()
-        assert process is not None
         self._short_lives = self._short_lives + 1 if now - self._started_at < SHORT_LIFE_S else 1
         self._restart_at = now + RESTART_DELAYS_S[min(self._short_lives, len(RESTART_DELAYS_S)) - 1]
         try:
-            process.wait(1.0)  # reaped: no zombie
+            process.wait(1.0)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
         _close(process)
         self._out, self._queued, self._queued_bytes = memoryview(b""), 0, 0
         self._waiting_ops = sum(entry[1] for entry in self._frames)
-        for token in [t for t, ok in self._flushes.items() if ok is None]:  # (covered, maybe unanswered)
+        for token in [t for t, ok in self._flushes.items() if ok is None]:  # maybe unanswered
             self._queue(rec.encode([(rec.FLUSH, token)]), 0)
         if self._answered or process.returncode in _KILLED:
-            logger.warning("otel-hicache: the telemetry process ended (exit code %s); another goes on from its "
-                           "last checkpoint, with the %d transfers written after it", process.returncode,
-                           self._waiting_ops)
-        else:  # it cannot run here (the interpreter, the path): another would not either
+            logger.warning("otel-hicache: the telemetry process ended (exit code %s); another replays the %d "
+                           "transfers since its last checkpoint", process.returncode, self._waiting_ops)
+        else:  # it cannot run here: another would not either
             self._give_up(f"it ended before it was ready (exit code {process.returncode})")
 
     def _give_up(self, why: str) -> None:
-        """From now on the sinks run embedded, from the last checkpoint, with every frame after it."""
         warn_once("telemetry_process:fallback", "otel-hicache: telemetry process: %s; the sinks run embedded in "
                   "this process from now on", why)
         embedded = self._fallback()
@@ -253,8 +218,7 @@ class ProcessChannel:
         return bool(self._out) or self._queued < len(self._frames)
 
     def _pump(self, answers: bool = False, final: bool = False) -> None:
-        """Write until the pipe is full or nothing waits (or, but ``final``, half the byte bound waits for
-        a checkpoint: more could not be replayed); read the answers (``answers``: now)."""
+        """Write until the pipe is full or (but ``final``) half the byte bound awaits a checkpoint."""
         while self._embedded is None:
             if self.process is None and (self._stopped or not self._frames or time.monotonic() < self._restart_at
                                          or not self._start()):
@@ -262,19 +226,18 @@ class ProcessChannel:
             if not self._out:
                 if self._queued == len(self._frames) or self._queued_bytes >= MAX_BACKLOG_BYTES // 2 and not final:
                     break
-                first, size, self._out_ops = self._queued, 0, 0
+                out, size, self._out_ops = [], 0, 0  # (one join: growing a bytearray fragments the heap)
                 while self._queued < len(self._frames) and size < _WRITE_BYTES:
-                    size += len(self._frames[self._queued][0])
-                    self._out_ops += self._frames[self._queued][1]
-                    self._queued += 1
-                self._out = memoryview(b"".join(e[0] for e in itertools.islice(self._frames, first, self._queued)))
-                self._queued_bytes += size
+                    frame, ops = self._frames[self._queued]
+                    out.append(frame)
+                    size, self._out_ops, self._queued = size + len(frame), self._out_ops + ops, self._queued + 1
+                self._out, self._queued_bytes = memoryview(b"".join(out)), self._queued_bytes + size
                 self._waiting_ops -= self._out_ops
             try:
-                self._out = self._out[os.write(self.process.stdin.fileno(), self._out):]  # type: ignore
+                self._out = self._out[os.write(self.process.stdin.fileno(), self._out):]
             except BlockingIOError:
                 break
-            except (OSError, ValueError):  # (a broken pipe: it died)
+            except (OSError, ValueError):
                 self._died()
                 continue
             if not self._out:
@@ -285,12 +248,12 @@ class ProcessChannel:
             self._read()
 
     def _read(self, ended: bool = False) -> None:
-        """The answers in the pipe; their end (but ``ended``) means it ended after the last write."""
+        """The answers; their end (but ``ended``) means it ended after the last write."""
         chunks, eof = [self._replies], False
         while not eof:
             try:
-                chunks.append(os.read(self.process.stdout.fileno(), 1 << 20))  # type: ignore[union-attr]
-            except (OSError, ValueError):  # (BlockingIOError: nothing more now)
+                chunks.append(os.read(self.process.stdout.fileno(), 1 << 20))
+            except (OSError, ValueError):  # BlockingIOError: nothing more now
                 break
             eof = not chunks[-1]
         *lines, self._replies = b"".join(chunks).split(b"\n")
@@ -299,33 +262,28 @@ class ProcessChannel:
             number, _, value = rest.partition(b" ")
             if kind == b"hello":
                 self._answered = True
-            elif kind == b"exported" and number.isdigit():  # its first frames exported, its state in value
+            elif kind == b"exported" and number.isdigit():  # its first frames, then its state
                 self._checkpoint = rec.FRAME_HEADER.pack(len(value)) + value
                 while self._numbered < int(number) and self._queued:
-                    frame = self._frames.popleft()[0]
+                    size = len(self._frames.popleft()[0])
                     self._numbered, self._queued = self._numbered + 1, self._queued - 1
-                    self._queued_bytes -= len(frame)
-                    self._bytes -= len(frame)
+                    self._queued_bytes, self._bytes = self._queued_bytes - size, self._bytes - size
             elif kind == b"flushed" and number.isdigit() and self._flushes.get(int(number), 0) is None:
-                self._flushes[int(number)] = value == b"1"  # (asked twice: the second answer is not kept)
+                self._flushes[int(number)] = value == b"1"  # a second answer is not kept
         if eof and not ended:
             self._died()
 
     def _trim(self) -> None:
-        """Past ``max_ops`` or the bytes, the oldest waiting frames lose their ops and host pages (counted
-        ``queue_full``), then their acks, frees, states and drop counts (the last state and the counts
-        go into the last frame trimmed)."""
+        """Past a bound, the oldest waiting frames lose their ops (counted) and host pages, then their
+        acks, frees, states and drop counts; the last state and the counts go in the last frame."""
         counts: Counter[str] = Counter()
-        last, state = None, []  # (the last entry trimmed, what it kept), the last state removed
+        last, state = None, []  # (the last entry trimmed, what it kept), the last state
         for stage, kinds in enumerate(((rec.OP, rec.HOST), (rec.ACK, rec.FREE, rec.STATE, rec.DROPPED))):
             for entry in itertools.islice(self._frames, self._queued, None):
                 if self._waiting_ops <= self._max_ops and self._bytes <= MAX_BACKLOG_BYTES:
                     break
-                if stage == 0 and not entry[1]:
-                    continue
-                batch = rec.decode(entry[0][_HEADER:])
-                removed = [m for m in batch if m[0] in kinds]
-                if not removed:
+                batch = rec.decode(entry[0][_HEADER:]) if entry[1] or stage else []
+                if not (removed := [m for m in batch if m[0] in kinds]):
                     continue
                 counts[sc.DROP_QUEUE_FULL] += entry[1]
                 for m in removed:

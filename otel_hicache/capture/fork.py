@@ -1,9 +1,5 @@
-"""What otel-hicache does in a forked child (SGLang's schedulers), behind one at-fork registration.
-
-``os.register_at_fork`` callbacks can never be removed, so parts register weakly here. The
-registration is made with the first callback, after the SDK objects ``configure()`` built
-registered theirs (they run in that order). Callbacks take no foreign lock and open nothing: a
-child's channel opens at its first submit, after fork() returned."""
+"""What otel-hicache does in a forked child (SGLang's schedulers), behind one at-fork registration (made
+after the SDK's): callbacks take no foreign lock and open nothing (a child's channel opens at its first submit)."""
 
 from __future__ import annotations
 
@@ -29,7 +25,7 @@ def after_fork_in_child(callback: Callable[[], Any]) -> None:
         if not _registered:
             os.register_at_fork(after_in_child=_run_in_child)
             _registered = True
-        _callbacks.append(weakref.WeakMethod(callback) if bound else lambda: callback)  # type: ignore[arg-type]
+        _callbacks.append(weakref.WeakMethod(callback) if bound else lambda: callback)
         if len(_callbacks) >= _prune_at:
             _callbacks[:] = [handle for handle in _callbacks if handle() is not None]
             _prune_at = max(64, 2 * len(_callbacks))
@@ -38,20 +34,18 @@ def after_fork_in_child(callback: Callable[[], Any]) -> None:
 def _run_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # the parent's may have been held by another thread at fork
-    for callback in [handle() for handle in _callbacks]:
+    for callback in filter(None, [handle() for handle in _callbacks]):
         try:
-            if callback is not None:
-                callback()
-        except Exception as exc:  # pylint: disable=broad-except  # one part's failure stops no other
+            callback()
+        except Exception as exc:  # one part's failure stops no other
             warn_once(f"fork:{type(exc).__name__}", "otel-hicache: after fork, %r failed: %r", callback, exc)
 
 
 # gRPC skips its fork handlers while another thread is inside a call, and a child forked then can never
 # export over gRPC: a fork waits (at most FORK_WAIT_S) for our exports to end and holds new ones back.
 FORK_WAIT_S = 2.0
-_exports = threading.Condition()
-_exporting = 0
-_forking = False
+_gate = threading.Lock()  # held through a fork
+_exports: set[object] = set()  # those under way (add and discard are atomic)
 
 
 def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:
@@ -59,41 +53,32 @@ def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:
     global _gated
     with _lock:
         if not _gated:
-            os.register_at_fork(before=_before_fork, after_in_parent=_forked, after_in_child=_forked_child)
+            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_forked_child)
             _gated = True
 
     def gated(*args: Any, **kwargs: Any) -> Any:
-        global _exporting
-        with _exports:
-            while _forking:
-                _exports.wait()
-            _exporting += 1
+        with _gate:
+            _exports.add(key := object())
         try:
             return export(*args, **kwargs)
         finally:
-            with _exports:
-                _exporting -= 1
-                _exports.notify_all()
+            _exports.discard(key)
 
     return gated
 
 
 def _before_fork() -> None:
-    global _forking
+    _gate.acquire()
     deadline = time.monotonic() + FORK_WAIT_S
-    with _exports:
-        _forking = True
-        while _exporting and (left := deadline - time.monotonic()) > 0:
-            _exports.wait(left)
+    while _exports and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
-def _forked() -> None:
-    global _forking
-    with _exports:
-        _forking = False
-        _exports.notify_all()
+def _after_fork() -> None:
+    _gate.release()  # the current lock: a child has its own
 
 
 def _forked_child() -> None:
-    global _exports, _exporting, _forking
-    _exports, _exporting, _forking = threading.Condition(), 0, False  # the parent's exports are not ours
+    global _gate
+    _gate = threading.Lock()  # the parent's is held, and its exports are not ours
+    _exports.clear()

@@ -1,7 +1,6 @@
-"""Exit hooks that also run in ``multiprocessing`` children (SGLang's schedulers), which end with
-``os._exit()`` after the ``multiprocessing.util`` finalizers only: each hook (idempotent) is
-registered both ways, and again in a fork child, whose bootstrap clears the inherited finalizers.
-A higher ``priority`` runs first in a child; ``atexit`` runs the last registered first."""
+"""Exit hooks that also run in ``multiprocessing`` children, which ``os._exit()`` after its finalizers
+only: each (idempotent) hook is registered both ways, again in a fork child (whose bootstrap clears
+the finalizers). A higher ``priority`` runs first in a child; ``atexit`` runs the last registered first."""
 
 from __future__ import annotations
 
@@ -9,12 +8,7 @@ import atexit
 from multiprocessing import util
 from typing import Any, Callable
 
-
-class _Hooks(list):  # type: ignore[type-arg]
-    """Every hook registered here (a list that ``register_after_fork`` can hold weakly)."""
-
-
-_hooks = _Hooks()
+_hooks: list[tuple[Callable[..., Any], tuple[Any, ...], int]] = []
 
 
 def on_exit(hook: Callable[..., Any], *args: Any, priority: int = 0) -> None:
@@ -23,9 +17,9 @@ def on_exit(hook: Callable[..., Any], *args: Any, priority: int = 0) -> None:
     util.Finalize(None, hook, args=args, exitpriority=priority)
 
 
-def _after_fork(hooks: _Hooks) -> None:
-    for hook, args, priority in hooks:
+def _after_fork(_: Any) -> None:
+    for hook, args, priority in _hooks:
         util.Finalize(None, hook, args=args, exitpriority=priority)
 
 
-util.register_after_fork(_hooks, _after_fork)
+util.register_after_fork(_after_fork, _after_fork)  # (held weakly: a function, not the list)

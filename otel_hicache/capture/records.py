@@ -1,20 +1,18 @@
-"""Transfer records: ``submit()`` queues a plain list; the poller makes it a record and validates it here."""
+"""Transfer records: ``submit()`` queues a plain list; the poller makes it a record, validated here."""
 
 from __future__ import annotations
 
 import operator
 import reprlib
+from collections import Counter
 from typing import Any, Mapping
 
 from .. import semconv as sc
 from ..adapters import causes
 from ..diagnostics import warn_once
-from ..record import DEVICE_EVENT, DIRECT, HOST_CLOCK, INT64_MAX, MERGED_OP, TIERS, encodes
+from ..record import DIRECT, INT64_MAX, MERGED_OP, TIERS, encodes
 
-__all__ = ["DEVICE_EVENT", "DIRECT", "HOST_CLOCK", "INT64_MAX", "MERGED_OP", "SUBMISSION_FIELDS", "TransferRecord",
-           "submission", "validate"]
-
-# The layout of submit()'s list, also the handle ack() stamps (the last field); checked in test_records.py.
+# submit()'s list, also the handle ack() stamps (the last field); checked in test_records.py
 SUBMISSION_FIELDS = (
     "direction", "tokens_by_pool", "num_bytes", "page_size", "start_event", "finish_event", "io_backend",
     "attributes", "expect_ack", "submit_ns", "parent_context", "host_start_ns", "host_end_ns", "ack_watch",
@@ -33,7 +31,7 @@ def submission(*values: Any, **fields: Any) -> list[Any]:
 
 
 class TransferRecord:
-    """One op on the poller, from its submitted list ``handle`` (which ``ack()`` may stamp later)."""
+    """One op on the poller, from its submitted list ``handle`` (which ``ack()`` stamps)."""
 
     __slots__ = ("handle", *SUBMISSION_FIELDS[:S_ACK_NS],
                  # set by the poller; cause_parts: a mixed op's ((cause, pool names, pool tokens, bytes), ...)
@@ -49,25 +47,18 @@ class TransferRecord:
         self.queue_wait_ns = self.placement = self.error = self.completed_at_ns = None
         self.request_links, self.request_links_dropped = (), 0
 
-    @property
-    def ack_ns(self) -> int | None:
-        return self.handle[S_ACK_NS]
-
 
 def _shown(value: Any) -> str:
-    """``value`` for a message, short whatever it is."""
     if isinstance(value, int) and not -2**64 < value < 2**64:
         return f"an integer of {value.bit_length()} bits"
     return reprlib.repr(value)
 
 
-def _count(value: Any, what: str, low: int = 0) -> int:
+def integer(value: Any, what: str, low: int = 0) -> int:
     """An int (NumPy and torch integers too, not bool or float) from ``low`` to ``INT64_MAX``."""
     if type(value) is not int:
         try:
-            if isinstance(value, bool):
-                raise TypeError
-            value = operator.index(value)
+            value = operator.index(None if isinstance(value, bool) else value)
         except TypeError:
             raise TypeError(f"{what} must be an integer, got {type(value).__name__} {_shown(value)}") from None
     if not low <= value <= INT64_MAX:
@@ -93,29 +84,29 @@ def _name(name: Any, what: str) -> str:
 
 
 def validate(record: TransferRecord) -> None:
-    """Check and normalize a record's fields in place, or a ValueError/TypeError naming the problem."""
+    """Check and normalize a record's fields in place; a ValueError or TypeError names a problem."""
     if record.direction not in TIERS:
         raise ValueError(f"direction must be 'offload' or 'onboard', got {_shown(record.direction)}")
-    page_size = record.page_size = _count(record.page_size, "page_size", 1)
-    record.num_bytes = _count(record.num_bytes, "num_bytes")
+    page_size = record.page_size = integer(record.page_size, "page_size", 1)
+    record.num_bytes = integer(record.num_bytes, "num_bytes")
     pools = record.tokens_by_pool if record.tokens_by_pool is not None else {}
     if not isinstance(pools, Mapping):
         raise TypeError(f"tokens_by_pool must be a mapping of pool name to tokens, got {type(pools).__name__}")
     record.pool_names = tuple(_name(name, "tokens_by_pool keys") for name in pools)
-    record.pool_tokens = tuple(c if type(c) is int and 0 <= c <= INT64_MAX else  # (no message built)
-                               _count(c, f"tokens_by_pool[{_shown(n)}]") for n, c in pools.items())
+    record.pool_tokens = tuple(c if type(c) is int and 0 <= c <= INT64_MAX else  # no message built
+                               integer(c, f"tokens_by_pool[{_shown(n)}]") for n, c in pools.items())
     record.tokens = record.pool_tokens[0] if record.pool_tokens else 0
     record.blocks = -(-record.tokens // page_size)
-    if record.host_start_ns is not None:  # (first: it is also the submit time)
-        record.host_start_ns = _count(record.host_start_ns, "host_start_ns")
-    record.submit_ns = _count(record.submit_ns, "submit_ns")
+    if record.host_start_ns is not None:  # first: it may be the submit time
+        record.host_start_ns = integer(record.host_start_ns, "host_start_ns")
+    record.submit_ns = integer(record.submit_ns, "submit_ns")
     if record.host_end_ns is not None:
-        record.host_end_ns = _count(record.host_end_ns, "host_end_ns")
+        record.host_end_ns = integer(record.host_end_ns, "host_end_ns")
     if record.io_backend is not None:
         record.io_backend = _name(str(record.io_backend), "io_backend")
     record.origin = MERGED_OP if record.expect_ack else DIRECT
     _validate_cause(record)
-    slots, watch = record.host_slots, record.ack_watch  # a bad one costs only the host pages, or the ack time
+    slots, watch = record.host_slots, record.ack_watch  # a bad one costs only the host pages or ack time
     if slots is not None and not (type(slots) is tuple and len(slots) == 2 and hasattr(slots[0], "pool_id")):
         record.host_slots = None
         warn_once("host_slots", "otel-hicache: host_slots must be (pool, slots), not %s", type(slots).__name__)
@@ -125,7 +116,6 @@ def validate(record: TransferRecord) -> None:
 
 
 def _known_cause(cause: Any, direction: str) -> str:
-    """``cause`` if it is one of ``direction``'s (a closed set), else ``other`` (warned once)."""
     if isinstance(cause, str) and cause in causes()[direction]:
         return str.__str__(cause)
     warn_once(f"cause:{direction}:{cause!r}"[:200], "otel-hicache: %r is not a %s cause (%s); counted as %r",
@@ -134,40 +124,35 @@ def _known_cause(cause: Any, direction: str) -> str:
 
 
 def _validate_cause(record: TransferRecord) -> None:
-    """``cause``, or what ``cause_call`` returns: a cause, or parts summing to the op's totals."""
-    cause, record.cause_parts = record.cause, None
-    if record.cause_call is not None:
+    """``cause``, or ``cause_call``'s: a cause, or parts summing to the op's totals."""
+    cause, call, record.cause_parts = record.cause, record.cause_call, None
+    if call is not None:
         try:
-            cause = record.cause_call[0](*record.cause_call[1:])
+            cause = call[0](*call[1:])
         except Exception as exc:  # the op is still reported
             warn_once(f"cause:call:{type(exc).__name__}", "otel-hicache: could not work out an op's cause (%r); "
                       "counted as %r", exc, sc.CAUSE_OTHER)
             cause = None
-    if cause is None or isinstance(cause, str) or record.cause_call is None:
+    if cause is None or isinstance(cause, str) or call is None:
         record.cause = sc.CAUSE_OTHER if cause is None else _known_cause(cause, record.direction)
         return
     try:
-        parts: dict[str, list[Any]] = {}  # cause -> [{pool: tokens}, bytes]
-        totals: dict[str, int] = {}
+        parts: dict[str, list[Any]] = {}  # cause -> [Counter of tokens by pool, bytes]
         for part_cause, pools, num_bytes in cause:
-            entry = parts.setdefault(_known_cause(part_cause, record.direction), [{}, 0])
+            entry = parts.setdefault(_known_cause(part_cause, record.direction), [Counter(), 0])
             for name, count in (pools or {}).items():
-                name, count = _name(name, "cause part pool names"), _count(count, f"cause part tokens[{name!r}]")
-                entry[0][name] = entry[0].get(name, 0) + count
-                totals[name] = totals.get(name, 0) + count
-            entry[1] += _count(num_bytes, "cause part num_bytes")
-        expected = {n: c for n, c in zip(record.pool_names, record.pool_tokens) if c}
-        part_bytes = sum(b for _, b in parts.values())
-        if {n: c for n, c in totals.items() if c} != expected or part_bytes != record.num_bytes:
-            raise ValueError(f"parts sum to {totals} tokens and {part_bytes} bytes, the op moved {expected} "
-                             f"and {record.num_bytes}")
+                entry[0][_name(name, "cause part pool names")] += integer(count, f"cause part tokens[{name!r}]")
+            entry[1] += integer(num_bytes, "cause part num_bytes")
+        moved = Counter(dict(zip(record.pool_names, record.pool_tokens)))  # == takes a missing pool as 0
+        tokens, part_bytes = sum((p for p, _ in parts.values()), Counter()), sum(b for _, b in parts.values())
+        if tokens != moved or part_bytes != record.num_bytes:
+            raise ValueError(f"parts sum to {dict(tokens)} tokens and {part_bytes} bytes, the op moved "
+                             f"{dict(moved)} and {record.num_bytes}")
     except (TypeError, ValueError) as exc:
         warn_once("cause:parts", "otel-hicache: a merged op's cause parts are malformed (%s); such ops are "
                   "counted as %r", exc, sc.CAUSE_OTHER)
         record.cause = sc.CAUSE_OTHER
         return
-    if len(parts) == 1:
-        record.cause = next(iter(parts))
-        return
-    record.cause = sc.CAUSE_MIXED
-    record.cause_parts = tuple((c, tuple(pools), tuple(pools.values()), b) for c, (pools, b) in sorted(parts.items()))
+    record.cause = next(iter(parts)) if len(parts) == 1 else sc.CAUSE_MIXED
+    if len(parts) != 1:
+        record.cause_parts = tuple((c, tuple(p), tuple(p.values()), b) for c, (p, b) in sorted(parts.items()))

@@ -1,13 +1,12 @@
-"""``TransferTelemetry``: the API adapters and applications call; ``submit()`` and ``ack()`` only
-stamp the host clock and the context and append to a bounded queue, the poller does the rest."""
+"""``TransferTelemetry``: ``submit()`` and ``ack()`` only stamp the clock and context and queue."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import time
 import weakref
-from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
@@ -21,13 +20,11 @@ from .attributes import static_attributes
 from .device import timing_event_pair
 from .poller import HostPoolRef, PollerSettings, Poller
 from .process_exit import on_exit
-from .records import INT64_MAX, S_ACK_NS
+from .records import S_ACK_NS, integer
 
 _get_current_context = otel_context.get_current
 _POOL_IDS = itertools.count(1)
-# A forked child's capacity until its first call: below any queue length, so submit()'s capacity
-# check sends that call to _first_in_child.
-_OPEN_FIRST = -1
+_OPEN_FIRST = -1  # a forked child's capacity until its first call: below any queue length
 
 
 def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
@@ -36,31 +33,29 @@ def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
 
 
 class TransferTelemetry:
-    """Turns L1<->L2 transfers into device-timed spans and exact metrics; the providers default to
-    :func:`otel_hicache.configure`'s, else the global ones; ``attributes`` go on every span and point."""
+    """L1<->L2 transfers as device-timed spans and exact metrics, on :func:`otel_hicache.configure`'s
+    providers by default; ``attributes`` go on every span and point."""
 
     def __init__(self, tracer_provider: Any = None, meter_provider: Any = None,
                  attributes: Mapping[str, Any] | None = None, *, clock: Callable[[], int] | None = None,
                  anchor_event_factory: Callable[[], Any] | None = None) -> None:
-        self._static = static_attributes(attributes)
-        self._clock = clock or time.time_ns
+        static, self._clock = static_attributes(attributes), clock or time.time_ns
         self._shutdown_timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self._pipeline: Poller | None = None  # (tests/harness.py reads it by this name)
-        self.enabled = False  # (a plain attribute: adapters read it on their hot path)
+        self.enabled = False  # adapters read it on their hot path
         if not env_bool(ev.OTEL_HICACHE_ENABLED) or sdk_disabled():
             return
         settings = PollerSettings.from_environment()
         self._cap = settings.max_queue_size
         self._pipeline = Poller(settings, configuration.open_channel(
-            tracer_provider, meter_provider, self._static, settings.max_queue_size, self._clock),
+            tracer_provider, meter_provider, static, settings.max_queue_size, self._clock),
             self._clock, anchor_event_factory)
         self.enabled = True
         on_exit(_stop_at_exit, weakref.ref(self._pipeline), self._shutdown_timeout_s, priority=20)
-        fork.after_fork_in_child(self._after_fork_in_child)  # after the poller's (registration order)
+        fork.after_fork_in_child(self._after_fork_in_child)  # after the poller's
 
     def _after_fork_in_child(self) -> None:
-        if self._pipeline is not None:
-            self._cap = _OPEN_FIRST
+        self._cap = _OPEN_FIRST
 
     def _first_in_child(self, poller: Poller) -> bool:
         """A forked child's first call opens its channel on its thread; True if there is room."""
@@ -72,7 +67,6 @@ class TransferTelemetry:
 
     @property
     def channel(self) -> Any:
-        """The channel to the sinks once opened, else None."""
         return self._pipeline.channel if self._pipeline is not None else None
 
     def submit(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, page_size: int = 1,
@@ -81,41 +75,34 @@ class TransferTelemetry:
                host_end_ns: int | None = None, ack_watch: tuple[Any, Any] | None = None, cause: str | None = None,
                cause_call: tuple | None = None,
                host_slots: tuple[Any, Any] | None = None, requests: Sequence[Any] | None = None) -> list | None:
-        """Report one merged op (or direct copy); returns the handle for ``ack()``. The keywords are
-        described in docs/configuration.md; what is passed is read on the poller, later."""
-        poller = self._pipeline
-        if poller is None:
+        """Report one merged op (or direct copy), read later on the poller; returns the handle to ack."""
+        if (poller := self._pipeline) is None:
             return None
         try:
             if len(poller.queue) + poller.held >= self._cap and not self._first_in_child(poller):
                 next(poller.refused)
-                poller.stalled()  # a full queue may be a stuck poller: it says where
                 return None
-            # records.SUBMISSION_FIELDS: a literal is the cheapest build (test_records.py checks it)
+            # records.SUBMISSION_FIELDS as a literal: the cheapest build (test_records.py checks it)
             record = [direction, tokens_by_pool, num_bytes, page_size, start_event, finish_event, io_backend,
                       attributes, expect_ack, self._clock() if host_start_ns is None else host_start_ns,
                       _get_current_context(), host_start_ns, host_end_ns, ack_watch, cause, cause_call,
-                      host_slots, requests, None]  # the last: the ack time, set by ack() or the poller
+                      host_slots, requests, None]
             poller.queue.append(record)
-            if poller.idle:  # asleep with nothing to poll: woken once; otherwise one flag read
+            if poller.idle:  # asleep: woken once; otherwise one flag read
                 poller.wake()
             return record
         except Exception:  # never raise into the host application
             return None
 
     def host_pool(self, slots: int, page_size: int, name: str = "kv") -> Any:
-        """A host pool for ``host_slots`` and :meth:`host_freed`; None when disabled, without NumPy,
-        or for a bad size (warned once)."""
-        poller = self._pipeline
-        if poller is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
+        """A pool for ``host_slots`` and :meth:`host_freed`; None if disabled, without NumPy or bad (warned)."""
+        if (poller := self._pipeline) is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
             return None
         if importlib.util.find_spec("numpy") is None:
             warn_once("host_pool:numpy", "otel-hicache: host residence needs NumPy (pip install numpy); not tracked")
             return None
         try:
-            slots, page_size, name = int(slots), int(page_size), str(name)
-            if not (1 <= slots <= INT64_MAX and page_size >= 1):
-                raise ValueError(f"a host pool needs slots >= 1 and page_size >= 1, got {slots} and {page_size}")
+            slots, page_size, name = integer(slots, "slots", 1), integer(page_size, "page_size", 1), str(name)
         except (TypeError, ValueError) as exc:
             warn_once(f"host_pool:{exc}"[:200], "otel-hicache: cannot track the %s host pool (%s)", name, exc)
             return None
@@ -125,18 +112,13 @@ class TransferTelemetry:
 
     def host_freed(self, pool: Any, slots: Any) -> None:
         """The host freed ``slots`` of ``pool``; never refused (tiny, and must not be lost)."""
-        poller = self._pipeline
-        if poller is None or type(pool) is not HostPoolRef:
-            return
-        try:
-            if self._cap == _OPEN_FIRST:
+        if (poller := self._pipeline) is not None and type(pool) is HostPoolRef:
+            with contextlib.suppress(Exception):  # never raise into the host application
                 self._first_in_child(poller)
-            poller.add((pool, slots))
-        except Exception:  # never raise into the host application
-            return
+                poller.add((pool, slots))
 
     def ack(self, handle: list | None) -> None:
-        """The consumer took this op's ack (optional). Never raises."""
+        """The consumer took this op's ack (optional)."""
         try:
             if handle is not None and handle[S_ACK_NS] is None:
                 handle[S_ACK_NS] = self._clock()
@@ -144,11 +126,11 @@ class TransferTelemetry:
             warn_once("ack:handle", "otel-hicache: ack() got %s, not a handle from submit(); ignored",
                       type(handle).__name__)
 
-    @contextmanager
+    @contextlib.contextmanager
     def transfer(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, stream: Any = None,
                  **options: Any) -> Iterator[None]:
-        """The copies enqueued in the block as one op without an ack, timed by events recorded on
-        ``stream``, else the host clock (``options``: submit()'s). Not reported if the block raises."""
+        """The copies the block enqueues as one op without an ack, timed by events on ``stream``, else
+        the host clock (``options``: submit()'s); none if the block raises."""
         events = None
         if stream is not None and self._pipeline is not None:
             try:
@@ -170,15 +152,12 @@ class TransferTelemetry:
                     host_end_ns=None if events else self._clock(), **options)
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
-        """Report every completed op (acked or not waiting for an ack) and export. Bounded."""
-        poller = self._pipeline
-        if poller is None:
+        """Report every completed op (acked or not waiting for an ack) and export, bounded."""
+        if (poller := self._pipeline) is None:
             return True
-        deadline = time.monotonic() + timeout_s
-        flushed = poller.flush(timeout_s)
-        channel = poller.channel  # what was taken in is exported even if something is still in flight
-        exported = channel is None or channel.flush(max(0.1 * timeout_s, deadline - time.monotonic()))
-        return flushed and exported
+        deadline, flushed = time.monotonic() + timeout_s, poller.flush(timeout_s)
+        channel = poller.channel  # what was taken in is exported even while some op is in flight
+        return (channel is None or channel.flush(max(0.1 * timeout_s, deadline - time.monotonic()))) and flushed
 
     def shutdown(self) -> None:
         """Stop, report what was recorded (unacked: ``hicache.acked=false``) and export, bounded."""
