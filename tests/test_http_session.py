@@ -9,7 +9,6 @@ import logging
 
 import pytest
 
-from otel_hicache import configuration
 from otel_hicache.sinks import providers
 from otel_hicache.diagnostics import reset_warnings
 from otel_hicache.sinks.http_session import REFUSAL, describe

@@ -70,8 +70,8 @@ def test_counters(exposition):
 
 def test_histograms(exposition):
     lines = set(exposition.splitlines())
-    duration = (f'hicache_cause="prefix_hit",hicache_direction="onboard",hicache_dst_tier="L1",hicache_io_backend="kernel",'
-                f'hicache_origin="merged_op",hicache_src_tier="L2",hicache_timing_source="device_event"')
+    duration = ('hicache_cause="prefix_hit",hicache_direction="onboard",hicache_dst_tier="L1",hicache_io_backend="kernel",'
+                'hicache_origin="merged_op",hicache_src_tier="L2",hicache_timing_source="device_event"')
     onboard = f'hicache_direction="onboard",{SCOPE},tp_rank="0"'
     expected = [
         f'hicache_transfer_duration_seconds_bucket{{{duration},le="0.005",{SCOPE},tp_rank="0"}} 0.0',
