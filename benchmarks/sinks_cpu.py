@@ -53,7 +53,8 @@ def sinks_turn(ops: int) -> float:
     from otel_hicache import TransferTelemetry
 
     tracer_provider, meter_provider, reader = providers()
-    tel = TransferTelemetry(tracer_provider=tracer_provider, meter_provider=meter_provider, attributes=STATIC)
+    with env(OTEL_HICACHE_MAX_QUEUE_SIZE=str(2 * ops)):  # submitted flat out: none may be dropped uncosted
+        tel = TransferTelemetry(tracer_provider=tracer_provider, meter_provider=meter_provider, attributes=STATIC)
     tel.force_flush(5.0)
     started = time.process_time()
     for i in range(ops):
