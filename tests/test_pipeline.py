@@ -817,6 +817,32 @@ def test_stop_with_a_stuck_poller_counts_what_it_held_and_refused(make, warnings
     assert ops(rig.messages()) == {}
 
 
+def test_stop_leaves_the_count_to_a_poller_slow_past_its_cycles(make, warnings_log):
+    """A poller whose final write is slow is not stuck in a cycle: stop() neither counts what it
+    holds nor writes beside it, and its op in flight is counted once, by the poller."""
+    rig = make(manual=False)
+    rig.submit(Event())  # in flight at stop: the final step counts it
+    wait_until(lambda: rig.p._pending)
+    channel, gate, entered = rig.channels[0], threading.Event(), threading.Event()
+    write = channel.write
+
+    def slow_final_write(batch, ops):
+        if any(m[0] == rec.DROPPED and m[1] == "shutdown" for m in batch):
+            entered.set()
+            gate.wait(10.0)
+        write(batch, ops)
+
+    channel.write = slow_final_write
+    stopper = threading.Thread(target=rig.p.stop, args=(0.2,))
+    stopper.start()
+    assert entered.wait(10.0)
+    stopper.join(10.0)  # stop() returned while the final write still waits
+    assert not warned(warnings_log, "held by the stuck poller")
+    gate.set()
+    rig.p.thread.join(5.0)
+    assert dropped(rig.messages(), "shutdown") == 1
+
+
 # -- fork ----------------------------------------------------------------------------------------
 
 def test_after_fork_the_child_starts_empty_with_its_own_thread_and_opens_its_own_channel(make):

@@ -131,7 +131,7 @@ class Poller:
         self.idle = self._more = self._state_held = False
         self._wake = _Wake()
         self._flush_waiters: list[tuple[int, threading.Event]] = []
-        self._stopping = self._stop_called = self._abandoned = False
+        self._stopping = self._stop_called = self._abandoned = self._in_cycle = False
         self._start_thread()
 
     def _start_thread(self) -> None:  # (tests replace it)
@@ -186,7 +186,7 @@ class Poller:
         self.wake()
         self.thread.join(max(0.1, deadline - time.monotonic()))
         stopped = not self.thread.is_alive()
-        if not stopped:  # stuck in a host call: what it holds and what is queued, counted lost now
+        if not stopped and self._in_cycle:  # stuck in a host call: what it holds and is queued, counted lost now
             self._abandoned = True
             lost, refused = len(self.queue) + self.held, self._refused_since()
             logger.warning("otel-hicache: %d transfers held by the stuck poller were not reported; "
@@ -194,7 +194,7 @@ class Poller:
             if self.channel is not None:
                 self.channel.write([(rec.DROPPED, sc.DROP_QUEUE_FULL, refused), self._state_message(self._cpu_s),
                                     (rec.DROPPED, sc.DROP_SHUTDOWN, lost)], 0)
-        elif self.queue:  # appended by a submit() that raced the final cycle
+        elif stopped and self.queue:  # appended by a submit() that raced the final cycle
             self._drop_queued()
             self._write()
         closed = self.channel is None or self.channel.stop(max(0.1, deadline - time.monotonic()), timeout_s)
@@ -212,11 +212,13 @@ class Poller:
                 taken = now
             if self.queue or self._pending or self._awaiting:
                 active = now
+            self._in_cycle = True  # stop() abandons it only in there, where each step checks _abandoned
             try:
                 self._cycle()
             except Exception as exc:  # keep the poller alive whatever happens
                 warn_once("poller", "otel-hicache: poller error %r (continuing)", exc)
                 logger.debug("otel-hicache poller error", exc_info=True)
+            self._in_cycle = False
             if self._abandoned:
                 return
             if self._stopping:
