@@ -84,10 +84,14 @@ def test_dry_run_is_wired(tmp_path: Path) -> None:
         assert op["timing_source"] == "device_event" and op["anchored"] is True, op
         assert op["ratio_events"] == pytest.approx(1.0, abs=1e-6), op
         assert abs(op["span_ns"] - op["events_ns"]) <= 1000, op
+    # 1 ms of slack (the stand-in anchor's bracket can be stretched by a busy CPU), plus any step the wall
+    # clock made against the stand-in device clock (perf_counter) during the run: placement follows the
+    # wall clock only from the next anchor on
+    offsets = [op["wall_minus_monotonic_ns"] for op in copies + late]
+    slack = 1_000_000 + max(offsets) - min(offsets)
     for op in copies + late:  # inside its independent bracket, and placed at the copy on the wall clock
         assert 0 < op["ratio_ref"] <= 1.0, op
-        # (1 ms of slack: the stand-in anchor's bracket can be stretched by a busy CPU)
-        assert op["host_before_ns"] - 1_000_000 <= op["span_start_ns"] <= op["host_after_ns"] + 1_000_000, op
+        assert op["host_before_ns"] - slack <= op["span_start_ns"] <= op["host_after_ns"] + slack, (op, slack)
     largest = [op["ratio_ref"] for op in copies if op["bytes"] == max(o["bytes"] for o in copies)]
     assert sorted(largest)[len(largest) // 2] > 0.9, largest
     for op in late:
