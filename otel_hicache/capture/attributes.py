@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import reprlib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..diagnostics import warn_once
 from ..record import INT64_MAX, encodes

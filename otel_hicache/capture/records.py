@@ -5,7 +5,8 @@ from __future__ import annotations
 import operator
 import reprlib
 from collections import Counter
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .. import semconv as sc
 from ..adapters import causes
