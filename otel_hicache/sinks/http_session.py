@@ -24,7 +24,6 @@ from .redaction import without_userinfo
 RETRYABLE = frozenset({429, 502, 503, 504})  # what the OTLP/HTTP specification says a client retries
 RETRY_GAP_S = 0.5  # the exporter's repeat at once of a connection error is held back this long after a Busy
 WANTS_TLS = "the collector wants TLS; set an https endpoint"  # a redirect from http:// to https://
-REFUSAL = re.compile(r"HTTP (?P<status>\d{3})(?: [\w'-]+)*(?: \(to [^()]*\))?")  # what describe() says
 _transport = logging.getLogger("otel_hicache.http")  # the doctor reads its DEBUG records
 importlib.import_module("netrc")  # requests imports it at its first request: a fork then would hang the child
 
@@ -42,7 +41,7 @@ def describe(status: int, reason: str | None, location: str | None, url: str) ->
     try:
         phrase = HTTPStatus(status).phrase
     except ValueError:
-        phrase = " ".join(re.findall(r"[\w'-]+", reason or "")[:8])  # the words REFUSAL reads
+        phrase = " ".join(re.findall(r"[\w'-]+", reason or "")[:8])  # a server's words, not its markup
     text = f"HTTP {status} {phrase}".rstrip()
     if 300 <= status < 400:
         target = without_userinfo(location.strip())[:200] if location else None
