@@ -1,19 +1,19 @@
 """The capture's messages to the sinks, in batches (lists): tuples of JSON values (decoding runs no code):
 
 * ``(OP, *OP_FIELDS)``: an op seen complete; ``(ACK, seq, ack_ns or None: no ack came)``;
-* ``(HOST, seq, pool id, direction, pages, submit_ns, cause, num_bytes)``: an op's host pages;
-* ``(POOL, pool id, name, slots, page_size)``; ``(FREE, pool id, pages)``; ``(DROPPED, reason, count)``;
+* ``(HOST, seq, pool id, direction, slots, submit_ns, cause, num_bytes)``: an op's host slots;
+* ``(POOL, pool id, name, slots, page_size)``; ``(FREE, pool id, slots)``; ``(DROPPED, reason, count)``;
 * ``(STATE, *STATE_FIELDS)``; ``(FLUSH, token)``: export, answer (token 0: neither); ``(STOP, bound s)``;
 * ``(CHECKPOINT, [[counter, attributes, total], ...], [OP awaiting its ack, ...])``.
 
-A frame is ``FRAME_HEADER`` (the length) and UTF-8 JSON. The telemetry process answers ``hello``,
-``flushed <token> <0|1>`` and ``exported <frames> <[CHECKPOINT]>`` (the spans of that many frames are
-exported). Pages: :func:`page_text`; span contexts: ``(trace_id, span_id, flags, remote, state pairs)``.
+A frame is ``FRAME_HEADER`` (two lengths), UTF-8 JSON, then the host slots (:func:`slot_bytes`) that
+the JSON names by ``[offset, length]``. The telemetry process answers ``hello``, ``flushed <token>
+<0|1>`` and ``exported <frames> <[CHECKPOINT]>`` (the spans of that many frames are exported). Span
+contexts: ``(trace_id, span_id, flags, remote, state pairs)``.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import struct
 from typing import Any
@@ -28,17 +28,41 @@ INT64_MAX = 2**63 - 1  # OTLP encodes no larger count or time
 
 OP, ACK, HOST, POOL, FREE, DROPPED, STATE, FLUSH, STOP, CHECKPOINT = range(10)
 
-FRAME_HEADER = struct.Struct("<I")
+FRAME_HEADER = struct.Struct("<II")  # the JSON's bytes, the slots' bytes
 MAX_FRAME_BYTES = 1 << 26  # a longer frame is not the capture's
+_SLOTS = {HOST: 4, FREE: 2}  # the field of those messages that holds slots
 
 
 def encode(value: Any) -> bytes:
-    data = json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
-    return FRAME_HEADER.pack(len(data)) + data
+    """A frame; ``bytes`` values go after the JSON, which holds their place (no base64, no escaping)."""
+    tail: list[bytes] = []
+    size = [0]
+
+    def place(data: Any) -> list[int]:
+        if type(data) is not bytes:
+            raise TypeError(f"{type(data).__name__} is not JSON serializable")
+        tail.append(data)
+        size[0] += len(data)
+        return [size[0] - len(data), len(data)]
+
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=place).encode()
+    return FRAME_HEADER.pack(len(text), size[0]) + text + b"".join(tail)
 
 
-def decode(data: bytes) -> Any:
-    return json.loads(data)
+def decode(frame: bytes) -> Any:
+    """A frame's batch, the slots back in place; ValueError if they are not where it says."""
+    length, size = FRAME_HEADER.unpack_from(frame)
+    start = FRAME_HEADER.size + length
+    batch, tail = json.loads(frame[FRAME_HEADER.size:start]), frame[start:start + size]
+    for message in batch:
+        where = _SLOTS.get(message[0]) if type(message) is list and message and type(message[0]) is int else None
+        if where is not None and where < len(message):
+            at = message[where]
+            if not (type(at) is list and len(at) == 2 and all(type(n) is int and n >= 0 for n in at)
+                    and sum(at) <= len(tail)):
+                raise ValueError(f"host slots not in their frame: {at!r}")
+            message[where] = tail[at[0]:sum(at)]
+    return batch
 
 
 # cause_parts: a mixed op's ((cause, pools, pool tokens, bytes), ...); error: semconv.FAIL_* or None
@@ -72,18 +96,9 @@ def context_tuple(context: Any) -> tuple[int, int, int, bool, tuple[tuple[str, s
             tuple(state.items()) if state else ())
 
 
-def page_text(slots: Any, page_size: int) -> str:
-    return base64.b64encode(page_bytes(slots, page_size)).decode("ascii")
-
-
-def page_bytes(slots: Any, page_size: int) -> bytes:
-    """Of token slots, as int64 bytes, repeats in a row dropped."""
-    import numpy as np
-
-    pages = slot_array(slots) // page_size
-    if pages.size > 1:
-        pages = pages[np.concatenate(((True,), pages[1:] != pages[:-1]))]
-    return pages.tobytes()
+def slot_bytes(slots: Any) -> bytes:
+    """Token slots as int64 bytes: one copy here, their pages worked out in the telemetry process."""
+    return slot_array(slots).tobytes()
 
 
 def slot_array(slots: Any) -> Any:

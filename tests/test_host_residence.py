@@ -163,7 +163,7 @@ def test_bad_slots_never_raise_and_the_op_is_still_reported(harness, caplog):
 
 
 def _pages(pool, slots):
-    return pool.pages(rec.page_text(slots, pool.page_size)).tolist()
+    return pool.pages(rec.slot_bytes(slots)).tolist()
 
 
 def test_bookkeeping_memory_per_page_and_pages():
@@ -176,6 +176,21 @@ def test_bookkeeping_memory_per_page_and_pages():
     assert _pages(pool, np.arange(0, 130).reshape(2, 65)) == [0, 1, 2]  # 2-D: read flat
     assert _pages(pool, [5, 3, 70, 64, 3]) == [0, 1]
     assert _pages(HostPool(10, 1), [3, 3, 1, 9]) == [1, 3, 9]
+
+
+def test_host_slots_travel_as_bytes_after_the_json_of_their_frame():
+    slots = rec.slot_bytes(np.arange(0, 4096))
+    batch = [[rec.HOST, 7, 1, rec.OFFLOAD, slots, 5, "x", 9], [rec.FREE, 1, slots[:16]], [rec.DROPPED, "r", 1]]
+    frame = rec.encode(batch)
+    length, size = rec.FRAME_HEADER.unpack_from(frame)
+    assert size == len(slots) + 16 and len(frame) == rec.FRAME_HEADER.size + length + size
+    assert len(frame) - size < 200  # the JSON holds their place, not their text
+    assert rec.decode(frame) == batch
+    # a place outside the frame's slots is refused, never read past the frame
+    bad = frame.replace(b'[%d,16]' % len(slots), b'[%d,17]' % len(slots))
+    assert bad != frame
+    with pytest.raises(ValueError, match="host slots not in their frame"):
+        rec.decode(bad)
 
 
 def test_torch_cpu_indices_are_read_in_place():
@@ -220,7 +235,7 @@ def test_answers_and_state_match_a_page_by_page_model():
         warnings.simplefilter("ignore")
         for step in range(3000):
             kind, when, arg = rng.random(), step + 1, slots()
-            pages = pool.pages(rec.page_text(arg, pool.page_size))
+            pages = pool.pages(rec.slot_bytes(arg))
             expected = sorted({s // PAGE for s in arg if 0 <= s // PAGE < pool.size})
             assert pages.tolist() == expected, step
             if kind < 0.45:

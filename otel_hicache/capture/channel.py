@@ -25,7 +25,6 @@ MAX_BACKLOG_BYTES = 32 << 20  # frames not confirmed by a checkpoint
 _KILLED = (-9, -15, -2)  # a signal before its hello: restarted, not a process that cannot run here
 _READ_NS = 100_000_000  # answers are read at least this often while frames wait
 _WRITE_BYTES = 1 << 20  # joined into one write
-_HEADER = rec.FRAME_HEADER.size
 # -I: no working directory, PYTHONPATH (an auto-instrumentation's) nor user site on its path
 _START = ("import json,sys; sys.path[:0] = json.loads(sys.argv[1]); "
           "from otel_hicache.sinks.process import main; sys.exit(main())")
@@ -203,9 +202,9 @@ class ProcessChannel:
         warn_once("telemetry_process:fallback", "otel-hicache: telemetry process: %s; the sinks run embedded in "
                   "this process from now on", why)
         embedded = self._fallback()
-        embedded.write(self._pools + (rec.decode(self._checkpoint[_HEADER:]) if self._checkpoint else []), 0)
+        embedded.write(self._pools + (rec.decode(self._checkpoint) if self._checkpoint else []), 0)
         for frame, ops in self._frames:
-            embedded.write(rec.decode(frame[_HEADER:]), ops)
+            embedded.write(rec.decode(frame), ops)
         self._frames.clear()
         self._embedded = embedded
 
@@ -263,7 +262,7 @@ class ProcessChannel:
             if kind == b"hello":
                 self._answered = True
             elif kind == b"exported" and number.isdigit():  # its first frames, then its state
-                self._checkpoint = rec.FRAME_HEADER.pack(len(value)) + value
+                self._checkpoint = rec.FRAME_HEADER.pack(len(value), 0) + value
                 while self._numbered < int(number) and self._queued:
                     size = len(self._frames.popleft()[0])
                     self._numbered, self._queued = self._numbered + 1, self._queued - 1
@@ -282,7 +281,7 @@ class ProcessChannel:
             for entry in itertools.islice(self._frames, self._queued, None):
                 if self._waiting_ops <= self._max_ops and self._bytes <= MAX_BACKLOG_BYTES:
                     break
-                batch = rec.decode(entry[0][_HEADER:]) if entry[1] or stage else []
+                batch = rec.decode(entry[0]) if entry[1] or stage else []
                 if not (removed := [m for m in batch if m[0] in kinds]):
                     continue
                 counts[sc.DROP_QUEUE_FULL] += entry[1]

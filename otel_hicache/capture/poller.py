@@ -302,7 +302,7 @@ class Poller:
                 if type(item) is HostPoolRef:
                     self._out.append((rec.POOL, *item))
                 else:  # (pool, slots) freed
-                    self._pages((rec.FREE, item[0].pool_id), item[1], item[0].page_size)
+                    self._slots((rec.FREE, item[0].pool_id), item[1])
 
     def _take_in(self, item: list[Any], seq: int) -> bool:
         """Validate a submitted list and hold it; False if dropped."""
@@ -319,7 +319,7 @@ class Poller:
                 return False
             if record.host_slots is not None:
                 pool, slots = record.host_slots
-                self._pages((rec.HOST, seq, pool.pool_id, record.direction), slots, pool.page_size,
+                self._slots((rec.HOST, seq, pool.pool_id, record.direction), slots,
                             (record.submit_ns, record.cause, record.num_bytes))
             self._inflight[record.direction] += 1
             self._pending.append(record)
@@ -329,9 +329,9 @@ class Poller:
             self._internal_error("taken in", exc)
             return False
 
-    def _pages(self, head: tuple[Any, ...], slots: Any, page_size: int, tail: tuple[Any, ...] = ()) -> None:
+    def _slots(self, head: tuple[Any, ...], slots: Any, tail: tuple[Any, ...] = ()) -> None:
         try:
-            self._out.append((*head, rec.page_text(slots, page_size), *tail))
+            self._out.append((*head, rec.slot_bytes(slots), *tail))
         except Exception as exc:  # the op is still reported
             warn_once(f"host:{head[0]}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
                       "an op's" if head[0] == rec.HOST else "freed", exc)

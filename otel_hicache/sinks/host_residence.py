@@ -3,7 +3,6 @@ them, and which were freed never read (waste)."""
 
 from __future__ import annotations
 
-import base64
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -44,11 +43,13 @@ class HostPool:
         self.span_id = np.zeros(size, np.uint64)  # of the writing offload's span; 0: not sampled
         self.reloaded = np.zeros(size, np.bool_)
 
-    def pages(self, page_text: str) -> Any:
-        """The distinct in-range pages of a ``record.page_text``, ascending."""
-        pages = np.frombuffer(base64.b64decode(page_text, validate=True), np.int64)
-        if pages.size > 1 and (pages[1:] <= pages[:-1]).any():  # (mostly sent sorted)
-            pages = np.unique(pages)
+    def pages(self, slot_bytes: bytes) -> Any:
+        """The distinct in-range pages of ``record.slot_bytes``, ascending."""
+        pages = np.frombuffer(slot_bytes, np.int64) // self.page_size
+        if pages.size > 1:  # (mostly sorted: a page's slots in a row)
+            pages = pages[np.concatenate(((True,), pages[1:] != pages[:-1]))]
+            if (pages[1:] < pages[:-1]).any():
+                pages = np.unique(pages)
         if pages.size and (pages[0] < 0 or pages[-1] >= self.size):
             warn_once(f"host_slots:{self.name}", "otel-hicache: host slots outside the %s host pool (%d pages "
                       "of %d); those pages are not tracked", self.name, self.size, self.page_size)

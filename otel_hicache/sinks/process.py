@@ -28,12 +28,12 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
     """(value or None, size) of each frame until the input ends or the serving process is gone."""
     parent, buffer, header, wait = os.getppid(), bytearray(), rec.FRAME_HEADER.size, PARENT_CHECK_S
     while True:
-        length = rec.FRAME_HEADER.unpack_from(buffer)[0] if len(buffer) >= header else -1
+        length = sum(rec.FRAME_HEADER.unpack_from(buffer)) if len(buffer) >= header else -1
         if length > rec.MAX_FRAME_BYTES:  # what was read with it goes too
             yield None, len(buffer)
             buffer.clear()
         elif 0 <= length <= len(buffer) - header:
-            data = bytes(buffer[header:header + length])
+            data = bytes(buffer[:header + length])
             del buffer[:header + length]
             try:
                 yield rec.decode(data), header + length
