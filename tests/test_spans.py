@@ -171,6 +171,27 @@ def test_per_call_attributes_obey_the_sdks_limits_before_they_are_queued(monkeyp
     assert call_attributes(big, *limits()) == {"a": "x" * 9, "b": ["y" * 9, 3]}
 
 
+def test_an_adapters_same_dict_is_checked_once_and_again_when_it_changed(monkeypatch):
+    import numpy as np
+    from otel_hicache.capture import attributes as module
+
+    checked, real = [], module.call_attributes
+    monkeypatch.setattr(module, "call_attributes", lambda *args: checked.append(1) or real(*args))
+    calls = module.CallAttributes()
+    given = {"hicache.controller": "C", "n": 1}
+    assert calls(given) == calls(given) == given and len(checked) == 1
+    given["n"] = 2  # changed in place: checked again
+    assert calls(given) == {"hicache.controller": "C", "n": 2} and len(checked) == 2
+    assert calls(dict(given)) == given and len(checked) == 3  # another dict, however equal
+    listed = {"l": [1]}  # a mutable value is never cached
+    assert calls(listed) == calls(listed) and len(checked) == 5
+    last = {"a": "x"}
+    calls(last)
+    last["a"] = np.arange(3)  # a value that cannot compare: checked again, never raised
+    calls(last)
+    assert len(checked) == 7
+
+
 def test_a_per_call_attribute_overrides_a_static_one_never_a_measured_one():
     attrs = span_attributes(record(attributes={"tp_rank": 7, "hicache.bytes": 1, "hicache.timing_source": "x"}),
                             STATIC)

@@ -71,3 +71,25 @@ def call_attributes(attributes: Any, count: int, length: int | None) -> dict[str
                 v[:length] if isinstance(v, str) else v for v in value]
         out[str.__str__(key)] = value
     return out or None
+
+
+class CallAttributes:
+    """``call_attributes`` within the SDK's limits; an adapter's same dict, unchanged, checked once."""
+
+    def __init__(self) -> None:
+        self.limits = limits()
+        self._last: tuple[Any, Any, Any] = (None, None, None)  # the dict, a copy, what it gave
+
+    def __call__(self, attributes: Any) -> dict[str, Any] | None:
+        given, copy, out = self._last
+        try:
+            if attributes is given and attributes == copy:
+                return out
+        except Exception:  # a value changed to one that cannot compare (an array): checked again
+            pass
+        out = call_attributes(attributes, *self.limits)
+        # only immutable values: a list changed in place would still compare equal to the copy
+        if type(attributes) is dict and out is not None and len(out) == len(attributes) and all(
+                type(v) in (str, int, float, bool) for v in out.values()):
+            self._last = (attributes, dict(attributes), out)
+        return out

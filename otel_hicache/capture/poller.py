@@ -19,7 +19,7 @@ from ..environment_variables import DEFAULTS
 from ..record import DIRECTIONS
 from ..settings import env_float, env_int
 from . import fork, request_links
-from .attributes import call_attributes, limits
+from .attributes import CallAttributes
 from .records import S_ACK_NS, S_SUBMIT_NS, SUBMISSION_FIELDS, TransferRecord, validate
 from .timing import EventTimeline, WallClockAnchor, is_complete, resolve, resolve_host_clock
 
@@ -119,7 +119,7 @@ class Poller:
         self._inflight = dict.fromkeys(DIRECTIONS, 0)
         self._anchor = WallClockAnchor(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
         self._timeline = EventTimeline()
-        self._attribute_limits = limits()
+        self._attributes = CallAttributes()
         self._last_ack_scan = self._last_send = self._last_state = self._ops_out = 0
         self.channel: Any = None
         self._out: list[tuple[Any, ...]] = []  # this cycle's messages
@@ -398,7 +398,7 @@ class Poller:
         parent = record.parent_context
         if parent is not None:
             parent = rec.context_tuple(trace.get_current_span(parent).get_span_context())
-        attributes = record.attributes and call_attributes(record.attributes, *self._attribute_limits)
+        attributes = record.attributes and self._attributes(record.attributes)
         self._out.append((
             rec.OP, record.seq, record.direction, record.origin, record.cause, record.cause_parts, record.tokens,
             record.blocks, record.pool_names, record.pool_tokens, record.num_bytes, record.page_size,
