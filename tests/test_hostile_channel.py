@@ -46,10 +46,11 @@ SERVING = textwrap.dedent("""
         class Plant:
             def __reduce__(self):
                 return (os.system, (f"touch {HOSTILE}",))
-        frames = [pickle.dumps([Plant()]), b'{"not": "a batch"}', b"[[99, 1]]", b"[[7]]", b"[1, 2"]
+        frames = [pickle.dumps([Plant()]), b'{"not": "a batch"}', b"[[99, 1]]", b"[[7]]", b"[1, 2",
+                  b'[[2, 1, 1, "offload", [8, 64], 5, "other", 9]]']  # host slots beyond the frame
         with open(f"/proc/{child}/fd/0", "wb") as pipe:
             for data in frames:
-                pipe.write(struct.pack("<I", len(data)) + data)
+                pipe.write(struct.pack("<II", len(data), 0) + data)
     ops(%(ops)d)
     seen = []  # the fewest threads over 0.2 s: an export thread comes and goes
     for _ in range(10):
@@ -84,7 +85,7 @@ def _dropped(receiver: HttpReceiver, reason: str) -> int:
 
 def test_frames_run_no_code_and_malformed_ones_are_counted(tmp_path):
     """A pickle that would run a command, JSON that is not a batch, an unknown message kind, a
-    FLUSH without its token, a cut-off document: none runs anything or ends the telemetry
+    FLUSH without its token, a cut-off document, host slots placed beyond the frame: none runs anything or ends the telemetry
     process; each is counted, and every op before and after them arrives."""
     receiver = HttpReceiver()
     try:
@@ -92,7 +93,7 @@ def test_frames_run_no_code_and_malformed_ones_are_counted(tmp_path):
         result = _run(tmp_path, receiver, hostile=str(marker))
         assert not marker.exists()
         assert len(receiver.received.spans()) == 2 * OPS
-        assert _dropped(receiver, "malformed_frame") == 5
+        assert _dropped(receiver, "malformed_frame") == 6
         assert result["stderr"].count("not the capture's") == 1, result["stderr"]  # warned once
     finally:
         receiver.stop()
