@@ -1,6 +1,5 @@
-"""A record's completion (``query()``, never ``synchronize()``) and timing: with both events completed,
-``elapsed_time()`` (``device_event``) placed on the wall clock by an anchor (an event synchronized between
-two host clock readings) or relative to earlier ops (EventTimeline); else host times (``host_clock``)."""
+"""A record's completion (``query()``) and timing: ``elapsed_time()`` placed on the wall clock by an anchor
+or relative to earlier ops (EventTimeline), else host times."""
 
 from __future__ import annotations
 
@@ -14,22 +13,20 @@ from ..record import DEVICE_EVENT, HOST_CLOCK, INT64_MAX
 from .device import anchor_factory_for
 from .records import TransferRecord
 
-# hicache.placement_source: by the anchor, relative to an earlier op's event, or from the host completion
+# hicache.placement_source
 PLACEMENT_ANCHOR, PLACEMENT_RELATIVE, PLACEMENT_HOST_COMPLETION = "anchor", "relative", "host_completion"
-MAX_DEVICE_DURATION_MS = 86_400_000.0  # above a day: a broken event
 
 
 def is_complete(record: TransferRecord) -> bool:
-    """True once the transfer finished; raises whatever the events raise."""
+    """Raises whatever the events raise."""
     finish, start = record.finish_event, record.start_event
-    if finish is None or (record.host_end_ns is not None and start is None):  # nothing left to read
+    if finish is None or (record.host_end_ns is not None and start is None):
         return True
     return bool(finish.query()) and (start is None or bool(start.query()))
 
 
 def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
             timeline: EventTimeline | None = None) -> None:
-    """Set duration, wall-clock start and end, placement, timing source and queue wait."""
     duration_ms = None if record.start_event is None or record.finish_event is None else \
         _device_duration_ms(record.start_event, record.finish_event)
     if duration_ms is None:
@@ -45,17 +42,15 @@ def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
 
 def _place(event: Any, anchor: WallClockAnchor | None, timeline: EventTimeline | None, duration_ns: int,
            bound_ns: int) -> tuple[int, str]:
-    """Where a device-timed op starts, and how that was found (nonsense: the host completion, warned once)."""
     try:
-        start, placement = anchor.wall_time_ns(event) if anchor is not None else None, PLACEMENT_ANCHOR
-        if start is None and timeline is not None:
-            start, placement = timeline.place(event, duration_ns, bound_ns)
-        elif start is None:
-            start, placement = bound_ns - duration_ns, PLACEMENT_HOST_COMPLETION
+        start, placement = anchor and anchor.wall_time_ns(event), PLACEMENT_ANCHOR
+        if start is None:
+            start, placement = timeline.place(event, duration_ns, bound_ns) if timeline else \
+                (bound_ns - duration_ns, PLACEMENT_HOST_COMPLETION)
         if type(start) is int and 0 <= start <= INT64_MAX - duration_ns:
             return start, placement
         problem: object = start
-    except (ArithmeticError, ValueError, TypeError) as exc:  # e.g. int(round(nan)) of an event's offset
+    except (ArithmeticError, ValueError, TypeError) as exc:  # e.g. int(round(nan))
         problem = exc
     warn_once("placement", "otel-hicache: a device-timed op could not be placed on the wall clock from its "
               "events (%s); such ops end where the poller saw them end", reprlib.repr(problem))
@@ -63,12 +58,11 @@ def _place(event: Any, anchor: WallClockAnchor | None, timeline: EventTimeline |
 
 
 def resolve_host_clock(record: TransferRecord, now_ns: int) -> None:
-    """Host-clock timing: no usable timing events, or the record failed."""
     record.timing_source, record.placement = HOST_CLOCK, None
     start = record.host_start_ns if record.host_start_ns is not None else record.submit_ns
     if record.host_end_ns is not None:
         end = record.host_end_ns
-    else:  # seen complete now, or (nothing says when) complete at submit
+    else:  # seen complete now, or (nothing says when) at submit
         end = now_ns if record.finish_event is not None else record.submit_ns
     record.start_ns, record.end_ns = start, max(end, start)
     record.duration_ns = record.end_ns - start
@@ -82,22 +76,19 @@ def _device_duration_ms(start_event: Any, finish_event: Any) -> float | None:
                   "(%r): were they created with enable_timing=True? These transfers are reported with "
                   "hicache.timing_source=host_clock.", type(start_event).__name__, exc)
         return None
-    if not math.isfinite(value) or not 0 <= value <= MAX_DEVICE_DURATION_MS:
+    if not math.isfinite(value) or not 0 <= value <= 86_400_000.0:  # (a day)
         warn_once("elapsed_time:negative", "otel-hicache: elapsed_time() returned %r ms (finish before start, or "
                   "more than a day?); reporting such transfers with hicache.timing_source=host_clock", value)
         return None
     return value
 
 
-_FIRST_SAMPLES = 3  # the first sample pays one-time costs inside its bracket: the narrowest of a few
+_FIRST_SAMPLES = 3  # the first pays one-time costs in its bracket: the narrowest of a few
 
 
 class WallClockAnchor:
-    """Maps completed device events to host wall-clock ns: the anchor ran at the midpoint of its bracket.
-    Without a ``factory``, the first event placed finds one (``device.anchor_factory_for``)."""
-
-    __slots__ = ("_factory", "_clock", "_interval_ns", "event", "wall_ns", "uncertainty_ns", "_best_ns",
-                 "_taken_at_ns", "_failed")
+    """Places completed device events on the wall clock: an event synchronized between two clock readings ran
+    at their midpoint. Without a ``factory``, the first event placed finds one."""
 
     def __init__(self, factory: Callable[[], Any] | None, interval_s: float = 1.0,
                  clock: Callable[[], int] = time.time_ns) -> None:
@@ -105,7 +96,7 @@ class WallClockAnchor:
         self.event: Any = None
         self.wall_ns = self.uncertainty_ns = self._taken_at_ns = 0
         self._best_ns: int | None = None
-        self._failed = False  # no first anchor: none is tried again
+        self._failed = False  # no first anchor: none tried again
 
     def maybe_refresh(self, now_ns: int) -> None:
         if self.event is not None and now_ns - self._taken_at_ns >= self._interval_ns:
@@ -114,14 +105,14 @@ class WallClockAnchor:
     def refresh(self) -> None:
         try:
             samples = [self._sample() for _ in range(_FIRST_SAMPLES if self.event is None else 1)]
-        except Exception as exc:  # a device problem never stops the poller
+        except Exception as exc:
             self._failed = self.event is None
             warn_once("anchor", "otel-hicache: cannot record a wall-clock anchor event (%r); device-timed spans "
                       "are placed from host completion times instead", exc)
             return
         before, event, after = min(samples, key=lambda s: s[2] - s[0])
         half, best = (after - before) // 2, self._best_ns
-        # a sample much noisier than the best one replaces only an old anchor (drift)
+        # a much noisier sample than the best replaces only an old anchor (drift)
         if self.event is not None and best is not None and half > max(4 * best, 20_000) \
                 and after - self._taken_at_ns < 8 * self._interval_ns:
             return
@@ -136,7 +127,6 @@ class WallClockAnchor:
         return before, event, self._clock()
 
     def wall_time_ns(self, event: Any) -> int | None:
-        """Wall-clock time of a completed timing event, or None if unknown."""
         if self.event is None and not self._failed:
             try:
                 self._factory = self._factory or anchor_factory_for(event)
@@ -154,19 +144,16 @@ class WallClockAnchor:
         return self.wall_ns + int(round(offset_ms * 1e6))
 
 
-_REFRESH_MS = 1000.0  # an op this far after its reference becomes the reference (a float32 of ms)
-_WINDOW_NS = 1_000_000_000  # host time over which a timeline looks for evidence it is placed too early
-_MAX_TIMELINES = 4  # devices, or streams whose events cannot be compared (least recently used dropped)
-_GIVE_UP_AFTER = 8  # timelines started with no comparison succeeding: the events cannot be compared
-_FORCE_AFTER_NS = 10_000_000_000  # a correction that found no idle gap for this long is made anyway
+_REFRESH_MS = 1000.0  # an op this far after its reference becomes it (float32 ms)
+_WINDOW_NS = 1_000_000_000  # host time a timeline looks back for evidence it is early
+_MAX_TIMELINES = 4  # devices or incomparable streams (LRU)
+_GIVE_UP_AFTER = 8  # seeds without a comparison: incomparable events
+_FORCE_AFTER_NS = 10_000_000_000  # a correction without an idle gap this long is made anyway
 _NO_LAG = 1 << 62
 
 
 class _Timeline:
-    """One device timeline: a reference event and its wall-clock placement."""
-
-    __slots__ = ("event", "wall_ns", "latest_end_ns", "window_end_ns", "window_min_lag_ns", "owed_ns",
-                 "blocked_since_ns")
+    """A reference event and its wall-clock start."""
 
     def __init__(self, event: Any, start_ns: int, end_ns: int) -> None:
         self.event, self.wall_ns, self.latest_end_ns = event, start_ns, end_ns
@@ -177,16 +164,16 @@ class _Timeline:
     def place(self, event: Any, offset_ms: float, duration_ns: int, bound_ns: int) -> int:
         start = self.wall_ns + int(round(offset_ms * 1e6))
         excess = start + duration_ns - bound_ns
-        if excess > 0:  # it ends after it was seen to end: the timeline is late by at least that
+        if excess > 0:  # it ends after it was seen to: late
             self.owed_ns, want = 0, -excess
-        else:  # every op of the last window was seen to end owed_ns after it was placed to: later
+        else:  # the last window's ops all ended owed_ns late
             want = min(self.owed_ns, -excess)
         shift = 0
         if want:
-            # only at an idle gap before it, so that no overlap with earlier ops changes
+            # only at an idle gap before it: no overlap with earlier ops changes
             gap = start - self.latest_end_ns
             shift = (max(want, -gap) if gap > 0 else 0) if want < 0 else (want if gap >= 0 else 0)
-            if shift != want:  # a device busy without a gap would keep a wrong offset for ever
+            if shift != want:  # (a device never idle would keep it for ever)
                 if self.blocked_since_ns is None:
                     self.blocked_since_ns = bound_ns
                 elif bound_ns - self.blocked_since_ns >= _FORCE_AFTER_NS:
@@ -199,46 +186,41 @@ class _Timeline:
             start += shift
             self.wall_ns += shift
             if self.window_min_lag_ns != _NO_LAG:
-                self.window_min_lag_ns -= shift  # the window's ops, as the new offset places them
+                self.window_min_lag_ns -= shift
         end = start + duration_ns
         self.latest_end_ns = max(self.latest_end_ns, end)
         self.window_min_lag_ns = min(self.window_min_lag_ns, bound_ns - end)
-        if bound_ns >= self.window_end_ns:  # what the last window shows (an older correction is stale)
+        if bound_ns >= self.window_end_ns:  # (an older correction is stale)
             self.owed_ns = max(0, self.window_min_lag_ns)
             self.window_min_lag_ns, self.window_end_ns = _NO_LAG, bound_ns + _WINDOW_NS
         if offset_ms >= _REFRESH_MS:
-            self.event, self.wall_ns = event, start  # placed: as good a reference, and newer
+            self.event, self.wall_ns = event, start  # as good a reference, and newer
         return start
 
 
 class EventTimeline:
-    """Without an anchor: a timeline's first op ends at ``bound_ns`` (seen complete), later ops that compare
-    with it by their device time difference, the offset corrected at idle gaps. Not thread-safe."""
-
-    __slots__ = ("_timelines", "_seeded", "_compared", "_disabled")
+    """Without an anchor: a timeline's first op ends when seen complete, later ones by their device time
+    difference from it, the offset corrected at idle gaps."""
 
     def __init__(self) -> None:
         self._timelines: list[_Timeline] = []
-        self._seeded = 0
-        self._compared = self._disabled = False
+        self._seeds = 0  # timelines started; very negative once two events compared (never given up)
 
     def place(self, start_event: Any, duration_ns: int, bound_ns: int) -> tuple[int, str]:
-        """Wall-clock start of a completed op, and how it was placed."""
         start, timelines = bound_ns - duration_ns, self._timelines
-        if self._disabled:
+        if self._seeds > _GIVE_UP_AFTER:
             return start, PLACEMENT_HOST_COMPLETION
         for index, timeline in enumerate(timelines):
             try:
                 offset_ms = float(timeline.event.elapsed_time(start_event))
-            except Exception:  # another device, stream or back-end: try the next
+            except Exception:  # another device, stream or back-end
                 continue
             if math.isfinite(offset_ms):
-                self._compared = True
+                self._seeds = -1 << 62
                 timelines.insert(0, timelines.pop(index))
                 return timeline.place(start_event, offset_ms, duration_ns, bound_ns), PLACEMENT_RELATIVE
-        self._seeded += 1
-        if not self._compared and self._seeded > _GIVE_UP_AFTER:
-            self._disabled = True
+        self._seeds += 1
+        if self._seeds > _GIVE_UP_AFTER:
             timelines.clear()
             warn_once(f"timeline:{type(start_event).__name__}", "otel-hicache: elapsed_time() between the events "
                       "of different transfers fails on %s events; without a wall-clock anchor they are placed from "
@@ -248,6 +230,3 @@ class EventTimeline:
         timelines.insert(0, _Timeline(start_event, start, bound_ns))
         del timelines[_MAX_TIMELINES:]
         return start, PLACEMENT_HOST_COMPLETION
-
-    def __len__(self) -> int:
-        return len(self._timelines)
