@@ -20,17 +20,15 @@ def anchor_factory_for(event: Any) -> Callable[[], Any] | None:
     if callable(custom):
         return custom()
     backend = _torch_backend(event)
-    stream_cls, cls = getattr(backend, "Stream", None), type(event)
-    if stream_cls is None:
+    if (stream_cls := getattr(backend, "Stream", None)) is None:
         return None
-    index = getattr(getattr(event, "device", None), "index", None)
-    streams: list[Any] = []
+    index, cls, streams = getattr(getattr(event, "device", None), "index", None), type(event), []
 
     def factory() -> Any:
         if not streams:
             if index is not None and hasattr(backend, "set_device"):
-                backend.set_device(index)
-            streams.append(stream_cls() if index is None else stream_cls(device=index))
+                backend.set_device(index)  # the poller thread's
+            streams.append(stream_cls(device=index))
         anchor = cls(enable_timing=True)
         anchor.record(streams[0])
         return anchor

@@ -14,7 +14,6 @@ from .. import environment_variables as ev
 from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
-from ..record import DIRECTIONS
 from ..settings import env_float, env_int
 from . import fork, request_links
 from .attributes import CallAttributes
@@ -30,7 +29,7 @@ class PollerSettings:
         self.transfer_timeout_ns = int(env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S) * 1e9)
         self.anchor_interval_s = env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01)
 
-    from_environment = classmethod(lambda cls: cls())  # (telemetry.py's name; tests set their own values)
+    from_environment = classmethod(lambda cls: cls())  # (tests set their own values)
 
 
 _ACTIVE_GRACE_S = 0.1  # under load, polls this long after work
@@ -52,7 +51,7 @@ def _seen_when_polled(item: Any) -> bool:  # its end or its ack stamped when the
 
 
 def _oldest(times: list[tuple[str, Any]]) -> dict[str, int | None]:
-    return {d: min((ns for x, ns in times if x == d and type(ns) is int), default=None) for d in DIRECTIONS}
+    return {d: min((ns for x, ns in times if x == d and type(ns) is int), default=None) for d in rec.DIRECTIONS}
 
 
 class _Wake:
@@ -94,7 +93,7 @@ class Poller:
         self._reads = self._reported = 0  # our own next()s on it; refusals counted
         self._pending: list[TransferRecord] = []
         self._awaiting: list[TransferRecord] = []
-        self._inflight = dict.fromkeys(DIRECTIONS, 0)
+        self._inflight = dict.fromkeys(rec.DIRECTIONS, 0)
         self._anchor = WallClockAnchor(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
         self._timeline = EventTimeline()
         self._attributes = CallAttributes()
@@ -140,11 +139,9 @@ class Poller:
     def _snapshot(self) -> tuple[tuple[Any, ...], int]:
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
-            try:
-                queued: tuple[Any, ...] = tuple(self.queue)
-            except RuntimeError:  # mutated while copied (a GC finalizer)
-                queued = ()
-            return queued, len(self.queue) + self.held
+            return tuple(self.queue), len(self.queue) + self.held
+        except RuntimeError:  # mutated while copied (a GC finalizer)
+            return (), len(self.queue) + self.held
         finally:
             if locked:
                 self._lock.release()
@@ -318,7 +315,7 @@ class Poller:
 
     def _completions(self, now: int, end: int) -> None:
         self._anchor.maybe_refresh(now)
-        still: list[TransferRecord] = []
+        still = []
         pending = self._pending
         for index, record in enumerate(pending):
             if index and index % _BUDGET_EVERY == 0 and time.thread_time_ns() > end:
@@ -390,7 +387,7 @@ class Poller:
 
     def _watch_acks(self, now: int, awaiting: list[TransferRecord]) -> int:
         """Stamps acks whose item left its ``ack_watch`` container; how many."""
-        snapshots: dict[int, set[int] | None] = {}
+        snapshots: dict[int, Any] = {}
         stamped = 0
         for record in awaiting:
             if record.ack_watch is None or record.handle[S_ACK_NS] is not None:
@@ -430,11 +427,9 @@ class Poller:
         # forced once a flush can be released (not in a backlog)
         self._state(force=self._stopping or (flushing and not self._more and not self.queue))
         # (a forked child that reported nothing opens no channel)
-        if flushing and not (self._forked and self.channel is None and not self._out and not self._drops):
-            self._take_drops()
-            self._out.append((rec.FLUSH, 0))
-        if self._out or self._drops:
-            self._write()
+        flush = flushing and not (self._forked and self.channel is None and not self._out and not self._drops)
+        if self._out or self._drops or flush:
+            self._write(flush)
         mono = time.monotonic_ns()
         if self._unsent_ops >= 0 and (urgent or self._unsent_ops >= _WRITE_OPS
                                       or mono - self._last_send >= _WRITE_INTERVAL_NS):
@@ -451,8 +446,11 @@ class Poller:
         due = getattr(self.channel, "due", None)  # (not the embedded channel's)
         return due() if due is not None else None
 
-    def _write(self) -> None:
-        self._take_drops()
+    def _write(self, flush: bool = False) -> None:
+        self._out.extend((rec.DROPPED, reason, count) for reason, count in self._drops.items())
+        self._drops = {}
+        if flush:  # (after the drops)
+            self._out.append((rec.FLUSH, 0))
         if not self._out:
             return
         channel = self.open_channel()
@@ -471,10 +469,6 @@ class Poller:
         send = getattr(self.channel, "send", None)  # (not the embedded channel's)
         if send is not None:
             send()
-
-    def _take_drops(self) -> None:
-        drops, self._drops = self._drops, {}
-        self._out.extend((rec.DROPPED, reason, count) for reason, count in drops.items())
 
     def open_channel(self) -> Any:
         """The channel, opened now if it is not (never in an exit hook: no threads there)."""

@@ -31,39 +31,30 @@ def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
         _device_duration_ms(record.start_event, record.finish_event)
     if duration_ms is None:
         return resolve_host_clock(record, now_ns)
-    duration_ns = record.duration_ns = int(round(duration_ms * 1e6))
-    record.timing_source = DEVICE_EVENT
+    duration = record.duration_ns = int(round(duration_ms * 1e6))
+    record.timing_source, event = DEVICE_EVENT, record.start_event
     bound = record.host_end_ns if record.host_end_ns is not None else now_ns
-    start, record.placement = _place(record.start_event, anchor, timeline, duration_ns, bound)
-    if record.placement == PLACEMENT_ANCHOR:
-        record.queue_wait_ns = max(0, start - record.submit_ns)
-    record.start_ns, record.end_ns = start, start + duration_ns
-
-
-def _place(event: Any, anchor: WallClockAnchor | None, timeline: EventTimeline | None, duration_ns: int,
-           bound_ns: int) -> tuple[int, str]:
     try:
         start, placement = anchor and anchor.wall_time_ns(event), PLACEMENT_ANCHOR
         if start is None:
-            start, placement = timeline.place(event, duration_ns, bound_ns) if timeline else \
-                (bound_ns - duration_ns, PLACEMENT_HOST_COMPLETION)
-        if type(start) is int and 0 <= start <= INT64_MAX - duration_ns:
-            return start, placement
-        problem: object = start
+            start, placement = timeline.place(event, duration, bound) if timeline else \
+                (bound - duration, PLACEMENT_HOST_COMPLETION)
+        if type(start) is not int or not 0 <= start <= INT64_MAX - duration:
+            raise ValueError(reprlib.repr(start))
     except (ArithmeticError, ValueError, TypeError) as exc:  # e.g. int(round(nan))
-        problem = exc
-    warn_once("placement", "otel-hicache: a device-timed op could not be placed on the wall clock from its "
-              "events (%s); such ops end where the poller saw them end", reprlib.repr(problem))
-    return max(0, bound_ns - duration_ns), PLACEMENT_HOST_COMPLETION
+        warn_once("placement", "otel-hicache: cannot place a device-timed op on the wall clock from its events "
+                  "(%r); such ops end where the poller saw them end", exc)
+        start, placement = max(0, bound - duration), PLACEMENT_HOST_COMPLETION
+    if placement == PLACEMENT_ANCHOR:
+        record.queue_wait_ns = max(0, start - record.submit_ns)
+    record.start_ns, record.end_ns, record.placement = start, start + duration, placement
 
 
 def resolve_host_clock(record: TransferRecord, now_ns: int) -> None:
     record.timing_source, record.placement = HOST_CLOCK, None
     start = record.host_start_ns if record.host_start_ns is not None else record.submit_ns
-    if record.host_end_ns is not None:
-        end = record.host_end_ns
-    else:  # seen complete now, or (nothing says when) at submit
-        end = now_ns if record.finish_event is not None else record.submit_ns
+    end = record.host_end_ns if record.host_end_ns is not None else \
+        now_ns if record.finish_event is not None else record.submit_ns  # seen complete now, or at submit
     record.start_ns, record.end_ns = start, max(end, start)
     record.duration_ns = record.end_ns - start
 
@@ -73,12 +64,12 @@ def _device_duration_ms(start_event: Any, finish_event: Any) -> float | None:
         value = float(start_event.elapsed_time(finish_event))
     except Exception as exc:
         warn_once(f"elapsed_time:{type(start_event).__name__}", "otel-hicache: elapsed_time() failed on %s events "
-                  "(%r): were they created with enable_timing=True? These transfers are reported with "
-                  "hicache.timing_source=host_clock.", type(start_event).__name__, exc)
+                  "(%r): made without enable_timing=True? Such ops get hicache.timing_source=host_clock",
+                  type(start_event).__name__, exc)
         return None
     if not math.isfinite(value) or not 0 <= value <= 86_400_000.0:  # (a day)
         warn_once("elapsed_time:negative", "otel-hicache: elapsed_time() returned %r ms (finish before start, or "
-                  "more than a day?); reporting such transfers with hicache.timing_source=host_clock", value)
+                  "over a day?); such ops get hicache.timing_source=host_clock", value)
         return None
     return value
 
@@ -107,8 +98,8 @@ class WallClockAnchor:
             samples = [self._sample() for _ in range(_FIRST_SAMPLES if self.event is None else 1)]
         except Exception as exc:
             self._failed = self.event is None
-            warn_once("anchor", "otel-hicache: cannot record a wall-clock anchor event (%r); device-timed spans "
-                      "are placed from host completion times instead", exc)
+            warn_once("anchor", "otel-hicache: cannot record a wall-clock anchor event (%r); device-timed ops are "
+                      "placed from their host completion", exc)
             return
         before, event, after = min(samples, key=lambda s: s[2] - s[0])
         half, best = (after - before) // 2, self._best_ns
@@ -168,20 +159,17 @@ class _Timeline:
             self.owed_ns, want = 0, -excess
         else:  # the last window's ops all ended owed_ns late
             want = min(self.owed_ns, -excess)
-        shift = 0
-        if want:
-            # only at an idle gap before it: no overlap with earlier ops changes
-            gap = start - self.latest_end_ns
-            shift = (max(want, -gap) if gap > 0 else 0) if want < 0 else (want if gap >= 0 else 0)
-            if shift != want:  # (a device never idle would keep it for ever)
-                if self.blocked_since_ns is None:
-                    self.blocked_since_ns = bound_ns
-                elif bound_ns - self.blocked_since_ns >= _FORCE_AFTER_NS:
-                    shift = want
-            if shift == want and want > 0:
-                self.owed_ns = 0
+        gap = start - self.latest_end_ns  # shifted only at an idle gap: no overlap with earlier ops changes
+        shift = (max(want, -gap) if gap > 0 else 0) if want < 0 else (want if gap >= 0 else 0)
+        if shift != want:  # (a device never idle would keep a wrong offset for ever)
+            if self.blocked_since_ns is None:
+                self.blocked_since_ns = bound_ns
+            elif bound_ns - self.blocked_since_ns >= _FORCE_AFTER_NS:
+                shift = want
         if shift == want:
             self.blocked_since_ns = None
+            if want > 0:
+                self.owed_ns = 0
         if shift:
             start += shift
             self.wall_ns += shift
@@ -220,13 +208,13 @@ class EventTimeline:
                 timelines.insert(0, timelines.pop(index))
                 return timeline.place(start_event, offset_ms, duration_ns, bound_ns), PLACEMENT_RELATIVE
         self._seeds += 1
-        if self._seeds > _GIVE_UP_AFTER:
+        if self._seeds <= _GIVE_UP_AFTER:
+            timelines.insert(0, _Timeline(start_event, start, bound_ns))
+            del timelines[_MAX_TIMELINES:]
+        else:
             timelines.clear()
             warn_once(f"timeline:{type(start_event).__name__}", "otel-hicache: elapsed_time() between the events "
-                      "of different transfers fails on %s events; without a wall-clock anchor they are placed from "
-                      "when their completion was seen (hicache.placement_source=host_completion), so overlapping "
-                      "ones can be under-counted in hicache.transfer.busy_time", type(start_event).__name__)
-            return start, PLACEMENT_HOST_COMPLETION
-        timelines.insert(0, _Timeline(start_event, start, bound_ns))
-        del timelines[_MAX_TIMELINES:]
+                      "of different transfers fails on %s events; without an anchor, they end when seen complete "
+                      "(hicache.placement_source=host_completion): overlaps under-count hicache.transfer.busy_time",
+                      type(start_event).__name__)
         return start, PLACEMENT_HOST_COMPLETION
