@@ -90,7 +90,7 @@ class Poller:
         self._taken = 0  # records taken (sequence numbers); with held, under _lock
         self._lock, self._open_lock = threading.Lock(), threading.Lock()
         self.refused = itertools.count()  # submit()'s next()s on a full queue
-        self._reads = self._reported = 0  # our own next()s on it; refusals counted
+        self._refusals = -1  # next(refused) at our last read (each counts too)
         self._pending: list[TransferRecord] = []
         self._awaiting: list[TransferRecord] = []
         self._inflight = dict.fromkeys(rec.DIRECTIONS, 0)
@@ -98,16 +98,16 @@ class Poller:
         self._timeline = EventTimeline()
         self._attributes = CallAttributes()
         self._last_ack_scan = self._last_send = self._last_state = self._ops_out = 0
-        self.channel: Any = None
-        self._out: list[tuple[Any, ...]] = []  # this cycle's messages
+        self.channel = None
+        self._out: list[Any] = []  # this cycle's messages
         self._drops: dict[str, int] = {}
         self._unsent_ops = -1  # written, not sent on; -1: nothing written
-        self._state_sent: tuple[Any, ...] | None = None
+        self._state_sent: Any = None
         self._cpu_s = 0.0  # thread CPU at the last STATE
         # asleep; the cycle stopped at its budget; a changed STATE held back
         self.idle = self._more = self._state_held = False
         self._wake = _Wake()
-        self._flush_waiters: list[tuple[int, threading.Event]] = []
+        self._flush_waiters: list[Any] = []  # (taken count to reach, Event)
         self._stopping = self._stop_called = self._abandoned = self._in_cycle = False
         self._start_thread()
 
@@ -269,10 +269,9 @@ class Poller:
             with self._lock:
                 count = min(room, len(queue), _INTAKE_PASS)
                 self.held += count  # before the pops: never in neither place
-                first = self._taken
                 items = [queue.popleft() for _ in range(count)]
-                self._taken = first + count
-            for seq, item in enumerate(items, first):
+                self._taken += count
+            for seq, item in enumerate(items, self._taken - count):
                 if type(item) is list:
                     room -= self._take_in(item, seq)
                     continue
@@ -515,7 +514,7 @@ class Poller:
             for target, done in self._flush_waiters:
                 if everyone or complete_below >= target:
                     done.set()
-            self._flush_waiters = [waiter for waiter in self._flush_waiters if not waiter[1].is_set()]
+            self._flush_waiters = [w for w in self._flush_waiters if not w[1].is_set()]
 
     def _cycle_final(self) -> None:
         if self._pending:
@@ -553,10 +552,8 @@ class Poller:
 
     def _refused_since(self) -> int:
         with self._lock:  # (stop() reads it for a stuck poller)
-            refused = next(self.refused) - self._reads
-            self._reads += 1
-            drops, self._reported = refused - self._reported, refused
-        return drops
+            last, self._refusals = self._refusals, next(self.refused)
+            return self._refusals - last - 1
 
     def _report_queue_full(self) -> None:
         drops = self._refused_since()

@@ -86,7 +86,7 @@ class WallClockAnchor:
         self._factory, self._clock, self._interval_ns = factory, clock, int(interval_s * 1e9)
         self.event: Any = None
         self.wall_ns = self.uncertainty_ns = self._taken_at_ns = 0
-        self._best_ns: int | None = None
+        self._best_ns = 1 << 62
         self._failed = False  # no first anchor: none tried again
 
     def maybe_refresh(self, now_ns: int) -> None:
@@ -102,13 +102,13 @@ class WallClockAnchor:
                       "placed from their host completion", exc)
             return
         before, event, after = min(samples, key=lambda s: s[2] - s[0])
-        half, best = (after - before) // 2, self._best_ns
+        half = (after - before) // 2
         # a much noisier sample than the best replaces only an old anchor (drift)
-        if self.event is not None and best is not None and half > max(4 * best, 20_000) \
+        if self.event is not None and half > max(4 * self._best_ns, 20_000) \
                 and after - self._taken_at_ns < 8 * self._interval_ns:
             return
         self.event, self.wall_ns, self.uncertainty_ns, self._taken_at_ns = event, before + half, half, after
-        self._best_ns = half if best is None else min(best, half)
+        self._best_ns = min(self._best_ns, half)
         logger.log(5, "otel-hicache anchor wall_ns=%d uncertainty_ns=%d", self.wall_ns, half)
 
     def _sample(self) -> tuple[int, Any, int]:
