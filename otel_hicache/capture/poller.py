@@ -21,7 +21,7 @@ from .records import S_ACK_NS, S_SUBMIT_NS, SUBMISSION_FIELDS, TransferRecord, v
 from .timing import EventTimeline, WallClockAnchor, is_complete, resolve, resolve_host_clock
 
 
-class PollerSettings:
+class PollerSettings:  # tests set their own values on it
     def __init__(self) -> None:
         self.max_queue_size = env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE)
         self.poll_interval_s = env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS, minimum=0.01) / 1e3
@@ -29,7 +29,7 @@ class PollerSettings:
         self.transfer_timeout_ns = int(env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S) * 1e9)
         self.anchor_interval_s = env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01)
 
-    from_environment = classmethod(lambda cls: cls())  # (tests set their own values)
+    from_environment = classmethod(lambda cls: cls())
 
 
 _ACTIVE_GRACE_S = 0.1  # under load, polls this long after work
@@ -40,12 +40,12 @@ _WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # a send (a system call) after
 CYCLE_BUDGET_NS, _BUDGET_EVERY = 150_000, 4  # thread CPU, checked every this many records
 _INTAKE_PASS = 8  # records popped per lock
 _LOCK_WAIT_S = 0.05  # the longest other threads wait for _lock
-_FINISH, _START, _END, _WATCH = map(SUBMISSION_FIELDS.index, ("finish_event", "start_event", "host_end_ns",
-                                                                "ack_watch"))
+_FINISH, _START, _END, _WATCH = map(
+    SUBMISSION_FIELDS.index, ("finish_event", "start_event", "host_end_ns", "ack_watch"))
 HostPoolRef = namedtuple("HostPoolRef", "pool_id name slots page_size")
 
 
-def _seen_when_polled(item: Any) -> bool:  # its end or its ack stamped when the poller looks
+def _seen_when_polled(item: Any) -> bool:  # its end or ack stamped when polled
     return type(item) is list and (item[_WATCH] is not None or (
         item[_FINISH] is not None and item[_START] is None and item[_END] is None))
 
@@ -56,8 +56,6 @@ def _oldest(times: list[tuple[str, Any]]) -> dict[str, int | None]:
 
 class _Wake:
     """A wake-up never lost: a lock is one C call per wait (an Event is Python)."""
-
-    __slots__ = ("_lock",)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -90,7 +88,7 @@ class Poller:
         self._taken = 0  # records taken (sequence numbers); with held, under _lock
         self._lock, self._open_lock = threading.Lock(), threading.Lock()
         self.refused = itertools.count()  # submit()'s next()s on a full queue
-        self._refusals = -1  # next(refused) at our last read (each counts too)
+        self._refusals = -1  # next(refused) at our last read (ours count too)
         self._pending: list[TransferRecord] = []
         self._awaiting: list[TransferRecord] = []
         self._inflight = dict.fromkeys(rec.DIRECTIONS, 0)
@@ -107,7 +105,7 @@ class Poller:
         # asleep; the cycle stopped at its budget; a changed STATE held back
         self.idle = self._more = self._state_held = False
         self._wake = _Wake()
-        self._flush_waiters: list[Any] = []  # (taken count to reach, Event)
+        self._flush_waiters: list[Any] = []  # (target, Event)
         self._stopping = self._stop_called = self._abandoned = self._in_cycle = False
         self._start_thread()
 
@@ -226,7 +224,7 @@ class Poller:
         due = [self._last_state + _STATE_INTERVAL_NS] if self._state_held else []
         if self._unsent_ops >= 0:
             due.append(self._last_send + _WRITE_INTERVAL_NS)
-        if self._out:  # not written (no channel yet?): try again
+        if self._out:  # (no channel yet?): try again
             due.append(now + _WRITE_INTERVAL_NS)
         if (at := self._channel_due()) is not None:  # (the cycle just handled it)
             due.append(max(at, now + _ACK_SCAN_INTERVAL_NS))
@@ -257,7 +255,26 @@ class Poller:
             self._last_ack_scan = now
             self._scan_acks(now)
         self.held = len(self._pending) + len(self._awaiting)
-        self._hand_over(end)
+        self._report_queue_full()
+        flushing = bool(self._flush_waiters)
+        urgent = flushing or self._stopping
+        # forced once a flush can be released (not in a backlog)
+        self._state(force=self._stopping or (flushing and not self._more and not self.queue))
+        # (a silent forked child opens no channel)
+        flush = flushing and not (self._forked and self.channel is None and not self._out and not self._drops)
+        if self._out or self._drops or flush:
+            self._write(flush)
+        mono = time.monotonic_ns()
+        if self._unsent_ops >= 0 and (urgent or self._unsent_ops >= _WRITE_OPS
+                                      or mono - self._last_send >= _WRITE_INTERVAL_NS):
+            if time.thread_time_ns() > end and not urgent:
+                self._more = True
+            else:
+                self._send_on()
+        elif (at := self._channel_due()) is not None and at <= mono:
+            self._send_on()
+        if flushing:
+            self._release_flush_waiters()
 
     def _intake(self, end: int) -> None:
         queue = self.queue
@@ -419,30 +436,8 @@ class Poller:
                 keep.append(record)
         self._awaiting = keep
 
-    def _hand_over(self, end: int) -> None:
-        self._report_queue_full()
-        flushing = bool(self._flush_waiters)
-        urgent = flushing or self._stopping
-        # forced once a flush can be released (not in a backlog)
-        self._state(force=self._stopping or (flushing and not self._more and not self.queue))
-        # (a forked child that reported nothing opens no channel)
-        flush = flushing and not (self._forked and self.channel is None and not self._out and not self._drops)
-        if self._out or self._drops or flush:
-            self._write(flush)
-        mono = time.monotonic_ns()
-        if self._unsent_ops >= 0 and (urgent or self._unsent_ops >= _WRITE_OPS
-                                      or mono - self._last_send >= _WRITE_INTERVAL_NS):
-            if time.thread_time_ns() > end and not urgent:
-                self._more = True
-            else:
-                self._send_on()
-        elif (at := self._channel_due()) is not None and at <= mono:
-            self._send_on()
-        if flushing:
-            self._release_flush_waiters()
-
     def _channel_due(self) -> int | None:
-        due = getattr(self.channel, "due", None)  # (not the embedded channel's)
+        due = getattr(self.channel, "due", None)  # (the embedded channel has neither)
         return due() if due is not None else None
 
     def _write(self, flush: bool = False) -> None:
@@ -465,7 +460,7 @@ class Poller:
 
     def _send_on(self) -> None:
         self._last_send, self._unsent_ops = time.monotonic_ns(), -1
-        send = getattr(self.channel, "send", None)  # (not the embedded channel's)
+        send = getattr(self.channel, "send", None)
         if send is not None:
             send()
 
@@ -481,8 +476,8 @@ class Poller:
                         channel.write([(rec.POOL, *pool) for pool in self.pools], 0)
                     self.channel = channel
                 except Exception as exc:
-                    warn_once(f"channel:{type(exc).__name__}", "otel-hicache: cannot open the telemetry "
-                              "channel (%r)", exc)
+                    warn_once(f"channel:{type(exc).__name__}",
+                              "otel-hicache: cannot open the telemetry channel (%r)", exc)
         return self.channel
 
     def _state(self, force: bool) -> None:
@@ -509,10 +504,10 @@ class Poller:
         return (rec.STATE, inflight, _oldest(times), _oldest(unacked), size, cpu_s)
 
     def _release_flush_waiters(self, everyone: bool = False) -> None:
-        complete_below = self._pending[0].seq if self._pending else self._taken  # (in intake order)
+        below = self._pending[0].seq if self._pending else self._taken  # (in intake order)
         with self._lock:
             for target, done in self._flush_waiters:
-                if everyone or complete_below >= target:
+                if everyone or below >= target:
                     done.set()
             self._flush_waiters = [w for w in self._flush_waiters if not w[1].is_set()]
 

@@ -1,8 +1,8 @@
-"""A record's completion (``query()``) and timing: ``elapsed_time()`` placed on the wall clock by an anchor
-or relative to earlier ops (EventTimeline), else host times."""
+"""A record's completion and timing: device time placed by an anchor or by earlier ops, else host times."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import reprlib
 import time
@@ -27,12 +27,11 @@ def is_complete(record: TransferRecord) -> bool:
 
 def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
             timeline: EventTimeline | None = None) -> None:
-    duration_ms = None if record.start_event is None or record.finish_event is None else \
-        _device_duration_ms(record.start_event, record.finish_event)
-    if duration_ms is None:
+    event = record.start_event
+    if event is None or record.finish_event is None or (ms := _device_ms(event, record.finish_event)) is None:
         return resolve_host_clock(record, now_ns)
-    duration = record.duration_ns = int(round(duration_ms * 1e6))
-    record.timing_source, event = DEVICE_EVENT, record.start_event
+    duration = record.duration_ns = int(round(ms * 1e6))
+    record.timing_source = DEVICE_EVENT
     bound = record.host_end_ns if record.host_end_ns is not None else now_ns
     try:
         start, placement = anchor and anchor.wall_time_ns(event), PLACEMENT_ANCHOR
@@ -59,13 +58,13 @@ def resolve_host_clock(record: TransferRecord, now_ns: int) -> None:
     record.duration_ns = record.end_ns - start
 
 
-def _device_duration_ms(start_event: Any, finish_event: Any) -> float | None:
+def _device_ms(start: Any, finish: Any) -> float | None:
     try:
-        value = float(start_event.elapsed_time(finish_event))
+        value = float(start.elapsed_time(finish))
     except Exception as exc:
-        warn_once(f"elapsed_time:{type(start_event).__name__}", "otel-hicache: elapsed_time() failed on %s events "
-                  "(%r): made without enable_timing=True? Such ops get hicache.timing_source=host_clock",
-                  type(start_event).__name__, exc)
+        warn_once(f"elapsed_time:{type(start).__name__}", "otel-hicache: elapsed_time() failed on %s events (%r): "
+                  "made without enable_timing=True? Such ops get hicache.timing_source=host_clock",
+                  type(start).__name__, exc)
         return None
     if not math.isfinite(value) or not 0 <= value <= 86_400_000.0:  # (a day)
         warn_once("elapsed_time:negative", "otel-hicache: elapsed_time() returned %r ms (finish before start, or "
@@ -74,12 +73,12 @@ def _device_duration_ms(start_event: Any, finish_event: Any) -> float | None:
     return value
 
 
-_FIRST_SAMPLES = 3  # the first pays one-time costs in its bracket: the narrowest of a few
+_FIRST_SAMPLES = 3  # the first pays one-time costs: the narrowest of a few
 
 
 class WallClockAnchor:
-    """Places completed device events on the wall clock: an event synchronized between two clock readings ran
-    at their midpoint. Without a ``factory``, the first event placed finds one."""
+    """Device events on the wall clock: an event synchronized between two clock readings ran at their midpoint
+    (without a ``factory``, the first event placed finds one)."""
 
     def __init__(self, factory: Callable[[], Any] | None, interval_s: float = 1.0,
                  clock: Callable[[], int] = time.time_ns) -> None:
@@ -119,12 +118,10 @@ class WallClockAnchor:
 
     def wall_time_ns(self, event: Any) -> int | None:
         if self.event is None and not self._failed:
-            try:
+            with contextlib.suppress(Exception):  # (then None stays None)
                 self._factory = self._factory or anchor_factory_for(event)
-            except Exception:
-                self._factory = None
             self._failed = self._factory is None
-            if self._factory is not None:
+            if not self._failed:
                 self.refresh()
         if self.event is None:
             return None
@@ -144,8 +141,6 @@ _NO_LAG = 1 << 62
 
 
 class _Timeline:
-    """A reference event and its wall-clock start."""
-
     def __init__(self, event: Any, start_ns: int, end_ns: int) -> None:
         self.event, self.wall_ns, self.latest_end_ns = event, start_ns, end_ns
         self.window_end_ns = end_ns + _WINDOW_NS
@@ -161,7 +156,7 @@ class _Timeline:
             want = min(self.owed_ns, -excess)
         gap = start - self.latest_end_ns  # shifted only at an idle gap: no overlap with earlier ops changes
         shift = (max(want, -gap) if gap > 0 else 0) if want < 0 else (want if gap >= 0 else 0)
-        if shift != want:  # (a device never idle would keep a wrong offset for ever)
+        if shift != want:  # (a device never idle would stay wrong)
             if self.blocked_since_ns is None:
                 self.blocked_since_ns = bound_ns
             elif bound_ns - self.blocked_since_ns >= _FORCE_AFTER_NS:
@@ -192,29 +187,29 @@ class EventTimeline:
 
     def __init__(self) -> None:
         self._timelines: list[_Timeline] = []
-        self._seeds = 0  # timelines started; very negative once two events compared (never given up)
+        self._seeds = 0  # timelines started; far negative once two events compared
 
-    def place(self, start_event: Any, duration_ns: int, bound_ns: int) -> tuple[int, str]:
+    def place(self, event: Any, duration_ns: int, bound_ns: int) -> tuple[int, str]:
         start, timelines = bound_ns - duration_ns, self._timelines
         if self._seeds > _GIVE_UP_AFTER:
             return start, PLACEMENT_HOST_COMPLETION
         for index, timeline in enumerate(timelines):
             try:
-                offset_ms = float(timeline.event.elapsed_time(start_event))
+                offset_ms = float(timeline.event.elapsed_time(event))
             except Exception:  # another device, stream or back-end
                 continue
             if math.isfinite(offset_ms):
                 self._seeds = -1 << 62
                 timelines.insert(0, timelines.pop(index))
-                return timeline.place(start_event, offset_ms, duration_ns, bound_ns), PLACEMENT_RELATIVE
+                return timeline.place(event, offset_ms, duration_ns, bound_ns), PLACEMENT_RELATIVE
         self._seeds += 1
         if self._seeds <= _GIVE_UP_AFTER:
-            timelines.insert(0, _Timeline(start_event, start, bound_ns))
+            timelines.insert(0, _Timeline(event, start, bound_ns))
             del timelines[_MAX_TIMELINES:]
         else:
             timelines.clear()
-            warn_once(f"timeline:{type(start_event).__name__}", "otel-hicache: elapsed_time() between the events "
+            warn_once(f"timeline:{type(event).__name__}", "otel-hicache: elapsed_time() between the events "
                       "of different transfers fails on %s events; without an anchor, they end when seen complete "
                       "(hicache.placement_source=host_completion): overlaps under-count hicache.transfer.busy_time",
-                      type(start_event).__name__)
+                      type(event).__name__)
         return start, PLACEMENT_HOST_COMPLETION
