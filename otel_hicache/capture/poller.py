@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -39,7 +40,7 @@ _STATE_INTERVAL_NS = 50_000_000  # (and at every flush)
 _WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # a send (a system call) after this, or this many ops
 CYCLE_BUDGET_NS, _BUDGET_EVERY = 150_000, 4  # thread CPU, checked every this many records
 _INTAKE_PASS = 8  # records popped per lock
-_LOCK_WAIT_S = 0.05  # the longest other threads wait for _lock
+_LOCK_WAIT_S = 0.05  # other threads' longest wait for _lock
 _FINISH, _START, _END, _WATCH = map(
     SUBMISSION_FIELDS.index, ("finish_event", "start_event", "host_end_ns", "ack_watch"))
 HostPoolRef = namedtuple("HostPoolRef", "pool_id name slots page_size")
@@ -51,7 +52,11 @@ def _seen_when_polled(item: Any) -> bool:  # its end or ack stamped when polled
 
 
 def _oldest(times: list[tuple[str, Any]]) -> dict[str, int | None]:
-    return {d: min((ns for x, ns in times if x == d and type(ns) is int), default=None) for d in rec.DIRECTIONS}
+    oldest: dict[str, int | None] = dict.fromkeys(rec.DIRECTIONS)
+    for d, ns in times:
+        if type(ns) is int and (oldest[d] is None or ns < oldest[d]):
+            oldest[d] = ns
+    return oldest
 
 
 class _Wake:
@@ -234,12 +239,9 @@ class Poller:
         self.idle = False
         # only while submits are sparse (the channel bounds the queue)
         if gather and self.queue and not (self._flush_waiters or self._stopping):
-            try:
-                held = any(map(_seen_when_polled, self.queue))
-            except RuntimeError:
-                held = True
-            if not held:
-                self._wake.wait(GATHER_S)  # (a flush or stop cuts it short)
+            with contextlib.suppress(RuntimeError):  # (appended meanwhile)
+                if not any(map(_seen_when_polled, self.queue)):
+                    self._wake.wait(GATHER_S)  # (a flush or stop cuts it short)
 
     def _cycle(self) -> None:
         end = time.thread_time_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
@@ -492,14 +494,14 @@ class Poller:
             self._out.append(message)
 
     def _state_message(self, cpu_s: float) -> tuple[Any, ...]:
-        """From ``tuple()`` snapshots (also for a stuck poller's shutdown)."""
+        """Also for a stuck poller's stop(): from ``tuple()`` snapshots."""
         queued, size = self._snapshot()
         inflight = dict(self._inflight)
-        times = [(record.direction, record.submit_ns) for record in tuple(self._pending)]
+        times = [(r.direction, r.submit_ns) for r in tuple(self._pending)]
         for item in queued:  # (not validated yet)
-            if type(item) is list and type(direction := item[0]) is str and direction in inflight:
-                inflight[direction] += 1
-                times.append((direction, item[S_SUBMIT_NS]))
+            if type(item) is list and type(d := item[0]) is str and d in inflight:
+                inflight[d] += 1
+                times.append((d, item[S_SUBMIT_NS]))
         unacked = [(r.direction, r.completed_at_ns) for r in tuple(self._awaiting) if r.handle[S_ACK_NS] is None]
         return (rec.STATE, inflight, _oldest(times), _oldest(unacked), size, cpu_s)
 

@@ -27,8 +27,19 @@ def is_complete(record: TransferRecord) -> bool:
 
 def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
             timeline: EventTimeline | None = None) -> None:
-    event = record.start_event
-    if event is None or record.finish_event is None or (ms := _device_ms(event, record.finish_event)) is None:
+    event, finish = record.start_event, record.finish_event
+    if event is None or finish is None:
+        return resolve_host_clock(record, now_ns)
+    try:
+        ms = float(event.elapsed_time(finish))
+    except Exception as exc:
+        warn_once(f"elapsed_time:{type(event).__name__}", "otel-hicache: elapsed_time() failed on %s events (%r): "
+                  "made without enable_timing=True? Such ops get hicache.timing_source=host_clock",
+                  type(event).__name__, exc)
+        return resolve_host_clock(record, now_ns)
+    if not math.isfinite(ms) or not 0 <= ms <= 86_400_000.0:  # (a day)
+        warn_once("elapsed_time:negative", "otel-hicache: elapsed_time() returned %r ms (finish before start, or "
+                  "over a day?); such ops get hicache.timing_source=host_clock", ms)
         return resolve_host_clock(record, now_ns)
     duration = record.duration_ns = int(round(ms * 1e6))
     record.timing_source = DEVICE_EVENT
@@ -56,21 +67,6 @@ def resolve_host_clock(record: TransferRecord, now_ns: int) -> None:
         now_ns if record.finish_event is not None else record.submit_ns  # seen complete now, or at submit
     record.start_ns, record.end_ns = start, max(end, start)
     record.duration_ns = record.end_ns - start
-
-
-def _device_ms(start: Any, finish: Any) -> float | None:
-    try:
-        value = float(start.elapsed_time(finish))
-    except Exception as exc:
-        warn_once(f"elapsed_time:{type(start).__name__}", "otel-hicache: elapsed_time() failed on %s events (%r): "
-                  "made without enable_timing=True? Such ops get hicache.timing_source=host_clock",
-                  type(start).__name__, exc)
-        return None
-    if not math.isfinite(value) or not 0 <= value <= 86_400_000.0:  # (a day)
-        warn_once("elapsed_time:negative", "otel-hicache: elapsed_time() returned %r ms (finish before start, or "
-                  "over a day?); such ops get hicache.timing_source=host_clock", value)
-        return None
-    return value
 
 
 _FIRST_SAMPLES = 3  # the first pays one-time costs: the narrowest of a few
@@ -118,7 +114,7 @@ class WallClockAnchor:
 
     def wall_time_ns(self, event: Any) -> int | None:
         if self.event is None and not self._failed:
-            with contextlib.suppress(Exception):  # (then None stays None)
+            with contextlib.suppress(Exception):  # (None stays None)
                 self._factory = self._factory or anchor_factory_for(event)
             self._failed = self._factory is None
             if not self._failed:
@@ -145,7 +141,7 @@ class _Timeline:
         self.event, self.wall_ns, self.latest_end_ns = event, start_ns, end_ns
         self.window_end_ns = end_ns + _WINDOW_NS
         self.window_min_lag_ns = self.owed_ns = 0  # (the seed ends at its observation)
-        self.blocked_since_ns: int | None = None
+        self.blocked_since_ns: Any = None
 
     def place(self, event: Any, offset_ms: float, duration_ns: int, bound_ns: int) -> int:
         start = self.wall_ns + int(round(offset_ms * 1e6))
