@@ -285,7 +285,7 @@ class Poller:
             if time.thread_time_ns() > end:
                 self._more = True
                 break
-            with self._lock:
+            with self._lock:  # (flush() reads _taken + len(queue))
                 count = min(room, len(queue), _INTAKE_PASS)
                 self.held += count  # before the pops: never in neither place
                 items = [queue.popleft() for _ in range(count)]
@@ -439,7 +439,7 @@ class Poller:
         self._awaiting = keep
 
     def _channel_due(self) -> int | None:
-        due = getattr(self.channel, "due", None)  # (the embedded channel has neither)
+        due = getattr(self.channel, "due", None)  # (the embedded one has neither)
         return due() if due is not None else None
 
     def _write(self, flush: bool = False) -> None:
@@ -499,7 +499,7 @@ class Poller:
         inflight = dict(self._inflight)
         times = [(r.direction, r.submit_ns) for r in tuple(self._pending)]
         for item in queued:  # (not validated yet)
-            if type(item) is list and type(d := item[0]) is str and d in inflight:
+            if type(item) is list and item and type(d := item[0]) is str and d in inflight:
                 inflight[d] += 1
                 times.append((d, item[S_SUBMIT_NS]))
         unacked = [(r.direction, r.completed_at_ns) for r in tuple(self._awaiting) if r.handle[S_ACK_NS] is None]
