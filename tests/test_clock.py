@@ -242,7 +242,7 @@ def test_events_that_cannot_be_compared_are_placed_from_their_host_completion():
                                              PLACEMENT_RELATIVE, PLACEMENT_RELATIVE]
     assert placed[1][0] == base + 90 * MS  # ends when seen: its overlap with the first op is lost
     assert placed[2][0] - placed[1][0] == 15 * MS and placed[3][0] - placed[0][0] == 22 * MS  # each stream's own
-    assert len(timeline) == 2
+    assert len(timeline._timelines) == 2
 
 
 def test_events_never_comparable_stop_being_tried_and_say_so_once(warnings_log):
@@ -267,7 +267,7 @@ def test_events_never_comparable_stop_being_tried_and_say_so_once(warnings_log):
     start, finish, duration = op(device, 1000, 1, base, Loner)
     device.advance_to(base + 1002 * MS)
     timeline.place(start, duration, device.time_ns())
-    assert len(calls) == tries and len(timeline) == 0  # no more tries
+    assert len(calls) == tries and len(timeline._timelines) == 0  # no more tries
     assert warnings_log.text.count("between the events of different transfers fails on Loner") == 1
     assert "hicache.placement_source=host_completion" in warnings_log.text
 
@@ -298,4 +298,4 @@ def test_timelines_of_several_devices_are_kept_apart():
         host += 4 * MS
         placed.append(timeline.place(start, 2 * MS, host))
     assert [how for _s, how in placed] == [PLACEMENT_HOST_COMPLETION] * 2 + [PLACEMENT_RELATIVE] * 4
-    assert len(timeline) == 2
+    assert len(timeline._timelines) == 2

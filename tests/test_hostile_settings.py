@@ -100,7 +100,7 @@ def _bounded(call):
 
 def _everything():
     conf = otel_hicache.configure(force=True)
-    PollerSettings.from_environment()
+    PollerSettings()
     return conf
 
 

@@ -138,8 +138,9 @@ class Rig:
         self.open_threads = []
         self.open_errors = []  # exceptions the next open_channel() calls raise
         self._seen = 0
-        settings = PollerSettings(max_queue_size=cap, poll_interval_s=0.0005, ack_timeout_s=ack_timeout_s,
-                                    transfer_timeout_s=transfer_timeout_s)
+        settings = PollerSettings()
+        vars(settings).update(max_queue_size=cap, poll_interval_s=0.0005, ack_timeout_ns=int(ack_timeout_s * 1e9),
+                              transfer_timeout_ns=int(transfer_timeout_s * 1e9))
         self.p = (ManualPoller if manual else Poller)(settings, self.open_channel, self.clock)
 
     def open_channel(self):

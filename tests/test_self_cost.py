@@ -240,7 +240,9 @@ def test_the_poller_cpu_is_its_own_thread_only():
         def write(self, batch: list[Any], ops: int) -> None:
             states.extend(m for m in batch if m[0] == rec.STATE)
 
-    p = Poller(PollerSettings(poll_interval_s=0.0005), Channel, time.time_ns)
+    settings = PollerSettings()
+    settings.poll_interval_s = 0.0005
+    p = Poller(settings, Channel, time.time_ns)
     try:
         assert p.flush(5.0)
         before = states[-1][5]

@@ -118,7 +118,9 @@ def manual(monkeypatch):
     monkeypatch.setattr(engine, "_STATE_INTERVAL_NS", 0)  # a STATE whenever it changed
     clock = _Clock()
     channel = _Channel()
-    p = _Poller(PollerSettings(max_queue_size=8), lambda: channel, clock)
+    settings = PollerSettings()
+    settings.max_queue_size = 8
+    p = _Poller(settings, lambda: channel, clock)
 
     def state() -> dict[str, Any]:
         found = [m for batch in channel.batches for m in batch if m[0] == rec.STATE]

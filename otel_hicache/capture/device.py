@@ -1,5 +1,4 @@
-"""Device back-ends, found from the (duck-typed) events themselves: an event's ``anchor_factory()`` or
-``torch.<backend>``."""
+"""Device back-ends, from the (duck-typed) events: their ``anchor_factory()`` or ``torch.<backend>``."""
 
 from __future__ import annotations
 
@@ -16,22 +15,20 @@ def _torch_backend(obj: Any) -> Any:
 
 
 def anchor_factory_for(event: Any) -> Callable[[], Any] | None:
-    """A callable returning a freshly recorded timing event, or None."""
+    """A callable recording a timing event now, or None."""
     custom = getattr(event, "anchor_factory", None)
     if callable(custom):
         return custom()
     backend = _torch_backend(event)
-    stream_cls, cls = getattr(backend, "Stream", None), type(event)
-    if stream_cls is None:
+    if (stream_cls := getattr(backend, "Stream", None)) is None:
         return None
-    index = getattr(getattr(event, "device", None), "index", None)
-    streams: list[Any] = []
+    index, cls, streams = getattr(getattr(event, "device", None), "index", None), type(event), []
 
     def factory() -> Any:
         if not streams:
             if index is not None and hasattr(backend, "set_device"):
-                backend.set_device(index)  # the poller thread's current device
-            streams.append(stream_cls() if index is None else stream_cls(device=index))
+                backend.set_device(index)  # the poller thread's
+            streams.append(stream_cls(device=index))
         anchor = cls(enable_timing=True)
         anchor.record(streams[0])
         return anchor
@@ -40,7 +37,6 @@ def anchor_factory_for(event: Any) -> Callable[[], Any] | None:
 
 
 def timing_event_pair(stream: Any) -> tuple[Any, Any]:
-    """Two unrecorded timing events of ``stream``'s backend."""
     custom = getattr(stream, "timing_event_pair", None)
     if callable(custom):
         return custom()

@@ -1,13 +1,13 @@
-"""The capture's one thread: each cycle takes submit()'s lists in, watches them complete (``query()``, never
-``synchronize()``), times them, ends their ack waits and writes the cycle's messages to the channel as one batch."""
+"""The capture's thread: takes submit()'s lists in, polls and times them, ends their ack waits, writes batches."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, NamedTuple
+from collections import deque, namedtuple
+from typing import Any, Callable
 
 from opentelemetry import trace
 
@@ -15,8 +15,6 @@ from .. import environment_variables as ev
 from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
-from ..environment_variables import DEFAULTS
-from ..record import DIRECTIONS
 from ..settings import env_float, env_int
 from . import fork, request_links
 from .attributes import CallAttributes
@@ -24,54 +22,45 @@ from .records import S_ACK_NS, S_SUBMIT_NS, SUBMISSION_FIELDS, TransferRecord, v
 from .timing import EventTimeline, WallClockAnchor, is_complete, resolve, resolve_host_clock
 
 
-class PollerSettings:
-    def __init__(self, max_queue_size: int = DEFAULTS[ev.OTEL_HICACHE_MAX_QUEUE_SIZE],
-                 poll_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_POLL_INTERVAL_MS] / 1e3,
-                 ack_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_ACK_TIMEOUT_S],
-                 transfer_timeout_s: float = DEFAULTS[ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S],
-                 anchor_interval_s: float = DEFAULTS[ev.OTEL_HICACHE_ANCHOR_INTERVAL_S]) -> None:
-        self.max_queue_size, self.poll_interval_s = max_queue_size, poll_interval_s
-        self.anchor_interval_s = anchor_interval_s
-        self.ack_timeout_ns, self.transfer_timeout_ns = int(ack_timeout_s * 1e9), int(transfer_timeout_s * 1e9)
+class PollerSettings:  # tests set their own values on it
+    def __init__(self) -> None:
+        self.max_queue_size = env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE)
+        self.poll_interval_s = env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS, minimum=0.01) / 1e3
+        self.ack_timeout_ns = int(env_float(ev.OTEL_HICACHE_ACK_TIMEOUT_S) * 1e9)
+        self.transfer_timeout_ns = int(env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S) * 1e9)
+        self.anchor_interval_s = env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01)
 
-    @classmethod
-    def from_environment(cls) -> "PollerSettings":
-        return cls(env_int(ev.OTEL_HICACHE_MAX_QUEUE_SIZE),
-                   env_float(ev.OTEL_HICACHE_POLL_INTERVAL_MS, minimum=0.01) / 1e3,
-                   env_float(ev.OTEL_HICACHE_ACK_TIMEOUT_S), env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S),
-                   env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01))
+    from_environment = classmethod(lambda cls: cls())
 
 
-_ACTIVE_GRACE_S = 0.1  # under load, polls this long after work, so that submit() need not wake it
-GATHER_S = 0.25  # woken from sleep by a submit while submits are sparse, waits this long for more ops
-_ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts: scanned at most this often
-_STATE_INTERVAL_NS = 50_000_000  # the gauges' inputs: sent at most this often (and at every flush)
-_WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # batches sent on (a system call) this often, or this many
-CYCLE_BUDGET_NS, _BUDGET_EVERY = 150_000, 4  # a cycle's CPU time (the GIL), checked every this many records
-_INTAKE_PASS = 8  # records popped per pass
-_LOCK_WAIT_S = 0.05  # the longest another thread waits for the intake lock
-_FINISH, _START, _END, _WATCH = map(SUBMISSION_FIELDS.index, ("finish_event", "start_event", "host_end_ns",
-                                                                "ack_watch"))
+_ACTIVE_GRACE_S = 0.1  # under load, polls this long after work
+GATHER_S = 0.25  # woken by a sparse submit: waits for more
+_ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts
+_STATE_INTERVAL_NS = 50_000_000  # (and at every flush)
+_WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # a send (a system call) after this, or this many ops
+CYCLE_BUDGET_NS, _BUDGET_EVERY = 150_000, 4  # thread CPU, checked every this many records
+_INTAKE_PASS = 8  # records popped per lock
+_LOCK_WAIT_S = 0.05  # other threads' longest wait for _lock
+_FINISH, _START, _END, _WATCH = map(
+    SUBMISSION_FIELDS.index, ("finish_event", "start_event", "host_end_ns", "ack_watch"))
+HostPoolRef = namedtuple("HostPoolRef", "pool_id name slots page_size")
 
 
-def _seen_when_polled(item: Any) -> bool:
-    """An op whose end (host clock, no ``host_end_ns``) or ack (``ack_watch``) the poller stamps when it looks."""
+def _seen_when_polled(item: Any) -> bool:  # its end or ack stamped when polled
     return type(item) is list and (item[_WATCH] is not None or (
         item[_FINISH] is not None and item[_START] is None and item[_END] is None))
 
 
 def _oldest(times: list[tuple[str, Any]]) -> dict[str, int | None]:
-    oldest: dict[str, int | None] = dict.fromkeys(DIRECTIONS)
-    for direction, ns in times:
-        if type(ns) is int and (oldest[direction] is None or ns < oldest[direction]):
-            oldest[direction] = ns
+    oldest: dict[str, int | None] = dict.fromkeys(rec.DIRECTIONS)
+    for d, ns in times:
+        if type(ns) is int and (oldest[d] is None or ns < oldest[d]):
+            oldest[d] = ns
     return oldest
 
 
 class _Wake:
-    """A wake-up never lost, consumed by ``wait()``: a lock is one C call per wait (an Event is Python)."""
-
-    __slots__ = ("_lock",)
+    """A wake-up never lost: a lock is one C call per wait (an Event is Python)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -87,50 +76,41 @@ class _Wake:
         return self._lock.acquire(timeout=-1 if timeout is None else timeout)
 
 
-class HostPoolRef(NamedTuple):
-    """A host pool as ``host_slots`` and ``host_freed`` name it."""
-
-    pool_id: int
-    name: str
-    slots: int
-    page_size: int
-
-
 class Poller:
-    """Writes to the channel that ``open_channel()`` makes at the first batch (again in a forked child)."""
+    """Writes to the channel ``open_channel()`` makes at the first batch (again in a forked child)."""
 
-    def __init__(self, settings: PollerSettings, open_channel: Callable[[], Any],
-                 clock: Callable[[], int] = time.time_ns, anchor_factory: Callable[[], Any] | None = None) -> None:
+    def __init__(self, settings: PollerSettings, open_channel: Callable[[], Any], clock: Callable[[], int],
+                 anchor_factory: Callable[[], Any] | None = None) -> None:
         self.settings, self._open_channel, self._clock = settings, open_channel, clock
         self._anchor_factory, self._forked = anchor_factory, False
-        self.pools: list[HostPoolRef] = []  # announced to every channel opened (a forked child's too)
+        self.pools: list[HostPoolRef] = []  # announced to every channel opened
         self._init_state()
         fork.after_fork_in_child(self._after_fork_in_child)
 
     def _init_state(self) -> None:
-        self.queue: deque[Any] = deque()  # submitted lists, (pool, slots) freed, and pools
-        self.held = 0  # records pending or awaiting their ack; never below the truth
-        self._taken = 0  # records taken from the queue (their sequence numbers); with held, under _lock
+        self.queue: deque[Any] = deque()  # submitted lists, pools, (pool, slots) freed
+        self.held = 0  # pending or awaiting an ack; never below the truth
+        self._taken = 0  # records taken (sequence numbers); with held, under _lock
         self._lock, self._open_lock = threading.Lock(), threading.Lock()
-        self.refused = itertools.count()  # submit()'s next() on a full queue (atomic)
-        self._reads = self._reported = 0  # our own next()s on it; the refusals counted
+        self.refused = itertools.count()  # submit()'s next()s on a full queue
+        self._refusals = -1  # next(refused) at our last read (ours count too)
         self._pending: list[TransferRecord] = []
-        self._awaiting: list[TransferRecord] = []  # complete, waiting for their ack
-        self._inflight = dict.fromkeys(DIRECTIONS, 0)
+        self._awaiting: list[TransferRecord] = []
+        self._inflight = dict.fromkeys(rec.DIRECTIONS, 0)
         self._anchor = WallClockAnchor(self._anchor_factory, self.settings.anchor_interval_s, self._clock)
         self._timeline = EventTimeline()
         self._attributes = CallAttributes()
         self._last_ack_scan = self._last_send = self._last_state = self._ops_out = 0
-        self.channel: Any = None
-        self._out: list[tuple[Any, ...]] = []  # this cycle's messages
+        self.channel = None
+        self._out: list[Any] = []  # this cycle's messages
         self._drops: dict[str, int] = {}
-        self._unsent_ops = -1  # ops written and not sent on yet; -1: nothing written at all
-        self._state_sent: tuple[Any, ...] | None = None
-        self._cpu_s = 0.0  # the thread's CPU time at its last STATE
-        # asleep (the next submit() wakes it); the last cycle stopped at its budget; a changed STATE held back
+        self._unsent_ops = -1  # written, not sent on; -1: nothing written
+        self._state_sent: Any = None
+        self._cpu_s = 0.0  # thread CPU at the last STATE
+        # asleep; the cycle stopped at its budget; a changed STATE held back
         self.idle = self._more = self._state_held = False
         self._wake = _Wake()
-        self._flush_waiters: list[tuple[int, threading.Event]] = []
+        self._flush_waiters: list[Any] = []  # (target, Event)
         self._stopping = self._stop_called = self._abandoned = self._in_cycle = False
         self._start_thread()
 
@@ -140,8 +120,8 @@ class Poller:
 
     def _after_fork_in_child(self) -> None:
         if self.channel is not None:
-            self.channel.forget_in_child()  # the parent's telemetry process stays the parent's
-        self._forked = True  # its channel opens at its first batch, after fork() returned
+            self.channel.forget_in_child()
+        self._forked = True  # its channel opens at its first batch
         self._init_state()
 
     def wake(self) -> None:
@@ -157,16 +137,20 @@ class Poller:
             self.wake()
 
     def size(self) -> int:
-        """Records queued or held."""
+        return self._snapshot()[1]
+
+    def _snapshot(self) -> tuple[tuple[Any, ...], int]:
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
         try:
-            return len(self.queue) + self.held
+            return tuple(self.queue), len(self.queue) + self.held
+        except RuntimeError:  # mutated while copied (a GC finalizer)
+            return (), len(self.queue) + self.held
         finally:
             if locked:
                 self._lock.release()
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every record submitted before is complete and written."""
+        """Waits until every record submitted before is complete and written."""
         if not self.thread.is_alive():
             return not (self.queue or self._pending)
         done = threading.Event()
@@ -186,7 +170,7 @@ class Poller:
         self.wake()
         self.thread.join(max(0.1, deadline - time.monotonic()))
         stopped = not self.thread.is_alive()
-        if not stopped and self._in_cycle:  # stuck in a host call: what it holds and is queued, counted lost now
+        if not stopped and self._in_cycle:  # stuck in a host call
             self._abandoned = True
             lost, refused = len(self.queue) + self.held, self._refused_since()
             logger.warning("otel-hicache: %d transfers held by the stuck poller were not reported; "
@@ -194,7 +178,7 @@ class Poller:
             if self.channel is not None:
                 self.channel.write([(rec.DROPPED, sc.DROP_QUEUE_FULL, refused), self._state_message(self._cpu_s),
                                     (rec.DROPPED, sc.DROP_SHUTDOWN, lost)], 0)
-        elif stopped and self.queue:  # appended by a submit() that raced the final cycle
+        elif stopped and self.queue:  # a submit() raced the final cycle
             self._drop_queued()
             self._write()
         closed = self.channel is None or self.channel.stop(max(0.1, deadline - time.monotonic()), timeout_s)
@@ -203,8 +187,8 @@ class Poller:
     def _run(self) -> None:
         if not self._forked:  # the sinks' zero series exist from start-up
             self.open_channel()
-        active = taken = 0.0  # the last time there was work, and work came in
-        interval = _ACTIVE_GRACE_S  # between submits, a moving average (capped: a pause is soon forgotten)
+        active = taken = 0.0  # when there was work, and work came in
+        interval = _ACTIVE_GRACE_S  # between submits, a capped moving average
         while True:
             now = time.monotonic()
             if self.queue:
@@ -212,10 +196,10 @@ class Poller:
                 taken = now
             if self.queue or self._pending or self._awaiting:
                 active = now
-            self._in_cycle = True  # stop() abandons it only in there, where each step checks _abandoned
+            self._in_cycle = True  # stop() abandons it only in there
             try:
                 self._cycle()
-            except Exception as exc:  # keep the poller alive whatever happens
+            except Exception as exc:
                 warn_once("poller", "otel-hicache: poller error %r (continuing)", exc)
                 logger.debug("otel-hicache poller error", exc_info=True)
             self._in_cycle = False
@@ -224,8 +208,8 @@ class Poller:
             if self._stopping:
                 self._cycle_final()
                 return
-            sparse = interval >= self.settings.poll_interval_s  # submits further apart than a poll
-            if self._more:  # cut short by its budget: the rest after the others had the GIL
+            sparse = interval >= self.settings.poll_interval_s
+            if self._more:  # the rest after the others had the GIL
                 time.sleep(0)
             elif (self._pending or self._awaiting or self._flush_waiters
                   or (not sparse and time.monotonic() - active < _ACTIVE_GRACE_S)):
@@ -234,8 +218,7 @@ class Poller:
                 self._sleep(gather=sparse)
 
     def _sleep(self, gather: bool) -> None:
-        """Nothing to poll: block until the next timer, a submit() or a flush()."""
-        try:  # a STATE compared or a send made now costs less than a wake-up for them
+        try:  # cheaper now than a wake-up for them
             if self._state_held and self._state_message(self._cpu_s)[1:5] == self._state_sent:
                 self._state_held = False
             if self._unsent_ops >= 0 and not self._out:
@@ -246,23 +229,19 @@ class Poller:
         due = [self._last_state + _STATE_INTERVAL_NS] if self._state_held else []
         if self._unsent_ops >= 0:
             due.append(self._last_send + _WRITE_INTERVAL_NS)
-        if self._out:  # not written (no channel yet, or a failed cycle): again in a while
+        if self._out:  # (no channel yet?): try again
             due.append(now + _WRITE_INTERVAL_NS)
-        if (at := self._channel_due()) is not None:  # (the cycle just handled it: not again at once)
+        if (at := self._channel_due()) is not None:  # (the cycle just handled it)
             due.append(max(at, now + _ACK_SCAN_INTERVAL_NS))
         self.idle = True
-        if not (self.queue or self._stopping):  # (appended before submit() could see idle)
+        if not (self.queue or self._stopping):  # (appended before idle was seen)
             self._wake.wait(max(0.0, (min(due) - time.monotonic_ns()) / 1e9) if due else None)
         self.idle = False
-        # only while submits are sparse (the queue must stay within the channel's bound); never for a flush, a
-        # stop, or an op whose time the poller stamps when it looks
+        # only while submits are sparse (the channel bounds the queue)
         if gather and self.queue and not (self._flush_waiters or self._stopping):
-            try:
-                held = any(map(_seen_when_polled, self.queue))
-            except RuntimeError:  # a submit() appended while it was read: no gather this time
-                held = True
-            if not held:
-                self._wake.wait(GATHER_S)  # (a flush or stop cuts it short, a submit does not)
+            with contextlib.suppress(RuntimeError):  # (appended meanwhile)
+                if not any(map(_seen_when_polled, self.queue)):
+                    self._wake.wait(GATHER_S)  # (a flush or stop cuts it short)
 
     def _cycle(self) -> None:
         end = time.thread_time_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
@@ -275,28 +254,45 @@ class Poller:
             return
         if self._awaiting and (self._watch_acks(now, self._awaiting) or self._stopping or self._flush_waiters
                                or now - self._last_ack_scan >= _ACK_SCAN_INTERVAL_NS):
-            self._last_ack_scan = now  # (watched acks every cycle, the others and timeouts less often)
+            self._last_ack_scan = now
             self._scan_acks(now)
         self.held = len(self._pending) + len(self._awaiting)
-        self._hand_over(end)
+        self._report_queue_full()
+        flushing = bool(self._flush_waiters)
+        urgent = flushing or self._stopping
+        # forced once a flush can be released (not in a backlog)
+        self._state(force=self._stopping or (flushing and not self._more and not self.queue))
+        # (a silent forked child opens no channel)
+        flush = flushing and not (self._forked and self.channel is None and not self._out and not self._drops)
+        if self._out or self._drops or flush:
+            self._write(flush)
+        mono = time.monotonic_ns()
+        if self._unsent_ops >= 0 and (urgent or self._unsent_ops >= _WRITE_OPS
+                                      or mono - self._last_send >= _WRITE_INTERVAL_NS):
+            if time.thread_time_ns() > end and not urgent:
+                self._more = True
+            else:
+                self._send_on()
+        elif (at := self._channel_due()) is not None and at <= mono:
+            self._send_on()
+        if flushing:
+            self._release_flush_waiters()
 
     def _intake(self, end: int) -> None:
-        """At most what the cap leaves room for; the rest stays queued."""
         queue = self.queue
         room = self.settings.max_queue_size - len(self._pending) - len(self._awaiting)
         while queue and room > 0 and not self._abandoned:
             if time.thread_time_ns() > end:
                 self._more = True
                 break
-            with self._lock:  # flush() reads _taken + len(queue) under it
+            with self._lock:  # (flush() reads _taken + len(queue))
                 count = min(room, len(queue), _INTAKE_PASS)
-                self.held += count  # before the pops: submit() never sees a record in neither place
-                first = self._taken
+                self.held += count  # before the pops: never in neither place
                 items = [queue.popleft() for _ in range(count)]
-                self._taken = first + count
-            for seq, item in enumerate(items, first):
+                self._taken += count
+            for seq, item in enumerate(items, self._taken - count):
                 if type(item) is list:
-                    room -= self._take_in(item, seq)  # an invalid record takes no room
+                    room -= self._take_in(item, seq)
                     continue
                 self.held -= 1
                 if type(item) is HostPoolRef:
@@ -305,13 +301,12 @@ class Poller:
                     self._slots((rec.FREE, item[0].pool_id), item[1])
 
     def _take_in(self, item: list[Any], seq: int) -> bool:
-        """Validate a submitted list and hold it; False if dropped."""
         try:
             record = TransferRecord(item)
             record.seq = seq
             try:
                 validate(record)  # may call the host's deferred cause
-            except Exception as exc:  # whatever the caller passed
+            except Exception as exc:
                 self.held -= 1
                 self._drop(sc.DROP_INVALID_INPUT)
                 warn_once(f"invalid:{type(exc).__name__}:{str(exc).split(',')[0]}",
@@ -324,7 +319,7 @@ class Poller:
             self._inflight[record.direction] += 1
             self._pending.append(record)
             return True
-        except Exception as exc:  # one record lost, never the rest of its batch
+        except Exception as exc:  # one record lost, not its batch
             self.held -= 1
             self._internal_error("taken in", exc)
             return False
@@ -338,7 +333,7 @@ class Poller:
 
     def _completions(self, now: int, end: int) -> None:
         self._anchor.maybe_refresh(now)
-        still: list[TransferRecord] = []
+        still = []
         pending = self._pending
         for index, record in enumerate(pending):
             if index and index % _BUDGET_EVERY == 0 and time.thread_time_ns() > end:
@@ -351,7 +346,7 @@ class Poller:
                 except Exception as exc:
                     self._fail(record, sc.FAIL_EVENT_ERROR, now, exc)
                     continue
-                if self._abandoned:  # it returned after stop() counted it lost
+                if self._abandoned:  # stop() counted it lost
                     return
                 if done:
                     self._complete(record, now)
@@ -370,13 +365,12 @@ class Poller:
         if awaits:
             record.completed_at_ns = now
             if record.ack_watch is not None:
-                self._watch_acks(now, [record])  # (taken before it was seen complete?)
+                self._watch_acks(now, [record])
         self._send(record)
         if awaits and record.handle[S_ACK_NS] is None:
             self._awaiting.append(record)
 
     def _fail(self, record: TransferRecord, reason: str, now: int, exc: BaseException | None) -> None:
-        """An event raised or never finished: an error span on the host clock."""
         record.error, record.expect_ack = reason, False
         resolve_host_clock(record, now)
         self._send(record)
@@ -393,7 +387,7 @@ class Poller:
             try:
                 contexts, record.request_links_dropped = request_links.resolve(record.requests)
                 record.request_links = tuple(map(rec.context_tuple, contexts))
-            except Exception as exc:  # the span is still made, without them
+            except Exception as exc:
                 warn_once(f"requests:{type(exc).__name__}", "otel-hicache: cannot link an op's requests (%r)", exc)
         parent = record.parent_context
         if parent is not None:
@@ -410,8 +404,8 @@ class Poller:
         self._inflight[record.direction] -= 1
 
     def _watch_acks(self, now: int, awaiting: list[TransferRecord]) -> int:
-        """Stamps watched records whose item left its container (a ``tuple()`` snapshot each); how many."""
-        snapshots: dict[int, set[int] | None] = {}
+        """Stamps acks whose item left its ``ack_watch`` container; how many."""
+        snapshots: dict[int, Any] = {}
         stamped = 0
         for record in awaiting:
             if record.ack_watch is None or record.handle[S_ACK_NS] is not None:
@@ -421,7 +415,7 @@ class Poller:
             if present is False:
                 try:
                     present = {id(x) for x in tuple(container)}
-                except RuntimeError:  # a deque mutated while copied: next cycle
+                except RuntimeError:  # mutated while copied: next cycle
                     present = None
                 except Exception as exc:
                     present = record.ack_watch = None
@@ -444,40 +438,19 @@ class Poller:
                 keep.append(record)
         self._awaiting = keep
 
-    def _hand_over(self, end: int) -> None:
-        self._report_queue_full()
-        flushing = bool(self._flush_waiters)
-        urgent = flushing or self._stopping
-        # forced once a flush can be released (not in a backlog: the state reads the queue)
-        self._state(force=self._stopping or (flushing and not self._more and not self.queue))
-        # (a forked child that reported nothing opens no channel: it would reach the parent's providers)
-        if flushing and not (self._forked and self.channel is None and not self._out and not self._drops):
-            self._take_drops()
-            self._out.append((rec.FLUSH, 0))  # the sinks hand what they summed to the SDK now
-        if self._out or self._drops:
-            self._write()
-        mono = time.monotonic_ns()
-        if self._unsent_ops >= 0 and (urgent or self._unsent_ops >= _WRITE_OPS
-                                      or mono - self._last_send >= _WRITE_INTERVAL_NS):
-            if time.thread_time_ns() > end and not urgent:
-                self._more = True  # the system call is a stretch of its own
-            else:
-                self._send_on()
-        elif (at := self._channel_due()) is not None and at <= mono:
-            self._send_on()
-        if flushing:
-            self._release_flush_waiters()
-
     def _channel_due(self) -> int | None:
-        due = getattr(self.channel, "due", None)  # (the embedded channel has no timers)
+        due = getattr(self.channel, "due", None)  # (the embedded one has neither)
         return due() if due is not None else None
 
-    def _write(self) -> None:
-        self._take_drops()
+    def _write(self, flush: bool = False) -> None:
+        self._out.extend((rec.DROPPED, reason, count) for reason, count in self._drops.items())
+        self._drops = {}
+        if flush:  # (after the drops)
+            self._out.append((rec.FLUSH, 0))
         if not self._out:
             return
         channel = self.open_channel()
-        if channel is None:  # kept for the next try; past the cap, the ops are counted lost
+        if channel is None:  # kept; past the cap, counted lost
             if self._ops_out > self.settings.max_queue_size:
                 self._out = [m for m in self._out if m[0] != rec.OP and m[0] != rec.HOST]
                 self._drop(sc.DROP_INTERNAL_ERROR, self._ops_out)
@@ -487,18 +460,14 @@ class Poller:
         channel.write(out, ops)
         self._unsent_ops = max(0, self._unsent_ops) + ops
 
-    def _send_on(self) -> None:  # what was written, on to its destination (a system call)
+    def _send_on(self) -> None:
         self._last_send, self._unsent_ops = time.monotonic_ns(), -1
-        send = getattr(self.channel, "send", None)  # (the embedded channel applies at write)
+        send = getattr(self.channel, "send", None)
         if send is not None:
             send()
 
-    def _take_drops(self) -> None:
-        drops, self._drops = self._drops, {}
-        self._out.extend((rec.DROPPED, reason, count) for reason, count in drops.items())
-
     def open_channel(self) -> Any:
-        """The channel, opened now if it is not (never in an exit hook: the SDK cannot start threads)."""
+        """The channel, opened now if it is not (never in an exit hook: no threads there)."""
         if self.channel is not None:
             return self.channel
         with self._open_lock:
@@ -508,16 +477,15 @@ class Poller:
                     if self.pools:
                         channel.write([(rec.POOL, *pool) for pool in self.pools], 0)
                     self.channel = channel
-                except Exception as exc:  # the next batch tries again
-                    warn_once(f"channel:{type(exc).__name__}", "otel-hicache: cannot open the telemetry "
-                              "channel (%r)", exc)
+                except Exception as exc:
+                    warn_once(f"channel:{type(exc).__name__}",
+                              "otel-hicache: cannot open the telemetry channel (%r)", exc)
         return self.channel
 
     def _state(self, force: bool) -> None:
-        """A ``record.STATE`` when the gauges changed, at most every ``_STATE_INTERVAL_NS``."""
         mono = time.monotonic_ns()
         self._state_held = not force and mono - self._last_state < _STATE_INTERVAL_NS
-        if self._state_held or (self._forked and self.channel is None):  # (a silent forked child)
+        if self._state_held or (self._forked and self.channel is None):
             return
         self._last_state, self._cpu_s = mono, time.thread_time()
         message = self._state_message(self._cpu_s)
@@ -526,39 +494,26 @@ class Poller:
             self._out.append(message)
 
     def _state_message(self, cpu_s: float) -> tuple[Any, ...]:
-        """What the gauges show, from ``tuple()`` snapshots (also by the shutdown of a stuck poller)."""
-        locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
-        try:
-            queued = tuple(self.queue)
-        except RuntimeError:  # a deque mutated while copied (a GC finalizer)
-            queued = ()
-        finally:
-            if locked:
-                self._lock.release()
+        """Also for a stuck poller's stop(): from ``tuple()`` snapshots."""
+        queued, size = self._snapshot()
         inflight = dict(self._inflight)
-        times = [(record.direction, record.submit_ns) for record in tuple(self._pending)]
+        times = [(r.direction, r.submit_ns) for r in tuple(self._pending)]
         for item in queued:  # (not validated yet)
-            direction = item[0] if type(item) is list and item else None
-            if type(direction) is str and direction in inflight:
-                inflight[direction] += 1
-                times.append((direction, item[S_SUBMIT_NS]))
+            if type(item) is list and item and type(d := item[0]) is str and d in inflight:
+                inflight[d] += 1
+                times.append((d, item[S_SUBMIT_NS]))
         unacked = [(r.direction, r.completed_at_ns) for r in tuple(self._awaiting) if r.handle[S_ACK_NS] is None]
-        return (rec.STATE, inflight, _oldest(times), _oldest(unacked), len(queued) + self.held, cpu_s)
+        return (rec.STATE, inflight, _oldest(times), _oldest(unacked), size, cpu_s)
 
     def _release_flush_waiters(self, everyone: bool = False) -> None:
-        """Releases the flushes whose records were all taken in and are complete (on stop, all)."""
-        oldest_pending = self._pending[0].seq if self._pending else self._taken  # (in intake order)
+        below = self._pending[0].seq if self._pending else self._taken  # (in intake order)
         with self._lock:
-            waiting = []
             for target, done in self._flush_waiters:
-                if everyone or (self._taken >= target and oldest_pending >= target):
+                if everyone or below >= target:
                     done.set()
-                else:
-                    waiting.append((target, done))
-            self._flush_waiters = waiting
+            self._flush_waiters = [w for w in self._flush_waiters if not w[1].is_set()]
 
     def _cycle_final(self) -> None:
-        """On stop: what is in flight is dropped and counted, the ack waits end."""
         if self._pending:
             self._drop(sc.DROP_SHUTDOWN, len(self._pending))
             for record in self._pending:
@@ -593,11 +548,9 @@ class Poller:
         logger.debug("otel-hicache error (a record not %s)", stage, exc_info=True)
 
     def _refused_since(self) -> int:
-        with self._lock:  # (the shutdown reads it for a stuck poller)
-            refused = next(self.refused) - self._reads
-            self._reads += 1
-            drops, self._reported = refused - self._reported, refused
-        return drops
+        with self._lock:  # (stop() reads it for a stuck poller)
+            last, self._refusals = self._refusals, next(self.refused)
+            return self._refusals - last - 1
 
     def _report_queue_full(self) -> None:
         drops = self._refused_since()

@@ -1,9 +1,8 @@
-"""A record's completion (``query()``, never ``synchronize()``) and timing: with both events completed,
-``elapsed_time()`` (``device_event``) placed on the wall clock by an anchor (an event synchronized between
-two host clock readings) or relative to earlier ops (EventTimeline); else host times (``host_clock``)."""
+"""A record's completion and timing: device time placed by an anchor or by earlier ops, else host times."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import reprlib
 import time
@@ -14,98 +13,76 @@ from ..record import DEVICE_EVENT, HOST_CLOCK, INT64_MAX
 from .device import anchor_factory_for
 from .records import TransferRecord
 
-# hicache.placement_source: by the anchor, relative to an earlier op's event, or from the host completion
+# hicache.placement_source
 PLACEMENT_ANCHOR, PLACEMENT_RELATIVE, PLACEMENT_HOST_COMPLETION = "anchor", "relative", "host_completion"
-MAX_DEVICE_DURATION_MS = 86_400_000.0  # above a day: a broken event
 
 
 def is_complete(record: TransferRecord) -> bool:
-    """True once the transfer finished; raises whatever the events raise."""
+    """Raises whatever the events raise."""
     finish, start = record.finish_event, record.start_event
-    if finish is None or (record.host_end_ns is not None and start is None):  # nothing left to read
+    if finish is None or (record.host_end_ns is not None and start is None):
         return True
     return bool(finish.query()) and (start is None or bool(start.query()))
 
 
 def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
             timeline: EventTimeline | None = None) -> None:
-    """Set duration, wall-clock start and end, placement, timing source and queue wait."""
-    duration_ms = None if record.start_event is None or record.finish_event is None else \
-        _device_duration_ms(record.start_event, record.finish_event)
-    if duration_ms is None:
+    event, finish = record.start_event, record.finish_event
+    if event is None or finish is None:
         return resolve_host_clock(record, now_ns)
-    duration_ns = record.duration_ns = int(round(duration_ms * 1e6))
+    try:
+        ms = float(event.elapsed_time(finish))
+    except Exception as exc:
+        warn_once(f"elapsed_time:{type(event).__name__}", "otel-hicache: elapsed_time() failed on %s events (%r): "
+                  "made without enable_timing=True? Such ops get hicache.timing_source=host_clock",
+                  type(event).__name__, exc)
+        return resolve_host_clock(record, now_ns)
+    if not math.isfinite(ms) or not 0 <= ms <= 86_400_000.0:  # (a day)
+        warn_once("elapsed_time:negative", "otel-hicache: elapsed_time() returned %r ms (finish before start, or "
+                  "over a day?); such ops get hicache.timing_source=host_clock", ms)
+        return resolve_host_clock(record, now_ns)
+    duration = record.duration_ns = int(round(ms * 1e6))
     record.timing_source = DEVICE_EVENT
     bound = record.host_end_ns if record.host_end_ns is not None else now_ns
-    start, record.placement = _place(record.start_event, anchor, timeline, duration_ns, bound)
-    if record.placement == PLACEMENT_ANCHOR:
-        record.queue_wait_ns = max(0, start - record.submit_ns)
-    record.start_ns, record.end_ns = start, start + duration_ns
-
-
-def _place(event: Any, anchor: WallClockAnchor | None, timeline: EventTimeline | None, duration_ns: int,
-           bound_ns: int) -> tuple[int, str]:
-    """Where a device-timed op starts, and how that was found (nonsense: the host completion, warned once)."""
     try:
-        start, placement = anchor.wall_time_ns(event) if anchor is not None else None, PLACEMENT_ANCHOR
-        if start is None and timeline is not None:
-            start, placement = timeline.place(event, duration_ns, bound_ns)
-        elif start is None:
-            start, placement = bound_ns - duration_ns, PLACEMENT_HOST_COMPLETION
-        if type(start) is int and 0 <= start <= INT64_MAX - duration_ns:
-            return start, placement
-        problem: object = start
-    except (ArithmeticError, ValueError, TypeError) as exc:  # e.g. int(round(nan)) of an event's offset
-        problem = exc
-    warn_once("placement", "otel-hicache: a device-timed op could not be placed on the wall clock from its "
-              "events (%s); such ops end where the poller saw them end", reprlib.repr(problem))
-    return max(0, bound_ns - duration_ns), PLACEMENT_HOST_COMPLETION
+        start, placement = anchor and anchor.wall_time_ns(event), PLACEMENT_ANCHOR
+        if start is None:
+            start, placement = timeline.place(event, duration, bound) if timeline else \
+                (bound - duration, PLACEMENT_HOST_COMPLETION)
+        if type(start) is not int or not 0 <= start <= INT64_MAX - duration:
+            raise ValueError(reprlib.repr(start))
+    except (ArithmeticError, ValueError, TypeError) as exc:  # e.g. int(round(nan))
+        warn_once("placement", "otel-hicache: cannot place a device-timed op on the wall clock from its events "
+                  "(%r); such ops end where the poller saw them end", exc)
+        start, placement = max(0, bound - duration), PLACEMENT_HOST_COMPLETION
+    if placement == PLACEMENT_ANCHOR:
+        record.queue_wait_ns = max(0, start - record.submit_ns)
+    record.start_ns, record.end_ns, record.placement = start, start + duration, placement
 
 
 def resolve_host_clock(record: TransferRecord, now_ns: int) -> None:
-    """Host-clock timing: no usable timing events, or the record failed."""
     record.timing_source, record.placement = HOST_CLOCK, None
     start = record.host_start_ns if record.host_start_ns is not None else record.submit_ns
-    if record.host_end_ns is not None:
-        end = record.host_end_ns
-    else:  # seen complete now, or (nothing says when) complete at submit
-        end = now_ns if record.finish_event is not None else record.submit_ns
+    end = record.host_end_ns if record.host_end_ns is not None else \
+        now_ns if record.finish_event is not None else record.submit_ns  # seen complete now, or at submit
     record.start_ns, record.end_ns = start, max(end, start)
     record.duration_ns = record.end_ns - start
 
 
-def _device_duration_ms(start_event: Any, finish_event: Any) -> float | None:
-    try:
-        value = float(start_event.elapsed_time(finish_event))
-    except Exception as exc:
-        warn_once(f"elapsed_time:{type(start_event).__name__}", "otel-hicache: elapsed_time() failed on %s events "
-                  "(%r): were they created with enable_timing=True? These transfers are reported with "
-                  "hicache.timing_source=host_clock.", type(start_event).__name__, exc)
-        return None
-    if not math.isfinite(value) or not 0 <= value <= MAX_DEVICE_DURATION_MS:
-        warn_once("elapsed_time:negative", "otel-hicache: elapsed_time() returned %r ms (finish before start, or "
-                  "more than a day?); reporting such transfers with hicache.timing_source=host_clock", value)
-        return None
-    return value
-
-
-_FIRST_SAMPLES = 3  # the first sample pays one-time costs inside its bracket: the narrowest of a few
+_FIRST_SAMPLES = 3  # the first pays one-time costs: the narrowest of a few
 
 
 class WallClockAnchor:
-    """Maps completed device events to host wall-clock ns: the anchor ran at the midpoint of its bracket.
-    Without a ``factory``, the first event placed finds one (``device.anchor_factory_for``)."""
-
-    __slots__ = ("_factory", "_clock", "_interval_ns", "event", "wall_ns", "uncertainty_ns", "_best_ns",
-                 "_taken_at_ns", "_failed")
+    """Device events on the wall clock: an event synchronized between two clock readings ran at their midpoint
+    (without a ``factory``, the first event placed finds one)."""
 
     def __init__(self, factory: Callable[[], Any] | None, interval_s: float = 1.0,
                  clock: Callable[[], int] = time.time_ns) -> None:
         self._factory, self._clock, self._interval_ns = factory, clock, int(interval_s * 1e9)
         self.event: Any = None
         self.wall_ns = self.uncertainty_ns = self._taken_at_ns = 0
-        self._best_ns: int | None = None
-        self._failed = False  # no first anchor: none is tried again
+        self._best_ns = 1 << 62
+        self._failed = False  # no first anchor: none tried again
 
     def maybe_refresh(self, now_ns: int) -> None:
         if self.event is not None and now_ns - self._taken_at_ns >= self._interval_ns:
@@ -114,19 +91,19 @@ class WallClockAnchor:
     def refresh(self) -> None:
         try:
             samples = [self._sample() for _ in range(_FIRST_SAMPLES if self.event is None else 1)]
-        except Exception as exc:  # a device problem never stops the poller
+        except Exception as exc:
             self._failed = self.event is None
-            warn_once("anchor", "otel-hicache: cannot record a wall-clock anchor event (%r); device-timed spans "
-                      "are placed from host completion times instead", exc)
+            warn_once("anchor", "otel-hicache: cannot record a wall-clock anchor event (%r); device-timed ops are "
+                      "placed from their host completion", exc)
             return
         before, event, after = min(samples, key=lambda s: s[2] - s[0])
-        half, best = (after - before) // 2, self._best_ns
-        # a sample much noisier than the best one replaces only an old anchor (drift)
-        if self.event is not None and best is not None and half > max(4 * best, 20_000) \
+        half = (after - before) // 2
+        # a much noisier sample than the best replaces only an old anchor (drift)
+        if self.event is not None and half > max(4 * self._best_ns, 20_000) \
                 and after - self._taken_at_ns < 8 * self._interval_ns:
             return
         self.event, self.wall_ns, self.uncertainty_ns, self._taken_at_ns = event, before + half, half, after
-        self._best_ns = half if best is None else min(best, half)
+        self._best_ns = min(self._best_ns, half)
         logger.log(5, "otel-hicache anchor wall_ns=%d uncertainty_ns=%d", self.wall_ns, half)
 
     def _sample(self) -> tuple[int, Any, int]:
@@ -136,14 +113,11 @@ class WallClockAnchor:
         return before, event, self._clock()
 
     def wall_time_ns(self, event: Any) -> int | None:
-        """Wall-clock time of a completed timing event, or None if unknown."""
         if self.event is None and not self._failed:
-            try:
+            with contextlib.suppress(Exception):  # (None stays None)
                 self._factory = self._factory or anchor_factory_for(event)
-            except Exception:
-                self._factory = None
             self._failed = self._factory is None
-            if self._factory is not None:
+            if not self._failed:
                 self.refresh()
         if self.event is None:
             return None
@@ -154,100 +128,84 @@ class WallClockAnchor:
         return self.wall_ns + int(round(offset_ms * 1e6))
 
 
-_REFRESH_MS = 1000.0  # an op this far after its reference becomes the reference (a float32 of ms)
-_WINDOW_NS = 1_000_000_000  # host time over which a timeline looks for evidence it is placed too early
-_MAX_TIMELINES = 4  # devices, or streams whose events cannot be compared (least recently used dropped)
-_GIVE_UP_AFTER = 8  # timelines started with no comparison succeeding: the events cannot be compared
-_FORCE_AFTER_NS = 10_000_000_000  # a correction that found no idle gap for this long is made anyway
+_REFRESH_MS = 1000.0  # an op this far after its reference becomes it (float32 ms)
+_WINDOW_NS = 1_000_000_000  # host time a timeline looks back for evidence it is early
+_MAX_TIMELINES = 4  # devices or incomparable streams (LRU)
+_GIVE_UP_AFTER = 8  # seeds without a comparison: incomparable events
+_FORCE_AFTER_NS = 10_000_000_000  # a correction without an idle gap this long is made anyway
 _NO_LAG = 1 << 62
 
 
 class _Timeline:
-    """One device timeline: a reference event and its wall-clock placement."""
-
-    __slots__ = ("event", "wall_ns", "latest_end_ns", "window_end_ns", "window_min_lag_ns", "owed_ns",
-                 "blocked_since_ns")
-
     def __init__(self, event: Any, start_ns: int, end_ns: int) -> None:
         self.event, self.wall_ns, self.latest_end_ns = event, start_ns, end_ns
         self.window_end_ns = end_ns + _WINDOW_NS
         self.window_min_lag_ns = self.owed_ns = 0  # (the seed ends at its observation)
-        self.blocked_since_ns: int | None = None
+        self.blocked_since_ns: Any = None
 
     def place(self, event: Any, offset_ms: float, duration_ns: int, bound_ns: int) -> int:
         start = self.wall_ns + int(round(offset_ms * 1e6))
         excess = start + duration_ns - bound_ns
-        if excess > 0:  # it ends after it was seen to end: the timeline is late by at least that
+        if excess > 0:  # it ends after it was seen to: late
             self.owed_ns, want = 0, -excess
-        else:  # every op of the last window was seen to end owed_ns after it was placed to: later
+        else:  # the last window's ops all ended owed_ns late
             want = min(self.owed_ns, -excess)
-        shift = 0
-        if want:
-            # only at an idle gap before it, so that no overlap with earlier ops changes
-            gap = start - self.latest_end_ns
-            shift = (max(want, -gap) if gap > 0 else 0) if want < 0 else (want if gap >= 0 else 0)
-            if shift != want:  # a device busy without a gap would keep a wrong offset for ever
-                if self.blocked_since_ns is None:
-                    self.blocked_since_ns = bound_ns
-                elif bound_ns - self.blocked_since_ns >= _FORCE_AFTER_NS:
-                    shift = want
-            if shift == want and want > 0:
-                self.owed_ns = 0
+        gap = start - self.latest_end_ns  # shifted only at an idle gap: no overlap with earlier ops changes
+        shift = (max(want, -gap) if gap > 0 else 0) if want < 0 else (want if gap >= 0 else 0)
+        if shift != want:  # (a device never idle would stay wrong)
+            if self.blocked_since_ns is None:
+                self.blocked_since_ns = bound_ns
+            elif bound_ns - self.blocked_since_ns >= _FORCE_AFTER_NS:
+                shift = want
         if shift == want:
             self.blocked_since_ns = None
+            if want > 0:
+                self.owed_ns = 0
         if shift:
             start += shift
             self.wall_ns += shift
             if self.window_min_lag_ns != _NO_LAG:
-                self.window_min_lag_ns -= shift  # the window's ops, as the new offset places them
+                self.window_min_lag_ns -= shift
         end = start + duration_ns
         self.latest_end_ns = max(self.latest_end_ns, end)
         self.window_min_lag_ns = min(self.window_min_lag_ns, bound_ns - end)
-        if bound_ns >= self.window_end_ns:  # what the last window shows (an older correction is stale)
+        if bound_ns >= self.window_end_ns:  # (an older correction is stale)
             self.owed_ns = max(0, self.window_min_lag_ns)
             self.window_min_lag_ns, self.window_end_ns = _NO_LAG, bound_ns + _WINDOW_NS
         if offset_ms >= _REFRESH_MS:
-            self.event, self.wall_ns = event, start  # placed: as good a reference, and newer
+            self.event, self.wall_ns = event, start  # as good a reference, and newer
         return start
 
 
 class EventTimeline:
-    """Without an anchor: a timeline's first op ends at ``bound_ns`` (seen complete), later ops that compare
-    with it by their device time difference, the offset corrected at idle gaps. Not thread-safe."""
-
-    __slots__ = ("_timelines", "_seeded", "_compared", "_disabled")
+    """Without an anchor: a timeline's first op ends when seen complete, later ones by their device time
+    difference from it, the offset corrected at idle gaps."""
 
     def __init__(self) -> None:
         self._timelines: list[_Timeline] = []
-        self._seeded = 0
-        self._compared = self._disabled = False
+        self._seeds = 0  # timelines started; far negative once two events compared
 
-    def place(self, start_event: Any, duration_ns: int, bound_ns: int) -> tuple[int, str]:
-        """Wall-clock start of a completed op, and how it was placed."""
+    def place(self, event: Any, duration_ns: int, bound_ns: int) -> tuple[int, str]:
         start, timelines = bound_ns - duration_ns, self._timelines
-        if self._disabled:
+        if self._seeds > _GIVE_UP_AFTER:
             return start, PLACEMENT_HOST_COMPLETION
         for index, timeline in enumerate(timelines):
             try:
-                offset_ms = float(timeline.event.elapsed_time(start_event))
-            except Exception:  # another device, stream or back-end: try the next
+                offset_ms = float(timeline.event.elapsed_time(event))
+            except Exception:  # another device, stream or back-end
                 continue
             if math.isfinite(offset_ms):
-                self._compared = True
+                self._seeds = -1 << 62
                 timelines.insert(0, timelines.pop(index))
-                return timeline.place(start_event, offset_ms, duration_ns, bound_ns), PLACEMENT_RELATIVE
-        self._seeded += 1
-        if not self._compared and self._seeded > _GIVE_UP_AFTER:
-            self._disabled = True
+                return timeline.place(event, offset_ms, duration_ns, bound_ns), PLACEMENT_RELATIVE
+        self._seeds += 1
+        if self._seeds <= _GIVE_UP_AFTER:
+            timelines.insert(0, _Timeline(event, start, bound_ns))
+            del timelines[_MAX_TIMELINES:]
+        else:
             timelines.clear()
-            warn_once(f"timeline:{type(start_event).__name__}", "otel-hicache: elapsed_time() between the events "
-                      "of different transfers fails on %s events; without a wall-clock anchor they are placed from "
-                      "when their completion was seen (hicache.placement_source=host_completion), so overlapping "
-                      "ones can be under-counted in hicache.transfer.busy_time", type(start_event).__name__)
-            return start, PLACEMENT_HOST_COMPLETION
-        timelines.insert(0, _Timeline(start_event, start, bound_ns))
-        del timelines[_MAX_TIMELINES:]
+            warn_once(f"timeline:{type(event).__name__}", "otel-hicache: elapsed_time() between the events "
+                      "of different transfers fails on %s events; without an anchor, they end when seen complete "
+                      "(hicache.placement_source=host_completion): overlaps under-count hicache.transfer.busy_time",
+                      type(event).__name__)
         return start, PLACEMENT_HOST_COMPLETION
-
-    def __len__(self) -> int:
-        return len(self._timelines)
