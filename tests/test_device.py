@@ -8,7 +8,7 @@ import types
 import pytest
 
 from otel_hicache.capture.device import anchor_factory_for, timing_event_pair
-from otel_hicache.testing import SimulatedDevice
+from simulated import SimulatedDevice
 
 
 @pytest.fixture
@@ -73,6 +73,6 @@ def test_unknown_events_have_no_anchor_and_unknown_streams_no_events():
 def test_duck_typed_events_without_anchor_support_have_no_anchor():
     """record/query/synchronize/elapsed_time only (not torch's, no anchor_factory()):
     no anchor; the pipeline places such ops with an EventTimeline instead."""
-    from otel_hicache.testing import DuckEvent
+    from simulated import DuckEvent
 
     assert anchor_factory_for(DuckEvent(SimulatedDevice().event())) is None
