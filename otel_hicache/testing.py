@@ -1,5 +1,4 @@
-"""Simulated ``torch.cuda.Event``s on one timeline with the host clock (``TransferTelemetry(clock=device.time_ns)``);
-tests/simulated.py adds what only tests use."""
+"""Simulated ``torch.cuda.Event``s on one timeline with the host clock (``TransferTelemetry(clock=device.time_ns)``)."""
 
 from __future__ import annotations
 
@@ -8,8 +7,8 @@ from typing import Any
 
 
 class SimulatedEvent:
-    def __init__(self, device: SimulatedDevice, enable_timing: bool = True) -> None:
-        self._device, self.enable_timing, self.at_ns = device, enable_timing, None
+    def __init__(self, device: SimulatedDevice) -> None:
+        self._device, self.at_ns = device, None
 
     def record(self, stream: Any = None, at_ns: float | None = None) -> SimulatedEvent:
         self.at_ns = self._device.time_ns() if at_ns is None else at_ns
@@ -34,12 +33,11 @@ class SimulatedDevice:
     def time_ns(self) -> int:
         return self._now
 
-    def event(self, enable_timing: bool = True) -> SimulatedEvent:
-        return SimulatedEvent(self, enable_timing)
+    def event(self) -> SimulatedEvent:
+        return SimulatedEvent(self)
 
-    def copy(self, start_ns: float, duration_ms: float, enable_timing: bool = True) -> tuple[Any, Any]:
-        end_ns = start_ns + int(round(duration_ms * 1e6))
-        return self.event(enable_timing).record(at_ns=start_ns), self.event(enable_timing).record(at_ns=end_ns)
+    def copy(self, start_ns: float, duration_ms: float) -> tuple[Any, Any]:
+        return self.event().record(at_ns=start_ns), self.event().record(at_ns=start_ns + int(round(duration_ms * 1e6)))
 
     def anchor_event(self) -> SimulatedEvent:
         return self.event().record()

@@ -15,6 +15,10 @@ _NEVER = float("inf")
 class SimulatedEvent(testing.SimulatedEvent):
     raise_on_query: BaseException | None = None
 
+    def __init__(self, device: SimulatedDevice, enable_timing: bool = True) -> None:
+        super().__init__(device)
+        self.enable_timing = enable_timing
+
     def never_completes(self) -> SimulatedEvent:
         return self.record(at_ns=_NEVER)
 
