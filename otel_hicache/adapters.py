@@ -20,7 +20,7 @@ def registered() -> tuple[tuple[str, Any], ...]:
     for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
         try:
             found.append((ep.name, ep.load()))
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             warn_once(f"adapter:{ep.name}", "otel-hicache: adapter %s not loaded (%s: %s); its causes count as %r",
                       ep.name, type(exc).__name__, exc, OTHER)
     return tuple(found)

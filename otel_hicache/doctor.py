@@ -29,7 +29,6 @@ from .sinks.redaction import userinfo_parts, without_userinfo
 from .version import __version__
 
 SPAN_NAME, METRIC_NAME = "otel_hicache.doctor", "otel_hicache.doctor.checks"
-HTTP = logging.getLogger("otel_hicache.http")  # the OTLP/HTTP session: exporters log its errors only on retry
 
 
 def _source(name: str) -> str:
@@ -41,7 +40,7 @@ def _variable(signal: str, suffix: str) -> str:  # the one set, else the general
 
 
 def _configuration(p: _Report, logs: list[Any]) -> list[Check]:
-    """Print the settings; the exporters, built one at a time to tell which one failed."""
+    """Print the settings; the exporters, built one by one to tell which failed."""
     p(f"Configuration\n  OTEL_SDK_DISABLED   {str(sdk_disabled()).lower()} {_source('OTEL_SDK_DISABLED')}")
     attributes = oe.resource().attributes
     if str(attributes.get("service.name")).startswith("unknown_service"):
@@ -109,7 +108,7 @@ class Check(threading.Thread):
     def run(self) -> None:
         try:
             self.accepted = getattr(self.exporter.export(self.data), "name", "") == "SUCCESS"
-        except BaseException as exc:  # pylint: disable=broad-except
+        except BaseException as exc:
             self.error = f"{type(exc).__name__}: {exc}"
         self.ended = time.monotonic()
 
@@ -128,11 +127,11 @@ def _exports(p: _Report, checks: list[Check], logs: list[Any], cap_s: float) -> 
     # its DuplicateFilter would drop the other signal's error
     logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").filters.clear()
     mark, start = len(logs), time.monotonic()
-    for check in checks:
-        check.data = [span] if check.signal == "traces" else metrics  # (each within its own timeout)
-        check.start()
-    for check in checks:
-        check.join(max(0.0, start + cap_s - time.monotonic()))
+    for c in checks:
+        c.data = [span] if c.signal == "traces" else metrics
+        c.start()
+    for c in checks:
+        c.join(max(0.0, start + cap_s - time.monotonic()))
     for c in checks:
         if c.accepted:
             p(f"  {c.signal:<8} ACCEPTED by {c.where} in {c.ended - start:.2f} s")
@@ -157,10 +156,9 @@ def _telemetry_process(p: _Report, cap_s: float) -> None:
     from .capture.channel import ProcessChannel, telemetry_process_command
 
     started, channel = time.monotonic(), ProcessChannel(configuration.hello({}), 1, lambda: None)
-    try:
+    answered = pid = None
+    with contextlib.suppress(Exception):  # its fallback (None) raises: it could not be started
         answered, pid = channel.flush(cap_s), getattr(channel.process, "pid", None)
-    except Exception:  # pylint: disable=broad-except
-        answered, pid = False, None
     with contextlib.suppress(Exception):
         channel.stop(1.0)
     if answered:
@@ -170,26 +168,6 @@ def _telemetry_process(p: _Report, cap_s: float) -> None:
     p(f"  sinks    NOT working: {what} (the serving process would fall back to exporting itself)")
     p.problems.append(("sinks", what, f"run `{shlex.join(telemetry_process_command())} < /dev/null` to see its "
                        f"error, or set {ev.OTEL_HICACHE_TELEMETRY_PROCESS}=false"))
-
-
-def _verdict(p: _Report, checks: list[Check], trace_id: str) -> int:
-    p("\nResult")
-    if sdk_disabled():
-        p.notes.append("nothing is exported: OTEL_SDK_DISABLED=true (unset it to export)")
-    elif not checks and not p.problems:
-        p.notes.append("nothing to check: no push exporter in OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER")
-    for note in p.notes:
-        p(f"  NOTE: {note}")
-    merged: dict[tuple[str, ...], list[Any]] = {}  # both signals' alike problems on one line
-    for signal, *said in p.problems:
-        merged.setdefault(tuple(re.sub(r"\b(traces|metrics|spans)\b", "{traces,metrics}", t) for t in said),
-                          [said]).append(signal)
-    for key, (said, *signals) in merged.items():
-        what, fix = said if len(signals) == 1 else key
-        p(f"  PROBLEM ({', '.join(signals)}): {what}\n  FIX: {fix}")
-    if checks and not p.problems:
-        p(f"  OK: every configured exporter accepted the test data (trace {trace_id}, metric {METRIC_NAME})")
-    return 1 if p.problems else 0
 
 
 class _Report:
@@ -219,7 +197,7 @@ def doctor(timeout_s: float, check_adapters: bool) -> int:
     """Print the report; the exit status."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # grpc's C-core lines would repeat the errors
     logging.root.handlers = [handler := BufferingHandler(sys.maxsize)]  # for the report only, till the exit
-    HTTP.setLevel(logging.DEBUG)
+    logging.getLogger("otel_hicache.http").setLevel(logging.DEBUG)  # exporters log its errors on retry only
     logs = handler.buffer
     with contextlib.redirect_stderr(_Report(sys.stderr)):
         (p := _Report(sys.stdout))(f"otel-hicache doctor {__version__} (OpenTelemetry SDK {sdk}, "
@@ -230,14 +208,30 @@ def doctor(timeout_s: float, check_adapters: bool) -> int:
         trace_id = _exports(p, checks, logs, timeout_s)
         p()
         _adapters(p, check_adapters)
-        return _verdict(p, checks, trace_id)
+        p("\nResult")
+        if sdk_disabled():
+            p.notes.append("nothing is exported: OTEL_SDK_DISABLED=true (unset it to export)")
+        elif not checks and not p.problems:
+            p.notes.append("nothing to check: no push exporter in OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER")
+        for note in p.notes:
+            p(f"  NOTE: {note}")
+        merged: dict = {}  # both signals' alike problems on one line
+        for signal, *said in p.problems:
+            merged.setdefault(tuple(re.sub(r"\b(traces|metrics|spans)\b", "{traces,metrics}", t) for t in said),
+                              [said]).append(signal)
+        for key, (said, *signals) in merged.items():
+            what, fix = said if len(signals) == 1 else key
+            p(f"  PROBLEM ({', '.join(signals)}): {what}\n  FIX: {fix}")
+        if checks and not p.problems:
+            p(f"  OK: every configured exporter accepted the test data (trace {trace_id}, metric {METRIC_NAME})")
+        return 1 if p.problems else 0
 
 
 def _adapters(out: TextIO, check: bool) -> None:
     for name, registration in adapters.registered():
         try:
             registration.doctor(out, check)
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             print(f"  adapter {name}: its section failed ({type(exc).__name__}: {exc})", file=out)
 
 

@@ -1,5 +1,5 @@
-"""The simulated device (``otel_hicache.testing``) with what only tests use: a clock to advance, events that
-fail or never complete, ``synchronize()``, a stream, and an unknown back-end's event."""
+"""``otel_hicache.testing``'s simulated device on a clock of its own, with what only tests use: events that fail
+or never complete, ``synchronize()``, ``enable_timing``, a stream, and an unknown back-end's event."""
 
 from __future__ import annotations
 
@@ -36,15 +36,19 @@ class SimulatedEvent(testing.SimulatedEvent):
     def elapsed_time(self, end: SimulatedEvent) -> float:
         if not (self.enable_timing and end.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if not (self.query() and end.query()):
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
         return super().elapsed_time(end)
 
 
-class SimulatedDevice(testing.SimulatedDevice):
+class SimulatedDevice(testing.WallClockDevice):
     anchors_taken = 0
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._lock = threading.Lock()
+    def __init__(self, start_ns: int = 1_767_225_600_000_000_000) -> None:  # 2026-01-01T00:00:00Z
+        self._now, self._lock = start_ns, threading.Lock()
+
+    def time_ns(self) -> int:  # type: ignore[override]
+        return self._now
 
     def advance(self, seconds: float = 0.0, ms: float = 0.0, ns: int = 0) -> int:
         with self._lock:
