@@ -15,7 +15,7 @@ GROUP = "otel_hicache.adapters"
 
 @functools.lru_cache(maxsize=None)
 def registered() -> tuple[tuple[str, Any], ...]:
-    """``(name, registration)`` of each adapter, by name; a broken one is warned about and left out."""
+    """Each adapter's ``(name, registration)``, by name; a broken one is warned about and left out."""
     found = []
     for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
         try:

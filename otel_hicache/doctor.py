@@ -90,7 +90,7 @@ def _configuration(p: _Report, logs: list[Any]) -> list[Check]:
     for signal, name, protocol, group in [] if sdk_disabled() else planned:
         mark = len(logs)
         if built := providers.exporters(signal, names=[name], own_process=True):
-            checks += [Check(signal, name, exporter, protocol) for exporter in built]
+            checks.append(Check(signal, name, built[0], protocol))
             continue
         said = logs[-1].getMessage() if logs[mark:] else "see the warnings"
         p.problems.append((signal, f"the {name} {signal} exporter is not built: {said}",
@@ -157,7 +157,7 @@ def _telemetry_process(p: _Report, cap_s: float) -> None:
 
     started, channel = time.monotonic(), ProcessChannel(configuration.hello({}), 1, lambda: None)
     answered = pid = None
-    with contextlib.suppress(Exception):  # its fallback (None) raises: it could not be started
+    with contextlib.suppress(Exception):  # its fallback (None) raises when it cannot start
         answered, pid = channel.flush(cap_s), getattr(channel.process, "pid", None)
     with contextlib.suppress(Exception):
         channel.stop(1.0)
@@ -196,7 +196,7 @@ class _Report:
 def doctor(timeout_s: float, check_adapters: bool) -> int:
     """Print the report; the exit status."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # grpc's C-core lines would repeat the errors
-    logging.root.handlers = [handler := BufferingHandler(sys.maxsize)]  # for the report only, till the exit
+    logging.root.handlers = [handler := BufferingHandler(sys.maxsize)]  # the report's, till the exit
     logging.getLogger("otel_hicache.http").setLevel(logging.DEBUG)  # exporters log its errors on retry only
     logs = handler.buffer
     with contextlib.redirect_stderr(_Report(sys.stderr)):

@@ -1,4 +1,4 @@
-"""Simulated ``torch.cuda.Event``s on the host clock's timeline (``TransferTelemetry(clock=device.time_ns)``)."""
+"""Simulated ``torch.cuda.Event``s on the wall clock, for benchmarks (tests/simulated.py's: on a clock of their own)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ class SimulatedEvent:
     def query(self) -> bool:
         return self.at_ns is not None and self._device.time_ns() >= self.at_ns
 
+    def synchronize(self) -> None:  # an anchor's: on the wall clock, it has happened
+        pass
+
     def elapsed_time(self, end: SimulatedEvent) -> float:
         return (end.at_ns - self.at_ns) / 1e6
 
@@ -25,8 +28,6 @@ class SimulatedEvent:
 
 
 class WallClockDevice:
-    """Spans land at the real time: benchmarks (tests/simulated.py's has a clock of its own)."""
-
     time_ns = staticmethod(time.time_ns)
 
     def event(self) -> SimulatedEvent:
