@@ -1,5 +1,4 @@
-"""otel-hicache: HiCache's L1<->L2 transfers as OpenTelemetry spans and metrics (``configure()``, then
-``TransferTelemetry.submit()``/``ack()``)."""
+"""HiCache's L1<->L2 transfers as OpenTelemetry spans and metrics: ``configure()``, then ``submit()``/``ack()``."""
 
 from .configuration import Configuration, configure, configured, shutdown
 from .capture.records import TransferRecord

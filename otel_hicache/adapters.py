@@ -15,12 +15,12 @@ GROUP = "otel_hicache.adapters"
 
 @functools.lru_cache(maxsize=None)
 def registered() -> tuple[tuple[str, Any], ...]:
-    """``(name, registration)`` of every adapter installed, by name; a broken one is warned about and left out."""
+    """Each adapter's ``(name, registration)``, by name; a broken one is warned about and left out."""
     found = []
     for ep in sorted(entry_points(group=GROUP), key=lambda ep: ep.name):
         try:
             found.append((ep.name, ep.load()))
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             warn_once(f"adapter:{ep.name}", "otel-hicache: adapter %s not loaded (%s: %s); its causes count as %r",
                       ep.name, type(exc).__name__, exc, OTHER)
     return tuple(found)
@@ -28,7 +28,7 @@ def registered() -> tuple[tuple[str, Any], ...]:
 
 @functools.lru_cache(maxsize=None)
 def causes() -> dict[str, tuple[str, ...]]:
-    """Every cause of each direction: the adapters', then ``other``."""
+    """Each direction's causes: the adapters', then ``other``."""
     found: dict[str, list[str]] = {"offload": [], "onboard": []}
     for _, registration in registered():
         for direction, names in (getattr(registration, "CAUSES", None) or {}).items():
@@ -38,5 +38,5 @@ def causes() -> dict[str, tuple[str, ...]]:
 
 @functools.lru_cache(maxsize=None)
 def direct_causes() -> frozenset[str]:
-    """Causes whose copies nobody acks (``hicache.origin=direct``); ``other`` can be either."""
+    """``hicache.origin=direct`` causes; ``other`` can be either."""
     return frozenset(c for _, r in registered() for c in getattr(r, "DIRECT_CAUSES", ()))

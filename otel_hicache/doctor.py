@@ -1,5 +1,5 @@
 """``otel-hicache doctor``: the settings as the telemetry process resolves them, a test export through each
-exporter it would build, each adapter's section; exit status 0 when all were accepted, 1 when not."""
+exporter, each adapter's section."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from logging.handlers import BufferingHandler
-from typing import Any, Iterator, TextIO
+from typing import Any, TextIO
 
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -28,23 +28,7 @@ from .sinks import otel_environment as oe, providers
 from .sinks.redaction import userinfo_parts, without_userinfo
 from .version import __version__
 
-CAP_S = 10.0
 SPAN_NAME, METRIC_NAME = "otel_hicache.doctor", "otel_hicache.doctor.checks"
-_NOT_CHECKED = ("console", "prometheus")  # they write to, or serve from, the instrumented process
-HTTP = logging.getLogger("otel_hicache.http")  # the OTLP/HTTP session: exporters log its errors only on retry
-
-
-@contextlib.contextmanager
-def _captured() -> Iterator[list[logging.LogRecord]]:
-    """Every warning and HTTP's records, for the report only."""
-    handler, saved = BufferingHandler(sys.maxsize), (logging.root.handlers, HTTP.level)
-    logging.root.handlers = [handler]
-    HTTP.setLevel(logging.DEBUG)
-    try:
-        yield handler.buffer
-    finally:
-        logging.root.handlers = saved[0]
-        HTTP.setLevel(saved[1])
 
 
 def _source(name: str) -> str:
@@ -55,8 +39,8 @@ def _variable(signal: str, suffix: str) -> str:  # the one set, else the general
     return (oe.first(signal, suffix) or [f"OTEL_EXPORTER_OTLP_{suffix}"])[0]
 
 
-def _configuration(p: _Report) -> list[tuple[str, str, str | None]]:
-    """Print what the variables resolve to; the exporters to check."""
+def _configuration(p: _Report, logs: list[Any]) -> list[Check]:
+    """Print the settings; the exporters, built one by one to tell which failed."""
     p(f"Configuration\n  OTEL_SDK_DISABLED   {str(sdk_disabled()).lower()} {_source('OTEL_SDK_DISABLED')}")
     attributes = oe.resource().attributes
     if str(attributes.get("service.name")).startswith("unknown_service"):
@@ -64,22 +48,22 @@ def _configuration(p: _Report) -> list[tuple[str, str, str | None]]:
     p("  resource            " + ", ".join(f"{k}={v}" for k, v in attributes.items() if not k.startswith("telemetry.")))
     planned = []
     for signal in ("traces", "metrics"):
-        names, variable = list(dict.fromkeys(providers.exporter_names(signal))), providers.EXPORTER_GROUPS[signal][0]
-        p(f"  {signal}\n    exporter        {', '.join(names or ['none'])} {_source(variable)}")
+        names, group = list(dict.fromkeys(providers.exporter_names(signal))), providers.EXPORTER_GROUPS[signal][0]
+        p(f"  {signal}\n    exporter        {', '.join(names or ['none'])} {_source(group)}")
         for name in names:
-            if (protocol := providers.otlp_protocol(signal, name)) is None:
-                checked = name not in _NOT_CHECKED
-                p(f"    {name:<15} " + ("checked by exporting to it" if checked else "not checked (in the "
-                                        "instrumented process)"))
-                planned += [(signal, name, None)] if checked else []
+            protocol = providers.otlp_protocol(signal, name)
+            if checked := protocol or name not in ("console", "prometheus"):  # those two: in the serving process
+                planned.append((signal, name, protocol, group))
+            if protocol is None:
+                p(f"    {name:<15} " + ("checked by exporting to it" if checked else "not checked (in the instrumented "
+                                        "process)"))
                 continue
-            planned.append((signal, name, protocol))
             pairs = oe.headers(signal)[0]
-            headers = f"{', '.join(f'{k}=***' for k in pairs)} ({_variable(signal, 'HEADERS')}; values masked)" \
-                if pairs else "none"
+            headers = f"{', '.join(f'{k}=***' for k in pairs or ())} ({_variable(signal, 'HEADERS')}; values masked)"
             p(f"    {name:<15} OTLP over {protocol} {_source(_variable(signal, 'PROTOCOL'))}")
             p(f"      endpoint      {oe.endpoint(signal, protocol)} {_source(_variable(signal, 'ENDPOINT'))}")
-            p(f"      TLS           {'yes' if oe.tls(signal, protocol) else 'no'}\n      headers       {headers}")
+            p(f"      TLS           {'yes' if oe.tls(signal, protocol) else 'no'}\n      headers       "
+              + (headers if pairs else "none"))
             for suffix, variable, path, problem in oe.tls_files(signal, protocol):
                 p(f"      {suffix.lower().replace('_', ' '):<13} {path} ({variable}): "
                   + (f"NOT readable: {problem}" if problem else "readable"))
@@ -87,8 +71,8 @@ def _configuration(p: _Report) -> list[tuple[str, str, str | None]]:
             sampler = TracerProvider(sampler=oe.sampler(), shutdown_on_exit=False).sampler.get_description()
             if names and sampler.removeprefix("ParentBased{root:").startswith(("AlwaysOff", "TraceIdRatioBased{0.0}")):
                 p.notes.append("the sampler keeps no root span: transfer spans without a sampled parent are dropped")
-            name, arg = oe.raw("OTEL_TRACES_SAMPLER"), oe.raw("OTEL_TRACES_SAMPLER_ARG")
-            given = (name.strip() if name else "parentbased_always_on") + (f", arg {arg.strip()}" if arg else "")
+            given, arg = oe.raw("OTEL_TRACES_SAMPLER") or "parentbased_always_on", oe.raw("OTEL_TRACES_SAMPLER_ARG")
+            given = given.strip() + (f", arg {arg.strip()}" if arg else "")
             p(f"    sampler         {given} {_source('OTEL_TRACES_SAMPLER')}: {sampler}")
     interval = oe.raw("OTEL_METRIC_EXPORT_INTERVAL")
     p(f"    export interval {interval.strip() + ' ms (OTEL_METRIC_EXPORT_INTERVAL)' if interval else '60000 ms'}")
@@ -102,7 +86,16 @@ def _configuration(p: _Report) -> list[tuple[str, str, str | None]]:
     if not env_bool(ev.OTEL_HICACHE_ENABLED):
         p.notes.append("OTEL_HICACHE_ENABLED=false: otel-hicache records nothing (unset it to record)")
     p()
-    return [] if sdk_disabled() else planned
+    checks: list[Check] = []
+    for signal, name, protocol, group in [] if sdk_disabled() else planned:
+        mark = len(logs)
+        if built := providers.exporters(signal, names=[name], own_process=True):
+            checks.append(Check(signal, name, built[0], protocol))
+            continue
+        said = logs[-1].getMessage() if logs[mark:] else "see the warnings"
+        p.problems.append((signal, f"the {name} {signal} exporter is not built: {said}",
+                           f"fix what the warning names, or leave {name} out of {group}"))
+    return checks
 
 
 class Check(threading.Thread):
@@ -110,28 +103,14 @@ class Check(threading.Thread):
         super().__init__(daemon=True)
         self.signal, self.exporter, self.protocol = signal, exporter, protocol
         self.where = f"{oe.endpoint(signal, protocol)} ({protocol})" if protocol else name
-        self.data, self.ended, self.accepted, self.error = None, 0.0, False, ""
+        self.accepted, self.error = False, ""
 
     def run(self) -> None:
         try:
             self.accepted = getattr(self.exporter.export(self.data), "name", "") == "SUCCESS"
-        except BaseException as exc:  # pylint: disable=broad-except
+        except BaseException as exc:
             self.error = f"{type(exc).__name__}: {exc}"
         self.ended = time.monotonic()
-
-
-def _build(p: _Report, planned: list[tuple[str, str, str | None]], logs: list[Any]) -> list[Check]:
-    """The exporters, built one at a time to tell which one failed."""
-    checks: list[Check] = []
-    for signal, name, protocol in planned:
-        mark = len(logs)
-        if built := providers.exporters(signal, names=[name], own_process=True):
-            checks += [Check(signal, name, exporter, protocol) for exporter in built]
-        else:
-            said = logs[-1].getMessage() if logs[mark:] else "see the warnings"
-            p.problems.append((signal, f"the {name} {signal} exporter is not built: {said}", "fix what the warning "
-                             f"names, or leave {name} out of {providers.EXPORTER_GROUPS[signal][0]}"))
-    return checks
 
 
 def _exports(p: _Report, checks: list[Check], logs: list[Any], cap_s: float) -> str:
@@ -148,11 +127,11 @@ def _exports(p: _Report, checks: list[Check], logs: list[Any], cap_s: float) -> 
     # its DuplicateFilter would drop the other signal's error
     logging.getLogger("opentelemetry.exporter.otlp.proto.grpc.exporter").filters.clear()
     mark, start = len(logs), time.monotonic()
-    for check in checks:
-        check.data = [span] if check.signal == "traces" else metrics  # (each within its own timeout)
-        check.start()
-    for check in checks:
-        check.join(max(0.0, start + cap_s - time.monotonic()))
+    for c in checks:
+        c.data = [span] if c.signal == "traces" else metrics
+        c.start()
+    for c in checks:
+        c.join(max(0.0, start + cap_s - time.monotonic()))
     for c in checks:
         if c.accepted:
             p(f"  {c.signal:<8} ACCEPTED by {c.where} in {c.ended - start:.2f} s")
@@ -177,10 +156,9 @@ def _telemetry_process(p: _Report, cap_s: float) -> None:
     from .capture.channel import ProcessChannel, telemetry_process_command
 
     started, channel = time.monotonic(), ProcessChannel(configuration.hello({}), 1, lambda: None)
-    try:
+    answered = pid = None
+    with contextlib.suppress(Exception):  # its fallback (None) raises when it cannot start
         answered, pid = channel.flush(cap_s), getattr(channel.process, "pid", None)
-    except Exception:  # pylint: disable=broad-except
-        answered, pid = False, None
     with contextlib.suppress(Exception):
         channel.stop(1.0)
     if answered:
@@ -192,26 +170,6 @@ def _telemetry_process(p: _Report, cap_s: float) -> None:
                        f"error, or set {ev.OTEL_HICACHE_TELEMETRY_PROCESS}=false"))
 
 
-def _verdict(p: _Report, checks: list[Check], trace_id: str) -> int:
-    p("\nResult")
-    if sdk_disabled():
-        p.notes.append("nothing is exported: OTEL_SDK_DISABLED=true (unset it to export)")
-    elif not checks and not p.problems:
-        p.notes.append("nothing to check: no push exporter in OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER")
-    for note in p.notes:
-        p(f"  NOTE: {note}")
-    merged: dict[tuple[str, ...], list[Any]] = {}  # both signals' alike problems on one line
-    for problem in p.problems:
-        key = tuple(re.sub(r"\b(traces|metrics|spans)\b", "{traces,metrics}", t) for t in problem[1:])
-        merged.setdefault(key, []).append(problem)
-    for key, alike in merged.items():
-        what, fix = alike[0][1:] if len(alike) == 1 else key
-        p(f"  PROBLEM ({', '.join(problem[0] for problem in alike)}): {what}\n  FIX: {fix}")
-    if checks and not p.problems:
-        p(f"  OK: every configured exporter accepted the test data (trace {trace_id}, metric {METRIC_NAME})")
-    return 1 if p.problems else 0
-
-
 class _Report:
     """``out`` with header values and URL userinfo masked; called, it prints a line."""
 
@@ -220,8 +178,7 @@ class _Report:
         secrets.update(part for name, value in os.environ.items() if name.startswith("OTEL_")
                        for part in userinfo_parts(value))
         self.out, self.secrets = out, sorted((s for s in secrets if len(s) >= 3), key=len, reverse=True)
-        self.notes: list[str] = []
-        self.problems: list[tuple[str, ...]] = []
+        self.notes, self.problems = [], []  # type: list[str], list[tuple[str, ...]]
 
     def __call__(self, *text: str) -> None:
         print(*text, file=self)
@@ -239,30 +196,49 @@ class _Report:
 def doctor(timeout_s: float, check_adapters: bool) -> int:
     """Print the report; the exit status."""
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # grpc's C-core lines would repeat the errors
-    with _captured() as logs, contextlib.redirect_stderr(_Report(sys.stderr)):
+    logging.root.handlers = [handler := BufferingHandler(sys.maxsize)]  # the report's, till the exit
+    logging.getLogger("otel_hicache.http").setLevel(logging.DEBUG)  # exporters log its errors on retry only
+    logs = handler.buffer
+    with contextlib.redirect_stderr(_Report(sys.stderr)):
         (p := _Report(sys.stdout))(f"otel-hicache doctor {__version__} (OpenTelemetry SDK {sdk}, "
                                    f"Python {sys.version.split()[0]})\n")
-        checks = _build(p, _configuration(p), logs)
+        checks = _configuration(p, logs)
         lines = dict.fromkeys(f"  {r.levelname} {r.name}: {r.getMessage()}" for r in logs)
         p("\n".join(["Warnings while resolving", *(lines or ["  (none)"]), ""]))
         trace_id = _exports(p, checks, logs, timeout_s)
         p()
         _adapters(p, check_adapters)
-        return _verdict(p, checks, trace_id)
+        p("\nResult")
+        if sdk_disabled():
+            p.notes.append("nothing is exported: OTEL_SDK_DISABLED=true (unset it to export)")
+        elif not checks and not p.problems:
+            p.notes.append("nothing to check: no push exporter in OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER")
+        for note in p.notes:
+            p(f"  NOTE: {note}")
+        merged: dict = {}  # both signals' alike problems on one line
+        for signal, *said in p.problems:
+            merged.setdefault(tuple(re.sub(r"\b(traces|metrics|spans)\b", "{traces,metrics}", t) for t in said),
+                              [said]).append(signal)
+        for key, (said, *signals) in merged.items():
+            what, fix = said if len(signals) == 1 else key
+            p(f"  PROBLEM ({', '.join(signals)}): {what}\n  FIX: {fix}")
+        if checks and not p.problems:
+            p(f"  OK: every configured exporter accepted the test data (trace {trace_id}, metric {METRIC_NAME})")
+        return 1 if p.problems else 0
 
 
 def _adapters(out: TextIO, check: bool) -> None:
     for name, registration in adapters.registered():
         try:
             registration.doctor(out, check)
-        except Exception as exc:  # pylint: disable=broad-except
+        except Exception as exc:
             print(f"  adapter {name}: its section failed ({type(exc).__name__}: {exc})", file=out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="otel-hicache", description="What to run when nothing shows up.")
     parser.add_argument("command", choices=["doctor"])
-    parser.add_argument("--timeout", type=float, default=CAP_S, metavar="SECONDS", help="cap on the test exports (10)")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="cap on the test exports (10)")
     parser.add_argument("--skip-adapters", action="store_true", help="import no framework to check the patches")
     parser.add_argument("--skip-sglang", action="store_true", dest="skip_adapters", help=argparse.SUPPRESS)
     if not (args := parser.parse_args(argv)).timeout > 0:

@@ -1,12 +1,11 @@
-"""Every span, attribute and metric name otel-hicache emits (docs/reference.md follows it).
-No token ids, node ids or hashes are ever attributes."""
+"""Every span, attribute and metric name otel-hicache emits (docs/reference.md); never a token id, node id or hash."""
 
 SCOPE_NAME = "otel_hicache"
 SPAN_OFFLOAD = "hicache.offload"
 SPAN_ONBOARD = "hicache.onboard"
 EVENT_REQUEST = "hicache.request"
 
-# attributes: spans carry all but POOL, REASON and OFFLOAD_CAUSE (metric-only)
+# attributes: POOL, REASON and OFFLOAD_CAUSE are metric-only
 DIRECTION = "hicache.direction"
 SRC_TIER = "hicache.src_tier"
 DST_TIER = "hicache.dst_tier"
@@ -28,7 +27,7 @@ BANDWIDTH = "hicache.bandwidth_bytes_per_second"
 ERROR_TYPE = "error.type"
 REASON = "reason"
 CAUSE = "hicache.cause"
-CAUSES_ATTR = "hicache.causes"  # a mixed op's causes, sorted
+CAUSES_ATTR = "hicache.causes"  # a mixed op's, sorted
 CAUSE_OTHER = "other"
 CAUSE_MIXED = "mixed"
 OFFLOAD_CAUSE = "hicache.offload_cause"
@@ -71,17 +70,11 @@ EXPORT_CPU_TIME = ("otel_hicache.export.cpu_time", "s", "CPU time of the telemet
 SINKS = ("otel_hicache.sinks", "{process}", "1 where the sinks run.")
 QUEUE_SIZE = ("otel_hicache.queue.size", "{record}", "Records held by the capture.")
 
-DROP_QUEUE_FULL = "queue_full"
-DROP_INVALID_INPUT = "invalid_input"
-DROP_SHUTDOWN = "shutdown"
-DROP_INTERNAL_ERROR = "internal_error"
-DROP_MALFORMED_FRAME = "malformed_frame"
-FAIL_EVENT_ERROR = "event_error"
-FAIL_TRANSFER_TIMEOUT = "transfer_timeout"
-DROP_REASONS = (DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR, DROP_MALFORMED_FRAME)
-FAIL_REASONS = (FAIL_EVENT_ERROR, FAIL_TRANSFER_TIMEOUT)
+DROP_REASONS = DROP_QUEUE_FULL, DROP_INVALID_INPUT, DROP_SHUTDOWN, DROP_INTERNAL_ERROR, DROP_MALFORMED_FRAME = (
+    "queue_full", "invalid_input", "shutdown", "internal_error", "malformed_frame")
+FAIL_REASONS = FAIL_EVENT_ERROR, FAIL_TRANSFER_TIMEOUT = "event_error", "transfer_timeout"
 
-# buckets: 10 us to 60 s (the SDK's defaults assume ms), 1 ms to 4 h, 100 MB/s to 1 TB/s
+# buckets: 10 us to 60 s (the SDK's assume ms), 1 ms to 4 h, 100 MB/s to 1 TB/s
 DURATION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                       0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RESIDENCE_BUCKETS_S = (*DURATION_BUCKETS_S[6:], 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0)

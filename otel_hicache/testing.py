@@ -1,104 +1,40 @@
-"""A simulated device: one timeline for the host clock (``TransferTelemetry(clock=device.time_ns)``) and the
-device's; its events behave like ``torch.cuda.Event``."""
+"""Simulated ``torch.cuda.Event``s on the wall clock, for benchmarks (tests/simulated.py's: on a clock of their own)."""
 
 from __future__ import annotations
 
-import threading
 import time
-from types import SimpleNamespace
 from typing import Any
-
-_NEVER = float("inf")
 
 
 class SimulatedEvent:
-    def __init__(self, device: SimulatedDevice, enable_timing: bool = True) -> None:
-        self._device, self.enable_timing = device, enable_timing
-        self.at_ns: float | None = None
-        self.raise_on_query: BaseException | None = None
+    def __init__(self, device: WallClockDevice) -> None:
+        self._device, self.at_ns = device, None
 
     def record(self, stream: Any = None, at_ns: float | None = None) -> SimulatedEvent:
         self.at_ns = self._device.time_ns() if at_ns is None else at_ns
         return self
 
-    def never_completes(self) -> SimulatedEvent:
-        return self.record(at_ns=_NEVER)
-
     def query(self) -> bool:
-        if self.raise_on_query is not None:
-            raise self.raise_on_query
         return self.at_ns is not None and self._device.time_ns() >= self.at_ns
 
-    def synchronize(self) -> None:  # advances the clock to the event
-        if self.at_ns == _NEVER:
-            raise RuntimeError("simulated event never completes")
-        if self.at_ns is not None:
-            self._device.advance_to(int(self.at_ns))
+    def synchronize(self) -> None:  # an anchor's: on the wall clock, it has happened
+        pass
 
     def elapsed_time(self, end: SimulatedEvent) -> float:
-        if not (self.enable_timing and end.enable_timing):
-            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
-        if not (self.query() and end.query()):
-            raise RuntimeError("Both events must be completed before calculating elapsed time.")
         return (end.at_ns - self.at_ns) / 1e6
 
     def anchor_factory(self) -> Any:
         return self._device.anchor_event
 
 
-class SimulatedDevice:
-    def __init__(self, start_ns: int = 1_767_225_600_000_000_000) -> None:  # 2026-01-01T00:00:00Z
-        self._now, self._lock, self.anchors_taken = start_ns, threading.Lock(), 0
+class WallClockDevice:
+    time_ns = staticmethod(time.time_ns)
 
-    def time_ns(self) -> int:
-        return self._now
+    def event(self) -> SimulatedEvent:
+        return SimulatedEvent(self)
 
-    def advance(self, seconds: float = 0.0, ms: float = 0.0, ns: int = 0) -> int:
-        with self._lock:
-            self._now += int(round(seconds * 1e9 + ms * 1e6)) + ns
-            return self._now
-
-    def advance_to(self, at_ns: int) -> None:
-        with self._lock:
-            self._now = max(self._now, at_ns)
-
-    def event(self, enable_timing: bool = True) -> SimulatedEvent:
-        return SimulatedEvent(self, enable_timing)
-
-    def copy(self, start_ns: float, duration_ms: float, enable_timing: bool = True) -> tuple[Any, Any]:
-        end_ns = start_ns + int(round(duration_ms * 1e6))
-        return self.event(enable_timing).record(at_ns=start_ns), self.event(enable_timing).record(at_ns=end_ns)
+    def copy(self, start_ns: float, duration_ms: float) -> tuple[Any, Any]:
+        return self.event().record(at_ns=start_ns), self.event().record(at_ns=start_ns + int(round(duration_ms * 1e6)))
 
     def anchor_event(self) -> SimulatedEvent:
-        self.anchors_taken += 1
         return self.event().record()
-
-    def stream(self) -> Any:
-        return SimpleNamespace(timing_event_pair=lambda: (self.event(), self.event()))
-
-
-class WallClockDevice(SimulatedDevice):
-    """On the host wall clock (spans land at the real time): benchmarks."""
-
-    time_ns = staticmethod(time.time_ns)  # type: ignore[assignment]
-
-
-class DuckEvent:
-    """An unknown back-end's event (no ``anchor_factory()``); with a ``stream``, comparable only on it."""
-
-    def __init__(self, inner: SimulatedEvent, stream: Any = None) -> None:
-        self._inner, self.stream = inner, stream
-
-    def record(self, stream: Any = None) -> None:
-        self._inner.record(stream)
-
-    def query(self) -> bool:
-        return self._inner.query()
-
-    def synchronize(self) -> None:
-        self._inner.synchronize()
-
-    def elapsed_time(self, end: DuckEvent) -> float:
-        if self.stream is not None and getattr(end, "stream", None) != self.stream:
-            raise RuntimeError("events of different streams cannot be compared")
-        return self._inner.elapsed_time(end._inner)

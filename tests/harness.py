@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_hicache import TransferTelemetry
-from otel_hicache.testing import SimulatedDevice
+from simulated import SimulatedDevice
 
 
 class Harness:

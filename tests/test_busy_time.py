@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from otel_hicache import TransferTelemetry
 from otel_hicache.sinks.busy_time import BusyTimeTracker
 from otel_hicache.capture.device import anchor_factory_for
-from otel_hicache.testing import DuckEvent, SimulatedDevice
+from simulated import DuckEvent, SimulatedDevice
 
 
 def test_overlapping_intervals_count_once():

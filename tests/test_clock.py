@@ -8,7 +8,7 @@ import pytest
 
 from otel_hicache.capture import timing as clock
 from otel_hicache.capture.timing import PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE, EventTimeline, WallClockAnchor
-from otel_hicache.testing import DuckEvent, SimulatedDevice
+from simulated import DuckEvent, SimulatedDevice
 
 
 class SkewedDevice(SimulatedDevice):

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from otel_hicache.capture.device import anchor_factory_for, timing_event_pair
-from otel_hicache.testing import SimulatedDevice
+from simulated import SimulatedDevice
 
 
 @pytest.fixture
@@ -73,6 +73,29 @@ def test_unknown_events_have_no_anchor_and_unknown_streams_no_events():
 def test_duck_typed_events_without_anchor_support_have_no_anchor():
     """record/query/synchronize/elapsed_time only (not torch's, no anchor_factory()):
     no anchor; the pipeline places such ops with an EventTimeline instead."""
-    from otel_hicache.testing import DuckEvent
+    from simulated import DuckEvent
 
     assert anchor_factory_for(DuckEvent(SimulatedDevice().event())) is None
+
+
+def test_wall_clock_device_ops_are_placed_by_its_anchor(caplog):
+    """benchmarks/serving_cpu.py's device: the capture anchors its events, no fallback to host times."""
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from otel_hicache import TransferTelemetry
+    from otel_hicache.testing import WallClockDevice
+
+    spans, provider = InMemorySpanExporter(), TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    tel = TransferTelemetry(provider, attributes={})
+    start, finish = WallClockDevice().copy(time.time_ns() - 2_000_000, 1.0)
+    tel.ack(tel.submit("offload", tokens_by_pool={"kv": 64}, num_bytes=4096, page_size=64, start_event=start,
+                       finish_event=finish))
+    tel.shutdown()
+    [span] = spans.get_finished_spans()
+    assert span.attributes["hicache.placement_source"] == "anchor" and span.end_time - span.start_time == 1_000_000
+    assert "anchor" not in caplog.text

@@ -381,7 +381,8 @@ class Round:
             op = self.next_id()
             start = t + self.rng.randrange(0, 500_000)
             duration = self.rng.randrange(1_000_000, 4_500_000)
-            ev0, ev1 = device.copy(start, duration / 1e6, enable_timing=kind != "good_host_clock")
+            timing = kind != "good_host_clock"
+            ev0, ev1 = device.event(timing).record(at_ns=start), device.event(timing).record(at_ns=start + duration)
             if kind == "raises":
                 to_raise.append(ev1)
             elif kind == "start_raises":

@@ -9,7 +9,7 @@ from opentelemetry.sdk.metrics._internal import aggregation as sdk_aggregation
 from opentelemetry.sdk.metrics._internal import measurement_consumer
 from opentelemetry.sdk.trace import SpanProcessor
 
-from otel_hicache.testing import SimulatedEvent
+from simulated import SimulatedEvent
 
 
 class ThreadLog:

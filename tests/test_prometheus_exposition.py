@@ -13,7 +13,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 
 from otel_hicache import TransferTelemetry, __version__
-from otel_hicache.testing import SimulatedDevice
+from simulated import SimulatedDevice
 
 SCOPE = f'otel_scope_name="otel_hicache",otel_scope_schema_url="",otel_scope_version="{__version__}"'
 

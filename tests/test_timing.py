@@ -10,7 +10,7 @@ from otel_hicache.capture.records import TransferRecord, submission, validate
 from otel_hicache.capture.timing import (PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE, EventTimeline,
                                          is_complete, resolve, resolve_host_clock)
 from otel_hicache.record import DEVICE_EVENT, HOST_CLOCK
-from otel_hicache.testing import SimulatedDevice
+from simulated import SimulatedDevice
 
 SUBMIT = 1_767_225_600_000_000_000
 NOW = SUBMIT + 50_000_000  # when the poller observed the completion

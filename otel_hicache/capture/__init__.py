@@ -1,1 +1,1 @@
-"""The capture: what runs in the serving process (submit()/ack(), the poller, device timing, the channel)."""
+"""What runs in the serving process: submit()/ack(), the poller, device timing, the channel."""

@@ -1,1 +1,1 @@
-"""The sinks: what the capture's records become, in a telemetry process or embedded."""
+"""What the capture's records become, in a telemetry process or embedded."""
