@@ -10,7 +10,6 @@ from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 from .busy_time import BusyTimeTracker
 from .host_residence import HostPool
-from .logs import TransferLog
 from .metrics import TransferMetrics
 from .spans import SpanBuilder
 
@@ -37,7 +36,7 @@ class Consumer:
                     sc.LOCATION_EMBEDDED if hello.get("embedded") else sc.LOCATION_TELEMETRY_PROCESS)
         self.metrics = TransferMetrics(meter_provider, static, clock,  # (ages: on the capture's clock)
                                        str(attributes.get(sc.IO_BACKEND, "unknown")), location)
-        self.spans, self.log = SpanBuilder(tracer_provider, static, ids), TransferLog()
+        self.spans = SpanBuilder(tracer_provider, static, ids)
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
         self._pools: dict[int, HostPool] = {}
         self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> Op.host, from its HOST to its OP
@@ -91,7 +90,6 @@ class Consumer:
         if written is not None and op.span_context.trace_flags.sampled:
             pool.link(written, op.span_context.trace_id, op.span_context.span_id)
         self.metrics.completed(op, busy_added)
-        self.log.completed(op, busy_added)
         if state[1]:  # it waits for its ack
             self._awaiting[op.seq] = (op, state, message)
         else:

@@ -4,7 +4,6 @@ batches) and answers lines, as :mod:`..record` says."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import select
 import signal
@@ -134,10 +133,7 @@ def main() -> int:
     if not isinstance(hello, dict):
         return 1
     mark_warned(hello.get("warned") or [])
-    if hello.get("log_level"):  # the serving process logs otel-hicache at DEBUG: so does this one
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [telemetry process] %(message)s"))
-        logger.addHandler(handler)
+    if hello.get("log_level"):  # a serving process that silenced otel-hicache's warnings silences these
         logger.setLevel(hello["log_level"])
     sinks = _Sinks(hello, answer)
     answer(b"hello\n")

@@ -797,11 +797,6 @@ def test_the_run_exercised_what_the_scan_claims(sglang_run):
     # every metric; queue wait needs device timing events (none on CPU)
     # and the telemetry process's own CPU (this run is embedded)
     assert names == documented()["metric_names"] - {sc.TRANSFER_QUEUE_WAIT[0], sc.EXPORT_CPU_TIME[0]}
-
-    # each completed op's two DEBUG lines
-    complete = [r for r in exported.logs if r.levelno == logging.DEBUG and " transfer complete " in r.getMessage()]
-    cumulative = [r for r in exported.logs if r.levelno == logging.DEBUG and " transfer cumulative " in r.getMessage()]
-    assert len(complete) == len(cumulative) == len(spans)
     assert {p for p, _ in exported.bodies} == {"/v1/traces", "/v1/metrics"}
 
 
@@ -900,8 +895,6 @@ def test_the_scans_flag_leaks_injected_through_the_public_api(sglang_cpu, monkey
     assert flagged("traces[", "['score']", "token id"), text
     assert flagged("metrics[", "['request_id']", "PRIVATE-RID"), text  # static attributes reach every point
     assert flagged("log record", "PRIVATE-RID") and flagged("log record", "token id 4817001"), text
-    # the clean op's spans, and the per-op DEBUG lines with their hex ids, are not flagged
-    assert not flagged("transfer complete"), text
     assert not any("['hicache." in f for f in findings), text
 
     keys = "\n".join(scan_keys(exported, documented()))
