@@ -1,16 +1,14 @@
-"""Busy time: the union of device-busy intervals, so ``rate(bytes) / rate(busy_time)`` is the
-throughput while busy (summed durations overcount overlapping transfers)."""
+"""Busy time: the union of the ops' intervals (summed durations overcount overlapping ones)."""
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 
-_BULK = 1024  # forgotten intervals are deleted together, once this many or half the list
+_BULK = 1024  # forgotten intervals are deleted once this many or half the list
 
 
 class BusyTimeTracker:
-    """Disjoint sorted intervals, forgotten ``horizon_ns`` before the newest end or as told (one
-    overlapping them later counts in full)."""
+    """Disjoint sorted intervals, forgotten ``horizon_ns`` before the newest end or as told."""
 
     __slots__ = ("_starts", "_ends", "_horizon_ns", "latest_end")
 

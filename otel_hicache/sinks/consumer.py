@@ -17,7 +17,7 @@ _BUSY_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest o
 
 
 class Op:
-    span_context = exemplar_context = None  # (its span's)
+    span_context = exemplar_context = None
     host, links, links_dropped = (None, None, None), (), 0  # host: (HostPool, pages written, Reuse of those read)
 
     def __init__(self, message: tuple[Any, ...]) -> None:
@@ -29,13 +29,13 @@ class Consumer:
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns, ids: Any = None) -> None:
-        # (lists arrive for tuples: metric points need hashable values)
+        # (lists arrive for tuples)
         attributes = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
         static = {} if hello.get("in_resource") else attributes
         location = (sc.LOCATION_EMBEDDED_FALLBACK if hello.get("fallback") else
                     sc.LOCATION_EMBEDDED if hello.get("embedded") else sc.LOCATION_TELEMETRY_PROCESS)
-        self.metrics = TransferMetrics(meter_provider, static, clock,  # (ages: on the capture's clock)
-                                       str(attributes.get(sc.IO_BACKEND, "unknown")), location)
+        self.metrics = TransferMetrics(meter_provider, static, clock, str(attributes.get(sc.IO_BACKEND, "unknown")),
+                                       location)
         self.spans = SpanBuilder(tracer_provider, static, ids)
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
         self._pools: dict[int, HostPool] = {}
@@ -53,11 +53,10 @@ class Consumer:
             try:
                 handlers[message[0]](message)
             except Exception as exc:  # pylint: disable=broad-except  # one message, never the batch
-                if message[0] in (rec.OP, rec.ACK):  # an op, or its span at the end of its wait
+                if message[0] in (rec.OP, rec.ACK):
                     self.metrics.dropped_records(sc.DROP_INTERNAL_ERROR)
                 warn_once(f"consumer:{type(exc).__name__}", "otel-hicache: a transfer record could not be "
-                          "reported (%r); an op's is counted in otel_hicache.records.dropped{reason=internal_error}",
-                          exc)
+                          "reported (%r); counted in otel_hicache.records.dropped{reason=internal_error}", exc)
                 logger.debug("otel-hicache consumer error", exc_info=True)
 
     def checkpoint(self) -> list[Any]:
@@ -80,16 +79,15 @@ class Consumer:
             try:
                 op.links, op.links_dropped = pool.links(reuse)
             except Exception as exc:  # the span is made, unlinked
-                warn_once(f"links:{type(exc).__name__}", "otel-hicache: cannot link a load-back's span (%r)", exc)
+                warn_once(f"links:{type(exc).__name__}", "otel-hicache: cannot link a load-back (%r)", exc)
         state = self.spans.begin(op)  # first: an op whose span cannot begin changes nothing
         if op.error is not None:
             self.metrics.failed_record(op.error)
             self.spans.finish(op, state)
             return
-        busy_added = self._busy[op.direction].add(op.start_ns, op.end_ns)
         if written is not None and op.span_context.trace_flags.sampled:
             pool.link(written, op.span_context.trace_id, op.span_context.span_id)
-        self.metrics.completed(op, busy_added)
+        self.metrics.completed(op, self._busy[op.direction].add(op.start_ns, op.end_ns))
         if state[1]:  # it waits for its ack
             self._awaiting[op.seq] = (op, state, message)
         else:
@@ -102,7 +100,7 @@ class Consumer:
 
     def _ack(self, message: tuple[Any, ...]) -> None:
         entry = self._awaiting.pop(message[1], None)
-        if entry is not None:  # (an op dropped on the way has none)
+        if entry is not None:
             entry[0].ack_ns = message[2]
             self._finish(entry[0], entry[1])
 
@@ -119,8 +117,8 @@ class Consumer:
                 self._host[seq] = (pool, pages, None)
                 self.metrics.host_waste(pool.written(pages, submit_ns, cause, num_bytes))
             else:
-                self._host[seq] = (pool, None, pool.read(pages, submit_ns))
-                self.metrics.host_reuse(cause, self._host[seq][2])
+                reuse = self._host[seq] = (pool, None, pool.read(pages, submit_ns))
+                self.metrics.host_reuse(cause, reuse[2])
 
     def _freed(self, message: tuple[Any, ...]) -> None:
         pool = self._pools.get(message[1])

@@ -1,5 +1,4 @@
-"""The sinks on the poller thread: on the caller's providers, configure()'s when nothing goes over OTLP,
-or private ones when no telemetry process can start."""
+"""The sinks on the poller thread, on the caller's providers or configure()'s."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ class EmbeddedChannel:
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns) -> None:
         self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
-        self._lock = threading.Lock()  # a flush or stop comes from another thread than the poller's writes
+        self._lock = threading.Lock()  # a stop comes from another thread than the writes
         self.consumer = Consumer(tracer_provider, meter_provider, {**hello, "embedded": True}, clock)
 
     def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
@@ -26,7 +25,7 @@ class EmbeddedChannel:
         return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
-        """The providers (the caller's or configure()'s) stay up."""
+        """The providers stay up."""
         with self._lock:
             self.consumer.close()
         return self.flush(timeout_s)

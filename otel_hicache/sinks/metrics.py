@@ -1,5 +1,4 @@
-"""The metrics, whatever the sampler keeps: counters exact (each series' total kept here, observed at
-collection); duration and ack delay with exemplars."""
+"""The metrics, whatever the sampler keeps: exact counters (totals kept here), histograms with exemplars."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from ..record import DIRECT, DIRECTIONS, INT64_MAX, MERGED_OP, ORIGINS, TIERS
 from ..version import __version__
 from .host_residence import OFFLOAD_CAUSES
 
-SERIES_CAP = 2000  # series of caller values (pools, I/O backends) kept apart; the rest share one
+SERIES_CAP = 2000  # series per caller-chosen attribute (pool, I/O backend); the rest share one
 
 
 def _int64(name: str, total: Any) -> Any:
@@ -27,14 +26,14 @@ def _int64(name: str, total: Any) -> Any:
 
 
 class TransferMetrics:
-    """Every point carries ``static``; ``location``: where the sinks run (only a telemetry process's CPU is ours)."""
+    """Every point carries ``static``; ``location``: where the sinks run."""
 
     def __init__(self, meter_provider: Any, static: Mapping[str, Any], clock: Callable[[], int] = time.time_ns,
                  io_backend: str = "unknown", location: str = sc.LOCATION_EMBEDDED) -> None:
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
         self._static = static = dict(static)
         self._clock, self._io_backend = clock, io_backend
-        self._series: dict[tuple, dict] = {}  # (key, value) pairs -> a point's attributes
+        self._series: dict[tuple, dict] = {}
         self._capped = {sc.POOL: 0, sc.IO_BACKEND: 0}
         self._totals: dict[str, dict] = {}  # counter -> id(attributes) -> [attributes, total]
         self._queue_size, self._inflight, self._oldest = 0, dict.fromkeys(DIRECTIONS, 0), ({}, {})
@@ -86,7 +85,6 @@ class TransferMetrics:
                 self._count(table, 0, (sc.OFFLOAD_CAUSE, cause))
 
     def _attrs(self, *pairs: tuple[str, Any], capped: str | None = None) -> dict[str, Any]:
-        """One series' attributes, built once; ``capped``: the caller-chosen attribute."""
         attrs = self._series.get(pairs)
         if attrs is None:
             if capped:
@@ -100,7 +98,7 @@ class TransferMetrics:
 
     def _count(self, table: dict, amount: float, *pairs: tuple[str, Any], capped: str | None = None) -> None:
         attrs = self._attrs(*pairs, capped=capped)
-        table.setdefault(id(attrs), [attrs, 0])[1] += amount  # (one dict per series: its id is the key)
+        table.setdefault(id(attrs), [attrs, 0])[1] += amount  # (one dict per series)
 
     def _moved(self, d: str, origin: tuple, cause: str, num_bytes: int, pools: Any, tokens: Any) -> None:
         src, dst = TIERS[d]
@@ -118,13 +116,11 @@ class TransferMetrics:
         return [[name, a, v] for name, table in self._totals.items() for a, v in list(table.values()) if v]
 
     def seed(self, totals: list[list[Any]]) -> None:
-        """Go on from a predecessor's :meth:`checkpoint` (what is not ours is skipped)."""
         for name, attrs, value in totals:
             table = self._totals.get(name)
             if table is not None and type(attrs) is dict and type(value) in (int, float) and value > 0:
-                # (a list arrives for a tuple: metric points need hashable values)
                 pairs = [(k, tuple(v) if type(v) is list else v) for k, v in attrs.items() if k not in self._static]
-                with contextlib.suppress(TypeError):  # a value no metric point can carry
+                with contextlib.suppress(TypeError):  # (unhashable)
                     self._count(table, value, *pairs)
 
     def completed(self, r: Any, busy_added_ns: int) -> None:

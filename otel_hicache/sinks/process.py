@@ -1,5 +1,4 @@
-"""The telemetry process of a serving process, niced, deaf to Ctrl-C: it reads frames (a hello, then
-batches) and answers lines, as :mod:`..record` says."""
+"""The telemetry process: frames in (a hello, then batches), lines out, as :mod:`..record` says."""
 
 from __future__ import annotations
 
@@ -80,7 +79,7 @@ class _Sinks:
         if not well_formed(batch):  # written by another process: skipped, counted
             self.consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
             warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
-                      "capture's; skipped, counted in otel_hicache.records.dropped{reason=malformed_frame}")
+                      "capture's; counted in otel_hicache.records.dropped{reason=malformed_frame}")
             return
         self.bound = next((m[1] for m in batch if m[0] == rec.STOP), self.bound)
         flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]
@@ -92,7 +91,7 @@ class _Sinks:
             self.answer(b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
 
     def checkpoint(self, flushed: bool = False) -> None:
-        """If due, export the spans taken in (``flushed``: done), then answer ``exported``."""
+        """If due, export the spans taken in, then answer ``exported``."""
         if not flushed and (self.frames == self.taken or time.monotonic() - self.at < CHECKPOINT_S
                             and self.read - self.read_then < CHECKPOINT_BYTES):
             return
@@ -108,7 +107,7 @@ class _Sinks:
         return PARENT_CHECK_S if self.frames == self.taken else max(0.01, self.at + CHECKPOINT_S - time.monotonic())
 
     def close(self) -> None:
-        """A flush first, within the bound: the SDK's self-metrics leave with it."""
+        """A flush first: the SDK's self-metrics leave with it."""
         self.consumer.close()
         deadline = time.monotonic() + self.bound
         self.providers.force_flush(self.bound)
