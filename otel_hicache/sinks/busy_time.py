@@ -21,7 +21,7 @@ class BusyTimeTracker:
         if end_ns <= start_ns:
             return 0
         starts, ends = self._starts, self._ends
-        lo, hi = bisect_left(ends, start_ns), bisect_right(starts, end_ns)  # the intervals it touches
+        lo, hi = bisect_left(ends, start_ns), bisect_right(starts, end_ns)  # those it touches
         added = end_ns - start_ns - sum(max(0, min(e, end_ns) - max(s, start_ns))
                                         for s, e in zip(starts[lo:hi], ends[lo:hi]))
         if lo < hi:

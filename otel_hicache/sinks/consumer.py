@@ -18,7 +18,7 @@ _BUSY_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest o
 
 class Op:
     span_context = exemplar_context = None
-    host, links, links_dropped = (None, None, None), (), 0  # host: (HostPool, pages written, Reuse of those read)
+    host, links, links_dropped = (None, None, None), (), 0  # host: (pool, pages written, Reuse)
 
     def __init__(self, message: tuple[Any, ...]) -> None:
         self.__dict__.update(zip(rec.OP_FIELDS, message[1:]))
@@ -29,7 +29,6 @@ class Consumer:
 
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
                  clock: Callable[[], int] = time.time_ns, ids: Any = None) -> None:
-        # (lists arrive for tuples)
         attributes = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
         static = {} if hello.get("in_resource") else attributes
         location = (sc.LOCATION_EMBEDDED_FALLBACK if hello.get("fallback") else
@@ -39,12 +38,12 @@ class Consumer:
         self.spans = SpanBuilder(tracer_provider, static, ids)
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
         self._pools: dict[int, HostPool] = {}
-        self._host: dict[int, tuple[Any, Any, Any]] = {}  # seq -> Op.host, from its HOST to its OP
-        self._awaiting: dict[int, tuple[Op, Any, Any]] = {}  # seq -> (op, span, message), to its ACK
+        self._host: dict[int, tuple] = {}  # seq -> Op.host, from its HOST to its OP
+        self._awaiting: dict[int, tuple] = {}  # seq -> (op, span, message), to its ACK
         self._handlers = {rec.OP: self._op, rec.ACK: self._ack, rec.HOST: self._host_pages, rec.POOL: self._pool,
                           rec.FREE: self._freed, rec.STATE: self._state, rec.CHECKPOINT: self._resume,
                           rec.DROPPED: lambda m: m[2] and self.metrics.dropped_records(m[1], m[2]),
-                          rec.FLUSH: lambda m: None, rec.STOP: lambda m: None}  # (FLUSH, STOP: the channel's)
+                          rec.FLUSH: lambda m: None, rec.STOP: lambda m: None}
         self.apply(hello.get("pools") or [])
 
     def apply(self, batch: list[tuple[Any, ...]]) -> None:
@@ -88,7 +87,7 @@ class Consumer:
         if written is not None and op.span_context.trace_flags.sampled:
             pool.link(written, op.span_context.trace_id, op.span_context.span_id)
         self.metrics.completed(op, self._busy[op.direction].add(op.start_ns, op.end_ns))
-        if state[1]:  # it waits for its ack
+        if state[1]:  # waits for its ack
             self._awaiting[op.seq] = (op, state, message)
         else:
             self._finish(op, state)
@@ -127,7 +126,7 @@ class Consumer:
 
     def _state(self, message: tuple[Any, ...]) -> None:
         self.metrics.state(*message[1:6])
-        # busy intervals ending well before the oldest op in flight can never overlap one to come
+        # intervals ending well before the oldest op in flight overlap none to come
         oldest = min((t for t in message[2].values() if t is not None), default=None)
         if oldest is not None or not any(message[1].values()):
             for tracker in self._busy.values():

@@ -35,11 +35,11 @@ class HostPool:
             raise ValueError(f"host pool: slots {slots}, page_size {page_size}")
         self.name, self.page_size = name, page_size
         self.size = size = -(-slots // page_size)
-        self.written_ns = np.zeros(size, np.int64)  # the writing offload's submit; 0: none
+        self.written_ns = np.zeros(size, np.int64)  # the writer's submit; 0: none
         self.cause = np.zeros(size, np.int8)
         self.page_bytes = np.zeros(size, np.int64)
         self.trace_hi, self.trace_lo = np.zeros(size, np.uint64), np.zeros(size, np.uint64)
-        self.span_id = np.zeros(size, np.uint64)  # of the writing offload's span; 0: not sampled
+        self.span_id = np.zeros(size, np.uint64)  # 0: not sampled
         self.reloaded = np.zeros(size, np.bool_)
 
     def pages(self, slot_bytes: bytes) -> Any:

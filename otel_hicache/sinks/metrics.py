@@ -70,11 +70,11 @@ class TransferMetrics:
         observe(meter.create_observable_counter, sc.EXPORT_CPU_TIME,
                 lambda: [(process, time.process_time())] if location == sc.LOCATION_TELEMETRY_PROCESS else [])
         observe(gauge, sc.SINKS, lambda: [({**static, sc.LOCATION: location}, 1)])
-        for d in DIRECTIONS:  # zero series from start-up
+        for d in DIRECTIONS:  # zero series from the start
             self._count(self.busy_time, 0, (sc.DIRECTION, d))
             for o in ORIGINS:
                 self._count(self.blocks, 0, (sc.DIRECTION, d), (sc.ORIGIN, o))
-            for cause in causes()[d]:  # with the origins its copies can have
+            for cause in causes()[d]:
                 for o in ORIGINS if cause == sc.CAUSE_OTHER else (DIRECT if cause in direct_causes() else MERGED_OP,):
                     self._moved(d, (sc.ORIGIN, o), cause, 0, ("kv",), (0,))
         for table, reasons in ((self.dropped, sc.DROP_REASONS), (self.failed, sc.FAIL_REASONS)):
@@ -98,7 +98,7 @@ class TransferMetrics:
 
     def _count(self, table: dict, amount: float, *pairs: tuple[str, Any], capped: str | None = None) -> None:
         attrs = self._attrs(*pairs, capped=capped)
-        table.setdefault(id(attrs), [attrs, 0])[1] += amount  # (one dict per series)
+        table.setdefault(id(attrs), [attrs, 0])[1] += amount
 
     def _moved(self, d: str, origin: tuple, cause: str, num_bytes: int, pools: Any, tokens: Any) -> None:
         src, dst = TIERS[d]
@@ -127,7 +127,7 @@ class TransferMetrics:
         d, timing, seconds = r.direction, r.timing_source, r.duration_ns / 1e9
         by_d, origin, src, dst = (sc.DIRECTION, d), (sc.ORIGIN, r.origin), *TIERS[d]
         self._count(self.blocks, r.blocks, by_d, origin)
-        # a mixed merged op counts each queued op's tokens and bytes under its own cause
+        # a mixed merged op counts each part under its own cause
         for cause, pools, tokens, num_bytes in r.cause_parts or ((r.cause, r.pool_names, r.pool_tokens, r.num_bytes),):
             self._moved(d, origin, cause, num_bytes, pools, tokens)
         if busy_added_ns:

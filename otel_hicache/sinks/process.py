@@ -17,9 +17,9 @@ from ..diagnostics import logger, mark_warned, warn_once
 from ..settings import env_float
 from .bounded_flush import bounded
 
-CHECKPOINT_S = 1.0  # spans exported and a checkpoint answered at most this often,
+CHECKPOINT_S = 1.0  # a checkpoint at most this often,
 CHECKPOINT_BYTES = 4 << 20  # and after this much input
-PARENT_CHECK_S = 1.0  # an idle read owing nothing waits this long, then looks for the serving process
+PARENT_CHECK_S = 1.0  # an idle read's wait before looking for the serving process
 
 
 def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
@@ -35,14 +35,14 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
             del buffer[:header + length]
             try:
                 yield rec.decode(data), header + length
-            except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+            except (ValueError, RecursionError):
                 yield None, header + length
         elif select.select([fd], [], [], wait)[0]:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 return
             buffer += chunk
-            wait = 0.0  # it may owe a checkpoint: idle() says
+            wait = 0.0  # idle() says when a checkpoint is owed
         elif os.getppid() != parent:
             return
         else:
@@ -71,12 +71,12 @@ class _Sinks:
         self.consumer = Consumer(self.providers.tracer_provider, self.providers.meter_provider,
                                  {**hello, "in_resource": self.providers.static_in_resource}, ids=ids)
         self.answer, self.bound = answer, env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
-        self.frames = self.taken = self.read = self.read_then = 0  # frames and bytes in all, at the checkpoint
+        self.frames = self.taken = self.read = self.read_then = 0
         self.at = time.monotonic()
 
     def take(self, batch: Any, size: int) -> None:
         self.frames, self.read = self.frames + 1, self.read + size
-        if not well_formed(batch):  # written by another process: skipped, counted
+        if not well_formed(batch):  # written by another process
             self.consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
             warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
                       "capture's; counted in otel_hicache.records.dropped{reason=malformed_frame}")
@@ -119,11 +119,11 @@ def main() -> int:
     with contextlib.suppress(OSError):
         os.nice(10)  # export waits, serving does not
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # anything printed goes to the serving process's standard error, not into the answers
+    os.dup2(2, 1)  # anything printed goes to standard error, not into the answers
     sys.stdout = sys.stderr
 
     def answer(line: bytes) -> None:
-        with contextlib.suppress(OSError):  # it stopped reading: no answer is needed
+        with contextlib.suppress(OSError):  # it stopped reading
             answers.write(line)
 
     sinks: _Sinks | None = None
@@ -132,7 +132,7 @@ def main() -> int:
     if not isinstance(hello, dict):
         return 1
     mark_warned(hello.get("warned") or [])
-    if hello.get("log_level"):  # a serving process that silenced otel-hicache's warnings silences these
+    if hello.get("log_level"):  # warnings silenced there are silenced here
         logger.setLevel(hello["log_level"])
     sinks = _Sinks(hello, answer)
     answer(b"hello\n")
