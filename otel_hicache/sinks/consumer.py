@@ -20,7 +20,7 @@ class Op:
     span_context = exemplar_context = None
     host, links, links_dropped = (None, None, None), (), 0  # host: (pool, pages written, Reuse)
 
-    def __init__(self, message: tuple[Any, ...]) -> None:
+    def __init__(self, message: tuple) -> None:
         self.__dict__.update(zip(rec.OP_FIELDS, message[1:]))
 
 
@@ -46,7 +46,7 @@ class Consumer:
                           rec.FLUSH: lambda m: None, rec.STOP: lambda m: None}
         self.apply(hello.get("pools") or [])
 
-    def apply(self, batch: list[tuple[Any, ...]]) -> None:
+    def apply(self, batch: list[tuple]) -> None:
         handlers = self._handlers
         for message in batch:
             try:
@@ -61,7 +61,7 @@ class Consumer:
     def checkpoint(self) -> list[Any]:
         return [rec.CHECKPOINT, self.metrics.checkpoint(), [entry[2] for entry in self._awaiting.values()]]
 
-    def _resume(self, message: tuple[Any, ...]) -> None:
+    def _resume(self, message: tuple) -> None:
         self.metrics.seed(message[1])
         for raw in message[2]:
             op = Op(raw)
@@ -71,7 +71,7 @@ class Consumer:
         for seq in list(self._awaiting):
             self._ack((rec.ACK, seq, None))
 
-    def _op(self, message: tuple[Any, ...]) -> None:
+    def _op(self, message: tuple) -> None:
         op = Op(message)
         op.host = pool, written, reuse = self._host.pop(op.seq, op.host)
         if reuse is not None and op.error is None:
@@ -97,17 +97,17 @@ class Consumer:
             self.metrics.acked(op)
         self.spans.finish(op, state)
 
-    def _ack(self, message: tuple[Any, ...]) -> None:
+    def _ack(self, message: tuple) -> None:
         entry = self._awaiting.pop(message[1], None)
         if entry is not None:
             entry[0].ack_ns = message[2]
             self._finish(entry[0], entry[1])
 
-    def _pool(self, message: tuple[Any, ...]) -> None:
+    def _pool(self, message: tuple) -> None:
         if message[1] not in self._pools:  # (sent again to a successor)
             self._pools[message[1]] = HostPool(int(message[3]), int(message[4]), message[2])
 
-    def _host_pages(self, message: tuple[Any, ...]) -> None:
+    def _host_pages(self, message: tuple) -> None:
         _kind, seq, pool_id, direction, data, submit_ns, cause, num_bytes = message
         pool = self._pools.get(pool_id)
         if pool is not None:
@@ -119,12 +119,12 @@ class Consumer:
                 reuse = self._host[seq] = (pool, None, pool.read(pages, submit_ns))
                 self.metrics.host_reuse(cause, reuse[2])
 
-    def _freed(self, message: tuple[Any, ...]) -> None:
+    def _freed(self, message: tuple) -> None:
         pool = self._pools.get(message[1])
         if pool is not None:
             self.metrics.host_waste(pool.freed(pool.pages(message[2])))
 
-    def _state(self, message: tuple[Any, ...]) -> None:
+    def _state(self, message: tuple) -> None:
         self.metrics.state(*message[1:6])
         # intervals ending well before the oldest op in flight overlap none to come
         oldest = min((t for t in message[2].values() if t is not None), default=None)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections import namedtuple
+from typing import Any
 
 import numpy as np
 
@@ -14,17 +15,8 @@ OFFLOAD_CAUSES: tuple[str, ...] = (*causes()["offload"], sc.CAUSE_MIXED)
 _CAUSE_INDEX = {cause: index for index, cause in enumerate(OFFLOAD_CAUSES)}
 _N = len(OFFLOAD_CAUSES)
 MAX_LINKS = 16  # a load-back's links to the offloads that wrote its pages
-
-
-class Reuse(NamedTuple):
-    """Per writing offload, oldest first (writers: newest first)."""
-
-    residence_ns: Sequence[int]
-    causes: Sequence[str]
-    bytes_by_cause: list[int]
-    unknown_pages: int  # written before tracking began
-    writers: Any
-    writers_ns: Any
+# per writing offload, oldest first (writers newest first); unknown_pages: written before tracking began
+Reuse = namedtuple("Reuse", "residence_ns causes bytes_by_cause unknown_pages writers writers_ns")
 
 
 class HostPool:
@@ -78,7 +70,7 @@ class HostPool:
         self.trace_hi[pages], self.trace_lo[pages] = trace_id >> 64, trace_id & 0xFFFF_FFFF_FFFF_FFFF
         self.span_id[pages] = span_id
 
-    def read(self, pages: Any, when_ns: int) -> Reuse:
+    def read(self, pages: Any, when_ns: int) -> Any:
         known = pages[self.written_ns[pages] != 0]
         when, firsts = np.unique(self.written_ns[known], return_index=True)
         writers = known[firsts]
@@ -87,7 +79,7 @@ class HostPool:
                      np.bincount(self.cause[known], self.page_bytes[known], _N).astype(np.int64).tolist(),
                      int(pages.size - known.size), writers[::-1], when[::-1])
 
-    def links(self, reuse: Reuse) -> tuple[list[tuple[int, int]], int]:
+    def links(self, reuse: Any) -> tuple[list[tuple[int, int]], int]:
         """The sampled spans that wrote and still own the pages, and how many were cut."""
         w = reuse.writers
         w = w[(self.written_ns[w] == reuse.writers_ns) & (self.span_id[w] != 0)]

@@ -32,9 +32,7 @@ class TransferMetrics:
                  io_backend: str = "unknown", location: str = sc.LOCATION_EMBEDDED) -> None:
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
         self._static = static = dict(static)
-        self._clock, self._io_backend = clock, io_backend
-        self._series: dict[tuple, dict] = {}
-        self._capped = {sc.POOL: 0, sc.IO_BACKEND: 0}
+        self._clock, self._io_backend, self._series, self._capped = clock, io_backend, {}, {sc.POOL: 0, sc.IO_BACKEND: 0}
         self._totals: dict[str, dict] = {}  # counter -> id(attributes) -> [attributes, total]
         self._queue_size, self._inflight, self._oldest = 0, dict.fromkeys(DIRECTIONS, 0), ({}, {})
         self.poller_cpu_s: float | None = None
@@ -107,8 +105,8 @@ class TransferMetrics:
         for pool, n in zip(pools, tokens):
             self._count(self.tokens, n, (sc.DIRECTION, d), origin, (sc.CAUSE, cause), (sc.POOL, pool), capped=sc.POOL)
 
-    def state(self, inflight: Mapping[str, int], oldest_inflight: Mapping[str, Any],
-              oldest_unacked: Mapping[str, Any], queue_size: int, poller_cpu_s: float | None = None) -> None:
+    def state(self, inflight: Mapping, oldest_inflight: Mapping, oldest_unacked: Mapping, queue_size: int,
+              poller_cpu_s: float | None = None) -> None:
         self._inflight.update((d, n) for d, n in inflight.items() if d in self._inflight)
         self._oldest, self._queue_size, self.poller_cpu_s = (oldest_inflight, oldest_unacked), queue_size, poller_cpu_s
 

@@ -140,7 +140,3 @@ def main() -> int:
         sinks.take(batch, size)
     sinks.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
