@@ -8,7 +8,7 @@ _BULK = 1024  # forgotten intervals are deleted once this many or half the list
 
 
 class BusyTimeTracker:
-    """Disjoint sorted intervals, forgotten ``horizon_ns`` before the newest end or as told."""
+    """Disjoint sorted intervals, forgotten ``horizon_ns`` before the newest end."""
 
     __slots__ = ("_starts", "_ends", "_horizon_ns", "latest_end")
 

@@ -110,14 +110,15 @@ class Consumer:
     def _host_pages(self, message: tuple) -> None:
         _kind, seq, pool_id, direction, data, submit_ns, cause, num_bytes = message
         pool = self._pools.get(pool_id)
-        if pool is not None:
-            pages = pool.pages(data)
-            if direction == rec.OFFLOAD:
-                self._host[seq] = (pool, pages, None)
-                self.metrics.host_waste(pool.written(pages, submit_ns, cause, num_bytes))
-            else:
-                reuse = self._host[seq] = (pool, None, pool.read(pages, submit_ns))
-                self.metrics.host_reuse(cause, reuse[2])
+        if pool is None:
+            return
+        pages = pool.pages(data)
+        if direction == rec.OFFLOAD:
+            self._host[seq] = (pool, pages, None)
+            self.metrics.host_waste(pool.written(pages, submit_ns, cause, num_bytes))
+        else:
+            reuse = self._host[seq] = (pool, None, pool.read(pages, submit_ns))
+            self.metrics.host_reuse(cause, reuse[2])
 
     def _freed(self, message: tuple) -> None:
         pool = self._pools.get(message[1])

@@ -17,7 +17,7 @@ class EmbeddedChannel:
         self._lock = threading.Lock()  # a stop comes from another thread than the writes
         self.consumer = Consumer(tracer_provider, meter_provider, {**hello, "embedded": True}, clock)
 
-    def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
+    def write(self, batch: list, ops: int) -> None:
         with self._lock:
             self.consumer.apply(batch)
 

@@ -11,7 +11,7 @@ from .. import semconv as sc
 from ..adapters import causes
 from ..diagnostics import warn_once
 
-OFFLOAD_CAUSES: tuple[str, ...] = (*causes()["offload"], sc.CAUSE_MIXED)
+OFFLOAD_CAUSES = (*causes()["offload"], sc.CAUSE_MIXED)
 _CAUSE_INDEX = {cause: index for index, cause in enumerate(OFFLOAD_CAUSES)}
 _N = len(OFFLOAD_CAUSES)
 MAX_LINKS = 16  # a load-back's links to the offloads that wrote its pages
@@ -23,8 +23,6 @@ class HostPool:
     """Per page: its last offload, and whether it was read since."""
 
     def __init__(self, slots: int, page_size: int, name: str = "kv") -> None:
-        if page_size < 1 or slots < 1:
-            raise ValueError(f"host pool: slots {slots}, page_size {page_size}")
         self.name, self.page_size = name, page_size
         self.size = size = -(-slots // page_size)
         self.written_ns = np.zeros(size, np.int64)  # the writer's submit; 0: none
@@ -42,8 +40,7 @@ class HostPool:
             if (pages[1:] < pages[:-1]).any():
                 pages = np.unique(pages)
         if pages.size and (pages[0] < 0 or pages[-1] >= self.size):
-            warn_once(f"host_slots:{self.name}", "otel-hicache: host slots outside the %s host pool; not tracked",
-                      self.name)
+            warn_once(f"host_slots:{self.name}", "otel-hicache: host slots outside the %s host pool", self.name)
             pages = pages[(pages >= 0) & (pages < self.size)]
         return pages
 
@@ -80,7 +77,7 @@ class HostPool:
                      int(pages.size - known.size), writers[::-1], when[::-1])
 
     def links(self, reuse: Any) -> tuple[list[tuple[int, int]], int]:
-        """The sampled spans that wrote and still own the pages, and how many were cut."""
+        """The sampled writers still owning the pages, and how many were cut."""
         w = reuse.writers
         w = w[(self.written_ns[w] == reuse.writers_ns) & (self.span_id[w] != 0)]
         first = w[:MAX_LINKS]

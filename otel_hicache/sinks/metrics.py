@@ -26,24 +26,23 @@ def _int64(name: str, total: Any) -> Any:
 
 
 class TransferMetrics:
-    """Every point carries ``static``; ``location``: where the sinks run."""
-
     def __init__(self, meter_provider: Any, static: Mapping[str, Any], clock: Callable[[], int] = time.time_ns,
                  io_backend: str = "unknown", location: str = sc.LOCATION_EMBEDDED) -> None:
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
         self._static = static = dict(static)
-        self._clock, self._io_backend, self._series, self._capped = clock, io_backend, {}, {sc.POOL: 0, sc.IO_BACKEND: 0}
+        self._clock, self._io_backend, self._series = clock, io_backend, {}
+        self._capped = {sc.POOL: 0, sc.IO_BACKEND: 0}
         self._totals: dict[str, dict] = {}  # counter -> id(attributes) -> [attributes, total]
         self._queue_size, self._inflight, self._oldest = 0, dict.fromkeys(DIRECTIONS, 0), ({}, {})
-        self.poller_cpu_s: float | None = None
+        self.poller_cpu_s = None
+        gauge, count = meter.create_observable_gauge, meter.create_observable_counter
 
         def observe(make, spec, values):
             make(spec[0], [lambda _options: [Observation(v, a) for a, v in values()]], *spec[1:])
 
         def counter(spec):
             table = self._totals[spec[0]] = {}
-            observe(meter.create_observable_counter, spec,
-                    lambda: [(a, _int64(spec[0], v)) for a, v in list(table.values())])
+            observe(count, spec, lambda: [(a, _int64(spec[0], v)) for a, v in list(table.values())])
             return table
 
         self.duration, self.bandwidth, self.queue_wait, self.ack_delay, self.residence = (
@@ -56,16 +55,15 @@ class TransferMetrics:
             sc.TRANSFER_BYTES, sc.TRANSFER_BLOCKS, sc.TRANSFER_TOKENS, sc.TRANSFER_BUSY_TIME, sc.RECORDS_DROPPED,
             sc.RECORDS_FAILED, sc.HOST_RELOADED_BYTES, sc.HOST_WASTED_BYTES, sc.HOST_WASTED_TOKENS))
         by_d = {d: self._attrs((sc.DIRECTION, d)) for d in DIRECTIONS}
-        gauge, process = meter.create_observable_gauge, {**static, sc.THREAD: sc.THREAD_TELEMETRY_PROCESS}
+        process = {**static, sc.THREAD: sc.THREAD_TELEMETRY_PROCESS}
         observe(meter.create_observable_up_down_counter, sc.TRANSFER_INFLIGHT,
                 lambda: [(by_d[d], n) for d, n in self._inflight.items()])
         observe(gauge, sc.QUEUE_SIZE, lambda: [(static, self._queue_size)])
         for i, spec in enumerate((sc.TRANSFER_OLDEST_INFLIGHT_AGE, sc.TRANSFER_OLDEST_UNACKED_AGE)):
             observe(gauge, spec, lambda i=i: [(by_d[d], 0.0 if t is None else max(0.0, (self._clock() - t) / 1e9))
                                               for d in DIRECTIONS for t in (self._oldest[i].get(d),)])
-        observe(meter.create_observable_counter, sc.POLLER_CPU_TIME,
-                lambda: [] if self.poller_cpu_s is None else [(static, self.poller_cpu_s)])
-        observe(meter.create_observable_counter, sc.EXPORT_CPU_TIME,
+        observe(count, sc.POLLER_CPU_TIME, lambda: [] if self.poller_cpu_s is None else [(static, self.poller_cpu_s)])
+        observe(count, sc.EXPORT_CPU_TIME,
                 lambda: [(process, time.process_time())] if location == sc.LOCATION_TELEMETRY_PROCESS else [])
         observe(gauge, sc.SINKS, lambda: [({**static, sc.LOCATION: location}, 1)])
         for d in DIRECTIONS:  # zero series from the start
@@ -82,7 +80,7 @@ class TransferMetrics:
             for cause in OFFLOAD_CAUSES:
                 self._count(table, 0, (sc.OFFLOAD_CAUSE, cause))
 
-    def _attrs(self, *pairs: tuple[str, Any], capped: str | None = None) -> dict[str, Any]:
+    def _attrs(self, *pairs: tuple, capped: str | None = None) -> dict[str, Any]:
         attrs = self._series.get(pairs)
         if attrs is None:
             if capped:
@@ -94,7 +92,7 @@ class TransferMetrics:
             attrs = self._series[pairs] = {**self._static, **dict(pairs)}
         return attrs
 
-    def _count(self, table: dict, amount: float, *pairs: tuple[str, Any], capped: str | None = None) -> None:
+    def _count(self, table: dict, amount: float, *pairs: tuple, capped: str | None = None) -> None:
         attrs = self._attrs(*pairs, capped=capped)
         table.setdefault(id(attrs), [attrs, 0])[1] += amount
 

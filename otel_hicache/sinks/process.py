@@ -71,6 +71,7 @@ class _Sinks:
         self.consumer = Consumer(self.providers.tracer_provider, self.providers.meter_provider,
                                  {**hello, "in_resource": self.providers.static_in_resource}, ids=ids)
         self.answer, self.bound = answer, env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
+        self.flush_s = self.bound
         self.frames = self.taken = self.read = self.read_then = 0
         self.at = time.monotonic()
 
@@ -84,7 +85,7 @@ class _Sinks:
         self.bound = next((m[1] for m in batch if m[0] == rec.STOP), self.bound)
         flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]
         self.consumer.apply(batch)
-        ok = bool(flushes) and self.providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
+        ok = bool(flushes) and self.providers.force_flush(self.flush_s)
         if ok or not flushes:
             self.checkpoint(flushed=ok)
         if flushes:

@@ -81,7 +81,7 @@ class SpanBuilder:
         self._static, self._ids = static, ids
 
     def begin(self, r: Any) -> tuple[Any, bool]:
-        """The span, and whether it waits for the ack (else it has the ack's attributes)."""
+        """The span, and whether it waits for the ack."""
         if self._ids is not None:
             self._ids.use(r.seq)
         attrs = span_attributes(r, self._static)
