@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,7 @@ def emitted(harness, monkeypatch) -> dict[str, Any]:
     from otel_hicache.sinks.metrics import TransferMetrics
     process_reader = InMemoryMetricReader()
     process_provider = MeterProvider(metric_readers=[process_reader], shutdown_on_exit=False)
-    TransferMetrics(process_provider, STATIC, location="telemetry_process")
+    TransferMetrics(process_provider, STATIC, time.time_ns, "unknown", "telemetry_process")
     monkeypatch.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")
     pool = h.tel.host_pool(1024, 64)  # the load-back reads what the offload wrote, and a page it did not
     for direction, slots in (("offload", range(128)), ("onboard", range(192))):

@@ -232,7 +232,7 @@ def metrics():
     clock = _Clock()
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
-    made = TransferMetrics(provider, STATIC, clock)
+    made = TransferMetrics(provider, STATIC, clock, "unknown", "embedded")
     yield SimpleNamespace(metrics=made, reader=reader, clock=clock)
     provider.shutdown()
 

@@ -13,15 +13,13 @@ class BusyTimeTracker:
     __slots__ = ("_starts", "_ends", "_horizon_ns", "latest_end")
 
     def __init__(self, horizon_ns: int = 120 * 10**9) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        self._horizon_ns, self.latest_end = horizon_ns, None
+        self._starts, self._ends, self._horizon_ns, self.latest_end = [], [], horizon_ns, None
 
     def add(self, start_ns: int, end_ns: int) -> int:
         if end_ns <= start_ns:
             return 0
         starts, ends = self._starts, self._ends
-        lo, hi = bisect_left(ends, start_ns), bisect_right(starts, end_ns)  # those it touches
+        lo, hi = bisect_left(ends, start_ns), bisect_right(starts, end_ns)
         added = end_ns - start_ns - sum(max(0, min(e, end_ns) - max(s, start_ns))
                                         for s, e in zip(starts[lo:hi], ends[lo:hi]))
         if lo < hi:

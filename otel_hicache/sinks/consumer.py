@@ -27,7 +27,7 @@ class Op:
 class Consumer:
     """``hello``: static ``attributes`` (on each span and point unless ``in_resource``) and ``pools``."""
 
-    def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
+    def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping,
                  clock: Callable[[], int] = time.time_ns, ids: Any = None) -> None:
         attributes = {k: tuple(v) if type(v) is list else v for k, v in (hello.get("attributes") or {}).items()}
         static = {} if hello.get("in_resource") else attributes
@@ -51,11 +51,11 @@ class Consumer:
         for message in batch:
             try:
                 handlers[message[0]](message)
-            except Exception as exc:  # pylint: disable=broad-except  # one message, never the batch
+            except Exception as exc:  # pylint: disable=broad-except  # one message, not the batch
                 if message[0] in (rec.OP, rec.ACK):
                     self.metrics.dropped_records(sc.DROP_INTERNAL_ERROR)
                 warn_once(f"consumer:{type(exc).__name__}", "otel-hicache: a transfer record could not be "
-                          "reported (%r); counted in otel_hicache.records.dropped{reason=internal_error}", exc)
+                          "reported (%r)", exc)
                 logger.debug("otel-hicache consumer error", exc_info=True)
 
     def checkpoint(self) -> list[Any]:
@@ -127,7 +127,6 @@ class Consumer:
 
     def _state(self, message: tuple) -> None:
         self.metrics.state(*message[1:6])
-        # intervals ending well before the oldest op in flight overlap none to come
         oldest = min((t for t in message[2].values() if t is not None), default=None)
         if oldest is not None or not any(message[1].values()):
             for tracker in self._busy.values():

@@ -11,9 +11,9 @@ from .consumer import Consumer
 
 
 class EmbeddedChannel:
-    def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
+    def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping,
                  clock: Callable[[], int] = time.time_ns) -> None:
-        self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
+        self._providers = tracer_provider, meter_provider
         self._lock = threading.Lock()  # a stop comes from another thread than the writes
         self.consumer = Consumer(tracer_provider, meter_provider, {**hello, "embedded": True}, clock)
 
@@ -22,7 +22,7 @@ class EmbeddedChannel:
             self.consumer.apply(batch)
 
     def flush(self, timeout_s: float) -> bool:
-        return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
+        return bounded("force_flush", *self._providers, timeout_s)
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
         """The providers stay up."""

@@ -15,7 +15,7 @@ OFFLOAD_CAUSES = (*causes()["offload"], sc.CAUSE_MIXED)
 _CAUSE_INDEX = {cause: index for index, cause in enumerate(OFFLOAD_CAUSES)}
 _N = len(OFFLOAD_CAUSES)
 MAX_LINKS = 16  # a load-back's links to the offloads that wrote its pages
-# per writing offload, oldest first (writers newest first); unknown_pages: written before tracking began
+# per writer, oldest first (writers: newest first); unknown_pages: written before tracking began
 Reuse = namedtuple("Reuse", "residence_ns causes bytes_by_cause unknown_pages writers writers_ns")
 
 

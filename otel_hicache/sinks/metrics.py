@@ -26,8 +26,8 @@ def _int64(name: str, total: Any) -> Any:
 
 
 class TransferMetrics:
-    def __init__(self, meter_provider: Any, static: Mapping[str, Any], clock: Callable[[], int] = time.time_ns,
-                 io_backend: str = "unknown", location: str = sc.LOCATION_EMBEDDED) -> None:
+    def __init__(self, meter_provider: Any, static: Mapping, clock: Callable[[], int], io_backend: str,
+                 location: str) -> None:
         meter = meter_provider.get_meter(sc.SCOPE_NAME, __version__)
         self._static = static = dict(static)
         self._clock, self._io_backend, self._series = clock, io_backend, {}
@@ -85,8 +85,8 @@ class TransferMetrics:
         if attrs is None:
             if capped:
                 if self._capped[capped] >= SERIES_CAP:
-                    warn_once(f"cardinality:{capped}", "otel-hicache: more than %d series by %s; the rest are one "
-                              "series with otel.metric.overflow=true", SERIES_CAP, capped)
+                    warn_once(f"cardinality:{capped}", "otel-hicache: more than %d series by %s; the rest share "
+                              "one with otel.metric.overflow=true", SERIES_CAP, capped)
                     return self._attrs(("otel.metric.overflow", True))
                 self._capped[capped] += 1
             attrs = self._series[pairs] = {**self._static, **dict(pairs)}

@@ -31,12 +31,13 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
             yield None, len(buffer)
             buffer.clear()
         elif 0 <= length <= len(buffer) - header:
-            data = bytes(buffer[:header + length])
-            del buffer[:header + length]
+            length += header
+            data = bytes(buffer[:length])
+            del buffer[:length]
             try:
-                yield rec.decode(data), header + length
+                yield rec.decode(data), length
             except (ValueError, RecursionError):
-                yield None, header + length
+                yield None, length
         elif select.select([fd], [], [], wait)[0]:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
@@ -65,11 +66,11 @@ class _Sinks:
         from .spans import OpIds
 
         ids = OpIds(bytes.fromhex(hello.get("key") or "") or os.urandom(16))
-        self.providers = build(Resource(hello.get("resource") or {}, hello.get("schema_url") or None),
-                               id_generator=ids, counters_since_ns=hello.get("start_ns"), own_process=True,
-                               static=hello.get("attributes"))
-        self.consumer = Consumer(self.providers.tracer_provider, self.providers.meter_provider,
-                                 {**hello, "in_resource": self.providers.static_in_resource}, ids=ids)
+        self.providers = p = build(Resource(hello.get("resource") or {}, hello.get("schema_url") or None),
+                                   id_generator=ids, counters_since_ns=hello.get("start_ns"), own_process=True,
+                                   static=hello.get("attributes"))
+        self.consumer = Consumer(p.tracer_provider, p.meter_provider, {**hello, "in_resource": p.static_in_resource},
+                                 ids=ids)
         self.answer, self.bound = answer, env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self.flush_s = self.bound
         self.frames = self.taken = self.read = self.read_then = 0
@@ -79,8 +80,7 @@ class _Sinks:
         self.frames, self.read = self.frames + 1, self.read + size
         if not well_formed(batch):  # written by another process
             self.consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
-            warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
-                      "capture's; counted in otel_hicache.records.dropped{reason=malformed_frame}")
+            warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the capture's")
             return
         self.bound = next((m[1] for m in batch if m[0] == rec.STOP), self.bound)
         flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]
@@ -103,8 +103,7 @@ class _Sinks:
             self.answer(b"exported %d %s\n" % (frames, message))
 
     def idle(self) -> float:
-        """No wake-up while nothing is owed."""
-        self.checkpoint()
+        self.checkpoint()  # then no wake-up while nothing is owed
         return PARENT_CHECK_S if self.frames == self.taken else max(0.01, self.at + CHECKPOINT_S - time.monotonic())
 
     def close(self) -> None:
@@ -127,8 +126,8 @@ def main() -> int:
         with contextlib.suppress(OSError):  # it stopped reading
             answers.write(line)
 
-    sinks: _Sinks | None = None
-    source = frames(0, lambda: sinks.idle() if sinks is not None else PARENT_CHECK_S)
+    sinks = None
+    source = frames(0, lambda: sinks.idle() if sinks else PARENT_CHECK_S)
     hello = next(source, (None, 0))[0]
     if not isinstance(hello, dict):
         return 1

@@ -7,9 +7,8 @@ import os
 from typing import Any, Mapping
 
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
-from opentelemetry.trace import TraceFlags, TraceState
-from opentelemetry.trace.propagation import set_span_in_context
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import TraceState, set_span_in_context
 
 from .. import semconv as sc
 from ..record import OFFLOAD, ONBOARD, TIERS
@@ -46,7 +45,7 @@ class OpIds(IdGenerator):
         return int.from_bytes(self._digest[8:], "little") or 1
 
 
-def span_attributes(r: Any, static: Mapping[str, Any]) -> dict[str, Any]:
+def span_attributes(r: Any, static: Mapping) -> dict[str, Any]:
     """All but the ack's; the measured ones win."""
     (src, dst), reuse = TIERS[r.direction], r.host[2]
     residence = reuse.residence_ns if reuse else ()  # (oldest write first)
@@ -76,7 +75,7 @@ def _ack_attributes(r: Any) -> dict[str, Any]:
 
 
 class SpanBuilder:
-    def __init__(self, tracer_provider: Any, static: Mapping[str, Any], ids: OpIds | None = None) -> None:
+    def __init__(self, tracer_provider: Any, static: Mapping, ids: OpIds | None = None) -> None:
         self._tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
         self._static, self._ids = static, ids
 
