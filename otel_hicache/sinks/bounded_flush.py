@@ -7,7 +7,7 @@ from typing import Any
 
 from ..diagnostics import warn_once
 
-_stuck: dict[tuple[int, int], threading.Thread] = {}
+_stuck: dict = {}  # providers' ids -> their blocked thread
 
 
 def bounded(method: str, tracer_provider: Any, meter_provider: Any, timeout_s: float) -> bool:

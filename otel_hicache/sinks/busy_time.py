@@ -5,15 +5,16 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 
 _BULK = 1024  # forgotten intervals are deleted once this many or half the list
+HORIZON_NS = 120 * 10**9
 
 
 class BusyTimeTracker:
-    """Disjoint sorted intervals, forgotten ``horizon_ns`` before the newest end."""
+    """Disjoint sorted intervals, forgotten ``HORIZON_NS`` before the newest end."""
 
-    __slots__ = ("_starts", "_ends", "_horizon_ns", "latest_end")
+    __slots__ = ("_starts", "_ends", "latest_end")
 
-    def __init__(self, horizon_ns: int = 120 * 10**9) -> None:
-        self._starts, self._ends, self._horizon_ns, self.latest_end = [], [], horizon_ns, None
+    def __init__(self) -> None:
+        self._starts, self._ends, self.latest_end = [], [], None
 
     def add(self, start_ns: int, end_ns: int) -> int:
         if end_ns <= start_ns:
@@ -27,7 +28,7 @@ class BusyTimeTracker:
         starts[lo:hi], ends[lo:hi] = [start_ns], [end_ns]
         if self.latest_end is None or end_ns > self.latest_end:
             self.latest_end = end_ns
-            self.forget_before(end_ns - self._horizon_ns)
+            self.forget_before(end_ns - HORIZON_NS)
         return added
 
     def forget_before(self, cutoff_ns: int) -> None:

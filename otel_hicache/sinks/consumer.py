@@ -13,7 +13,7 @@ from .host_residence import HostPool
 from .metrics import TransferMetrics
 from .spans import SpanBuilder
 
-_BUSY_MARGIN_NS = 5 * 10**9  # busy intervals kept this long before the oldest op in flight
+_BUSY_MARGIN_NS = 5 * 10**9  # intervals kept this long before the oldest op in flight
 
 
 class Op:
@@ -37,9 +37,8 @@ class Consumer:
                                        location)
         self.spans = SpanBuilder(tracer_provider, static, ids)
         self._busy = {d: BusyTimeTracker() for d in rec.DIRECTIONS}
-        self._pools: dict[int, HostPool] = {}
-        self._host: dict[int, tuple] = {}  # seq -> Op.host, from its HOST to its OP
-        self._awaiting: dict[int, tuple] = {}  # seq -> (op, span, message), to its ACK
+        self._pools, self._host = {}, {}  # _host: seq -> Op.host until its OP
+        self._awaiting = {}  # seq -> (op, span, message), to its ACK
         self._handlers = {rec.OP: self._op, rec.ACK: self._ack, rec.HOST: self._host_pages, rec.POOL: self._pool,
                           rec.FREE: self._freed, rec.STATE: self._state, rec.CHECKPOINT: self._resume,
                           rec.DROPPED: lambda m: m[2] and self.metrics.dropped_records(m[1], m[2]),
@@ -58,7 +57,7 @@ class Consumer:
                           "reported (%r)", exc)
                 logger.debug("otel-hicache consumer error", exc_info=True)
 
-    def checkpoint(self) -> list[Any]:
+    def checkpoint(self) -> list:
         return [rec.CHECKPOINT, self.metrics.checkpoint(), [entry[2] for entry in self._awaiting.values()]]
 
     def _resume(self, message: tuple) -> None:

@@ -14,7 +14,7 @@ class EmbeddedChannel:
     def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping,
                  clock: Callable[[], int] = time.time_ns) -> None:
         self._providers = tracer_provider, meter_provider
-        self._lock = threading.Lock()  # a stop comes from another thread than the writes
+        self._lock = threading.Lock()  # stop() comes from another thread than write()
         self.consumer = Consumer(tracer_provider, meter_provider, {**hello, "embedded": True}, clock)
 
     def write(self, batch: list, ops: int) -> None:

@@ -1,4 +1,4 @@
-"""Host residence: how long offloaded pages sat in host memory until read, who wrote them, and waste."""
+"""How long offloaded pages sat in host memory until read, who wrote them, and waste."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ OFFLOAD_CAUSES = (*causes()["offload"], sc.CAUSE_MIXED)
 _CAUSE_INDEX = {cause: index for index, cause in enumerate(OFFLOAD_CAUSES)}
 _N = len(OFFLOAD_CAUSES)
 MAX_LINKS = 16  # a load-back's links to the offloads that wrote its pages
-# per writer, oldest first (writers: newest first); unknown_pages: written before tracking began
+# per writer, oldest first (writers: newest first)
 Reuse = namedtuple("Reuse", "residence_ns causes bytes_by_cause unknown_pages writers writers_ns")
 
 
@@ -45,7 +45,7 @@ class HostPool:
         return pages
 
     def written(self, pages: Any, when_ns: int, cause: str, num_bytes: int) -> Any:
-        """The unread pages overwritten: (bytes, tokens) per cause index, or None."""
+        """Unread pages overwritten: (bytes, tokens) per cause index, or None."""
         if pages.size == 0:
             return None
         unread, waste = pages[(self.written_ns[pages] != 0) & ~self.reloaded[pages]], None
@@ -76,7 +76,7 @@ class HostPool:
                      np.bincount(self.cause[known], self.page_bytes[known], _N).astype(np.int64).tolist(),
                      int(pages.size - known.size), writers[::-1], when[::-1])
 
-    def links(self, reuse: Any) -> tuple[list[tuple[int, int]], int]:
+    def links(self, reuse: Any) -> tuple[list, int]:
         """The sampled writers still owning the pages, and how many were cut."""
         w = reuse.writers
         w = w[(self.written_ns[w] == reuse.writers_ns) & (self.span_id[w] != 0)]

@@ -1,4 +1,4 @@
-"""The metrics, whatever the sampler keeps: exact counters (totals kept here), histograms with exemplars."""
+"""Metrics, whatever the sampler keeps: exact counters (totals kept here), histograms with exemplars."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ..record import DIRECT, DIRECTIONS, INT64_MAX, MERGED_OP, ORIGINS, TIERS
 from ..version import __version__
 from .host_residence import OFFLOAD_CAUSES
 
-SERIES_CAP = 2000  # series per caller-chosen attribute (pool, I/O backend); the rest share one
+SERIES_CAP = 2000  # per caller-chosen attribute (pool, I/O backend); the rest share one
 
 
 def _int64(name: str, total: Any) -> Any:
@@ -32,7 +32,7 @@ class TransferMetrics:
         self._static = static = dict(static)
         self._clock, self._io_backend, self._series = clock, io_backend, {}
         self._capped = {sc.POOL: 0, sc.IO_BACKEND: 0}
-        self._totals: dict[str, dict] = {}  # counter -> id(attributes) -> [attributes, total]
+        self._totals = {}  # counter name -> id(attributes) -> [attributes, total]
         self._queue_size, self._inflight, self._oldest = 0, dict.fromkeys(DIRECTIONS, 0), ({}, {})
         self.poller_cpu_s = None
         gauge, count = meter.create_observable_gauge, meter.create_observable_counter
@@ -80,7 +80,7 @@ class TransferMetrics:
             for cause in OFFLOAD_CAUSES:
                 self._count(table, 0, (sc.OFFLOAD_CAUSE, cause))
 
-    def _attrs(self, *pairs: tuple, capped: str | None = None) -> dict[str, Any]:
+    def _attrs(self, *pairs: tuple, capped: str | None = None) -> dict:
         attrs = self._series.get(pairs)
         if attrs is None:
             if capped:
@@ -104,14 +104,14 @@ class TransferMetrics:
             self._count(self.tokens, n, (sc.DIRECTION, d), origin, (sc.CAUSE, cause), (sc.POOL, pool), capped=sc.POOL)
 
     def state(self, inflight: Mapping, oldest_inflight: Mapping, oldest_unacked: Mapping, queue_size: int,
-              poller_cpu_s: float | None = None) -> None:
+              poller_cpu_s: float | None) -> None:
         self._inflight.update((d, n) for d, n in inflight.items() if d in self._inflight)
         self._oldest, self._queue_size, self.poller_cpu_s = (oldest_inflight, oldest_unacked), queue_size, poller_cpu_s
 
-    def checkpoint(self) -> list[list[Any]]:
+    def checkpoint(self) -> list:
         return [[name, a, v] for name, table in self._totals.items() for a, v in list(table.values()) if v]
 
-    def seed(self, totals: list[list[Any]]) -> None:
+    def seed(self, totals: list) -> None:
         for name, attrs, value in totals:
             table = self._totals.get(name)
             if table is not None and type(attrs) is dict and type(value) in (int, float) and value > 0:

@@ -58,7 +58,7 @@ def well_formed(batch: Any) -> bool:
 
 
 class _Sinks:
-    def __init__(self, hello: dict[str, Any], answer: Callable[[bytes], None]) -> None:
+    def __init__(self, hello: dict, answer: Callable[[bytes], None]) -> None:
         from opentelemetry.sdk.resources import Resource
 
         from .consumer import Consumer
@@ -71,8 +71,8 @@ class _Sinks:
                                    static=hello.get("attributes"))
         self.consumer = Consumer(p.tracer_provider, p.meter_provider, {**hello, "in_resource": p.static_in_resource},
                                  ids=ids)
-        self.answer, self.bound = answer, env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
-        self.flush_s = self.bound
+        self.answer = answer
+        self.flush_s = self.bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self.frames = self.taken = self.read = self.read_then = 0
         self.at = time.monotonic()
 
@@ -92,7 +92,7 @@ class _Sinks:
             self.answer(b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
 
     def checkpoint(self, flushed: bool = False) -> None:
-        """If due, export the spans taken in, then answer ``exported``."""
+        """If due: export the spans taken in, answer ``exported``."""
         if not flushed and (self.frames == self.taken or time.monotonic() - self.at < CHECKPOINT_S
                             and self.read - self.read_then < CHECKPOINT_BYTES):
             return
@@ -119,7 +119,7 @@ def main() -> int:
     with contextlib.suppress(OSError):
         os.nice(10)  # export waits, serving does not
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # anything printed goes to standard error, not into the answers
+    os.dup2(2, 1)  # prints go to standard error, not into the answers
     sys.stdout = sys.stderr
 
     def answer(line: bytes) -> None:

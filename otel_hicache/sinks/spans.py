@@ -45,7 +45,7 @@ class OpIds(IdGenerator):
         return int.from_bytes(self._digest[8:], "little") or 1
 
 
-def span_attributes(r: Any, static: Mapping) -> dict[str, Any]:
+def span_attributes(r: Any, static: Mapping) -> dict:
     """All but the ack's; the measured ones win."""
     (src, dst), reuse = TIERS[r.direction], r.host[2]
     residence = reuse.residence_ns if reuse else ()  # (oldest write first)
@@ -68,7 +68,7 @@ def span_attributes(r: Any, static: Mapping) -> dict[str, Any]:
     return attrs
 
 
-def _ack_attributes(r: Any) -> dict[str, Any]:
+def _ack_attributes(r: Any) -> dict:
     if r.ack_ns is not None:
         return {sc.ACKED: True, sc.ACK_DELAY_US: max(0, r.ack_ns - r.end_ns) / 1e3}
     return {sc.ACKED: False} if r.expect_ack else {}
@@ -88,8 +88,8 @@ class SpanBuilder:
         if not waits:
             attrs.update(_ack_attributes(r))
         requests = [span_context(c) for c in r.request_links]
-        links = [*(Link(SpanContext(t, s, False, _SAMPLED), _TO_OFFLOAD) for t, s in r.links),
-                 *(Link(context, _TO_REQUEST) for context in requests)]
+        links = [Link(SpanContext(t, s, False, _SAMPLED), _TO_OFFLOAD) for t, s in r.links]
+        links += [Link(context, _TO_REQUEST) for context in requests]
         parent = set_span_in_context(NonRecordingSpan(span_context(r.parent))) if r.parent else None
         span = self._tracer.start_span(SPAN_NAMES[r.direction], parent, SpanKind.INTERNAL, attrs, links, r.start_ns)
         r.span_context = span.get_span_context()
