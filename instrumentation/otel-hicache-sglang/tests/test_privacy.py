@@ -22,8 +22,7 @@ mistake a legitimate count for them:
 Everything otel-hicache exports is captured as it leaves: the real OTLP/HTTP exporters
 built by ``otel_hicache.configure()`` from ``OTEL_*`` (the adapter's production path)
 send to ``otlp_receiver.HttpReceiver``, which keeps each request body as received; plus
-every record of the ``otel_hicache`` logger at every level (the per-op DEBUG lines
-included). otel-hicache exports no OTel log records (it builds no ``LoggerProvider``).
+every record of the ``otel_hicache`` logger at every level. otel-hicache exports no OTel log records (it builds no ``LoggerProvider``).
 
 Scans: (a) no sensitive value in the raw bodies, in any string, integer or double of
 the decoded requests (resource, scope, spans, events, links, status, metric points,
@@ -700,8 +699,7 @@ def sglang_run(sglang_cpu: Any) -> Run:
         mp.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")  # exports at force_flush and shutdown
         mp.setenv("OTEL_HICACHE_POLL_INTERVAL_MS", "0.5")
         mp.setenv("OTEL_HICACHE_HOST_RESIDENCE", "true")  # its links and attributes are scanned too
-        # embedded: the DEBUG lines are then logging records of this process, which the scan reads
-        # (a telemetry process writes the same lines, from the same code, to its standard error)
+        # embedded: the sinks' log records are then this process's, which the scan reads
         mp.setenv("OTEL_HICACHE_TELEMETRY_PROCESS", "false")
         mp.setattr(UnifiedTreeNode, "counter", NODE_IDS.start)
         mp.setattr(CacheOperation, "counter", OP_IDS.start)
