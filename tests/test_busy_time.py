@@ -9,6 +9,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_hicache import TransferTelemetry
+from otel_hicache.sinks import busy_time
 from otel_hicache.sinks.busy_time import BusyTimeTracker
 from otel_hicache.capture.device import anchor_factory_for
 from simulated import DuckEvent, SimulatedDevice
@@ -47,8 +48,9 @@ def test_empty_and_reversed_intervals_add_nothing():
     assert len(tracker._ends) == 0
 
 
-def test_old_intervals_are_forgotten_beyond_the_horizon():
-    tracker = BusyTimeTracker(horizon_ns=100)
+def test_old_intervals_are_forgotten_beyond_the_horizon(monkeypatch):
+    monkeypatch.setattr(busy_time, "HORIZON_NS", 100)
+    tracker = BusyTimeTracker()
     tracker.add(0, 10)
     tracker.add(1000, 1010)
     assert len(tracker._ends) == 1
@@ -66,12 +68,13 @@ def test_forget_before_is_lazy_and_bulk():
     assert tracker.add(20_000, 20_005) == 0  # still known: no double count
 
 
-def test_a_long_lived_tracker_forgets_in_bulk():
+def test_a_long_lived_tracker_forgets_in_bulk(monkeypatch):
     """A long-lived tracker used to delete one interval at a time from the front of its lists on
     every add (its cost grew with its history): forgetting is counted here, not timed."""
     from otel_hicache.sinks.busy_time import _BULK
 
-    tracker, adds, spacing = BusyTimeTracker(horizon_ns=12_000_000), 204_000, 588
+    monkeypatch.setattr(busy_time, "HORIZON_NS", 12_000_000)
+    tracker, adds, spacing = BusyTimeTracker(), 204_000, 588
     sizes = []
     for i in range(adds):
         tracker.add(i * spacing, i * spacing + 60)

@@ -234,7 +234,7 @@ def metrics():
     clock = _Clock()
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
-    made = TransferMetrics(provider, STATIC, clock)
+    made = TransferMetrics(provider, STATIC, clock, "unknown", "embedded")
     yield SimpleNamespace(metrics=made, reader=reader, clock=clock)
     provider.shutdown()
 
@@ -245,18 +245,19 @@ def test_both_gauges_report_zero_for_both_directions_before_any_state(metrics):
 
 def test_the_gauges_age_the_times_sent_when_the_sdk_collects(metrics):
     m, clock = metrics.metrics, metrics.clock
-    m.state({"offload": 1, "onboard": 0}, {"offload": T0, "onboard": None}, {"offload": None, "onboard": T0 + S}, 1)
+    m.state({"offload": 1, "onboard": 0}, {"offload": T0, "onboard": None}, {"offload": None, "onboard": T0 + S}, 1,
+            None)
     clock.now = T0 + 2 * S
     assert gauge(metrics.reader, INFLIGHT) == {"offload": 2.0, "onboard": 0.0}
     assert gauge(metrics.reader, UNACKED) == {"offload": 0.0, "onboard": 1.0}
     clock.now += S // 4
     assert gauge(metrics.reader, INFLIGHT) == {"offload": 2.25, "onboard": 0.0}  # no new state needed
-    m.state({"offload": 0, "onboard": 0}, NONE, NONE, 0)
+    m.state({"offload": 0, "onboard": 0}, NONE, NONE, 0, None)
     assert gauge(metrics.reader, INFLIGHT) == ZERO and gauge(metrics.reader, UNACKED) == ZERO
 
 
 def test_a_time_ahead_of_the_clock_is_an_age_of_zero(metrics):
-    metrics.metrics.state({"offload": 1, "onboard": 0}, {"offload": T0 + S, "onboard": None}, NONE, 1)
+    metrics.metrics.state({"offload": 1, "onboard": 0}, {"offload": T0 + S, "onboard": None}, NONE, 1, None)
     assert gauge(metrics.reader, INFLIGHT) == ZERO
 
 

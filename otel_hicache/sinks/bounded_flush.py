@@ -1,5 +1,4 @@
-"""``force_flush`` or ``shutdown`` within a bound (the SDK's waits on an unreachable collector have none)
-on a daemon thread; while one for the same providers is blocked, later ones are not waited for."""
+"""``force_flush`` or ``shutdown`` within a bound, on a daemon thread (the SDK's waits have none)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ from typing import Any
 
 from ..diagnostics import warn_once
 
-_stuck: dict[tuple[int, int], threading.Thread] = {}
+_stuck: dict = {}  # providers' ids -> their blocked thread
 
 
 def bounded(method: str, tracer_provider: Any, meter_provider: Any, timeout_s: float) -> bool:
@@ -22,16 +21,15 @@ def bounded(method: str, tracer_provider: Any, meter_provider: Any, timeout_s: f
                 result[0] = (call is None or call(*args) is not False) and result[0]
             except Exception as exc:  # pylint: disable=broad-except
                 result[0] = False
-                warn_once(f"bounded:{type(exc).__name__}", "otel-hicache: flush/shutdown step failed: %r", exc)
+                warn_once(f"bounded:{type(exc).__name__}", "otel-hicache: flush/shutdown failed: %r", exc)
 
     stuck = _stuck.pop(key, None)
     if stuck is not None and stuck.is_alive():
-        if method == "shutdown":  # it still runs once the blocked call returns
+        if method == "shutdown":  # run once the blocked call returns
             stuck = threading.Thread(target=lambda blocked=stuck: (blocked.join(), run()), daemon=True)
             stuck.start()
         _stuck[key] = stuck
-        warn_once("bounded:stuck", "otel-hicache: an earlier telemetry flush is still blocked (collector "
-                  "unreachable?); not waiting for this one")
+        warn_once("bounded:stuck", "otel-hicache: an earlier telemetry flush is still blocked; not waiting")
         return False
     thread = threading.Thread(target=run, name="otel-hicache-flush", daemon=True)
     thread.start()
@@ -39,6 +37,6 @@ def bounded(method: str, tracer_provider: Any, meter_provider: Any, timeout_s: f
     if thread.is_alive():
         _stuck[key] = thread
         warn_once("bounded:timeout", "otel-hicache: telemetry flush/shutdown did not finish within %.1f s "
-                  "(collector unreachable?); giving up so the process is not held", timeout_s)
+                  "(collector unreachable?)", timeout_s)
         return False
     return result[0]

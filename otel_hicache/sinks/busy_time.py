@@ -1,29 +1,26 @@
-"""Busy time: the union of device-busy intervals, so ``rate(bytes) / rate(busy_time)`` is the
-throughput while busy (summed durations overcount overlapping transfers)."""
+"""Busy time: the union of the ops' intervals (summed durations overcount overlapping ones)."""
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 
-_BULK = 1024  # forgotten intervals are deleted together, once this many or half the list
+_BULK = 1024  # forgotten intervals are deleted once this many or half the list
+HORIZON_NS = 120 * 10**9
 
 
 class BusyTimeTracker:
-    """Disjoint sorted intervals, forgotten ``horizon_ns`` before the newest end or as told (one
-    overlapping them later counts in full)."""
+    """Disjoint sorted intervals, forgotten ``HORIZON_NS`` before the newest end."""
 
-    __slots__ = ("_starts", "_ends", "_horizon_ns", "latest_end")
+    __slots__ = ("_starts", "_ends", "latest_end")
 
-    def __init__(self, horizon_ns: int = 120 * 10**9) -> None:
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        self._horizon_ns, self.latest_end = horizon_ns, None
+    def __init__(self) -> None:
+        self._starts, self._ends, self.latest_end = [], [], None
 
     def add(self, start_ns: int, end_ns: int) -> int:
         if end_ns <= start_ns:
             return 0
         starts, ends = self._starts, self._ends
-        lo, hi = bisect_left(ends, start_ns), bisect_right(starts, end_ns)  # the intervals it touches
+        lo, hi = bisect_left(ends, start_ns), bisect_right(starts, end_ns)
         added = end_ns - start_ns - sum(max(0, min(e, end_ns) - max(s, start_ns))
                                         for s, e in zip(starts[lo:hi], ends[lo:hi]))
         if lo < hi:
@@ -31,7 +28,7 @@ class BusyTimeTracker:
         starts[lo:hi], ends[lo:hi] = [start_ns], [end_ns]
         if self.latest_end is None or end_ns > self.latest_end:
             self.latest_end = end_ns
-            self.forget_before(end_ns - self._horizon_ns)
+            self.forget_before(end_ns - HORIZON_NS)
         return added
 
     def forget_before(self, cutoff_ns: int) -> None:

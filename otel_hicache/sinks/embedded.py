@@ -1,5 +1,4 @@
-"""The sinks on the poller thread: on the caller's providers, configure()'s when nothing goes over OTLP,
-or private ones when no telemetry process can start."""
+"""The sinks on the poller thread, on the caller's providers or configure()'s."""
 
 from __future__ import annotations
 
@@ -12,21 +11,21 @@ from .consumer import Consumer
 
 
 class EmbeddedChannel:
-    def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping[str, Any],
+    def __init__(self, tracer_provider: Any, meter_provider: Any, hello: Mapping,
                  clock: Callable[[], int] = time.time_ns) -> None:
-        self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
-        self._lock = threading.Lock()  # a flush or stop comes from another thread than the poller's writes
+        self._providers = tracer_provider, meter_provider
+        self._lock = threading.Lock()  # stop() comes from another thread than write()
         self.consumer = Consumer(tracer_provider, meter_provider, {**hello, "embedded": True}, clock)
 
-    def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
+    def write(self, batch: list, ops: int) -> None:
         with self._lock:
             self.consumer.apply(batch)
 
     def flush(self, timeout_s: float) -> bool:
-        return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
+        return bounded("force_flush", *self._providers, timeout_s)
 
     def stop(self, timeout_s: float, export_s: float | None = None) -> bool:
-        """The providers (the caller's or configure()'s) stay up."""
+        """The providers stay up."""
         with self._lock:
             self.consumer.close()
         return self.flush(timeout_s)

@@ -1,10 +1,8 @@
-"""The telemetry process of a serving process, niced, deaf to Ctrl-C: it reads frames (a hello, then
-batches) and answers lines, as :mod:`..record` says."""
+"""The telemetry process: frames in (a hello, then batches), lines out, as :mod:`..record` says."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import select
 import signal
@@ -19,9 +17,9 @@ from ..diagnostics import logger, mark_warned, warn_once
 from ..settings import env_float
 from .bounded_flush import bounded
 
-CHECKPOINT_S = 1.0  # spans exported and a checkpoint answered at most this often,
+CHECKPOINT_S = 1.0  # a checkpoint at most this often,
 CHECKPOINT_BYTES = 4 << 20  # and after this much input
-PARENT_CHECK_S = 1.0  # an idle read owing nothing waits this long, then looks for the serving process
+PARENT_CHECK_S = 1.0  # an idle read's wait before looking for the serving process
 
 
 def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
@@ -33,18 +31,19 @@ def frames(fd: int, idle: Callable[[], float]) -> Iterator[tuple[Any, int]]:
             yield None, len(buffer)
             buffer.clear()
         elif 0 <= length <= len(buffer) - header:
-            data = bytes(buffer[:header + length])
-            del buffer[:header + length]
+            length += header
+            data = bytes(buffer[:length])
+            del buffer[:length]
             try:
-                yield rec.decode(data), header + length
-            except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
-                yield None, header + length
+                yield rec.decode(data), length
+            except (ValueError, RecursionError):
+                yield None, length
         elif select.select([fd], [], [], wait)[0]:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 return
             buffer += chunk
-            wait = 0.0  # it may owe a checkpoint: idle() says
+            wait = 0.0  # idle() says when a checkpoint is owed
         elif os.getppid() != parent:
             return
         else:
@@ -59,7 +58,7 @@ def well_formed(batch: Any) -> bool:
 
 
 class _Sinks:
-    def __init__(self, hello: dict[str, Any], answer: Callable[[bytes], None]) -> None:
+    def __init__(self, hello: dict, answer: Callable[[bytes], None]) -> None:
         from opentelemetry.sdk.resources import Resource
 
         from .consumer import Consumer
@@ -67,33 +66,33 @@ class _Sinks:
         from .spans import OpIds
 
         ids = OpIds(bytes.fromhex(hello.get("key") or "") or os.urandom(16))
-        self.providers = build(Resource(hello.get("resource") or {}, hello.get("schema_url") or None),
-                               id_generator=ids, counters_since_ns=hello.get("start_ns"), own_process=True,
-                               static=hello.get("attributes"))
-        self.consumer = Consumer(self.providers.tracer_provider, self.providers.meter_provider,
-                                 {**hello, "in_resource": self.providers.static_in_resource}, ids=ids)
-        self.answer, self.bound = answer, env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
-        self.frames = self.taken = self.read = self.read_then = 0  # frames and bytes in all, at the checkpoint
+        self.providers = p = build(Resource(hello.get("resource") or {}, hello.get("schema_url") or None),
+                                   id_generator=ids, counters_since_ns=hello.get("start_ns"), own_process=True,
+                                   static=hello.get("attributes"))
+        self.consumer = Consumer(p.tracer_provider, p.meter_provider, {**hello, "in_resource": p.static_in_resource},
+                                 ids=ids)
+        self.answer = answer
+        self.flush_s = self.bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
+        self.frames = self.taken = self.read = self.read_then = 0
         self.at = time.monotonic()
 
     def take(self, batch: Any, size: int) -> None:
         self.frames, self.read = self.frames + 1, self.read + size
-        if not well_formed(batch):  # written by another process: skipped, counted
+        if not well_formed(batch):  # written by another process
             self.consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
-            warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the "
-                      "capture's; skipped, counted in otel_hicache.records.dropped{reason=malformed_frame}")
+            warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the capture's")
             return
         self.bound = next((m[1] for m in batch if m[0] == rec.STOP), self.bound)
         flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]
         self.consumer.apply(batch)
-        ok = bool(flushes) and self.providers.force_flush(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
+        ok = bool(flushes) and self.providers.force_flush(self.flush_s)
         if ok or not flushes:
             self.checkpoint(flushed=ok)
         if flushes:
             self.answer(b"".join(b"flushed %d %d\n" % (token, ok) for token in flushes))
 
     def checkpoint(self, flushed: bool = False) -> None:
-        """If due, export the spans taken in (``flushed``: done), then answer ``exported``."""
+        """If due: export the spans taken in, answer ``exported``."""
         if not flushed and (self.frames == self.taken or time.monotonic() - self.at < CHECKPOINT_S
                             and self.read - self.read_then < CHECKPOINT_BYTES):
             return
@@ -104,12 +103,11 @@ class _Sinks:
             self.answer(b"exported %d %s\n" % (frames, message))
 
     def idle(self) -> float:
-        """No wake-up while nothing is owed."""
-        self.checkpoint()
+        self.checkpoint()  # then no wake-up while nothing is owed
         return PARENT_CHECK_S if self.frames == self.taken else max(0.01, self.at + CHECKPOINT_S - time.monotonic())
 
     def close(self) -> None:
-        """A flush first, within the bound: the SDK's self-metrics leave with it."""
+        """A flush first: the SDK's self-metrics leave with it."""
         self.consumer.close()
         deadline = time.monotonic() + self.bound
         self.providers.force_flush(self.bound)
@@ -121,23 +119,20 @@ def main() -> int:
     with contextlib.suppress(OSError):
         os.nice(10)  # export waits, serving does not
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # anything printed goes to the serving process's standard error, not into the answers
+    os.dup2(2, 1)  # prints go to standard error, not into the answers
     sys.stdout = sys.stderr
 
     def answer(line: bytes) -> None:
-        with contextlib.suppress(OSError):  # it stopped reading: no answer is needed
+        with contextlib.suppress(OSError):  # it stopped reading
             answers.write(line)
 
-    sinks: _Sinks | None = None
-    source = frames(0, lambda: sinks.idle() if sinks is not None else PARENT_CHECK_S)
+    sinks = None
+    source = frames(0, lambda: sinks.idle() if sinks else PARENT_CHECK_S)
     hello = next(source, (None, 0))[0]
     if not isinstance(hello, dict):
         return 1
     mark_warned(hello.get("warned") or [])
-    if hello.get("log_level"):  # the serving process logs otel-hicache at DEBUG: so does this one
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [telemetry process] %(message)s"))
-        logger.addHandler(handler)
+    if hello.get("log_level"):  # warnings silenced there are silenced here
         logger.setLevel(hello["log_level"])
     sinks = _Sinks(hello, answer)
     answer(b"hello\n")
@@ -145,7 +140,3 @@ def main() -> int:
         sinks.take(batch, size)
     sinks.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

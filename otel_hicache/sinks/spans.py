@@ -1,5 +1,4 @@
-"""Spans timed by the copy (device time on the wall clock), ended after the ack wait, children of the
-context at submit."""
+"""Spans timed by the copy, ended after the ack wait, children of the context at submit."""
 
 from __future__ import annotations
 
@@ -8,21 +7,20 @@ import os
 from typing import Any, Mapping
 
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode
-from opentelemetry.trace import TraceFlags, TraceState
-from opentelemetry.trace.propagation import set_span_in_context
+from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import TraceState, set_span_in_context
 
 from .. import semconv as sc
 from ..record import OFFLOAD, ONBOARD, TIERS
 from ..version import __version__
 
 SPAN_NAMES = {OFFLOAD: sc.SPAN_OFFLOAD, ONBOARD: sc.SPAN_ONBOARD}
-_TO_OFFLOAD, _TO_REQUEST = {sc.LINK_TO: sc.LINK_TO_OFFLOAD}, {sc.LINK_TO: sc.LINK_TO_REQUEST}  # never mutated
+_TO_OFFLOAD, _TO_REQUEST = {sc.LINK_TO: sc.LINK_TO_OFFLOAD}, {sc.LINK_TO: sc.LINK_TO_REQUEST}
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
 def trace_id_hex(context: Any) -> str:
-    """As Jaeger shows it: 16 hex digits for a 64-bit id (SGLang's), else 32."""
+    """As Jaeger shows it: 16 hex digits for a 64-bit id, else 32."""
     return f"{context.trace_id:0{16 if context.trace_id < 1 << 64 else 32}x}"
 
 
@@ -32,7 +30,7 @@ def span_context(values: Any) -> SpanContext:
 
 
 class OpIds(IdGenerator):
-    """Ids hashed from the op's seq and a key: a successor's replayed op is the same span."""
+    """Ids hashed from the seq: a replayed op is the same span."""
 
     def __init__(self, key: bytes) -> None:
         self._key, self._digest = key[:64], os.urandom(24)
@@ -47,8 +45,8 @@ class OpIds(IdGenerator):
         return int.from_bytes(self._digest[8:], "little") or 1
 
 
-def span_attributes(r: Any, static: Mapping[str, Any]) -> dict[str, Any]:
-    """All but the ack's: static, the call's, then the measured ones (which win)."""
+def span_attributes(r: Any, static: Mapping) -> dict:
+    """All but the ack's; the measured ones win."""
     (src, dst), reuse = TIERS[r.direction], r.host[2]
     residence = reuse.residence_ns if reuse else ()  # (oldest write first)
     attrs = {**static, **(r.attributes or {})}
@@ -70,19 +68,19 @@ def span_attributes(r: Any, static: Mapping[str, Any]) -> dict[str, Any]:
     return attrs
 
 
-def _ack_attributes(r: Any) -> dict[str, Any]:
+def _ack_attributes(r: Any) -> dict:
     if r.ack_ns is not None:
         return {sc.ACKED: True, sc.ACK_DELAY_US: max(0, r.ack_ns - r.end_ns) / 1e3}
     return {sc.ACKED: False} if r.expect_ack else {}
 
 
 class SpanBuilder:
-    def __init__(self, tracer_provider: Any, static: Mapping[str, Any], ids: OpIds | None = None) -> None:
+    def __init__(self, tracer_provider: Any, static: Mapping, ids: OpIds | None = None) -> None:
         self._tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__)
         self._static, self._ids = static, ids
 
     def begin(self, r: Any) -> tuple[Any, bool]:
-        """The span, and whether it waits for the ack (else it has the ack's attributes)."""
+        """The span, and whether it waits for the ack."""
         if self._ids is not None:
             self._ids.use(r.seq)
         attrs = span_attributes(r, self._static)
@@ -90,16 +88,15 @@ class SpanBuilder:
         if not waits:
             attrs.update(_ack_attributes(r))
         requests = [span_context(c) for c in r.request_links]
-        # links: the sampled offloads that wrote a load-back's pages, then the requests it served
-        links = [*(Link(SpanContext(t, s, False, _SAMPLED), _TO_OFFLOAD) for t, s in r.links),
-                 *(Link(context, _TO_REQUEST) for context in requests)]
+        links = [Link(SpanContext(t, s, False, _SAMPLED), _TO_OFFLOAD) for t, s in r.links]
+        links += [Link(context, _TO_REQUEST) for context in requests]
         parent = set_span_in_context(NonRecordingSpan(span_context(r.parent))) if r.parent else None
         span = self._tracer.start_span(SPAN_NAMES[r.direction], parent, SpanKind.INTERNAL, attrs, links, r.start_ns)
         r.span_context = span.get_span_context()
         if r.span_context.trace_flags.sampled:
             r.exemplar_context = set_span_in_context(span)
         if span.is_recording():
-            for context in requests:  # the way back from a request, in Jaeger's search
+            for context in requests:  # (a request's trace id is searchable)
                 span.add_event(sc.EVENT_REQUEST, {sc.REQUEST_TRACE_ID: trace_id_hex(context)}, r.submit_ns)
             if r.error is not None:
                 span.set_status(Status(StatusCode.ERROR, r.error))
