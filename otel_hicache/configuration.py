@@ -1,4 +1,4 @@
-"""``configure()``: where the sinks run, once per process (a forked child chooses again): in a telemetry
+"""``configure()``: where the sinks run, chosen once per process (again in a forked child): a telemetry
 process when an exporter sends over OTLP, else embedded on private providers (never the host's globals)."""
 
 from __future__ import annotations
@@ -15,15 +15,11 @@ from .capture import fork
 from .capture.channel import ProcessChannel
 from .capture.process_exit import on_exit
 from .diagnostics import logger, warned
-from .settings import env_bool, env_float, sdk_disabled
-
-# (the sinks' modules are imported where used: ``import otel_hicache`` loads the capture only)
+from .environment_variables import env_bool, env_float, sdk_disabled
 
 
 @dataclass
 class Configuration:
-    """What :func:`configure` chose: the telemetry process, or the embedded providers it built."""
-
     telemetry_process: bool
     built: Any  # sinks.providers.Providers, or None
     disabled: bool
@@ -45,14 +41,13 @@ _fork_registered = False
 
 
 def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Configuration:
-    """Choose (once per process) where the sinks run, and build what that needs; ``metric_readers``
-    (added to the meter provider's) keep the sinks embedded: they read in this process."""
+    """Choose where the sinks run and build what that needs; ``metric_readers`` keep them embedded."""
     global _configured, _fork_registered
     with _lock:
         previous = _configured
         if previous is not None and not force and previous.pid == os.getpid():
             return previous
-        from .sinks import otel_environment, providers
+        from .sinks import otel_environment, providers  # (``import otel_hicache`` loads the capture only)
         resource = None if sdk_disabled() else otel_environment.resource()
         if not metric_readers and uses_telemetry_process():
             _configured = Configuration(True, None, disabled=False, resource=resource)
@@ -63,7 +58,7 @@ def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Con
             fork.after_fork_in_child(_after_fork_in_child)
             _fork_registered = True
     if previous is not None and previous.pid == os.getpid():
-        previous.shutdown(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))  # configure(force=True)
+        previous.shutdown(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
     return _configured
 
 
@@ -73,7 +68,6 @@ def configured() -> Configuration | None:
 
 
 def shutdown(timeout_s: float | None = None) -> bool:
-    """Flush and shut down the providers configure() built, bounded in time."""
     global _configured
     with _lock:
         current, _configured = configured(), None
@@ -85,10 +79,12 @@ def shutdown(timeout_s: float | None = None) -> bool:
 def uses_telemetry_process() -> bool:
     """:envvar:`OTEL_HICACHE_TELEMETRY_PROCESS`, or when unset: whether an exporter sends over OTLP."""
     from .sinks import providers
-    if (os.environ.get(ev.OTEL_HICACHE_TELEMETRY_PROCESS) or "").strip() and not sdk_disabled():
+    if sdk_disabled():
+        return False
+    if (os.environ.get(ev.OTEL_HICACHE_TELEMETRY_PROCESS) or "").strip():
         return env_bool(ev.OTEL_HICACHE_TELEMETRY_PROCESS, default=False)
-    return not sdk_disabled() and any(providers.otlp_protocol(signal, name) is not None
-                                      for signal in ("traces", "metrics") for name in providers.exporter_names(signal))
+    return any(providers.otlp_protocol(signal, name) is not None
+               for signal in ("traces", "metrics") for name in providers.exporter_names(signal))
 
 
 def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
@@ -96,43 +92,45 @@ def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
     from .sinks import otel_environment
     resource = resource if resource is not None else otel_environment.resource()
     return {"resource": dict(resource.attributes), "schema_url": resource.schema_url, "attributes": dict(static),
-            "pid": os.getpid(), "warned": warned(), "log_level": logger.getEffectiveLevel()
-            if logger.isEnabledFor(logging.DEBUG) else None}
+            "pid": os.getpid(), "warned": warned(),
+            "log_level": logger.getEffectiveLevel() if logger.isEnabledFor(logging.DEBUG) else None}
 
 
 def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str, Any],
                  max_ops: int, clock: Callable[[], int] = time.time_ns) -> Callable[[], Any]:
-    """The channel a ``TransferTelemetry`` writes to, opened on its poller thread: embedded on the
-    providers passed (the other from configure(), else the global one), else configure()'s choice."""
+    """The channel opener of a ``TransferTelemetry``: embedded on the providers passed (the other from
+    configure(), else the global one), else configure()'s choice."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
     from .sinks.embedded import EmbeddedChannel
+    given = tracer_provider is not None or meter_provider is not None
+    used_configure = configured() is not None
+
     def opened() -> Any:
-        current, given = configured(), tracer_provider is not None or meter_provider is not None
-        if current is None and not given and opened.used_configure:
+        nonlocal used_configure
+        if (current := configured()) is None and not given and used_configure:
             current = configure()  # a forked child: its own
-        opened.used_configure = opened.used_configure or current is not None
+        used_configure = used_configure or current is not None
         if not given and current is not None and current.telemetry_process:
             return ProcessChannel(hello(static, current.resource), max_ops,
                                   lambda: _embedded_fallback(static, current.resource))
         tracer = tracer_provider or getattr(current, "tracer_provider", None) or trace.get_tracer_provider()
         meter = meter_provider or getattr(current, "meter_provider", None) or metrics.get_meter_provider()
-        # (the static attributes on every point: these providers may serve other callers)
+        # the static attributes go on every point: these providers may serve other callers
         return EmbeddedChannel(tracer, meter, hello(static, current.resource if current else Resource.get_empty()),
                                clock)
 
-    opened.used_configure = configured() is not None  # type: ignore[attr-defined]
     return opened
 
 
 def _embedded_fallback(static: Mapping[str, Any], resource: Any) -> Any:
-    """Providers built here after all when no telemetry process could run (the static attributes in their resource)."""
+    """Providers built here when no telemetry process could run (the static attributes in their resource)."""
     from .sinks import providers
     from .sinks.embedded import EmbeddedChannel
     built = providers.build(resource, wrap_export=fork.quiet_at_fork, static=static)
     with _lock:
-        if _configured is not None and _configured.pid == os.getpid() and _configured.built is None:
-            _configured.built = built  # shut down with the rest at exit
+        if (current := configured()) is not None and current.built is None:
+            current.built = built  # shut down with the rest at exit
     return EmbeddedChannel(built.tracer_provider, built.meter_provider,
                            {**hello(static, resource), "fallback": True, "in_resource": built.static_in_resource})
 

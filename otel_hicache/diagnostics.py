@@ -1,5 +1,5 @@
-"""One-time warnings on the ``otel_hicache`` logger (never raised into the host), values quoted short
-(:func:`shown`), and secrets withheld (:func:`withhold`) from our logger and, in our own process, the SDK's."""
+"""One-time warnings on the ``otel_hicache`` logger (never raised into the host), values quoted short, and
+secrets withheld from our logger and, in our own process, the SDK's."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ logger = logging.getLogger("otel_hicache")
 _lock = threading.Lock()
 _warned: set[str] = set()
 
-SHOWN_CHARACTERS = 80  # the most characters of a value a log line quotes
-LONGEST_ARGUMENT = 4 * SHOWN_CHARACTERS  # a longer string argument of a record is cut (the SDK quotes some whole)
-LONGEST_MESSAGE = 1000  # a longer message without arguments is cut (the SDK formats some values into it)
+SHOWN_CHARACTERS = 80
+LONGEST_ARGUMENT = 4 * SHOWN_CHARACTERS  # the SDK quotes some arguments whole
+LONGEST_MESSAGE = 1000  # the SDK formats some values into a message
 WITHHELD = "<withheld>"
-SECRET_CHARACTERS = 4  # shorter values are not withheld: replacing a ``1`` would garble every number in a line
+SECRET_CHARACTERS = 4  # replacing a shorter one (a ``1``) would garble every number in a line
 
 
 def warn_once(key: str, message: str, *args: object) -> bool:
-    """Log ``message`` at WARNING the first time ``key`` is seen in this process; whether it did."""
+    """Log at WARNING the first time ``key`` is seen in this process; whether it did."""
     with _lock:
         if key in _warned:
             return False
@@ -75,9 +75,8 @@ class _Withhold(logging.Filter):
 _withhold = _Withhold()
 
 
-def withhold(secrets: Iterable[str], sdk_loggers: bool = False) -> None:
-    """From now on no record of our logger (with ``sdk_loggers``, of any ``opentelemetry*`` one) shows
-    ``secrets`` or a long string whole."""
+def withhold(secrets: Iterable[str], sdk_loggers: bool) -> None:
+    """From now on no record of our logger (``sdk_loggers``: and the SDK's) shows a secret or a long string."""
     with _lock:
         _withhold.secrets = _withhold.secrets | {s for s in secrets if len(s) >= SECRET_CHARACTERS}
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)

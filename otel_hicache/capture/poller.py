@@ -17,7 +17,7 @@ from .. import semconv as sc
 from ..diagnostics import logger, warn_once
 from ..environment_variables import DEFAULTS
 from ..record import DIRECTIONS
-from ..settings import env_float, env_int
+from ..environment_variables import env_float, env_int
 from . import fork, request_links
 from .attributes import CallAttributes
 from .records import S_ACK_NS, S_SUBMIT_NS, SUBMISSION_FIELDS, TransferRecord, validate

@@ -1,7 +1,5 @@
-"""The ``requests`` session of the OTLP/HTTP exporters, for three SDK gaps: the OTLP certificate wins over
-``REQUESTS_CA_BUNDLE``; no redirect is followed and an answer outside 2xx raises ``Refused`` (the SDK
-counts both as exported), warned once per endpoint and status; a retryable one raises ``Busy``, which the
-exporter retries with its backoff but never sooner than the collector's ``Retry-After``."""
+"""The ``requests`` session of the OTLP/HTTP exporters, for SDK gaps: the OTLP certificate wins over
+``REQUESTS_CA_BUNDLE``, no redirect is followed, an answer outside 2xx fails, ``Retry-After`` is kept."""
 
 from __future__ import annotations
 
@@ -23,13 +21,12 @@ from .redaction import without_userinfo
 
 RETRYABLE = frozenset({429, 502, 503, 504})  # what the OTLP/HTTP specification says a client retries
 RETRY_GAP_S = 0.5  # the exporter's repeat at once of a connection error is held back this long after a Busy
-WANTS_TLS = "the collector wants TLS; set an https endpoint"  # a redirect from http:// to https://
 _transport = logging.getLogger("otel_hicache.http")  # the doctor reads its DEBUG records
 importlib.import_module("netrc")  # requests imports it at its first request: a fork then would hang the child
 
 
 class Refused(requests.exceptions.HTTPError):
-    """The collector answered outside 2xx: nothing in that request was delivered."""
+    """Nothing in that request was delivered (the SDK counts any answer as exported)."""
 
 
 class Busy(Refused, requests.exceptions.ConnectionError):
@@ -43,17 +40,18 @@ def describe(status: int, reason: str | None, location: str | None, url: str) ->
     except ValueError:
         phrase = " ".join(re.findall(r"[\w'-]+", reason or "")[:8])  # a server's words, not its markup
     text = f"HTTP {status} {phrase}".rstrip()
-    if 300 <= status < 400:
-        target = without_userinfo(location.strip())[:200] if location else None
-        advice = WANTS_TLS if target and target.lower().startswith("https://") and url.lower().startswith(
-            "http://") else "redirects are not followed; " + ("set the endpoint to where it points" if target
-                                                              else "check the endpoint")
-        text += f" (to {(target or 'nowhere given').replace('(', '%28').replace(')', '%29')}: {advice})"
-    return text
+    if not 300 <= status < 400:
+        return text
+    target = without_userinfo(location.strip())[:200] if location else None
+    if target and target.lower().startswith("https://") and url.lower().startswith("http://"):
+        advice = "the collector wants TLS; set an https endpoint"
+    else:
+        advice = "redirects are not followed; " + ("set the endpoint to where it points" if target
+                                                   else "check the endpoint")
+    return f"{text} (to {(target or 'nowhere given').replace('(', '%28').replace(')', '%29')}: {advice})"
 
 
 def _retry_after_s(value: str | None) -> float:
-    """The seconds a ``Retry-After`` asks for, at most an hour; 0 when none or malformed."""
     try:
         return min(float(Retry().parse_retry_after(value)), 3600.0) if value else 0.0
     except Exception:  # pylint: disable=broad-except  # a malformed header asks for nothing

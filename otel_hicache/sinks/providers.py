@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 from typing import Any, Callable, Mapping, Sequence
 
 from ..diagnostics import logger, shown, warn_once, withhold
-from ..settings import sdk_disabled
+from ..environment_variables import sdk_disabled
 from . import otel_environment as oe
 from .bounded_flush import bounded
 from .http_session import OtlpSession
@@ -17,8 +17,6 @@ from .http_session import OtlpSession
 
 @dataclass
 class Providers:
-    """A tracer and a meter provider, and what they export with; shutdown and flush bounded in time."""
-
     tracer_provider: Any
     meter_provider: Any
     disabled: bool
@@ -68,11 +66,11 @@ def exporter_names(signal: str) -> list[str]:
 
 
 def otlp_protocol(signal: str, name: str) -> str | None:
-    """The OTLP protocol exporter ``name`` uses (``otlp``: by the protocol variables); None if not OTLP."""
+    """The OTLP protocol exporter ``name`` uses (``otlp``: the protocol variables'); None if not OTLP."""
     if name != "otlp":
         return {v: k for k, v in OTLP_EXPORTERS.items()}.get(name)
     for variable in oe.signal_variable(signal, "PROTOCOL"):
-        if (value := (oe.raw(variable) or "").strip().lower()) in OTLP_EXPORTERS:
+        if (value := (oe.raw(variable) or "").lower()) in OTLP_EXPORTERS:
             return value
         if value:
             warn_once(f"protocol:{variable}", "otel-hicache: %s=%s is not supported (grpc, http/protobuf); "
@@ -123,8 +121,8 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
           wrap_export: Callable[[Any], Any] | None = None, id_generator: Any = None,
           counters_since_ns: int | None = None, own_process: bool = False,
           static: Mapping[str, Any] | None = None) -> Providers:
-    """Providers on ``resource``; ``wrap_export`` wraps each gRPC export (the fork guard), ``own_process``: the
-    telemetry process; ``static`` goes into the resource unless a pull reader serves the metrics."""
+    """Providers on ``resource``; ``wrap_export`` wraps each gRPC export, ``own_process``: the telemetry
+    process; ``static`` goes into the resource unless a pull reader serves the metrics."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
@@ -134,7 +132,7 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
     from opentelemetry.trace import NoOpTracerProvider
     if sdk_disabled():
         return Providers(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
-    withhold((), own_process)  # no log line of ours (and in our own process, the SDK's) quotes a whole value
+    withhold((), own_process)  # no log line quotes a whole value
     resource = resource if resource is not None else oe.resource()
     readers, pushed = [], []
     for made in exporters("metrics", wrap_export=wrap_export, own_process=own_process):
@@ -156,7 +154,7 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
     for exporter in pushed:  # the OTLP metric exporters' self-metrics
         if callable(getattr(exporter, "set_meter_provider", None)):
             exporter.set_meter_provider(meter_provider)
-    # a no-op meter provider: otel.sdk.span.started/live would cost the sinks two SDK calls a span
+    # no meter provider: otel.sdk.span.started/live would cost the sinks two SDK calls a span
     own = _accepted(TracerProvider, meter_provider=NoOpMeterProvider())
     tracer_provider = oe.build("tracer provider", lambda **limits: TracerProvider(
         resource=resource, shutdown_on_exit=False, span_limits=SpanLimits(**limits) if limits else None,

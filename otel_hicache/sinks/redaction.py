@@ -11,7 +11,6 @@ _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^
 
 
 def without_userinfo(text: str) -> str:
-    """``text`` with every URL's userinfo as ``***``: ``http://***@host:4318/v1/traces``."""
     return _USERINFO.sub(r"\g<scheme>***@", text)
 
 
