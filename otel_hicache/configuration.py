@@ -1,12 +1,11 @@
-"""``configure()``: where the sinks run, chosen once per process (again in a forked child): a telemetry
-process when an exporter sends over OTLP, else embedded on private providers (never the host's globals)."""
+"""``configure()``: where the sinks run, once per process (again in a forked child): a telemetry process when
+an exporter sends over OTLP, else embedded on private providers (never the host's globals)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -22,9 +21,10 @@ from .environment_variables import env_bool, env_float, sdk_disabled
 class Configuration:
     telemetry_process: bool
     built: Any  # sinks.providers.Providers, or None
-    disabled: bool
     resource: Any = None
     pid: int = field(default_factory=os.getpid)
+
+    disabled = property(lambda self: getattr(self.built, "disabled", False))
 
     tracer_provider = property(lambda self: getattr(self.built, "tracer_provider", None))
     meter_provider = property(lambda self: getattr(self.built, "meter_provider", None))
@@ -32,7 +32,7 @@ class Configuration:
     span_processors = property(lambda self: getattr(self.built, "span_processors", ()))
 
     def shutdown(self, timeout_s: float) -> bool:
-        return self.built.shutdown(timeout_s) if self.built is not None else True
+        return self.built is None or self.built.shutdown(timeout_s)
 
 
 _lock = threading.RLock()
@@ -41,7 +41,7 @@ _fork_registered = False
 
 
 def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Configuration:
-    """Choose where the sinks run and build what that needs; ``metric_readers`` keep them embedded."""
+    """``metric_readers`` keep the sinks embedded."""
     global _configured, _fork_registered
     with _lock:
         previous = _configured
@@ -49,11 +49,9 @@ def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Con
             return previous
         from .sinks import otel_environment, providers  # (``import otel_hicache`` loads the capture only)
         resource = None if sdk_disabled() else otel_environment.resource()
-        if not metric_readers and uses_telemetry_process():
-            _configured = Configuration(True, None, disabled=False, resource=resource)
-        else:
-            built = providers.build(resource, metric_readers, wrap_export=fork.quiet_at_fork)
-            _configured = Configuration(False, built, disabled=built.disabled, resource=resource)
+        process = not metric_readers and uses_telemetry_process()
+        built = None if process else providers.build(resource, metric_readers, wrap_export=fork.quiet_at_fork)
+        _configured = Configuration(process, built, resource)
         if not _fork_registered:  # once, and after the SDK objects registered theirs
             fork.after_fork_in_child(_after_fork_in_child)
             _fork_registered = True
@@ -71,9 +69,7 @@ def shutdown(timeout_s: float | None = None) -> bool:
     global _configured
     with _lock:
         current, _configured = configured(), None
-    if current is None:
-        return True
-    return current.shutdown(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S) if timeout_s is None else timeout_s)
+    return current is None or current.shutdown(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S) if timeout_s is None else timeout_s)
 
 
 def uses_telemetry_process() -> bool:
@@ -88,7 +84,7 @@ def uses_telemetry_process() -> bool:
 
 
 def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
-    """What the sinks are told of this process (``record``: the hello)."""
+    """The sinks' ``record`` hello."""
     from .sinks import otel_environment
     resource = resource if resource is not None else otel_environment.resource()
     return {"resource": dict(resource.attributes), "schema_url": resource.schema_url, "attributes": dict(static),
@@ -97,9 +93,9 @@ def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
 
 
 def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str, Any],
-                 max_ops: int, clock: Callable[[], int] = time.time_ns) -> Callable[[], Any]:
-    """The channel opener of a ``TransferTelemetry``: embedded on the providers passed (the other from
-    configure(), else the global one), else configure()'s choice."""
+                 max_ops: int, clock: Callable[[], int]) -> Callable[[], Any]:
+    """A ``TransferTelemetry``'s channel: on the providers passed (the other configure()'s, else global), else
+    configure()'s."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
     from .sinks.embedded import EmbeddedChannel
@@ -116,7 +112,7 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
                                   lambda: _embedded_fallback(static, current.resource))
         tracer = tracer_provider or getattr(current, "tracer_provider", None) or trace.get_tracer_provider()
         meter = meter_provider or getattr(current, "meter_provider", None) or metrics.get_meter_provider()
-        # the static attributes go on every point: these providers may serve other callers
+        # the static attributes on every point: these providers may serve others
         return EmbeddedChannel(tracer, meter, hello(static, current.resource if current else Resource.get_empty()),
                                clock)
 
@@ -124,7 +120,7 @@ def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str,
 
 
 def _embedded_fallback(static: Mapping[str, Any], resource: Any) -> Any:
-    """Providers built here when no telemetry process could run (the static attributes in their resource)."""
+    """When no telemetry process could run: providers here, the static attributes in their resource."""
     from .sinks import providers
     from .sinks.embedded import EmbeddedChannel
     built = providers.build(resource, wrap_export=fork.quiet_at_fork, static=static)

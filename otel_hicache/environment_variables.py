@@ -1,5 +1,5 @@
-"""The ``OTEL_HICACHE_*`` variables (``docs/configuration.md``) and ``OTEL_SDK_DISABLED``, read never raising:
-a malformed value warns once and the default is used, a blank one is unset; booleans are ``true``/``false``."""
+"""The ``OTEL_HICACHE_*`` variables and ``OTEL_SDK_DISABLED``, read never raising: a malformed value warns once
+and the default is used, a blank one is unset; booleans are ``true``/``false``."""
 
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ OTEL_HICACHE_HOST_RESIDENCE = "OTEL_HICACHE_HOST_RESIDENCE"
 OTEL_HICACHE_TELEMETRY_PROCESS = "OTEL_HICACHE_TELEMETRY_PROCESS"
 
 DEFAULTS = {
-    OTEL_HICACHE_ENABLED: True,  # false: every submit() returns at once
-    OTEL_HICACHE_MAX_QUEUE_SIZE: 16384,  # records held before their span; beyond it new ones are dropped
-    OTEL_HICACHE_POLL_INTERVAL_MS: 10.0,  # finish events polled while records are pending
-    OTEL_HICACHE_ACK_TIMEOUT_S: 30.0,  # then a completed op's span says hicache.acked=false
-    OTEL_HICACHE_TRANSFER_TIMEOUT_S: 60.0,  # then an unfinished transfer is an error span
-    OTEL_HICACHE_ANCHOR_INTERVAL_S: 1.0,  # wall-clock anchor re-synchronized
-    OTEL_HICACHE_SHUTDOWN_TIMEOUT_S: 5.0,  # bound on shutdown() and the flush at exit
-    OTEL_HICACHE_HOST_RESIDENCE: True,  # false: host_pool() returns None
-    OTEL_HICACHE_TELEMETRY_PROCESS: None,  # where configure()'s sinks run; unset: a process when OTLP exports
+    OTEL_HICACHE_ENABLED: True,  # false: submit() returns at once
+    OTEL_HICACHE_MAX_QUEUE_SIZE: 16384,  # records held before their span
+    OTEL_HICACHE_POLL_INTERVAL_MS: 10.0,  # finish events polled
+    OTEL_HICACHE_ACK_TIMEOUT_S: 30.0,  # then hicache.acked=false
+    OTEL_HICACHE_TRANSFER_TIMEOUT_S: 60.0,  # then an error span
+    OTEL_HICACHE_ANCHOR_INTERVAL_S: 1.0,  # the clock anchor's
+    OTEL_HICACHE_SHUTDOWN_TIMEOUT_S: 5.0,  # shutdown() and the flush at exit
+    OTEL_HICACHE_HOST_RESIDENCE: True,  # false: host_pool() is None
+    OTEL_HICACHE_TELEMETRY_PROCESS: None,  # unset: by the exporters
 }
 
 

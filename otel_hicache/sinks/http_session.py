@@ -16,8 +16,7 @@ from typing import Any
 import requests
 from urllib3.util import Retry
 
-from ..diagnostics import warn_once
-from .redaction import without_userinfo
+from ..diagnostics import warn_once, without_userinfo
 
 RETRYABLE = frozenset({429, 502, 503, 504})  # what the OTLP/HTTP specification says a client retries
 RETRY_GAP_S = 0.5  # the exporter's repeat at once of a connection error is held back this long after a Busy

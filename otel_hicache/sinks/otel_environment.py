@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import unquote
 
-from ..diagnostics import shown, warn_once, withhold
-from .redaction import userinfo, without_userinfo
+from ..diagnostics import shown, userinfo, warn_once, withhold, without_userinfo
 
 # (the constructor's keyword, the value of a valid text or None, the default or the variable tried next, as warned)
 Variable = tuple[str, Callable[[str], Any], Any, str]
