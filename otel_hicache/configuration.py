@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from . import environment_variables as ev
@@ -22,10 +22,8 @@ class Configuration:
     telemetry_process: bool
     built: Any  # sinks.providers.Providers, or None
     resource: Any = None
-    pid: int = field(default_factory=os.getpid)
 
     disabled = property(lambda self: getattr(self.built, "disabled", False))
-
     tracer_provider = property(lambda self: getattr(self.built, "tracer_provider", None))
     meter_provider = property(lambda self: getattr(self.built, "meter_provider", None))
     metric_readers = property(lambda self: getattr(self.built, "metric_readers", ()))
@@ -45,7 +43,7 @@ def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Con
     global _configured, _fork_registered
     with _lock:
         previous = _configured
-        if previous is not None and not force and previous.pid == os.getpid():
+        if previous is not None and not force:
             return previous
         from .sinks import otel_environment, providers  # (``import otel_hicache`` loads the capture only)
         resource = None if sdk_disabled() else otel_environment.resource()
@@ -55,21 +53,21 @@ def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Con
         if not _fork_registered:  # once, and after the SDK objects registered theirs
             fork.after_fork_in_child(_after_fork_in_child)
             _fork_registered = True
-    if previous is not None and previous.pid == os.getpid():
+    if previous is not None:
         previous.shutdown(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
     return _configured
 
 
 def configured() -> Configuration | None:
-    current = _configured
-    return None if current is None or current.pid != os.getpid() else current
+    return _configured  # None in a forked child: _after_fork_in_child()
 
 
 def shutdown(timeout_s: float | None = None) -> bool:
     global _configured
     with _lock:
-        current, _configured = configured(), None
-    return current is None or current.shutdown(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S) if timeout_s is None else timeout_s)
+        current, _configured = _configured, None
+    timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S) if timeout_s is None else timeout_s
+    return current is None or current.shutdown(timeout_s)
 
 
 def uses_telemetry_process() -> bool:
@@ -125,8 +123,8 @@ def _embedded_fallback(static: Mapping[str, Any], resource: Any) -> Any:
     from .sinks.embedded import EmbeddedChannel
     built = providers.build(resource, wrap_export=fork.quiet_at_fork, static=static)
     with _lock:
-        if (current := configured()) is not None and current.built is None:
-            current.built = built  # shut down with the rest at exit
+        if _configured is not None and _configured.built is None:
+            _configured.built = built  # shut down with the rest at exit
     return EmbeddedChannel(built.tracer_provider, built.meter_provider,
                            {**hello(static, resource), "fallback": True, "in_resource": built.static_in_resource})
 

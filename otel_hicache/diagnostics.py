@@ -1,5 +1,4 @@
-"""One-time warnings on the ``otel_hicache`` logger (never raised into the host), values quoted short,
-secrets withheld from log records, and URLs' userinfo shown as ``***``."""
+"""One-time warnings (never raised into the host), values quoted short, secrets withheld, userinfo masked."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ SECRET_CHARACTERS = 4  # withholding a shorter one (a ``1``) would garble every 
 
 
 def warn_once(key: str, message: str, *args: object) -> bool:
-    """Log at WARNING the first time ``key`` is seen in this process; whether it did."""
+    """Whether it logged: the first time ``key`` is seen in this process."""
     with _lock:
         if key in _warned:
             return False

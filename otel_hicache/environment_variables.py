@@ -1,5 +1,4 @@
-"""The ``OTEL_HICACHE_*`` variables and ``OTEL_SDK_DISABLED``, read never raising: a malformed value warns once
-and the default is used, a blank one is unset; booleans are ``true``/``false``."""
+"""The ``OTEL_HICACHE_*`` variables and ``OTEL_SDK_DISABLED``: a malformed value warns once, then the default."""
 
 from __future__ import annotations
 
@@ -51,21 +50,18 @@ def env_bool(name: str, default: bool | None = None) -> bool:
     return _read(name, DEFAULTS[name] if default is None else default, _boolean, "a boolean (true/false)")
 
 
-def _number(name: str, kind: type, minimum: float) -> Any:
-    def parse(text: str) -> Any:
-        if not math.isfinite(value := kind(text)) or value < minimum:
-            raise ValueError(text)
-        return value
-
-    return kind(_read(name, DEFAULTS[name], parse, f"{'a number' if kind is float else 'an integer'} >= {minimum}"))
+def _at_least(value: float, minimum: float) -> Any:
+    if not math.isfinite(value) or value < minimum:
+        raise ValueError(value)
+    return value
 
 
 def env_float(name: str, minimum: float = 0.0) -> float:
-    return _number(name, float, minimum)
+    return float(_read(name, DEFAULTS[name], lambda text: _at_least(float(text), minimum), f"a number >= {minimum}"))
 
 
 def env_int(name: str) -> int:
-    return _number(name, int, 1)
+    return int(_read(name, DEFAULTS[name], lambda text: _at_least(int(text), 1), "an integer >= 1"))
 
 
 def sdk_disabled() -> bool:

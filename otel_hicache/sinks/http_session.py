@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import re
@@ -21,7 +20,7 @@ from ..diagnostics import warn_once, without_userinfo
 RETRYABLE = frozenset({429, 502, 503, 504})  # what the OTLP/HTTP specification says a client retries
 RETRY_GAP_S = 0.5  # the exporter's repeat at once of a connection error is held back this long after a Busy
 _transport = logging.getLogger("otel_hicache.http")  # the doctor reads its DEBUG records
-importlib.import_module("netrc")  # requests imports it at its first request: a fork then would hang the child
+__import__("netrc")  # requests imports it at its first request: a fork then would hang the child
 
 
 class Refused(requests.exceptions.HTTPError):
@@ -33,7 +32,6 @@ class Busy(Refused, requests.exceptions.ConnectionError):
 
 
 def describe(status: int, reason: str | None, location: str | None, url: str) -> str:
-    """``HTTP 308 Permanent Redirect (to https://...: ...)``, without userinfo."""
     try:
         phrase = HTTPStatus(status).phrase
     except ValueError:
@@ -48,13 +46,6 @@ def describe(status: int, reason: str | None, location: str | None, url: str) ->
         advice = "redirects are not followed; " + ("set the endpoint to where it points" if target
                                                    else "check the endpoint")
     return f"{text} (to {(target or 'nowhere given').replace('(', '%28').replace(')', '%29')}: {advice})"
-
-
-def _retry_after_s(value: str | None) -> float:
-    try:
-        return min(float(Retry().parse_retry_after(value)), 3600.0) if value else 0.0
-    except Exception:  # pylint: disable=broad-except  # a malformed header asks for nothing
-        return 0.0
 
 
 class OtlpSession(requests.Session):
@@ -95,10 +86,13 @@ class OtlpSession(requests.Session):
         url = without_userinfo(str(request.url))
         what = describe(status, response.reason, response.headers.get("Location"), url)
         if retryable := status in RETRYABLE:
+            try:
+                wait = min(float(Retry().parse_retry_after(response.headers.get("Retry-After") or "0")), 3600.0)
+            except Exception:  # a malformed header asks for nothing
+                wait = 0.0
             with self._gate:
                 now = time.monotonic()
-                self._not_before = now + _retry_after_s(response.headers.get("Retry-After"))
-                self._repeat_before, self._busy = now + RETRY_GAP_S, what
+                self._not_before, self._repeat_before, self._busy = now + wait, now + RETRY_GAP_S, what
         warn_once(f"http_session:{url}:{status}", "otel-hicache: the OTLP export to %s was refused: %s; nothing "
                   "in a refused request is delivered (counted as failed%s)", url, what,
                   "; retried within the export timeout" if retryable else "")

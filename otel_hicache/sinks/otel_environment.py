@@ -141,7 +141,7 @@ def signal_variable(signal: str, suffix: str) -> tuple[str, str]:
 
 
 def first(signal: str, suffix: str) -> tuple[str, str] | None:
-    """(name, value) of the signal's variable if set, else of the general one."""
+    """The per-signal variable's (name, value) if set, else the general one's."""
     return next(((n, v) for n in signal_variable(signal, suffix) if (v := raw(n)) is not None), None)
 
 
@@ -239,8 +239,8 @@ def _unreadable(path: str, directory_ok: bool) -> str | None:
 
 def tls_files(signal: str, protocol: str) -> list[tuple[str, str, str, str | None]]:
     """(suffix, variable, path, why it cannot be used or None) of each file variable set."""
-    found = [(suffix, *pair) for suffix in FILES if (pair := first(signal, suffix))]  # (requests takes a CA directory)
-    return [(*f, _unreadable(f[2], protocol != "grpc" and f[0] == "CERTIFICATE")) for f in found]
+    found = [(suffix, *pair) for suffix in FILES if (pair := first(signal, suffix))]
+    return [(*f, _unreadable(f[2], protocol != "grpc" and f[0] == "CERTIFICATE")) for f in found]  # requests: a dir
 
 
 def certificate_usable(signal: str, protocol: str) -> bool:

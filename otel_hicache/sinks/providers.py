@@ -23,7 +23,7 @@ class Providers:
     metric_readers: Sequence[Any] = ()
     span_processors: Sequence[Any] = ()
     undelivered: list[list[int]] = field(default_factory=list)  # _counting()'s, per span processor
-    static_in_resource: bool = False  # not on the points
+    static_in_resource: bool = False
 
     def shutdown(self, timeout_s: float) -> bool:
         done = bounded("shutdown", self.tracer_provider, self.meter_provider, timeout_s)
@@ -86,7 +86,7 @@ def _accepted(cls: Any, **kwargs: Any) -> dict[str, Any]:
 
 def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | None = None,
               wrap_export: Callable[[Any], Any] | None = None, own_process: bool = False) -> list[Any]:
-    """The exporters (metrics: or pull readers) ``names`` (default: the variable's) name."""
+    """Those ``names`` (default: the variable's) name (metrics: or pull readers)."""
     variable, group = EXPORTER_GROUPS[signal]
     built = []
     for name in exporter_names(signal) if names is None else names:
