@@ -84,7 +84,7 @@ def uses_telemetry_process() -> bool:
 def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
     """The sinks' ``record`` hello."""
     from .sinks import otel_environment
-    resource = resource if resource is not None else otel_environment.resource()
+    resource = resource or otel_environment.resource()
     return {"resource": dict(resource.attributes), "schema_url": resource.schema_url, "attributes": dict(static),
             "pid": os.getpid(), "warned": warned(),
             "log_level": logger.getEffectiveLevel() if logger.isEnabledFor(logging.DEBUG) else None}

@@ -166,7 +166,7 @@ def _compression(protocol: str, text: str) -> Any:
         from grpc import Compression
     else:
         from opentelemetry.exporter.otlp.proto.http import Compression  # type: ignore[assignment]
-    names = {"gzip": "Gzip", "none": "NoCompression", **({"deflate": "Deflate"} if protocol != "grpc" else {})}
+    names = {"gzip": "Gzip", "none": "NoCompression", "deflate": "Deflate" if protocol != "grpc" else "?"}
     return getattr(Compression, names.get(text.lower(), "?"), None)
 
 
@@ -243,29 +243,25 @@ def tls_files(signal: str, protocol: str) -> list[tuple[str, str, str, str | Non
     return [(*f, _unreadable(f[2], protocol != "grpc" and f[0] == "CERTIFICATE")) for f in found]  # requests: a dir
 
 
-def certificate_usable(signal: str, protocol: str) -> bool:
-    """False, warned once, when a file cannot be read over TLS: no default is safe."""
-    for suffix, name, path, problem in tls_files(signal, protocol):
-        if problem is not None and tls(signal, protocol):  # over plain text the files are unused
-            warn_once(f"certificate:{name}", "otel-hicache: %s=%s %s; there is no safe default for a %s, so what "
-                      "would be exported with it over TLS is not exported", name, shown(path), problem, FILES[suffix])
-            return False
-    return True
-
-
 def _file(signal: str, suffix: str) -> str | None:
     return (first(signal, suffix) or ("", None))[1]
 
 
-def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, Any]:
-    """The parsed headers, and gRPC credentials when a file variable is blank (the SDK takes it as a path)."""
+def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, Any] | None:
+    """The parsed headers, and gRPC credentials when a file variable is blank (the SDK takes it as a path); None,
+    warned once, when a file cannot be read over TLS: no default is safe."""
+    for suffix, name, path, problem in tls_files(signal, protocol):
+        if problem is not None and tls(signal, protocol):  # over plain text the files are unused
+            warn_once(f"certificate:{name}", "otel-hicache: %s=%s %s; there is no safe default for a %s, so what "
+                      "would be exported with it over TLS is not exported", name, shown(path), problem, FILES[suffix])
+            return None
     pairs, secrets = headers(signal)
     withhold([*secrets, *(userinfo(os.environ.get(n, "")) for n in signal_variable(signal, "ENDPOINT"))],
              sdk_loggers)
     keywords: dict[str, Any] = {} if pairs is None else {"headers": pairs}
     if protocol == "grpc" and tls(signal, protocol) and any(blank(n) for n in file_variables(signal)):
         import grpc
-        files = [(p := _file(signal, suffix)) and Path(p).read_bytes() for suffix in FILES]  # checked regular
+        files = [(p := _file(signal, suffix)) and Path(p).read_bytes() for suffix in FILES]  # checked above
         keywords["credentials"] = grpc.ssl_channel_credentials(*files)
     return keywords
 

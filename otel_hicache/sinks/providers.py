@@ -19,7 +19,7 @@ from .http_session import OtlpSession
 class Providers:
     tracer_provider: Any
     meter_provider: Any
-    disabled: bool
+    disabled: bool = False
     metric_readers: Sequence[Any] = ()
     span_processors: Sequence[Any] = ()
     undelivered: list[list[int]] = field(default_factory=list)  # _counting()'s, per span processor
@@ -97,12 +97,11 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
                       "installed %s entry point); skipping it", variable, shown(os.environ.get(variable)),
                       shown(name), group)
             continue
-        if otlp is not None and not oe.certificate_usable(signal, otlp):
+        if (fixed := oe.otlp_keywords(signal, otlp, own_process) if otlp else {}) is None:
             continue
+        if otlp == "http/protobuf":
+            fixed["session"] = OtlpSession()
         cls = oe.build(f"{name} {signal} exporter class", found.load)
-        fixed = {"session": OtlpSession()} if otlp == "http/protobuf" else {}
-        if otlp is not None:
-            fixed.update(oe.otlp_keywords(signal, otlp, own_process))
         if meter_provider is not None:
             fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
         table = oe.otlp_exporter(signal, otlp) if otlp else {}
@@ -167,8 +166,8 @@ def build(resource: Any, extra_readers: Sequence[Any] = (),
             undelivered.append(_counting(processor, exporter))
             processors.append(processor)
             tracer_provider.add_span_processor(processor)
-    return Providers(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
-                     span_processors=processors, undelivered=undelivered, static_in_resource=in_resource)
+    return Providers(tracer_provider, meter_provider, metric_readers=readers, span_processors=processors,
+                     undelivered=undelivered, static_in_resource=in_resource)
 
 
 def _counters_since(export: Callable[..., Any], start_ns: int) -> Callable[..., Any]:
