@@ -75,8 +75,8 @@ def uses_telemetry_process() -> bool:
     from .sinks import providers
     if sdk_disabled():
         return False
-    if (os.environ.get(ev.OTEL_HICACHE_TELEMETRY_PROCESS) or "").strip():
-        return env_bool(ev.OTEL_HICACHE_TELEMETRY_PROCESS, default=False)
+    if (chosen := env_bool(ev.OTEL_HICACHE_TELEMETRY_PROCESS)) is not None:  # a malformed one: its default, unset
+        return chosen
     return any(providers.otlp_protocol(signal, name) is not None
                for signal in ("traces", "metrics") for name in providers.exporter_names(signal))
 

@@ -46,8 +46,8 @@ def _boolean(text: str) -> bool:
     return {"true": True, "false": False}[text.lower()]
 
 
-def env_bool(name: str, default: bool | None = None) -> bool:
-    return _read(name, DEFAULTS[name] if default is None else default, _boolean, "a boolean (true/false)")
+def env_bool(name: str) -> bool | None:
+    return _read(name, DEFAULTS[name], _boolean, "a boolean (true/false)")
 
 
 def _at_least(value: float, minimum: float) -> Any:

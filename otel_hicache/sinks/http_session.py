@@ -39,13 +39,11 @@ def describe(status: int, reason: str | None, location: str | None, url: str) ->
     text = f"HTTP {status} {phrase}".rstrip()
     if not 300 <= status < 400:
         return text
-    target = without_userinfo(location.strip())[:200] if location else None
-    if target and target.lower().startswith("https://") and url.lower().startswith("http://"):
-        advice = "the collector wants TLS; set an https endpoint"
-    else:
-        advice = "redirects are not followed; " + ("set the endpoint to where it points" if target
-                                                   else "check the endpoint")
-    return f"{text} (to {(target or 'nowhere given').replace('(', '%28').replace(')', '%29')}: {advice})"
+    target = without_userinfo(location.strip())[:200] if location else ""
+    fix = "redirects are not followed; " + ("set the endpoint to where it points" if target else "check the endpoint")
+    if target.lower().startswith("https://") and url.lower().startswith("http://"):
+        fix = "the collector wants TLS; set an https endpoint"
+    return f"{text} (to {(target or 'nowhere given').replace('(', '%28').replace(')', '%29')}: {fix})"
 
 
 class OtlpSession(requests.Session):
