@@ -16,8 +16,6 @@ _secrets: frozenset[str] = frozenset()
 
 SHOWN_CHARACTERS = 80
 LONGEST_ARGUMENT = 4 * SHOWN_CHARACTERS  # the SDK quotes some arguments whole
-LONGEST_MESSAGE = 1000  # the SDK formats some values into a message
-SECRET_CHARACTERS = 4  # withholding a shorter one (a ``1``) would garble every number in a line
 
 
 def warn_once(key: str, message: str, *args: object) -> bool:
@@ -67,7 +65,7 @@ def _withhold(record: logging.LogRecord) -> bool:
     elif isinstance(record.args, dict):
         record.args = {key: _clean(arg, LONGEST_ARGUMENT) for key, arg in record.args.items()}
     if isinstance(record.msg, str):  # a template (with arguments) is code: only secrets go
-        record.msg = _clean(record.msg, LONGEST_MESSAGE if not record.args else len(record.msg))
+        record.msg = _clean(record.msg, len(record.msg) if record.args else 1000)  # the SDK formats values in
     return True
 
 
@@ -75,7 +73,7 @@ def withhold(secrets: Iterable[str], sdk_loggers: bool) -> None:
     """From now on no record of our logger (``sdk_loggers``: and the SDK's) shows a secret or a long string."""
     global _secrets
     with _lock:
-        _secrets = _secrets | {s for s in secrets if len(s) >= SECRET_CHARACTERS}
+        _secrets = _secrets | {s for s in secrets if len(s) >= 4}  # a shorter one (``1``) would garble numbers
     loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
                if sdk_loggers and name.split(".", 1)[0] == "opentelemetry"]
     for each in [*loggers, logger]:

@@ -17,7 +17,6 @@ from urllib3.util import Retry
 
 from ..diagnostics import warn_once, without_userinfo
 
-RETRYABLE = frozenset({429, 502, 503, 504})  # what the OTLP/HTTP specification says a client retries
 RETRY_GAP_S = 0.5  # the exporter's repeat at once of a connection error is held back this long after a Busy
 _transport = logging.getLogger("otel_hicache.http")  # the doctor reads its DEBUG records
 __import__("netrc")  # requests imports it at its first request: a fork then would hang the child
@@ -83,7 +82,7 @@ class OtlpSession(requests.Session):
             return response
         url = without_userinfo(str(request.url))
         what = describe(status, response.reason, response.headers.get("Location"), url)
-        if retryable := status in RETRYABLE:
+        if retryable := status in (429, 502, 503, 504):  # what the OTLP/HTTP specification retries
             try:
                 wait = min(float(Retry().parse_retry_after(response.headers.get("Retry-After") or "0")), 3600.0)
             except Exception:  # a malformed header asks for nothing

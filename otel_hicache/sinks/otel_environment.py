@@ -91,7 +91,7 @@ def _value(table: Mapping[str, Variable], name: str, invalid: dict[str, str]) ->
         if (value := parse(text)) is not None:
             return value
         invalid[name] = EXPECTED.get(parse, "supported")
-    if isinstance(instead, str) and instead in table:
+    if instead in table:
         return _value(table, instead, invalid)
     return instead() if callable(instead) else instead
 

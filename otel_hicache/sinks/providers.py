@@ -97,11 +97,11 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
                       "installed %s entry point); skipping it", variable, shown(os.environ.get(variable)),
                       shown(name), group)
             continue
+        cls = oe.build(f"{name} {signal} exporter class", found.load)  # first: its loggers then exist to filter
         if (fixed := oe.otlp_keywords(signal, otlp, own_process) if otlp else {}) is None:
             continue
         if otlp == "http/protobuf":
             fixed["session"] = OtlpSession()
-        cls = oe.build(f"{name} {signal} exporter class", found.load)
         if meter_provider is not None:
             fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
         table = oe.otlp_exporter(signal, otlp) if otlp else {}
