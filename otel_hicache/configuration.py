@@ -92,8 +92,7 @@ def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
 
 def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str, Any],
                  max_ops: int, clock: Callable[[], int]) -> Callable[[], Any]:
-    """A ``TransferTelemetry``'s channel: on the providers passed (the other configure()'s, else global), else
-    configure()'s."""
+    """On the providers passed (the other configure()'s, else global), else configure()'s choice."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
     from .sinks.embedded import EmbeddedChannel

@@ -1,5 +1,4 @@
-"""The ``requests`` session of the OTLP/HTTP exporters, for SDK gaps: the OTLP certificate wins over
-``REQUESTS_CA_BUNDLE``, no redirect is followed, an answer outside 2xx fails, ``Retry-After`` is kept."""
+"""The OTLP/HTTP exporters' session: OTLP certificate first, no redirect, non-2xx a failure, Retry-After kept."""
 
 from __future__ import annotations
 

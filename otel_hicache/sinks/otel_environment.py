@@ -1,5 +1,4 @@
-"""The standard ``OTEL_*`` variables with what the SDK lacks: a malformed value replaced (one warning), a blank
-one unset, certificate files checked unread, headers never logged."""
+"""The standard ``OTEL_*`` variables, malformed ones replaced (warned), blank ones unset, TLS files checked."""
 
 from __future__ import annotations
 
@@ -248,8 +247,7 @@ def _file(signal: str, suffix: str) -> str | None:
 
 
 def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, Any] | None:
-    """The parsed headers, and gRPC credentials when a file variable is blank (the SDK takes it as a path); None,
-    warned once, when a file cannot be read over TLS: no default is safe."""
+    """Headers, and gRPC credentials when a file variable is blank; None (warned) if a TLS file is unreadable."""
     for suffix, name, path, problem in tls_files(signal, protocol):
         if problem is not None and tls(signal, protocol):  # over plain text the files are unused
             warn_once(f"certificate:{name}", "otel-hicache: %s=%s %s; there is no safe default for a %s, so what "
@@ -267,7 +265,7 @@ def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, An
 
 
 def settle_session(session: Any, signal: str) -> None:
-    """OTLP/HTTP: the session's files with blank variables unset (the SDK set a blank one as a path)."""
+    """The session's files with blank variables unset (the SDK took a blank one as a path)."""
     if any(blank(n) for n in file_variables(signal)):
         ca, key, cert = (_file(signal, suffix) for suffix in FILES)
         session.verify, session.cert = ca or True, (cert, key) if cert and key else cert

@@ -118,8 +118,7 @@ def build(resource: Any, extra_readers: Sequence[Any] = (),
           wrap_export: Callable[[Any], Any] | None = None, id_generator: Any = None,
           counters_since_ns: int | None = None, own_process: bool = False,
           static: Mapping[str, Any] | None = None) -> Providers:
-    """``wrap_export`` wraps each gRPC export; ``own_process``: the telemetry process; ``static`` goes into the
-    resource unless a reader of this process reads the metrics."""
+    """``wrap_export`` wraps gRPC exports; ``static`` goes into the resource unless a reader here reads metrics."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
