@@ -1,13 +1,12 @@
-"""``configure()``: where the sinks run, once per process (a forked child chooses again): in a telemetry
-process when an exporter sends over OTLP, else embedded on private providers (never the host's globals)."""
+"""``configure()``: where the sinks run, once per process (again in a forked child): a telemetry process when
+an exporter sends over OTLP, else embedded on private providers (never the host's globals)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from . import environment_variables as ev
@@ -15,28 +14,23 @@ from .capture import fork
 from .capture.channel import ProcessChannel
 from .capture.process_exit import on_exit
 from .diagnostics import logger, warned
-from .settings import env_bool, env_float, sdk_disabled
-
-# (the sinks' modules are imported where used: ``import otel_hicache`` loads the capture only)
+from .environment_variables import env_bool, env_float, sdk_disabled
 
 
 @dataclass
 class Configuration:
-    """What :func:`configure` chose: the telemetry process, or the embedded providers it built."""
-
     telemetry_process: bool
     built: Any  # sinks.providers.Providers, or None
-    disabled: bool
     resource: Any = None
-    pid: int = field(default_factory=os.getpid)
 
+    disabled = property(lambda self: getattr(self.built, "disabled", False))
     tracer_provider = property(lambda self: getattr(self.built, "tracer_provider", None))
     meter_provider = property(lambda self: getattr(self.built, "meter_provider", None))
     metric_readers = property(lambda self: getattr(self.built, "metric_readers", ()))
     span_processors = property(lambda self: getattr(self.built, "span_processors", ()))
 
     def shutdown(self, timeout_s: float) -> bool:
-        return self.built.shutdown(timeout_s) if self.built is not None else True
+        return self.built is None or self.built.shutdown(timeout_s)
 
 
 _lock = threading.RLock()
@@ -45,93 +39,90 @@ _fork_registered = False
 
 
 def configure(force: bool = False, *, metric_readers: Sequence[Any] = ()) -> Configuration:
-    """Choose (once per process) where the sinks run, and build what that needs; ``metric_readers``
-    (added to the meter provider's) keep the sinks embedded: they read in this process."""
+    """``metric_readers`` keep the sinks embedded."""
     global _configured, _fork_registered
     with _lock:
         previous = _configured
-        if previous is not None and not force and previous.pid == os.getpid():
+        if previous is not None and not force:
             return previous
-        from .sinks import otel_environment, providers
+        from .sinks import otel_environment, providers  # (``import otel_hicache`` loads the capture only)
         resource = None if sdk_disabled() else otel_environment.resource()
-        if not metric_readers and uses_telemetry_process():
-            _configured = Configuration(True, None, disabled=False, resource=resource)
-        else:
-            built = providers.build(resource, metric_readers, wrap_export=fork.quiet_at_fork)
-            _configured = Configuration(False, built, disabled=built.disabled, resource=resource)
+        process = not metric_readers and uses_telemetry_process()
+        built = None if process else providers.build(resource, metric_readers, wrap_export=fork.quiet_at_fork)
+        _configured = Configuration(process, built, resource)
         if not _fork_registered:  # once, and after the SDK objects registered theirs
             fork.after_fork_in_child(_after_fork_in_child)
             _fork_registered = True
-    if previous is not None and previous.pid == os.getpid():
-        previous.shutdown(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))  # configure(force=True)
+    if previous is not None:
+        previous.shutdown(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S))
     return _configured
 
 
 def configured() -> Configuration | None:
-    current = _configured
-    return None if current is None or current.pid != os.getpid() else current
+    return _configured  # None in a forked child: _after_fork_in_child()
 
 
 def shutdown(timeout_s: float | None = None) -> bool:
-    """Flush and shut down the providers configure() built, bounded in time."""
     global _configured
     with _lock:
-        current, _configured = configured(), None
-    if current is None:
-        return True
-    return current.shutdown(env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S) if timeout_s is None else timeout_s)
+        current, _configured = _configured, None
+    timeout_s = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S) if timeout_s is None else timeout_s
+    return current is None or current.shutdown(timeout_s)
 
 
 def uses_telemetry_process() -> bool:
     """:envvar:`OTEL_HICACHE_TELEMETRY_PROCESS`, or when unset: whether an exporter sends over OTLP."""
     from .sinks import providers
-    if (os.environ.get(ev.OTEL_HICACHE_TELEMETRY_PROCESS) or "").strip() and not sdk_disabled():
-        return env_bool(ev.OTEL_HICACHE_TELEMETRY_PROCESS, default=False)
-    return not sdk_disabled() and any(providers.otlp_protocol(signal, name) is not None
-                                      for signal in ("traces", "metrics") for name in providers.exporter_names(signal))
+    if sdk_disabled():
+        return False
+    if (chosen := env_bool(ev.OTEL_HICACHE_TELEMETRY_PROCESS)) is not None:  # a malformed one: its default, unset
+        return chosen
+    return any(providers.otlp_protocol(signal, name) is not None
+               for signal in ("traces", "metrics") for name in providers.exporter_names(signal))
 
 
 def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
-    """What the sinks are told of this process (``record``: the hello)."""
+    """The sinks' ``record`` hello."""
     from .sinks import otel_environment
-    resource = resource if resource is not None else otel_environment.resource()
+    resource = resource or otel_environment.resource()
     return {"resource": dict(resource.attributes), "schema_url": resource.schema_url, "attributes": dict(static),
-            "pid": os.getpid(), "warned": warned(), "log_level": logger.getEffectiveLevel()
-            if logger.isEnabledFor(logging.DEBUG) else None}
+            "pid": os.getpid(), "warned": warned(),
+            "log_level": logger.getEffectiveLevel() if logger.isEnabledFor(logging.DEBUG) else None}
 
 
 def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str, Any],
-                 max_ops: int, clock: Callable[[], int] = time.time_ns) -> Callable[[], Any]:
-    """The channel a ``TransferTelemetry`` writes to, opened on its poller thread: embedded on the
-    providers passed (the other from configure(), else the global one), else configure()'s choice."""
+                 max_ops: int, clock: Callable[[], int]) -> Callable[[], Any]:
+    """On the providers passed (the other configure()'s, else global), else configure()'s choice."""
     from opentelemetry import metrics, trace
     from opentelemetry.sdk.resources import Resource
     from .sinks.embedded import EmbeddedChannel
+    given = tracer_provider is not None or meter_provider is not None
+    used_configure = configured() is not None
+
     def opened() -> Any:
-        current, given = configured(), tracer_provider is not None or meter_provider is not None
-        if current is None and not given and opened.used_configure:
+        nonlocal used_configure
+        if (current := configured()) is None and not given and used_configure:
             current = configure()  # a forked child: its own
-        opened.used_configure = opened.used_configure or current is not None
+        used_configure = used_configure or current is not None
         if not given and current is not None and current.telemetry_process:
             return ProcessChannel(hello(static, current.resource), max_ops,
                                   lambda: _embedded_fallback(static, current.resource))
         tracer = tracer_provider or getattr(current, "tracer_provider", None) or trace.get_tracer_provider()
         meter = meter_provider or getattr(current, "meter_provider", None) or metrics.get_meter_provider()
-        # (the static attributes on every point: these providers may serve other callers)
+        # the static attributes on every point: these providers may serve others
         return EmbeddedChannel(tracer, meter, hello(static, current.resource if current else Resource.get_empty()),
                                clock)
 
-    opened.used_configure = configured() is not None  # type: ignore[attr-defined]
     return opened
 
 
 def _embedded_fallback(static: Mapping[str, Any], resource: Any) -> Any:
-    """Providers built here after all when no telemetry process could run (the static attributes in their resource)."""
+    """When no telemetry process could run: providers here, the static attributes in their resource."""
     from .sinks import providers
     from .sinks.embedded import EmbeddedChannel
     built = providers.build(resource, wrap_export=fork.quiet_at_fork, static=static)
     with _lock:
-        if _configured is not None and _configured.pid == os.getpid() and _configured.built is None:
+        if _configured is not None and _configured.built is None:
             _configured.built = built  # shut down with the rest at exit
     return EmbeddedChannel(built.tracer_provider, built.meter_provider,
                            {**hello(static, resource), "fallback": True, "in_resource": built.static_in_resource})

@@ -23,9 +23,9 @@ from opentelemetry.sdk.version import __version__ as sdk
 
 from . import adapters, configuration
 from . import environment_variables as ev
-from .settings import env_bool, sdk_disabled
+from .diagnostics import userinfo_parts, without_userinfo
+from .environment_variables import env_bool, sdk_disabled
 from .sinks import otel_environment as oe, providers
-from .sinks.redaction import userinfo_parts, without_userinfo
 from .version import __version__
 
 SPAN_NAME, METRIC_NAME = "otel_hicache.doctor", "otel_hicache.doctor.checks"

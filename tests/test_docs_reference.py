@@ -414,13 +414,12 @@ def _expand(pattern: str) -> list[str]:
 
 def standard_variables() -> set[str]:
     """Every OTEL_* variable configure() reads or checks: the literals of configuration.py,
-    otel_environment.py and settings.py, their per-signal templates, the checked tables and
-    the certificate and key variables."""
-    from otel_hicache import settings
+    otel_environment.py and environment_variables.py, their per-signal templates, the checked
+    tables and the certificate and key variables."""
     from otel_hicache.sinks import otel_environment
     found = set()
     from otel_hicache.sinks import providers
-    for module in (configuration, providers, otel_environment, settings):
+    for module in (configuration, providers, otel_environment, environment_variables):
         with open(module.__file__, encoding="utf-8") as file:
             source = file.read()
         found |= set(re.findall(r'"(OTEL_[A-Z0-9_]+)"', source))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 CORE = Path(__file__).resolve().parents[1] / "otel_hicache"
-SHARED = {"adapters", "record", "semconv", "settings", "environment_variables", "diagnostics", "version"}
+SHARED = {"adapters", "record", "semconv", "environment_variables", "diagnostics", "version"}
 BOOTSTRAP = {"__init__", "configuration", "doctor", "testing"}  # where the two sides meet
 NOT_THE_SDKS = {"_current_frames"}  # sys._current_frames: CPython's only view of another thread's frame
 

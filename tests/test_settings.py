@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from otel_hicache import environment_variables as ev
-from otel_hicache.settings import env_bool, env_float, env_int
+from otel_hicache.environment_variables import env_bool, env_float, env_int
 
 
 def test_every_variable_is_documented_with_a_default():

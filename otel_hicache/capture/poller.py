@@ -15,7 +15,7 @@ from .. import environment_variables as ev
 from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, warn_once
-from ..settings import env_float, env_int
+from ..environment_variables import env_float, env_int
 from . import fork, request_links
 from .attributes import CallAttributes
 from .records import S_ACK_NS, S_SUBMIT_NS, SUBMISSION_FIELDS, TransferRecord, validate

@@ -14,7 +14,7 @@ from opentelemetry import context as otel_context
 from .. import configuration
 from .. import environment_variables as ev
 from ..diagnostics import warn_once
-from ..settings import env_bool, env_float, sdk_disabled
+from ..environment_variables import env_bool, env_float, sdk_disabled
 from . import fork
 from .attributes import static_attributes
 from .device import timing_event_pair

@@ -1,11 +1,7 @@
-"""The ``requests`` session of the OTLP/HTTP exporters, for three SDK gaps: the OTLP certificate wins over
-``REQUESTS_CA_BUNDLE``; no redirect is followed and an answer outside 2xx raises ``Refused`` (the SDK
-counts both as exported), warned once per endpoint and status; a retryable one raises ``Busy``, which the
-exporter retries with its backoff but never sooner than the collector's ``Retry-After``."""
+"""The OTLP/HTTP exporters' session: OTLP certificate first, no redirect, non-2xx a failure, Retry-After kept."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import re
@@ -18,18 +14,15 @@ from typing import Any
 import requests
 from urllib3.util import Retry
 
-from ..diagnostics import warn_once
-from .redaction import without_userinfo
+from ..diagnostics import warn_once, without_userinfo
 
-RETRYABLE = frozenset({429, 502, 503, 504})  # what the OTLP/HTTP specification says a client retries
 RETRY_GAP_S = 0.5  # the exporter's repeat at once of a connection error is held back this long after a Busy
-WANTS_TLS = "the collector wants TLS; set an https endpoint"  # a redirect from http:// to https://
 _transport = logging.getLogger("otel_hicache.http")  # the doctor reads its DEBUG records
-importlib.import_module("netrc")  # requests imports it at its first request: a fork then would hang the child
+__import__("netrc")  # requests imports it at its first request: a fork then would hang the child
 
 
 class Refused(requests.exceptions.HTTPError):
-    """The collector answered outside 2xx: nothing in that request was delivered."""
+    """Nothing in that request was delivered (the SDK counts any answer as exported)."""
 
 
 class Busy(Refused, requests.exceptions.ConnectionError):
@@ -37,27 +30,18 @@ class Busy(Refused, requests.exceptions.ConnectionError):
 
 
 def describe(status: int, reason: str | None, location: str | None, url: str) -> str:
-    """``HTTP 308 Permanent Redirect (to https://...: ...)``, without userinfo."""
     try:
         phrase = HTTPStatus(status).phrase
     except ValueError:
         phrase = " ".join(re.findall(r"[\w'-]+", reason or "")[:8])  # a server's words, not its markup
     text = f"HTTP {status} {phrase}".rstrip()
-    if 300 <= status < 400:
-        target = without_userinfo(location.strip())[:200] if location else None
-        advice = WANTS_TLS if target and target.lower().startswith("https://") and url.lower().startswith(
-            "http://") else "redirects are not followed; " + ("set the endpoint to where it points" if target
-                                                              else "check the endpoint")
-        text += f" (to {(target or 'nowhere given').replace('(', '%28').replace(')', '%29')}: {advice})"
-    return text
-
-
-def _retry_after_s(value: str | None) -> float:
-    """The seconds a ``Retry-After`` asks for, at most an hour; 0 when none or malformed."""
-    try:
-        return min(float(Retry().parse_retry_after(value)), 3600.0) if value else 0.0
-    except Exception:  # pylint: disable=broad-except  # a malformed header asks for nothing
-        return 0.0
+    if not 300 <= status < 400:
+        return text
+    target = without_userinfo(location.strip())[:200] if location else ""
+    fix = "redirects are not followed; " + ("set the endpoint to where it points" if target else "check the endpoint")
+    if target.lower().startswith("https://") and url.lower().startswith("http://"):
+        fix = "the collector wants TLS; set an https endpoint"
+    return f"{text} (to {(target or 'nowhere given').replace('(', '%28').replace(')', '%29')}: {fix})"
 
 
 class OtlpSession(requests.Session):
@@ -97,11 +81,14 @@ class OtlpSession(requests.Session):
             return response
         url = without_userinfo(str(request.url))
         what = describe(status, response.reason, response.headers.get("Location"), url)
-        if retryable := status in RETRYABLE:
+        if retryable := status in (429, 502, 503, 504):  # what the OTLP/HTTP specification retries
+            try:
+                wait = min(float(Retry().parse_retry_after(response.headers.get("Retry-After") or "0")), 3600.0)
+            except Exception:  # a malformed header asks for nothing
+                wait = 0.0
             with self._gate:
                 now = time.monotonic()
-                self._not_before = now + _retry_after_s(response.headers.get("Retry-After"))
-                self._repeat_before, self._busy = now + RETRY_GAP_S, what
+                self._not_before, self._repeat_before, self._busy = now + wait, now + RETRY_GAP_S, what
         warn_once(f"http_session:{url}:{status}", "otel-hicache: the OTLP export to %s was refused: %s; nothing "
                   "in a refused request is delivered (counted as failed%s)", url, what,
                   "; retried within the export timeout" if retryable else "")

@@ -1,16 +1,15 @@
-"""The standard ``OTEL_*`` variables with the promises the SDK lacks: a malformed value is replaced up front
-(one warning), a blank one is unset, certificate files are checked unread, headers never logged."""
+"""The standard ``OTEL_*`` variables, malformed ones replaced (warned), blank ones unset, TLS files checked."""
 
 from __future__ import annotations
 
 import os
 import stat
 import string
+from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import unquote
 
-from ..diagnostics import shown, warn_once, withhold
-from .redaction import userinfo, without_userinfo
+from ..diagnostics import shown, userinfo, warn_once, withhold, without_userinfo
 
 # (the constructor's keyword, the value of a valid text or None, the default or the variable tried next, as warned)
 Variable = tuple[str, Callable[[str], Any], Any, str]
@@ -18,8 +17,8 @@ FILES = {"CERTIFICATE": "CA certificate", "CLIENT_KEY": "client key", "CLIENT_CE
 
 
 def raw(name: str) -> str | None:
-    """The value of ``name``; None when unset or blank (the specification's "unset")."""
-    return value if (value := os.environ.get(name)) and value.strip() else None
+    """Stripped; None when unset or blank (the specification's "unset")."""
+    return (os.environ.get(name) or "").strip() or None
 
 
 def blank(name: str) -> bool:
@@ -32,7 +31,7 @@ def _count(text: str) -> int | None:
 
 
 def _positive(text: str) -> int | None:
-    return value if (value := _count(text)) else None
+    return _count(text) or None
 
 
 def _time(text: str) -> float | None:
@@ -43,7 +42,7 @@ def _time(text: str) -> float | None:
 
 
 def _queue_size() -> int:
-    return _positive((raw("OTEL_BSP_MAX_QUEUE_SIZE") or "").strip()) or 2048
+    return _positive(raw("OTEL_BSP_MAX_QUEUE_SIZE") or "") or 2048
 
 
 def _batch_size(text: str) -> int | None:
@@ -88,16 +87,16 @@ METER_PROVIDER: dict[str, Variable] = {
 def _value(table: Mapping[str, Variable], name: str, invalid: dict[str, str]) -> Any:
     _, parse, instead, _ = table[name]
     if (text := raw(name)) is not None:
-        if (value := parse(text.strip())) is not None:
+        if (value := parse(text)) is not None:
             return value
         invalid[name] = EXPECTED.get(parse, "supported")
-    if isinstance(instead, str) and instead in table:
+    if instead in table:
         return _value(table, instead, invalid)
     return instead() if callable(instead) else instead
 
 
 def build(what: str, make: Callable[..., Any], table: Mapping[str, Variable] | None = None) -> Any:
-    """``make()`` given each variable of ``table`` that is set (a malformed one replaced, warned); None if it raises."""
+    """``make()`` given the variables of ``table`` that are set (a malformed one replaced); None if it raises."""
     table, keywords, invalid = table or {}, {}, {}
     for name, (keyword, *_) in table.items():  # (a per-signal form before its general one)
         if name in os.environ and keyword not in keywords:
@@ -108,7 +107,7 @@ def build(what: str, make: Callable[..., Any], table: Mapping[str, Variable] | N
 
     try:
         built = make(**keywords)
-    except Exception as exc:  # pylint: disable=broad-except  # never into the host
+    except Exception as exc:  # never into the host
         read = "".join(f"; check {name}={quoted(name)}" for name in table if name in os.environ)
         warn_once(f"otel_environment:{what}", "otel-hicache: cannot create the %s (%s: %s)%s; it is left out",
                   what, type(exc).__name__, shown(exc), read)
@@ -131,36 +130,34 @@ def resource() -> Any:
 
 
 def sampler() -> Any:
-    """None (the SDK reads ``OTEL_TRACES_SAMPLER``), or its default when that is blank."""
+    """None (the SDK reads ``OTEL_TRACES_SAMPLER``), or its default when blank."""
     from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
     return ParentBased(ALWAYS_ON) if blank("OTEL_TRACES_SAMPLER") else None
 
 
 def signal_variable(signal: str, suffix: str) -> tuple[str, str]:
-    """(the per-signal form, the general form) of ``OTEL_EXPORTER_OTLP_<suffix>``."""
     return f"OTEL_EXPORTER_OTLP_{signal.upper()}_{suffix}", f"OTEL_EXPORTER_OTLP_{suffix}"
 
 
 def first(signal: str, suffix: str) -> tuple[str, str] | None:
-    """(name, value) of the signal's variable if set and not blank, else of the general one."""
+    """The per-signal variable's (name, value) if set, else the general one's."""
     return next(((n, v) for n in signal_variable(signal, suffix) if (v := raw(n)) is not None), None)
 
 
 def endpoint(signal: str, protocol: str) -> str:
-    """The endpoint the signal's OTLP exporter uses, blanks unset."""
     specific, general = signal_variable(signal, "ENDPOINT")
     if protocol == "grpc" or raw(specific) is not None:
-        return (raw(specific) or raw(general) or "http://localhost:4317").strip()
-    return f"{(raw(general) or 'http://localhost:4318').strip().removesuffix('/')}/v1/{signal}"
+        return raw(specific) or raw(general) or "http://localhost:4317"
+    return f"{(raw(general) or 'http://localhost:4318').removesuffix('/')}/v1/{signal}"
 
 
 def tls(signal: str, protocol: str) -> bool:
-    """Whether the signal's exporter connects with TLS (gRPC: ``*_INSECURE``, else the endpoint's scheme)."""
+    """gRPC: by ``*_INSECURE``, else by the endpoint's scheme."""
     url = endpoint(signal, protocol).lower()
     if protocol != "grpc" or url.startswith("https://"):
         return url.startswith("https://")
     found = first(signal, "INSECURE")
-    return found[1].strip().lower() != "true" if found is not None else not url.startswith("http://")
+    return found[1].lower() != "true" if found is not None else not url.startswith("http://")
 
 
 def _compression(protocol: str, text: str) -> Any:
@@ -168,12 +165,11 @@ def _compression(protocol: str, text: str) -> Any:
         from grpc import Compression
     else:
         from opentelemetry.exporter.otlp.proto.http import Compression  # type: ignore[assignment]
-    names = {"gzip": "Gzip", "none": "NoCompression", **({"deflate": "Deflate"} if protocol != "grpc" else {})}
+    names = {"gzip": "Gzip", "none": "NoCompression", "deflate": "Deflate" if protocol != "grpc" else "?"}
     return getattr(Compression, names.get(text.lower(), "?"), None)
 
 
 def otlp_exporter(signal: str, protocol: str) -> dict[str, Variable]:
-    """The variables of the OTLP exporter of ``signal`` over ``protocol``, each per-signal form first."""
     url, insecure = lambda _="": endpoint(signal, protocol), lambda _="": not tls(signal, protocol)
     forms = {"ENDPOINT": ("endpoint", url, url, "http://localhost:4317" if protocol == "grpc" else
                           f"http://localhost:4318/v1/{signal}"),
@@ -191,7 +187,7 @@ def otlp_exporter(signal: str, protocol: str) -> dict[str, Variable]:
 
 
 class Headers(dict):  # type: ignore[type-arg]
-    """Pairs an exporter takes even when empty (else it reads the variable, logging bad entries whole)."""
+    """Taken even when empty (else the exporter reads the variable, logging bad entries whole)."""
 
     def __bool__(self) -> bool:
         return True
@@ -201,7 +197,7 @@ _TOKEN = frozenset("!#$%&'*+-.^_`|~" + string.ascii_letters + string.digits)
 
 
 def headers(signal: str) -> tuple[Headers | None, list[str]]:
-    """The signal's ``*_HEADERS`` pairs (None when unset) and their secrets; a malformed entry is left out."""
+    """The ``*_HEADERS`` pairs (None when unset) and their secrets; a malformed entry is left out."""
     if (found := first(signal, "HEADERS")) is None:
         return (Headers() if any(blank(n) for n in signal_variable(signal, "HEADERS")) else None), []
     pairs, bad, secrets = Headers(), [], []
@@ -241,46 +237,35 @@ def _unreadable(path: str, directory_ok: bool) -> str | None:
 
 
 def tls_files(signal: str, protocol: str) -> list[tuple[str, str, str, str | None]]:
-    """(suffix, variable, path, why it cannot be used or None) of each file variable set for the signal."""
-    found = [(suffix, *pair) for suffix in FILES if (pair := first(signal, suffix)) is not None]
-    return [(suffix, name, path.strip(), _unreadable(path.strip(), protocol != "grpc" and suffix == "CERTIFICATE"))
-            for suffix, name, path in found]  # (requests takes a directory of CA certificates)
-
-
-def certificate_usable(signal: str, protocol: str) -> bool:
-    """False, warned once, when a file of the signal cannot be read over TLS: no default is safe."""
-    for suffix, name, path, problem in tls_files(signal, protocol):
-        if problem is not None and tls(signal, protocol):  # (over plain text the files are unused)
-            warn_once(f"certificate:{name}", "otel-hicache: %s=%s %s; there is no safe default for a %s, so what "
-                      "would be exported with it over TLS is not exported", name, shown(path), problem, FILES[suffix])
-            return False
-    return True
+    """(suffix, variable, path, why it cannot be used or None) of each file variable set."""
+    found = [(suffix, *pair) for suffix in FILES if (pair := first(signal, suffix))]
+    return [(*f, _unreadable(f[2], protocol != "grpc" and f[0] == "CERTIFICATE")) for f in found]  # requests: a dir
 
 
 def _file(signal: str, suffix: str) -> str | None:
-    return found[1].strip() if (found := first(signal, suffix)) else None
+    return (first(signal, suffix) or ("", None))[1]
 
 
-def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, Any]:
-    """The parsed headers, and gRPC credentials when a file variable is blank (else taken as a path)."""
+def otlp_keywords(signal: str, protocol: str, sdk_loggers: bool) -> dict[str, Any] | None:
+    """Headers, and gRPC credentials when a file variable is blank; None (warned) if a TLS file is unreadable."""
+    for suffix, name, path, problem in tls_files(signal, protocol):
+        if problem is not None and tls(signal, protocol):  # over plain text the files are unused
+            warn_once(f"certificate:{name}", "otel-hicache: %s=%s %s; there is no safe default for a %s, so what "
+                      "would be exported with it over TLS is not exported", name, shown(path), problem, FILES[suffix])
+            return None
     pairs, secrets = headers(signal)
     withhold([*secrets, *(userinfo(os.environ.get(n, "")) for n in signal_variable(signal, "ENDPOINT"))],
              sdk_loggers)
     keywords: dict[str, Any] = {} if pairs is None else {"headers": pairs}
     if protocol == "grpc" and tls(signal, protocol) and any(blank(n) for n in file_variables(signal)):
         import grpc
-        def read(suffix: str) -> bytes | None:
-            if (path := _file(signal, suffix)) is None:
-                return None
-            with open(path, "rb") as file:  # a regular file: checked by certificate_usable()
-                return file.read()
-
-        keywords["credentials"] = grpc.ssl_channel_credentials(*map(read, FILES))
+        files = [(p := _file(signal, suffix)) and Path(p).read_bytes() for suffix in FILES]  # checked above
+        keywords["credentials"] = grpc.ssl_channel_credentials(*files)
     return keywords
 
 
 def settle_session(session: Any, signal: str) -> None:
-    """OTLP/HTTP: the session's files with blank variables unset (the SDK set a blank one as a path)."""
+    """The session's files with blank variables unset (the SDK took a blank one as a path)."""
     if any(blank(n) for n in file_variables(signal)):
         ca, key, cert = (_file(signal, suffix) for suffix in FILES)
         session.verify, session.cert = ca or True, (cert, key) if cert and key else cert

@@ -14,7 +14,7 @@ from .. import environment_variables as ev
 from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import logger, mark_warned, warn_once
-from ..settings import env_float
+from ..environment_variables import env_float
 from .bounded_flush import bounded
 
 CHECKPOINT_S = 1.0  # a checkpoint at most this often,

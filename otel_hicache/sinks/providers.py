@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 from typing import Any, Callable, Mapping, Sequence
 
 from ..diagnostics import logger, shown, warn_once, withhold
-from ..settings import sdk_disabled
+from ..environment_variables import sdk_disabled
 from . import otel_environment as oe
 from .bounded_flush import bounded
 from .http_session import OtlpSession
@@ -17,15 +17,13 @@ from .http_session import OtlpSession
 
 @dataclass
 class Providers:
-    """A tracer and a meter provider, and what they export with; shutdown and flush bounded in time."""
-
     tracer_provider: Any
     meter_provider: Any
-    disabled: bool
+    disabled: bool = False
     metric_readers: Sequence[Any] = ()
     span_processors: Sequence[Any] = ()
-    undelivered: list[list[int]] = field(default_factory=list)  # [ended, handed] per span processor
-    static_in_resource: bool = False  # build()'s ``static`` went into the resource, not on the points
+    undelivered: list[list[int]] = field(default_factory=list)  # _counting()'s, per span processor
+    static_in_resource: bool = False
 
     def shutdown(self, timeout_s: float) -> bool:
         done = bounded("shutdown", self.tracer_provider, self.meter_provider, timeout_s)
@@ -38,22 +36,20 @@ class Providers:
         return bounded("force_flush", self.tracer_provider, self.meter_provider, timeout_s)
 
 
-def _counting(counts: list[list[int]], processor: Any, exporter: Any) -> Any:
-    """``processor``, counting the sampled spans it was given and those its exporter was handed."""
-    ended_handed = [0, 0]
-    counts.append(ended_handed)
-    on_end, export = processor.on_end, exporter.export
+def _counting(processor: Any, exporter: Any) -> list[int]:
+    """[the sampled spans ``processor`` was given, those its exporter was handed] from now on."""
+    counts, on_end, export = [0, 0], processor.on_end, exporter.export
 
     def ended(span: Any) -> Any:
-        ended_handed[0] += bool(span.context is not None and span.context.trace_flags.sampled)
+        counts[0] += bool(span.context is not None and span.context.trace_flags.sampled)
         return on_end(span)
 
     def handed(spans: Any, *args: Any, **kwargs: Any) -> Any:
-        ended_handed[1] += len(spans)
+        counts[1] += len(spans)
         return export(spans, *args, **kwargs)
 
     processor.on_end, exporter.export = ended, handed
-    return processor
+    return counts
 
 
 EXPORTER_GROUPS = {"traces": ("OTEL_TRACES_EXPORTER", "opentelemetry_traces_exporter"),
@@ -68,11 +64,11 @@ def exporter_names(signal: str) -> list[str]:
 
 
 def otlp_protocol(signal: str, name: str) -> str | None:
-    """The OTLP protocol exporter ``name`` uses (``otlp``: by the protocol variables); None if not OTLP."""
+    """The OTLP protocol exporter ``name`` uses; None if not OTLP."""
     if name != "otlp":
         return {v: k for k, v in OTLP_EXPORTERS.items()}.get(name)
     for variable in oe.signal_variable(signal, "PROTOCOL"):
-        if (value := (oe.raw(variable) or "").strip().lower()) in OTLP_EXPORTERS:
+        if (value := (oe.raw(variable) or "").lower()) in OTLP_EXPORTERS:
             return value
         if value:
             warn_once(f"protocol:{variable}", "otel-hicache: %s=%s is not supported (grpc, http/protobuf); "
@@ -90,7 +86,7 @@ def _accepted(cls: Any, **kwargs: Any) -> dict[str, Any]:
 
 def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | None = None,
               wrap_export: Callable[[Any], Any] | None = None, own_process: bool = False) -> list[Any]:
-    """The exporters (metrics: or pull readers) ``names`` (default: the variable's) stand for."""
+    """Those ``names`` (default: the variable's) name (metrics: or pull readers)."""
     variable, group = EXPORTER_GROUPS[signal]
     built = []
     for name in exporter_names(signal) if names is None else names:
@@ -101,12 +97,11 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
                       "installed %s entry point); skipping it", variable, shown(os.environ.get(variable)),
                       shown(name), group)
             continue
-        if otlp is not None and not oe.certificate_usable(signal, otlp):
+        cls = oe.build(f"{name} {signal} exporter class", found.load)  # first: its loggers then exist to filter
+        if (fixed := oe.otlp_keywords(signal, otlp, own_process) if otlp else {}) is None:
             continue
-        cls = oe.build(f"{name} {signal} exporter class", found.load)
-        fixed = {"session": OtlpSession()} if otlp == "http/protobuf" else {}
-        if otlp is not None:
-            fixed.update(oe.otlp_keywords(signal, otlp, own_process))
+        if otlp == "http/protobuf":
+            fixed["session"] = OtlpSession()
         if meter_provider is not None:
             fixed.update(_accepted(cls, meter_provider=meter_provider))  # its otel.sdk.exporter.* self-metrics
         table = oe.otlp_exporter(signal, otlp) if otlp else {}
@@ -119,12 +114,11 @@ def exporters(signal: str, meter_provider: Any = None, names: Sequence[str] | No
     return built
 
 
-def build(resource: Any = None, extra_readers: Sequence[Any] = (),
+def build(resource: Any, extra_readers: Sequence[Any] = (),
           wrap_export: Callable[[Any], Any] | None = None, id_generator: Any = None,
           counters_since_ns: int | None = None, own_process: bool = False,
           static: Mapping[str, Any] | None = None) -> Providers:
-    """Providers on ``resource``; ``wrap_export`` wraps each gRPC export (the fork guard), ``own_process``: the
-    telemetry process; ``static`` goes into the resource unless a pull reader serves the metrics."""
+    """``wrap_export`` wraps gRPC exports; ``static`` goes into the resource unless a reader here reads metrics."""
     from opentelemetry.metrics import NoOpMeterProvider
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
@@ -134,8 +128,7 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
     from opentelemetry.trace import NoOpTracerProvider
     if sdk_disabled():
         return Providers(NoOpTracerProvider(), NoOpMeterProvider(), disabled=True)
-    withhold((), own_process)  # no log line of ours (and in our own process, the SDK's) quotes a whole value
-    resource = resource if resource is not None else oe.resource()
+    withhold((), own_process)  # no log line quotes a whole value
     readers, pushed = [], []
     for made in exporters("metrics", wrap_export=wrap_export, own_process=own_process):
         if isinstance(made, MetricReader):  # a pull reader (prometheus) serving its own endpoint
@@ -156,7 +149,7 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
     for exporter in pushed:  # the OTLP metric exporters' self-metrics
         if callable(getattr(exporter, "set_meter_provider", None)):
             exporter.set_meter_provider(meter_provider)
-    # a no-op meter provider: otel.sdk.span.started/live would cost the sinks two SDK calls a span
+    # otel.sdk.span.started/live would cost the sinks two SDK calls a span
     own = _accepted(TracerProvider, meter_provider=NoOpMeterProvider())
     tracer_provider = oe.build("tracer provider", lambda **limits: TracerProvider(
         resource=resource, shutdown_on_exit=False, span_limits=SpanLimits(**limits) if limits else None,
@@ -165,15 +158,15 @@ def build(resource: Any = None, extra_readers: Sequence[Any] = (),
     # an unset batch size is the queue's when smaller (the SDK raises)
     batch = {**_accepted(BatchSpanProcessor, meter_provider=meter_provider),
              "max_export_batch_size": oe.BATCH_SPAN_PROCESSOR["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"][2]()}
-    undelivered: list[list[int]] = []
-    processors = []
+    processors, undelivered = [], []
     for exporter in exporters("traces", meter_provider, wrap_export=wrap_export, own_process=own_process):
         if processor := oe.build("batch span processor", lambda **kw: BatchSpanProcessor(exporter, **{**batch, **kw}),
                                  oe.BATCH_SPAN_PROCESSOR):
-            processors.append(_counting(undelivered, processor, exporter))
+            undelivered.append(_counting(processor, exporter))
+            processors.append(processor)
             tracer_provider.add_span_processor(processor)
-    return Providers(tracer_provider, meter_provider, disabled=False, metric_readers=readers,
-                     span_processors=processors, undelivered=undelivered, static_in_resource=in_resource)
+    return Providers(tracer_provider, meter_provider, metric_readers=readers, span_processors=processors,
+                     undelivered=undelivered, static_in_resource=in_resource)
 
 
 def _counters_since(export: Callable[..., Any], start_ns: int) -> Callable[..., Any]:

@@ -16,7 +16,7 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 import otel_hicache
 from otel_hicache import environment_variables as ev
 from otel_hicache.diagnostics import logger, warn_once
-from otel_hicache.settings import env_bool, sdk_disabled
+from otel_hicache.environment_variables import env_bool, sdk_disabled
 
 from . import causes
 from .package import _instruments
