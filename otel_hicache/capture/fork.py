@@ -1,5 +1,5 @@
-"""What otel-hicache does in a forked child (SGLang's schedulers), behind one at-fork registration (made
-after the SDK's): callbacks take no foreign lock and open nothing (a child's channel opens at its first submit)."""
+"""Forked children (SGLang's schedulers): one at-fork registration, made after the SDK's; callbacks take no
+foreign lock and open nothing (a child's channel opens at its first submit)."""
 
 from __future__ import annotations
 
@@ -13,22 +13,18 @@ from ..diagnostics import warn_once
 
 _lock = threading.Lock()
 _callbacks: list[Callable[[], Any]] = []  # weak handles: call one for its callback (None once collected)
-_prune_at = 64  # dead handles are dropped at this length (then twice the live ones)
 _registered = _gated = False
 
 
 def after_fork_in_child(callback: Callable[[], Any]) -> None:
     """Call ``callback()`` in every child forked after this while it lives (a bound method is held weakly)."""
-    global _prune_at, _registered
-    bound = hasattr(callback, "__self__") and hasattr(callback, "__func__")
+    global _registered
     with _lock:
         if not _registered:
             os.register_at_fork(after_in_child=_run_in_child)
             _registered = True
-        _callbacks.append(weakref.WeakMethod(callback) if bound else lambda: callback)
-        if len(_callbacks) >= _prune_at:
-            _callbacks[:] = [handle for handle in _callbacks if handle() is not None]
-            _prune_at = max(64, 2 * len(_callbacks))
+        _callbacks[:] = [handle for handle in _callbacks if handle() is not None]
+        _callbacks.append(weakref.WeakMethod(callback) if hasattr(callback, "__func__") else lambda: callback)
 
 
 def _run_in_child() -> None:
@@ -41,15 +37,14 @@ def _run_in_child() -> None:
             warn_once(f"fork:{type(exc).__name__}", "otel-hicache: after fork, %r failed: %r", callback, exc)
 
 
-# gRPC skips its fork handlers while another thread is inside a call, and a child forked then can never
-# export over gRPC: a fork waits (at most FORK_WAIT_S) for our exports to end and holds new ones back.
+# a child forked while gRPC is inside a call can never export over gRPC: a fork waits for our exports.
 FORK_WAIT_S = 2.0
 _gate = threading.Lock()  # held through a fork
-_exports: set[object] = set()  # those under way (add and discard are atomic)
+_exports: set[object] = set()  # under way (add and discard are atomic)
 
 
 def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:
-    """``export`` so that a ``fork()`` never happens while it runs."""
+    """``export``, never running across a ``fork()``."""
     global _gated
     with _lock:
         if not _gated:

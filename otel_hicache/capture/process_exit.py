@@ -1,6 +1,5 @@
-"""Exit hooks that also run in ``multiprocessing`` children, which ``os._exit()`` after its finalizers
-only: each (idempotent) hook is registered both ways, again in a fork child (whose bootstrap clears
-the finalizers). A higher ``priority`` runs first in a child; ``atexit`` runs the last registered first."""
+"""Exit hooks (idempotent) registered with ``atexit`` and as ``multiprocessing`` finalizers, again in a fork
+child, whose ``os._exit()`` runs only those; a higher ``priority`` runs first there."""
 
 from __future__ import annotations
 
@@ -22,4 +21,4 @@ def _after_fork(_: Any) -> None:
         util.Finalize(None, hook, args=args, exitpriority=priority)
 
 
-util.register_after_fork(_after_fork, _after_fork)  # (held weakly: a function, not the list)
+util.register_after_fork(_after_fork, _after_fork)  # held weakly: a module function
