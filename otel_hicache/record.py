@@ -16,34 +16,33 @@ DIRECTIONS = (OFFLOAD, ONBOARD)
 TIERS = {OFFLOAD: ("L1", "L2"), ONBOARD: ("L2", "L1")}  # (source, destination)
 MERGED_OP, DIRECT = "merged_op", "direct"  # acked (expect_ack=True), or not
 ORIGINS = (MERGED_OP, DIRECT)
-DEVICE_EVENT, HOST_CLOCK = "device_event", "host_clock"  # timed by elapsed_time(), or the host clock
+DEVICE_EVENT, HOST_CLOCK = "device_event", "host_clock"  # the timing source
 INT64_MAX = 2**63 - 1  # OTLP encodes no larger count or time
 
 OP, ACK, HOST, POOL, FREE, DROPPED, STATE, FLUSH, STOP, CHECKPOINT = range(10)
 
 FRAME_HEADER = struct.Struct("<II")  # the JSON's length, the slots' length after it
 MAX_FRAME_BYTES = 1 << 26  # a longer frame is not the capture's
-_SLOTS = {HOST: 4, FREE: 2}  # the field of those messages that holds slots
+_SLOTS = {HOST: 4, FREE: 2}  # the field that holds slots
 
 
 def encode(value: Any) -> bytes:
     """A frame; ``bytes`` values go after the JSON, which holds their ``[offset, length]``."""
-    tail: list[bytes] = []
-    size = [0]
+    tail, ends = [], [0]
 
     def place(data: Any) -> list[int]:
         if type(data) is not bytes:
             raise TypeError(f"{type(data).__name__} is not JSON serializable")
         tail.append(data)
-        size[0] += len(data)
-        return [size[0] - len(data), len(data)]
+        ends.append(ends[-1] + len(data))
+        return [ends[-2], len(data)]
 
     text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=place).encode()
-    return FRAME_HEADER.pack(len(text), size[0]) + text + b"".join(tail)
+    return FRAME_HEADER.pack(len(text), ends[-1]) + text + b"".join(tail)
 
 
 def decode(frame: bytes) -> Any:
-    """A frame's batch, the slots back in place; ValueError if they are not where it says."""
+    """A frame's batch, slots in place; ValueError if they are not where it says."""
     length, size = FRAME_HEADER.unpack_from(frame)
     start = FRAME_HEADER.size + length
     batch, tail = json.loads(frame[FRAME_HEADER.size:start]), frame[start:start + size]
@@ -58,14 +57,13 @@ def decode(frame: bytes) -> Any:
     return batch
 
 
-# cause_parts: a mixed op's ((cause, pools, pool tokens, bytes), ...); error: semconv.FAIL_* or None
+# cause_parts: a mixed op's ((cause, pools, pool tokens, bytes), ...)
 OP_FIELDS = (
     "seq", "direction", "origin", "cause", "cause_parts", "tokens", "blocks", "pool_names", "pool_tokens",
     "num_bytes", "page_size", "io_backend", "attributes", "timing_source", "placement", "start_ns", "end_ns",
     "duration_ns", "queue_wait_ns", "error", "submit_ns", "ack_ns", "expect_ack", "parent", "request_links",
-    "request_links_dropped",
-)
-# per direction: ops not seen complete, the oldest one's and the oldest unacked one's submit_ns; then totals
+    "request_links_dropped")
+# per direction: ops in flight, the oldest one's and the oldest unacked one's submit_ns; then totals
 STATE_FIELDS = ("inflight", "oldest_inflight_ns", "oldest_unacked_ns", "queue_size", "poller_cpu_s")
 
 
@@ -77,7 +75,8 @@ def encodes(text: str) -> bool:
         return False
 
 
-def context_tuple(context: Any) -> tuple[int, int, int, bool, tuple[tuple[str, str], ...]] | None:
+def context_tuple(context: Any) -> tuple | None:
+    """(trace_id, span_id, flags, remote, trace state pairs)."""
     if context is None or not context.is_valid:
         return None
     state = context.trace_state

@@ -44,10 +44,10 @@ def telemetry_process_command() -> list[str]:
     return [sys.executable, "-I", "-c", _START, json.dumps(path)]
 
 
-def _close(process: Any, close: Callable[[Any], Any] = lambda stream: stream.close()) -> None:
-    for stream in (process.stdin, process.stdout):
+def _close(process: Any, close: Callable[[Any], Any] = lambda f: f.close()) -> None:
+    for f in (process.stdin, process.stdout):
         with contextlib.suppress(OSError, ValueError):
-            close(stream)
+            close(f)
 
 
 def _encoded(batch: Any) -> bytes:
@@ -150,16 +150,15 @@ class ProcessChannel:
 
     def forget_in_child(self) -> None:
         if self.process is not None:  # os.close takes no lock; kept: closed only once
-            _close(self.process, lambda stream: os.close(stream.fileno()))
+            _close(self.process, lambda f: os.close(f.fileno()))
             self._inherited = self.process
         self.__init__(self._hello, self._max_ops, self._fallback)
 
     def _start(self) -> bool:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
         try:
-            self.process = process = subprocess.Popen(
-                telemetry_process_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-                start_new_session=True, env={k: v for k, v in os.environ.items()
-                                             if k not in ("PYTHONPATH", "PYTHONSTARTUP")})
+            self.process = process = subprocess.Popen(telemetry_process_command(), stdin=subprocess.PIPE,
+                                                      stdout=subprocess.PIPE, start_new_session=True, env=env)
         except OSError as exc:
             self._give_up(f"cannot start it ({exc!r})")
             return False
@@ -280,8 +279,7 @@ class ProcessChannel:
                 batch = rec.decode(entry[0]) if entry[1] or stage else []
                 if not (removed := [m for m in batch if m[0] in kinds]):
                     continue
-                counts[sc.DROP_QUEUE_FULL] += entry[1]
-                for m in removed:
+                for m in [*removed, (rec.DROPPED, sc.DROP_QUEUE_FULL, entry[1])]:
                     if m[0] == rec.DROPPED:
                         counts[m[1]] += m[2]
                 state = [m for m in removed if m[0] == rec.STATE][-1:] or state

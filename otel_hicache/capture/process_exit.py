@@ -10,7 +10,7 @@ from typing import Any, Callable
 _hooks: list[tuple[Callable[..., Any], tuple[Any, ...], int]] = []
 
 
-def on_exit(hook: Callable[..., Any], *args: Any, priority: int = 0) -> None:
+def on_exit(hook: Callable[..., Any], *args: Any, priority: int) -> None:
     atexit.register(hook, *args)
     _hooks.append((hook, args, priority))
     util.Finalize(None, hook, args=args, exitpriority=priority)

@@ -12,8 +12,7 @@ MAX_REQUEST_LINKS = 16
 
 
 def resolve(requests: Any) -> tuple[tuple[SpanContext, ...], int]:
-    """The valid, sampled span contexts, each once, in order, at most ``MAX_REQUEST_LINKS``, and how
-    many more there were; anything else is skipped (warned once)."""
+    """The valid, sampled span contexts, once each, at most ``MAX_REQUEST_LINKS``, and how many more."""
     kept: dict[tuple[int, int], SpanContext] = {}
     for context in requests:
         if not isinstance(context, SpanContext):

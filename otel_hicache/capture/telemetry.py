@@ -7,7 +7,7 @@ import importlib.util
 import itertools
 import time
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping
 
 from opentelemetry import context as otel_context
 
@@ -71,9 +71,8 @@ class TransferTelemetry:
     def submit(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, page_size: int = 1,
                start_event: Any = None, finish_event: Any = None, io_backend: str | None = None,
                attributes: Mapping[str, Any] | None = None, expect_ack: bool = True, host_start_ns: int | None = None,
-               host_end_ns: int | None = None, ack_watch: tuple[Any, Any] | None = None, cause: str | None = None,
-               cause_call: tuple | None = None,
-               host_slots: tuple[Any, Any] | None = None, requests: Sequence[Any] | None = None) -> list | None:
+               host_end_ns: int | None = None, ack_watch: tuple | None = None, cause: str | None = None,
+               cause_call: tuple | None = None, host_slots: tuple | None = None, requests: Any = None) -> list | None:
         """Report one merged op (or direct copy), read later on the poller; returns the handle to ack."""
         if (poller := self._pipeline) is None:
             return None
