@@ -1,5 +1,5 @@
-"""Attributes a caller passes (static ones, each call's own) checked within the SDK's span limits before
-they reach the channel: a str, bool, int64 or float, or a list of them."""
+"""A caller's attributes checked within the SDK's span limits before the channel: a str, bool, int64 or
+float, or a list of them."""
 
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ def _limit(kind: str, default: int | None) -> int | None:
     for name in (f"OTEL_SPAN_ATTRIBUTE_{kind}_LIMIT", f"OTEL_ATTRIBUTE_{kind}_LIMIT"):
         if (raw := (os.environ.get(name) or "").strip()).isdigit():
             return int(raw)
-    return default  # (sinks.otel_environment warns about a malformed one)
+    return default  # sinks.otel_environment warns about a malformed one
 
 
 def limits() -> tuple[int, int | None]:
-    """The SDK's span attribute limits as it reads them: (count, value length or None)."""
+    """The SDK's span attribute (count, value length or None) limits."""
     return _limit("COUNT", 128), _limit("VALUE_LENGTH", None)
 
 
@@ -50,7 +50,7 @@ def static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def call_attributes(attributes: Any, count: int, length: int | None) -> dict[str, Any] | None:
-    """The valid ones (others warned once per type), at most ``count``, str values cut to ``length``."""
+    """The valid ones (others warned about), at most ``count``, str values cut to ``length``."""
     if not isinstance(attributes, Mapping):
         warn_once("attributes:type", "otel-hicache: attributes must be a mapping, got %s; ignored",
                   type(attributes).__name__)
@@ -73,7 +73,7 @@ def call_attributes(attributes: Any, count: int, length: int | None) -> dict[str
 
 
 class CallAttributes:
-    """``call_attributes`` within the SDK's limits; an adapter's same dict, unchanged, checked once."""
+    """``call_attributes`` within the SDK's limits; the same dict, unchanged, checked once."""
 
     def __init__(self) -> None:
         self._limits = limits()
@@ -84,10 +84,10 @@ class CallAttributes:
         try:
             if attributes is given and attributes == copy:
                 return out
-        except Exception:  # a value changed to one that cannot compare (an array): checked again
+        except Exception:  # a value that cannot compare (an array): checked again
             pass
         out = call_attributes(attributes, *self._limits)
-        # immutable values only: a list changed in place would still equal the copy
+        # immutable values only: a list changed in place equals the copy
         if type(attributes) is dict and out is not None and len(out) == len(attributes) and all(
                 type(v) in (str, int, float, bool) for v in out.values()):
             self._last = (attributes, dict(attributes), out)

@@ -1,5 +1,4 @@
-"""Frames to the telemetry process down a non-blocking pipe, each kept for a successor until a checkpoint
-covers it."""
+"""Frames to the telemetry process down a non-blocking pipe, each kept until a checkpoint covers it."""
 
 from __future__ import annotations
 
@@ -35,7 +34,6 @@ _FULL = ("otel-hicache: the telemetry process is not keeping up; dropping transf
 
 
 def telemetry_process_command() -> list[str]:
-    """This interpreter, isolated, on our path (ours first) less the working directory."""
     cwd = ""
     with contextlib.suppress(OSError):
         cwd = os.getcwd()
@@ -68,7 +66,7 @@ def _encodes(message: Any) -> bool:
 
 
 class ProcessChannel:
-    """Batches to a telemetry process, after ``hello``; ``fallback()`` gives embedded sinks."""
+    """Batches to a telemetry process after ``hello``, or to ``fallback()``'s embedded sinks."""
 
     def __init__(self, hello: dict[str, Any], max_ops: int, fallback: Callable[[], Any]) -> None:
         self._max_ops, self._fallback, self._lock = max_ops, fallback, threading.Lock()
@@ -105,7 +103,7 @@ class ProcessChannel:
         return self._last_read + (_READ_NS if self._waiting() else 10 * _READ_NS)
 
     def flush(self, timeout_s: float) -> bool:
-        """Whether all written before is exported within ``timeout_s``."""
+        """Whether all written before is exported in time."""
         deadline, token = time.monotonic() + timeout_s, next(self._tokens)
         with self._lock:
             self._flushes[token] = None
@@ -167,7 +165,7 @@ class ProcessChannel:
         for stream in (process.stdin, process.stdout):
             os.set_blocking(stream.fileno(), False)
         self._started_at = time.monotonic()
-        # its hello, the last checkpoint (frame 1), then the frames
+        # its hello, the last checkpoint (frame 1), then the frames from there
         self._out = memoryview(rec.encode(dict(self._hello, pools=self._pools)) + (self._checkpoint or b""))
         self._numbered, self._out_ops = int(self._checkpoint is not None), 0
         self._answered, self._replies, self._written_ops = False, b"", 0  # (kill tests read those ops)
@@ -269,7 +267,7 @@ class ProcessChannel:
 
     def _trim(self) -> None:
         """Past a bound, the oldest waiting frames lose their ops (counted) and host pages, then acks,
-        frees, states and drop counts; the last state and the counts go in the last one trimmed."""
+        frees, states and drop counts, the last state and counts kept."""
         counts: Counter[str] = Counter()
         last, state = None, []  # (entry, what it kept), the last state
         for stage, kinds in enumerate(((rec.OP, rec.HOST), (rec.ACK, rec.FREE, rec.STATE, rec.DROPPED))):

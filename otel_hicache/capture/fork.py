@@ -1,5 +1,4 @@
-"""Forked children (SGLang's schedulers): one at-fork registration, made after the SDK's; callbacks take no
-foreign lock and open nothing (a child's channel opens at its first submit)."""
+"""Fork hooks, registered after the SDK's: a child's callbacks take no foreign lock and open nothing."""
 
 from __future__ import annotations
 
@@ -12,12 +11,12 @@ from typing import Any, Callable
 from ..diagnostics import warn_once
 
 _lock = threading.Lock()
-_callbacks: list[Callable[[], Any]] = []  # weak handles: call one for its callback (None once collected)
+_callbacks: list[Callable[[], Any]] = []  # weak handles (None once collected)
 _registered = _gated = False
 
 
 def after_fork_in_child(callback: Callable[[], Any]) -> None:
-    """Call ``callback()`` in every child forked after this while it lives (a bound method is held weakly)."""
+    """Call ``callback()`` in every child forked while it lives (a bound method is held weakly)."""
     global _registered
     with _lock:
         if not _registered:
@@ -29,15 +28,15 @@ def after_fork_in_child(callback: Callable[[], Any]) -> None:
 
 def _run_in_child() -> None:
     global _lock
-    _lock = threading.Lock()  # the parent's may have been held by another thread at fork
+    _lock = threading.Lock()  # another thread may have held the parent's
     for callback in filter(None, [handle() for handle in _callbacks]):
         try:
             callback()
-        except Exception as exc:  # one part's failure stops no other
+        except Exception as exc:
             warn_once(f"fork:{type(exc).__name__}", "otel-hicache: after fork, %r failed: %r", callback, exc)
 
 
-# a child forked while gRPC is inside a call can never export over gRPC: a fork waits for our exports.
+# a child forked while gRPC is inside a call can never export over gRPC: fork() waits for our exports
 FORK_WAIT_S = 2.0
 _gate = threading.Lock()  # held through a fork
 _exports: set[object] = set()  # under way (add and discard are atomic)
@@ -70,10 +69,10 @@ def _before_fork() -> None:
 
 
 def _after_fork() -> None:
-    _gate.release()  # the current lock: a child has its own
+    _gate.release()
 
 
 def _forked_child() -> None:
     global _gate
-    _gate = threading.Lock()  # the parent's is held, and its exports are not ours
+    _gate = threading.Lock()  # the parent's is held
     _exports.clear()

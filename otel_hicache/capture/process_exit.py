@@ -1,5 +1,5 @@
-"""Exit hooks (idempotent) registered with ``atexit`` and as ``multiprocessing`` finalizers, again in a fork
-child, whose ``os._exit()`` runs only those; a higher ``priority`` runs first there."""
+"""Idempotent exit hooks, also as ``multiprocessing`` finalizers (again in each fork child, which runs only
+those); a higher ``priority`` runs first there."""
 
 from __future__ import annotations
 
@@ -21,4 +21,4 @@ def _after_fork(_: Any) -> None:
         util.Finalize(None, hook, args=args, exitpriority=priority)
 
 
-util.register_after_fork(_after_fork, _after_fork)  # held weakly: a module function
+util.register_after_fork(_after_fork, _after_fork)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import time
 import weakref
@@ -93,11 +92,8 @@ class TransferTelemetry:
             return None
 
     def host_pool(self, slots: int, page_size: int, name: str = "kv") -> Any:
-        """A pool for ``host_slots`` and :meth:`host_freed`; None if disabled, without NumPy or bad."""
+        """A pool for ``host_slots`` and :meth:`host_freed`; None if disabled or bad (warned)."""
         if (poller := self._pipeline) is None or not env_bool(ev.OTEL_HICACHE_HOST_RESIDENCE):
-            return None
-        if importlib.util.find_spec("numpy") is None:
-            warn_once("host_pool:numpy", "otel-hicache: host residence needs NumPy (pip install numpy); not tracked")
             return None
         try:
             slots, page_size, name = integer(slots, "slots", 1), integer(page_size, "page_size", 1), str(name)
@@ -138,7 +134,7 @@ class TransferTelemetry:
                 warn_once(f"stream:{type(stream).__name__}", "otel-hicache: cannot record timing events on %s "
                           "(%r); using the host clock", type(stream).__name__, exc)
         host_start = self._clock()
-        yield None
+        yield
         if events is not None:
             try:
                 events[1].record(stream)
