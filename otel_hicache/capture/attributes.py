@@ -52,8 +52,7 @@ def static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
 def call_attributes(attributes: Any, count: int, length: int | None) -> dict[str, Any] | None:
     """The valid ones (others warned about), at most ``count``, str values cut to ``length``."""
     if not isinstance(attributes, Mapping):
-        warn_once("attributes:type", "otel-hicache: attributes must be a mapping, got %s; ignored",
-                  type(attributes).__name__)
+        warn_once("attributes:type", "otel-hicache: attributes must be a mapping, got %s", type(attributes).__name__)
         return None
     out: dict[str, Any] = {}
     for key, value in attributes.items():

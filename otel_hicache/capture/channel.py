@@ -60,8 +60,7 @@ def _encodes(message: Any) -> bool:
     try:
         return bool(rec.encode(message))
     except Exception as exc:
-        warn_once(f"encode:{type(exc).__name__}", "otel-hicache: cannot encode a record (%r); counted as "
-                  "internal_error", exc)
+        warn_once(f"encode:{type(exc).__name__}", "otel-hicache: a record does not encode (%r): internal_error", exc)
         return False
 
 

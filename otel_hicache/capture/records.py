@@ -141,13 +141,10 @@ def _validate_cause(record: TransferRecord) -> None:
         moved = Counter(dict(zip(record.pool_names, record.pool_tokens)))  # == takes a missing pool as 0
         tokens, part_bytes = sum((p for p, _ in parts.values()), Counter()), sum(b for _, b in parts.values())
         if tokens != moved or part_bytes != record.num_bytes:
-            raise ValueError(f"parts sum to {dict(tokens)} tokens and {part_bytes} bytes, the op moved "
-                             f"{dict(moved)} and {record.num_bytes}")
+            raise ValueError(f"parts sum to {dict(tokens)}, {part_bytes} bytes, not {dict(moved)}, {record.num_bytes}")
     except (TypeError, ValueError) as exc:
-        warn_once("cause:parts", "otel-hicache: a merged op's cause parts are malformed (%s); such ops are "
-                  "counted as %r", exc, sc.CAUSE_OTHER)
-        record.cause = sc.CAUSE_OTHER
-        return
+        warn_once("cause:parts", "otel-hicache: cause parts are malformed (%s); counted as %r", exc, sc.CAUSE_OTHER)
+        parts = {sc.CAUSE_OTHER: None}
     record.cause = next(iter(parts)) if len(parts) == 1 else sc.CAUSE_MIXED
     if len(parts) != 1:
         record.cause_parts = tuple((c, tuple(p), tuple(p.values()), b) for c, (p, b) in sorted(parts.items()))

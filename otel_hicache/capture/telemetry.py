@@ -116,8 +116,7 @@ class TransferTelemetry:
             if handle is not None and handle[S_ACK_NS] is None:
                 handle[S_ACK_NS] = self._clock()
         except (TypeError, IndexError, KeyError):
-            warn_once("ack:handle", "otel-hicache: ack() got %s, not a handle from submit(); ignored",
-                      type(handle).__name__)
+            warn_once("ack:handle", "otel-hicache: ack() got %s, not a handle from submit()", type(handle).__name__)
 
     @contextlib.contextmanager
     def transfer(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, stream: Any = None,
