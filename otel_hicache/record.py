@@ -1,9 +1,8 @@
-"""The capture's messages to the sinks, in batches of tuples of JSON values (decoding runs no code):
-``(OP, *OP_FIELDS)``, ``(ACK, seq, ack_ns or None)``, ``(HOST, seq, pool id, direction, slots, submit_ns,
-cause, num_bytes)``, ``(POOL, pool id, name, slots, page_size)``, ``(FREE, pool id, slots)``, ``(DROPPED,
-reason, count)``, ``(STATE, *STATE_FIELDS)``, ``(FLUSH, token)`` (export, answer; token 0: neither),
-``(STOP, bound s)``, ``(CHECKPOINT, [[counter, attributes, total], ...], [OP awaiting its ack, ...])``.
-The telemetry process answers ``hello``, ``flushed <token> <0|1>`` and ``exported <frames> <[CHECKPOINT]>``."""
+"""The capture's messages to the sinks, batches of JSON values (decoding runs no code): (OP, *OP_FIELDS),
+(ACK, seq, ack_ns or None), (HOST, seq, pool id, direction, slots, submit_ns, cause, num_bytes), (POOL, pool
+id, name, slots, page_size), (FREE, pool id, slots), (DROPPED, reason, count), (STATE, *STATE_FIELDS), (FLUSH,
+token: export and answer, unless 0), (STOP, bound s), (CHECKPOINT, [[counter, attributes, total], ...], [OP
+awaiting its ack, ...]); the answers: hello, flushed <token> <0|1>, exported <frames> <[CHECKPOINT]>."""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ class CallAttributes:
 
     def __init__(self) -> None:
         self._limits = limits()
-        self._last: tuple[Any, Any, Any] = (None, None, None)  # the dict, a copy, what it gave
+        self._last: tuple = (None, None, None)  # the dict, a copy, what it gave
 
     def __call__(self, attributes: Any) -> dict[str, Any] | None:
         given, copy, out = self._last

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -23,13 +22,11 @@ SHORT_LIFE_S = 60.0
 MAX_BACKLOG_BYTES = 32 << 20  # frames no checkpoint covers
 _KILLED = (-9, -15, -2)  # killed before its hello: not given up on
 _READ_NS = 100_000_000  # answers are read this often while frames wait
-_WRITE_BYTES = 1 << 20  # joined into one write
+_WRITE_BYTES = 1 << 20  # the most joined into one write
 # -I: no working directory, PYTHONPATH (an auto-instrumentation's) nor user site on the path
-_START = ("import json,sys; sys.path[:0] = json.loads(sys.argv[1]); "
-          "from otel_hicache.sinks.process import main; sys.exit(main())")
+_START = "import sys; sys.path[:0] = sys.argv[1:]; from otel_hicache.sinks.process import main; sys.exit(main())"
 _AUTO = os.path.join("opentelemetry", "instrumentation", "auto_instrumentation")
-_FULL = ("otel-hicache: the telemetry process is not keeping up; dropping transfer records, counted in "
-         "otel_hicache.records.dropped{reason=queue_full}",
+_FULL = ("otel-hicache: the telemetry process is not keeping up; dropping transfer records (reason=queue_full)",
          "otel-hicache: the telemetry process is not keeping up; dropping the oldest acks and host frees")
 
 
@@ -39,10 +36,10 @@ def telemetry_process_command() -> list[str]:
         cwd = os.getcwd()
     path = [os.path.dirname(os.path.dirname(os.path.abspath(rec.__file__)))]
     path += [p for p in map(os.path.abspath, filter(None, sys.path)) if p not in (cwd, path[0]) and _AUTO not in p]
-    return [sys.executable, "-I", "-c", _START, json.dumps(path)]
+    return [sys.executable, "-I", "-c", _START, *path]
 
 
-def _close(process: Any, close: Callable[[Any], Any] = lambda f: f.close()) -> None:
+def _close(process: Any, close: Callable = lambda f: f.close()) -> None:
     for f in (process.stdin, process.stdout):
         with contextlib.suppress(OSError, ValueError):
             close(f)
@@ -71,11 +68,11 @@ class ProcessChannel:
         self._max_ops, self._fallback, self._lock = max_ops, fallback, threading.Lock()
         self._hello = dict(hello, key=os.urandom(16).hex(), start_ns=time.time_ns())
         self._tokens, self._flushes = itertools.count(1), {}  # token -> its answer (None: not yet)
-        self._pools: list[Any] = []  # POOL messages, in every hello
-        self._frames: deque[list[Any]] = deque()  # [frame, ops] from the checkpoint on
+        self._pools: list = []  # in every hello
+        self._frames: deque = deque()  # [frame, ops] from the checkpoint on
         self._queued = self._queued_bytes = 0  # frames handed to writes, and their bytes
         self._bytes = self._waiting_ops = self._written_ops = self._short_lives = self._last_read = 0
-        self._out, self._out_ops = memoryview(b""), 0  # the write under way, its ops
+        self._out, self._out_ops = memoryview(b""), 0  # the write under way
         self._checkpoint = self._embedded = self.process = None
         self._stopped, self._started_at, self._restart_at = False, 0.0, 0.0
 
@@ -267,7 +264,7 @@ class ProcessChannel:
     def _trim(self) -> None:
         """Past a bound, the oldest waiting frames lose their ops (counted) and host pages, then acks,
         frees, states and drop counts, the last state and counts kept."""
-        counts: Counter[str] = Counter()
+        counts: Counter = Counter()
         last, state = None, []  # (entry, what it kept), the last state
         for stage, kinds in enumerate(((rec.OP, rec.HOST), (rec.ACK, rec.FREE, rec.STATE, rec.DROPPED))):
             for entry in itertools.islice(self._frames, self._queued, None):
@@ -287,7 +284,7 @@ class ProcessChannel:
         if last is not None:
             self._set(last[0], last[1] + state + [[rec.DROPPED, reason, n] for reason, n in counts.items() if n])
 
-    def _set(self, entry: list[Any], batch: list[Any]) -> None:
+    def _set(self, entry: list, batch: list) -> None:
         data = rec.encode(batch)
         self._bytes += len(data) - len(entry[0])
         entry[:] = [data, 0]

@@ -7,7 +7,7 @@ import atexit
 from multiprocessing import util
 from typing import Any, Callable
 
-_hooks: list[tuple[Callable[..., Any], tuple[Any, ...], int]] = []
+_hooks: list[tuple] = []
 
 
 def on_exit(hook: Callable[..., Any], *args: Any, priority: int) -> None:

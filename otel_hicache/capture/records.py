@@ -132,7 +132,7 @@ def _validate_cause(record: TransferRecord) -> None:
         record.cause = sc.CAUSE_OTHER if cause is None else _known_cause(cause, record.direction)
         return
     try:
-        parts: dict[str, list[Any]] = {}  # cause -> [tokens by pool, bytes]
+        parts: dict = {}  # cause -> [tokens by pool, bytes]
         for part_cause, pools, num_bytes in cause:
             entry = parts.setdefault(_known_cause(part_cause, record.direction), [Counter(), 0])
             for name, count in (pools or {}).items():

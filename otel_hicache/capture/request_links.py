@@ -13,7 +13,7 @@ MAX_REQUEST_LINKS = 16
 
 def resolve(requests: Any) -> tuple[tuple[SpanContext, ...], int]:
     """The valid, sampled span contexts, once each, at most ``MAX_REQUEST_LINKS``, and how many more."""
-    kept: dict[Any, SpanContext] = {}
+    kept: dict = {}
     for context in requests:
         if not isinstance(context, SpanContext):
             warn_once(f"request:{type(context).__name__}", "otel-hicache: a request to link must be a SpanContext, "
