@@ -262,8 +262,8 @@ class ProcessChannel:
             self._died()
 
     def _trim(self) -> None:
-        """Past a bound, the oldest waiting frames lose their ops (counted) and host pages, then acks,
-        frees, states and drop counts, the last state and counts kept."""
+        """Past a bound, the oldest waiting frames lose their ops (counted) and host pages, then acks, frees,
+        states and drop counts (the last state and counts kept)."""
         counts: Counter = Counter()
         last, state = None, []  # (entry, what it kept), the last state
         for stage, kinds in enumerate(((rec.OP, rec.HOST), (rec.ACK, rec.FREE, rec.STATE, rec.DROPPED))):

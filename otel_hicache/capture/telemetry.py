@@ -32,8 +32,7 @@ def _stop_at_exit(ref: "weakref.ref[Poller]", timeout_s: float) -> None:
 
 
 class TransferTelemetry:
-    """L1<->L2 transfers as device-timed spans and exact metrics (on ``configure()``'s providers by
-    default); ``attributes`` go on every span and point."""
+    """L1<->L2 transfers as device-timed spans and exact metrics; ``attributes`` go on every span and point."""
 
     def __init__(self, tracer_provider: Any = None, meter_provider: Any = None,
                  attributes: Mapping[str, Any] | None = None, *, clock: Callable[[], int] | None = None,
@@ -121,8 +120,8 @@ class TransferTelemetry:
     @contextlib.contextmanager
     def transfer(self, direction: str, tokens_by_pool: Mapping[str, int], num_bytes: int, *, stream: Any = None,
                  **options: Any) -> Iterator[None]:
-        """The block's copies as one op without an ack, timed by events on ``stream`` else the host clock
-        (``options``: submit()'s); none if the block raises."""
+        """The block's copies as one op without an ack, timed on ``stream`` else by the host clock (``options``:
+        submit()'s); none if the block raises."""
         events = None
         if stream is not None and self._pipeline is not None:
             try:
