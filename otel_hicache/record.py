@@ -27,17 +27,18 @@ _SLOTS = {HOST: 4, FREE: 2}  # the field that holds slots
 
 def encode(value: Any) -> bytes:
     """A frame; ``bytes`` values go after the JSON, which holds their ``[offset, length]``."""
-    tail, ends = [], [0]
+    tail, size = [], 0
 
     def place(data: Any) -> list[int]:
+        nonlocal size
         if type(data) is not bytes:
             raise TypeError(f"{type(data).__name__} is not JSON serializable")
         tail.append(data)
-        ends.append(ends[-1] + len(data))
-        return [ends[-2], len(data)]
+        size += len(data)
+        return [size - len(data), len(data)]
 
     text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=place).encode()
-    return FRAME_HEADER.pack(len(text), ends[-1]) + text + b"".join(tail)
+    return FRAME_HEADER.pack(len(text), size) + text + b"".join(tail)
 
 
 def decode(frame: bytes) -> Any:
@@ -101,4 +102,4 @@ def slot_bytes(slots: Any) -> bytes:
         if kind not in ("i", "u"):
             raise TypeError(f"host slots must be integers, got {getattr(part, 'dtype', type(part).__name__)}")
         parts.append(part.reshape(-1).astype(np.int64, copy=False))
-    return b"".join(part.tobytes() for part in parts)
+    return parts[0].tobytes() if len(parts) == 1 else b"".join(part.tobytes() for part in parts)
