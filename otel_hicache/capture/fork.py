@@ -47,7 +47,7 @@ def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:
     global _gated
     with _lock:
         if not _gated:
-            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_forked_child)
+            os.register_at_fork(before=_before_fork, after_in_parent=lambda: _gate.release(), after_in_child=_new_gate)
             _gated = True
 
     def gated(*args: Any, **kwargs: Any) -> Any:
@@ -68,11 +68,7 @@ def _before_fork() -> None:
         time.sleep(0.001)
 
 
-def _after_fork() -> None:
-    _gate.release()
-
-
-def _forked_child() -> None:
+def _new_gate() -> None:
     global _gate
     _gate = threading.Lock()  # the parent's is held
     _exports.clear()
