@@ -1,16 +1,8 @@
-"""The capture's messages to the sinks, in batches (lists): tuples of JSON values (decoding runs no code):
-
-* ``(OP, *OP_FIELDS)``: an op seen complete; ``(ACK, seq, ack_ns or None: no ack came)``;
-* ``(HOST, seq, pool id, direction, slots, submit_ns, cause, num_bytes)``: an op's host slots;
-* ``(POOL, pool id, name, slots, page_size)``; ``(FREE, pool id, slots)``; ``(DROPPED, reason, count)``;
-* ``(STATE, *STATE_FIELDS)``; ``(FLUSH, token)``: export, answer (token 0: neither); ``(STOP, bound s)``;
-* ``(CHECKPOINT, [[counter, attributes, total], ...], [OP awaiting its ack, ...])``.
-
-A frame is ``FRAME_HEADER`` (two lengths), UTF-8 JSON, then the host slots (:func:`slot_bytes`) that
-the JSON names by ``[offset, length]``. The telemetry process answers ``hello``, ``flushed <token>
-<0|1>`` and ``exported <frames> <[CHECKPOINT]>`` (the spans of that many frames are exported). Span
-contexts: ``(trace_id, span_id, flags, remote, state pairs)``.
-"""
+"""The capture's messages to the sinks, batches of JSON values (decoding runs no code): (OP, *OP_FIELDS),
+(ACK, seq, ack_ns or None), (HOST, seq, pool id, direction, slots, submit_ns, cause, num_bytes), (POOL, pool
+id, name, slots, page_size), (FREE, pool id, slots), (DROPPED, reason, count), (STATE, *STATE_FIELDS), (FLUSH,
+token: export and answer, unless 0), (STOP, bound s), (CHECKPOINT, [[counter, attributes, total], ...], [OP
+awaiting its ack, ...]); the answers: hello, flushed <token> <0|1>, exported <frames> <[CHECKPOINT]>."""
 
 from __future__ import annotations
 
@@ -23,34 +15,34 @@ DIRECTIONS = (OFFLOAD, ONBOARD)
 TIERS = {OFFLOAD: ("L1", "L2"), ONBOARD: ("L2", "L1")}  # (source, destination)
 MERGED_OP, DIRECT = "merged_op", "direct"  # acked (expect_ack=True), or not
 ORIGINS = (MERGED_OP, DIRECT)
-DEVICE_EVENT, HOST_CLOCK = "device_event", "host_clock"  # timed by elapsed_time(), or the host clock
+DEVICE_EVENT, HOST_CLOCK = "device_event", "host_clock"  # the timing source
 INT64_MAX = 2**63 - 1  # OTLP encodes no larger count or time
 
 OP, ACK, HOST, POOL, FREE, DROPPED, STATE, FLUSH, STOP, CHECKPOINT = range(10)
 
-FRAME_HEADER = struct.Struct("<II")  # the JSON's bytes, the slots' bytes
+FRAME_HEADER = struct.Struct("<II")  # the JSON's length, the slots' length after it
 MAX_FRAME_BYTES = 1 << 26  # a longer frame is not the capture's
-_SLOTS = {HOST: 4, FREE: 2}  # the field of those messages that holds slots
+_SLOTS = {HOST: 4, FREE: 2}  # the field that holds slots
 
 
 def encode(value: Any) -> bytes:
-    """A frame; ``bytes`` values go after the JSON, which holds their place (no base64, no escaping)."""
-    tail: list[bytes] = []
-    size = [0]
+    """A frame; ``bytes`` values go after the JSON, which holds their ``[offset, length]``."""
+    tail, size = [], 0
 
     def place(data: Any) -> list[int]:
+        nonlocal size
         if type(data) is not bytes:
             raise TypeError(f"{type(data).__name__} is not JSON serializable")
         tail.append(data)
-        size[0] += len(data)
-        return [size[0] - len(data), len(data)]
+        size += len(data)
+        return [size - len(data), len(data)]
 
     text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=place).encode()
-    return FRAME_HEADER.pack(len(text), size[0]) + text + b"".join(tail)
+    return FRAME_HEADER.pack(len(text), size) + text + b"".join(tail)
 
 
 def decode(frame: bytes) -> Any:
-    """A frame's batch, the slots back in place; ValueError if they are not where it says."""
+    """A frame's batch, slots in place; ValueError if they are not where it says."""
     length, size = FRAME_HEADER.unpack_from(frame)
     start = FRAME_HEADER.size + length
     batch, tail = json.loads(frame[FRAME_HEADER.size:start]), frame[start:start + size]
@@ -65,30 +57,26 @@ def decode(frame: bytes) -> Any:
     return batch
 
 
-# cause_parts: a mixed op's ((cause, pools, pool tokens, bytes), ...); error: semconv.FAIL_* or None
+# cause_parts: a mixed op's ((cause, pools, pool tokens, bytes), ...)
 OP_FIELDS = (
     "seq", "direction", "origin", "cause", "cause_parts", "tokens", "blocks", "pool_names", "pool_tokens",
     "num_bytes", "page_size", "io_backend", "attributes", "timing_source", "placement", "start_ns", "end_ns",
     "duration_ns", "queue_wait_ns", "error", "submit_ns", "ack_ns", "expect_ack", "parent", "request_links",
-    "request_links_dropped",
-)
-# per direction: ops not seen complete, the oldest one's submit_ns, the oldest awaiting its ack; then the
-# records the capture holds, the poller's CPU seconds
+    "request_links_dropped")
+# per direction: ops in flight, the oldest one's and the oldest unacked one's submit_ns; then totals
 STATE_FIELDS = ("inflight", "oldest_inflight_ns", "oldest_unacked_ns", "queue_size", "poller_cpu_s")
 
 
 def encodes(text: str) -> bool:
     """Not if a lone surrogate (it would fail the batch's export)."""
-    if text.isascii():
-        return True
     try:
-        text.encode("utf-8")
+        return text.isascii() or bool(text.encode())
     except UnicodeEncodeError:
         return False
-    return True
 
 
-def context_tuple(context: Any) -> tuple[int, int, int, bool, tuple[tuple[str, str], ...]] | None:
+def context_tuple(context: Any) -> tuple | None:
+    """(trace_id, span_id, flags, remote, trace state pairs)."""
     if context is None or not context.is_valid:
         return None
     state = context.trace_state
@@ -97,18 +85,13 @@ def context_tuple(context: Any) -> tuple[int, int, int, bool, tuple[tuple[str, s
 
 
 def slot_bytes(slots: Any) -> bytes:
-    """Token slots as int64 bytes: one copy here, their pages worked out in the telemetry process."""
-    return slot_array(slots).tobytes()
-
-
-def slot_array(slots: Any) -> Any:
-    """NumPy or CPU torch arrays, ints or a range as int64; else TypeError or ValueError."""
+    """NumPy or CPU torch arrays, ints or a range as int64 bytes; else TypeError or ValueError."""
     import numpy as np
 
     if isinstance(slots, range) or (isinstance(slots, (list, tuple)) and (not slots or isinstance(slots[0], int))):
-        if not all(type(slot) is int for slot in slots):  # pylint: disable=unidiomatic-typecheck  # not bool
+        if not all(type(slot) is int for slot in slots):  # not bool
             raise TypeError("host slots must be integers")
-        return np.fromiter(slots, np.int64, len(slots))
+        return np.fromiter(slots, np.int64, len(slots)).tobytes()
     parts = []
     for part in slots if isinstance(slots, (list, tuple)) else (slots,):
         if not getattr(part, "is_cpu", True):
@@ -119,4 +102,4 @@ def slot_array(slots: Any) -> Any:
         if kind not in ("i", "u"):
             raise TypeError(f"host slots must be integers, got {getattr(part, 'dtype', type(part).__name__)}")
         parts.append(part.reshape(-1).astype(np.int64, copy=False))
-    return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.int64)
+    return parts[0].tobytes() if len(parts) == 1 else b"".join(part.tobytes() for part in parts)

@@ -201,7 +201,7 @@ def test_torch_cpu_indices_are_read_in_place():
     assert _pages(pool, [torch.arange(0, 4), torch.arange(640, 644)]) == [0, 10]  # SGLang's queued ops
     # a tensor not in host memory is never read (a device tensor's tolist() synchronizes)
     with pytest.raises(ValueError, match="host memory"):
-        rec.slot_array(torch.empty(4, dtype=torch.int64, device="meta"))
+        rec.slot_bytes(torch.empty(4, dtype=torch.int64, device="meta"))
 
 
 def test_answers_and_state_match_a_page_by_page_model():

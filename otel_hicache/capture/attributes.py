@@ -1,5 +1,5 @@
-"""Attributes a caller passes (static ones, and each call's own) checked within the SDK's span limits,
-so that a huge value never reaches the channel: a str, bool, int64 or float, or a list of them."""
+"""A caller's attributes checked within the SDK's span limits before the channel: a str, bool, int64 or
+float, or a list of them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from ..diagnostics import warn_once
 from ..record import INT64_MAX, encodes
 
 
-def valid_value(value: Any, nested: bool = False) -> bool:
+def _value(value: Any, nested: bool = False) -> bool:
     if isinstance(value, (tuple, list)):
-        return not nested and all(valid_value(v, True) for v in value)
+        return not nested and all(_value(v, True) for v in value)
     if isinstance(value, str):
         return encodes(value)
     if isinstance(value, int) and not isinstance(value, bool):
@@ -23,18 +23,18 @@ def valid_value(value: Any, nested: bool = False) -> bool:
 
 
 def _valid(key: Any, value: Any) -> bool:
-    return isinstance(key, str) and bool(key) and encodes(key) and valid_value(value)
+    return isinstance(key, str) and bool(key) and encodes(key) and _value(value)
 
 
 def _limit(kind: str, default: int | None) -> int | None:
     for name in (f"OTEL_SPAN_ATTRIBUTE_{kind}_LIMIT", f"OTEL_ATTRIBUTE_{kind}_LIMIT"):
         if (raw := (os.environ.get(name) or "").strip()).isdigit():
             return int(raw)
-    return default  # (sinks.otel_environment warns about a malformed one)
+    return default  # sinks.otel_environment warns about a malformed one
 
 
 def limits() -> tuple[int, int | None]:
-    """The SDK's span attribute limits, as it reads them: (count, value length or None)."""
+    """The SDK's span attribute (count, value length or None) limits."""
     return _limit("COUNT", 128), _limit("VALUE_LENGTH", None)
 
 
@@ -50,11 +50,9 @@ def static_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def call_attributes(attributes: Any, count: int, length: int | None) -> dict[str, Any] | None:
-    """A call's own attributes as the SDK keeps them: valid ones (others warned once per type), at most
-    ``count``, str values cut to ``length``."""
+    """The valid ones (others warned about), at most ``count``, str values cut to ``length``."""
     if not isinstance(attributes, Mapping):
-        warn_once("attributes:type", "otel-hicache: attributes must be a mapping, got %s; ignored",
-                  type(attributes).__name__)
+        warn_once("attributes:type", "otel-hicache: attributes must be a mapping, got %s", type(attributes).__name__)
         return None
     out: dict[str, Any] = {}
     for key, value in attributes.items():
@@ -74,21 +72,21 @@ def call_attributes(attributes: Any, count: int, length: int | None) -> dict[str
 
 
 class CallAttributes:
-    """``call_attributes`` within the SDK's limits; an adapter's same dict, unchanged, checked once."""
+    """``call_attributes`` within the SDK's limits; the same dict, unchanged, checked once."""
 
     def __init__(self) -> None:
-        self.limits = limits()
-        self._last: tuple[Any, Any, Any] = (None, None, None)  # the dict, a copy, what it gave
+        self._limits = limits()
+        self._last: tuple = (None, None, None)  # the dict, a copy, what it gave
 
     def __call__(self, attributes: Any) -> dict[str, Any] | None:
         given, copy, out = self._last
         try:
             if attributes is given and attributes == copy:
                 return out
-        except Exception:  # a value changed to one that cannot compare (an array): checked again
+        except Exception:  # a value that cannot compare (an array): checked again
             pass
-        out = call_attributes(attributes, *self.limits)
-        # only immutable values: a list changed in place would still compare equal to the copy
+        out = call_attributes(attributes, *self._limits)
+        # immutable values only: a list changed in place equals the copy
         if type(attributes) is dict and out is not None and len(out) == len(attributes) and all(
                 type(v) in (str, int, float, bool) for v in out.values()):
             self._last = (attributes, dict(attributes), out)

@@ -1,12 +1,10 @@
-"""The channel to the telemetry process: JSON frames (reading one runs no code) down a non-blocking
-pipe, each kept until a checkpoint covers it for a successor to go on from."""
+"""Frames to the telemetry process down a non-blocking pipe, each kept until a checkpoint covers it."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -21,39 +19,36 @@ from ..diagnostics import logger, warn_once
 
 RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # by deaths in a row, each within SHORT_LIFE_S
 SHORT_LIFE_S = 60.0
-MAX_BACKLOG_BYTES = 32 << 20  # frames not confirmed by a checkpoint
-_KILLED = (-9, -15, -2)  # a signal before its hello: restarted, not a process that cannot run here
-_READ_NS = 100_000_000  # answers are read at least this often while frames wait
-_WRITE_BYTES = 1 << 20  # joined into one write
-# -I: no working directory, PYTHONPATH (an auto-instrumentation's) nor user site on its path
-_START = ("import json,sys; sys.path[:0] = json.loads(sys.argv[1]); "
-          "from otel_hicache.sinks.process import main; sys.exit(main())")
+MAX_BACKLOG_BYTES = 32 << 20  # frames no checkpoint covers
+_KILLED = (-9, -15, -2)  # killed before its hello: not given up on
+_READ_NS = 100_000_000  # answers are read this often while frames wait
+_WRITE_BYTES = 1 << 20  # the most joined into one write
+# -I: no working directory, PYTHONPATH (an auto-instrumentation's) nor user site on the path
+_START = "import sys; sys.path[:0] = sys.argv[1:]; from otel_hicache.sinks.process import main; sys.exit(main())"
 _AUTO = os.path.join("opentelemetry", "instrumentation", "auto_instrumentation")
-_FULL = ("otel-hicache: the telemetry process is not keeping up; dropping transfer records, counted in "
-         "otel_hicache.records.dropped{reason=queue_full}",
+_FULL = ("otel-hicache: the telemetry process is not keeping up; dropping transfer records (reason=queue_full)",
          "otel-hicache: the telemetry process is not keeping up; dropping the oldest acks and host frees")
 
 
 def telemetry_process_command() -> list[str]:
-    """This interpreter, isolated, on our path (otel-hicache's first) less the working directory."""
     cwd = ""
     with contextlib.suppress(OSError):
         cwd = os.getcwd()
-    path = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+    path = [os.path.dirname(os.path.dirname(os.path.abspath(rec.__file__)))]
     path += [p for p in map(os.path.abspath, filter(None, sys.path)) if p not in (cwd, path[0]) and _AUTO not in p]
-    return [sys.executable, "-I", "-c", _START, json.dumps(path)]
+    return [sys.executable, "-I", "-c", _START, *path]
 
 
-def _close(process: Any, close: Callable[[Any], Any] = lambda stream: stream.close()) -> None:
-    for stream in (process.stdin, process.stdout):
+def _close(process: Any, close: Callable = lambda f: f.close()) -> None:
+    for f in (process.stdin, process.stdout):
         with contextlib.suppress(OSError, ValueError):
-            close(stream)
+            close(f)
 
 
 def _encoded(batch: Any) -> bytes:
     try:
         return rec.encode(batch)
-    except Exception:  # one message that does not encode costs only itself
+    except Exception:  # a message that does not encode costs only itself
         return rec.encode([m if _encodes(m) else (rec.DROPPED, sc.DROP_INTERNAL_ERROR, int(m[0] == rec.OP))
                            for m in batch])
 
@@ -62,44 +57,41 @@ def _encodes(message: Any) -> bool:
     try:
         return bool(rec.encode(message))
     except Exception as exc:
-        warn_once(f"encode:{type(exc).__name__}", "otel-hicache: a transfer record could not be encoded (%r); "
-                  "counted as internal_error", exc)
+        warn_once(f"encode:{type(exc).__name__}", "otel-hicache: a record does not encode (%r): internal_error", exc)
         return False
 
 
 class ProcessChannel:
-    """Batches to a telemetry process, after ``hello`` (plain values); ``fallback()``: embedded sinks."""
+    """Batches to a telemetry process after ``hello``, or to ``fallback()``'s embedded sinks."""
 
     def __init__(self, hello: dict[str, Any], max_ops: int, fallback: Callable[[], Any]) -> None:
         self._max_ops, self._fallback, self._lock = max_ops, fallback, threading.Lock()
-        self._hello = dict(hello, key=os.urandom(16).hex(), start_ns=time.time_ns())  # a child's own
-        self._tokens, self._flushes = itertools.count(1), {}  # flush token -> its answer (None: not yet)
-        self._pools: list[Any] = []  # every POOL message, in every hello
-        self._frames: deque[list[Any]] = deque()  # [frame, ops] from the checkpoint on
-        self._queued = self._queued_bytes = 0  # how many were handed to writes, and their bytes
+        self._hello = dict(hello, key=os.urandom(16).hex(), start_ns=time.time_ns())
+        self._tokens, self._flushes = itertools.count(1), {}  # token -> its answer (None: not yet)
+        self._pools: list = []  # in every hello
+        self._frames: deque = deque()  # [frame, ops] from the checkpoint on
+        self._queued = self._queued_bytes = 0  # frames handed to writes, and their bytes
         self._bytes = self._waiting_ops = self._written_ops = self._short_lives = self._last_read = 0
-        self._out, self._out_ops = memoryview(b""), 0  # the write under way, the ops in it
-        self._checkpoint = self._embedded = self.process = None  # bytes, the fallback's channel, a Popen
+        self._out, self._out_ops = memoryview(b""), 0  # the write under way
+        self._checkpoint = self._embedded = self.process = None
         self._stopped, self._started_at, self._restart_at = False, 0.0, 0.0
 
     def write(self, batch: list[tuple[Any, ...]], ops: int) -> None:
-        """Queue ``batch`` (with ``ops`` OPs), encoded now; :meth:`send` writes it."""
         with self._lock:
             if self._embedded is not None:
                 self._embedded.write(batch, ops)
-            elif not self._stopped:  # a write racing stop() has no telemetry process
+            elif not self._stopped:  # a write racing stop() is lost
                 self._pools.extend(m for m in batch if m[0] == rec.POOL)
                 self._queue(_encoded(batch), ops)
                 if self._waiting_ops > self._max_ops or self._bytes > MAX_BACKLOG_BYTES:
                     self._trim()
 
     def send(self) -> None:
-        """Write what the pipe takes now, read answers every so often; never blocks."""
         with self._lock:
             self._pump()
 
     def due(self) -> int | None:
-        """When (``time.monotonic_ns()``) send() is due: a restart, a full pipe, the answers."""
+        """When (``monotonic_ns``) send() is due: a restart, a full pipe, answers."""
         if self._embedded is not None or self._stopped or not self._frames:
             return None
         if self.process is None:
@@ -107,7 +99,7 @@ class ProcessChannel:
         return self._last_read + (_READ_NS if self._waiting() else 10 * _READ_NS)
 
     def flush(self, timeout_s: float) -> bool:
-        """Whether all written before was exported within ``timeout_s``."""
+        """Whether all written before is exported in time."""
         deadline, token = time.monotonic() + timeout_s, next(self._tokens)
         with self._lock:
             self._flushes[token] = None
@@ -151,27 +143,25 @@ class ProcessChannel:
         return not lost
 
     def forget_in_child(self) -> None:
-        """In a forked child: close our copies of the parent's pipes, start afresh."""
-        if self.process is not None:  # os.close: no lock a parent's thread held; kept: none closed twice
-            _close(self.process, lambda stream: os.close(stream.fileno()))
+        if self.process is not None:  # os.close takes no lock; kept: closed only once
+            _close(self.process, lambda f: os.close(f.fileno()))
             self._inherited = self.process
         self.__init__(self._hello, self._max_ops, self._fallback)
 
     def _start(self) -> bool:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
         try:
-            self.process = process = subprocess.Popen(
-                telemetry_process_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-                start_new_session=True, env={k: v for k, v in os.environ.items()
-                                             if k not in ("PYTHONPATH", "PYTHONSTARTUP")})
+            self.process = process = subprocess.Popen(telemetry_process_command(), stdin=subprocess.PIPE,
+                                                      stdout=subprocess.PIPE, start_new_session=True, env=env)
         except OSError as exc:
             self._give_up(f"cannot start it ({exc!r})")
             return False
-        with contextlib.suppress(OSError):  # 1 MiB, the most an unprivileged process may ask for
+        with contextlib.suppress(OSError):  # 1 MiB, the most without privileges
             fcntl.fcntl(process.stdin.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
-        os.set_blocking(process.stdin.fileno(), False)
-        os.set_blocking(process.stdout.fileno(), False)
+        for stream in (process.stdin, process.stdout):
+            os.set_blocking(stream.fileno(), False)
         self._started_at = time.monotonic()
-        # its hello, the last checkpoint (frame 1 when there is one), then the frames
+        # its hello, the last checkpoint (frame 1), then the frames from there
         self._out = memoryview(rec.encode(dict(self._hello, pools=self._pools)) + (self._checkpoint or b""))
         self._numbered, self._out_ops = int(self._checkpoint is not None), 0
         self._answered, self._replies, self._written_ops = False, b"", 0  # (kill tests read those ops)
@@ -190,12 +180,12 @@ class ProcessChannel:
         _close(process)
         self._out, self._queued, self._queued_bytes = memoryview(b""), 0, 0
         self._waiting_ops = sum(entry[1] for entry in self._frames)
-        for token in [t for t, ok in self._flushes.items() if ok is None]:  # maybe unanswered
+        for token in [t for t, ok in self._flushes.items() if ok is None]:
             self._queue(rec.encode([(rec.FLUSH, token)]), 0)
         if self._answered or process.returncode in _KILLED:
             logger.warning("otel-hicache: the telemetry process ended (exit code %s); another replays the %d "
                            "transfers since its last checkpoint", process.returncode, self._waiting_ops)
-        else:  # it cannot run here: another would not either
+        else:  # another would not run either
             self._give_up(f"it ended before it was ready (exit code {process.returncode})")
 
     def _give_up(self, why: str) -> None:
@@ -225,7 +215,7 @@ class ProcessChannel:
             if not self._out:
                 if self._queued == len(self._frames) or self._queued_bytes >= MAX_BACKLOG_BYTES // 2 and not final:
                     break
-                out, size, self._out_ops = [], 0, 0  # (one join: growing a bytearray fragments the heap)
+                out, size, self._out_ops = [], 0, 0  # one join: a growing bytearray fragments the heap
                 while self._queued < len(self._frames) and size < _WRITE_BYTES:
                     frame, ops = self._frames[self._queued]
                     out.append(frame)
@@ -247,12 +237,11 @@ class ProcessChannel:
             self._read()
 
     def _read(self, ended: bool = False) -> None:
-        """The answers; their end (but ``ended``) means it ended after the last write."""
         chunks, eof = [self._replies], False
         while not eof:
             try:
                 chunks.append(os.read(self.process.stdout.fileno(), 1 << 20))
-            except (OSError, ValueError):  # BlockingIOError: nothing more now
+            except (OSError, ValueError):  # BlockingIOError: no more now
                 break
             eof = not chunks[-1]
         *lines, self._replies = b"".join(chunks).split(b"\n")
@@ -261,7 +250,7 @@ class ProcessChannel:
             number, _, value = rest.partition(b" ")
             if kind == b"hello":
                 self._answered = True
-            elif kind == b"exported" and number.isdigit():  # its first frames, then its state
+            elif kind == b"exported" and number.isdigit():
                 self._checkpoint = rec.FRAME_HEADER.pack(len(value), 0) + value
                 while self._numbered < int(number) and self._queued:
                     size = len(self._frames.popleft()[0])
@@ -273,10 +262,10 @@ class ProcessChannel:
             self._died()
 
     def _trim(self) -> None:
-        """Past a bound, the oldest waiting frames lose their ops (counted) and host pages, then their
-        acks, frees, states and drop counts; the last state and the counts go in the last frame."""
-        counts: Counter[str] = Counter()
-        last, state = None, []  # (the last entry trimmed, what it kept), the last state
+        """Past a bound, the oldest waiting frames lose their ops (counted) and host pages, then acks, frees,
+        states and drop counts (the last state and counts kept)."""
+        counts: Counter = Counter()
+        last, state = None, []  # (entry, what it kept), the last state
         for stage, kinds in enumerate(((rec.OP, rec.HOST), (rec.ACK, rec.FREE, rec.STATE, rec.DROPPED))):
             for entry in itertools.islice(self._frames, self._queued, None):
                 if self._waiting_ops <= self._max_ops and self._bytes <= MAX_BACKLOG_BYTES:
@@ -284,8 +273,7 @@ class ProcessChannel:
                 batch = rec.decode(entry[0]) if entry[1] or stage else []
                 if not (removed := [m for m in batch if m[0] in kinds]):
                     continue
-                counts[sc.DROP_QUEUE_FULL] += entry[1]
-                for m in removed:
+                for m in [*removed, (rec.DROPPED, sc.DROP_QUEUE_FULL, entry[1])]:
                     if m[0] == rec.DROPPED:
                         counts[m[1]] += m[2]
                 state = [m for m in removed if m[0] == rec.STATE][-1:] or state
@@ -296,7 +284,7 @@ class ProcessChannel:
         if last is not None:
             self._set(last[0], last[1] + state + [[rec.DROPPED, reason, n] for reason, n in counts.items() if n])
 
-    def _set(self, entry: list[Any], batch: list[Any]) -> None:
+    def _set(self, entry: list, batch: list) -> None:
         data = rec.encode(batch)
         self._bytes += len(data) - len(entry[0])
         entry[:] = [data, 0]

@@ -1,5 +1,4 @@
-"""What otel-hicache does in a forked child (SGLang's schedulers), behind one at-fork registration (made
-after the SDK's): callbacks take no foreign lock and open nothing (a child's channel opens at its first submit)."""
+"""Fork hooks, registered after the SDK's: a child's callbacks take no foreign lock and open nothing."""
 
 from __future__ import annotations
 
@@ -12,48 +11,43 @@ from typing import Any, Callable
 from ..diagnostics import warn_once
 
 _lock = threading.Lock()
-_callbacks: list[Callable[[], Any]] = []  # weak handles: call one for its callback (None once collected)
-_prune_at = 64  # dead handles are dropped at this length (then twice the live ones)
+_callbacks: list[Callable[[], Any]] = []  # weak handles (None once collected)
 _registered = _gated = False
 
 
 def after_fork_in_child(callback: Callable[[], Any]) -> None:
-    """Call ``callback()`` in every child forked after this while it lives (a bound method is held weakly)."""
-    global _prune_at, _registered
-    bound = hasattr(callback, "__self__") and hasattr(callback, "__func__")
+    """Call ``callback()`` in every child forked while it lives (a bound method is held weakly)."""
+    global _registered
     with _lock:
         if not _registered:
             os.register_at_fork(after_in_child=_run_in_child)
             _registered = True
-        _callbacks.append(weakref.WeakMethod(callback) if bound else lambda: callback)
-        if len(_callbacks) >= _prune_at:
-            _callbacks[:] = [handle for handle in _callbacks if handle() is not None]
-            _prune_at = max(64, 2 * len(_callbacks))
+        _callbacks[:] = [handle for handle in _callbacks if handle() is not None]
+        _callbacks.append(weakref.WeakMethod(callback) if hasattr(callback, "__func__") else lambda: callback)
 
 
 def _run_in_child() -> None:
     global _lock
-    _lock = threading.Lock()  # the parent's may have been held by another thread at fork
+    _lock = threading.Lock()  # another thread may have held the parent's
     for callback in filter(None, [handle() for handle in _callbacks]):
         try:
             callback()
-        except Exception as exc:  # one part's failure stops no other
+        except Exception as exc:
             warn_once(f"fork:{type(exc).__name__}", "otel-hicache: after fork, %r failed: %r", callback, exc)
 
 
-# gRPC skips its fork handlers while another thread is inside a call, and a child forked then can never
-# export over gRPC: a fork waits (at most FORK_WAIT_S) for our exports to end and holds new ones back.
+# a child forked while gRPC is inside a call can never export over gRPC: fork() waits for our exports
 FORK_WAIT_S = 2.0
 _gate = threading.Lock()  # held through a fork
-_exports: set[object] = set()  # those under way (add and discard are atomic)
+_exports: set[object] = set()  # under way (add and discard are atomic)
 
 
 def quiet_at_fork(export: Callable[..., Any]) -> Callable[..., Any]:
-    """``export`` so that a ``fork()`` never happens while it runs."""
+    """``export``, never running across a ``fork()``."""
     global _gated
     with _lock:
         if not _gated:
-            os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_forked_child)
+            os.register_at_fork(before=_before_fork, after_in_parent=lambda: _gate.release(), after_in_child=_new_gate)
             _gated = True
 
     def gated(*args: Any, **kwargs: Any) -> Any:
@@ -74,11 +68,7 @@ def _before_fork() -> None:
         time.sleep(0.001)
 
 
-def _after_fork() -> None:
-    _gate.release()  # the current lock: a child has its own
-
-
-def _forked_child() -> None:
+def _new_gate() -> None:
     global _gate
-    _gate = threading.Lock()  # the parent's is held, and its exports are not ours
+    _gate = threading.Lock()  # the parent's is held
     _exports.clear()

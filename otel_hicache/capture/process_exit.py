@@ -1,6 +1,5 @@
-"""Exit hooks that also run in ``multiprocessing`` children, which ``os._exit()`` after its finalizers
-only: each (idempotent) hook is registered both ways, again in a fork child (whose bootstrap clears
-the finalizers). A higher ``priority`` runs first in a child; ``atexit`` runs the last registered first."""
+"""Idempotent exit hooks, also as ``multiprocessing`` finalizers (again in each fork child, which runs only
+those); a higher ``priority`` runs first there."""
 
 from __future__ import annotations
 
@@ -8,10 +7,10 @@ import atexit
 from multiprocessing import util
 from typing import Any, Callable
 
-_hooks: list[tuple[Callable[..., Any], tuple[Any, ...], int]] = []
+_hooks: list[tuple] = []
 
 
-def on_exit(hook: Callable[..., Any], *args: Any, priority: int = 0) -> None:
+def on_exit(hook: Callable[..., Any], *args: Any, priority: int) -> None:
     atexit.register(hook, *args)
     _hooks.append((hook, args, priority))
     util.Finalize(None, hook, args=args, exitpriority=priority)
@@ -22,4 +21,4 @@ def _after_fork(_: Any) -> None:
         util.Finalize(None, hook, args=args, exitpriority=priority)
 
 
-util.register_after_fork(_after_fork, _after_fork)  # (held weakly: a function, not the list)
+util.register_after_fork(_after_fork, _after_fork)

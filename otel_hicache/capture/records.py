@@ -1,4 +1,4 @@
-"""Transfer records: ``submit()`` queues a plain list; the poller makes it a record, validated here."""
+"""``submit()`` queues a plain list; the poller makes it a record, validated here."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..adapters import causes
 from ..diagnostics import warn_once
 from ..record import DIRECT, INT64_MAX, MERGED_OP, TIERS, encodes
 
-# submit()'s list, also the handle ack() stamps (the last field); checked in test_records.py
+# submit()'s list, also the handle whose last field ack() stamps
 SUBMISSION_FIELDS = (
     "direction", "tokens_by_pool", "num_bytes", "page_size", "start_event", "finish_event", "io_backend",
     "attributes", "expect_ack", "submit_ns", "parent_context", "host_start_ns", "host_end_ns", "ack_watch",
@@ -24,7 +24,7 @@ _DEFAULTS = {"num_bytes": 0, "page_size": 1, "expect_ack": False, "submit_ns": 0
 
 
 def submission(*values: Any, **fields: Any) -> list[Any]:
-    """For tests: a list as ``submit()`` builds it, from ``SUBMISSION_FIELDS`` by position or name."""
+    """For tests: ``submit()``'s list, by position or name."""
     handle = [*values, *(fields.pop(name, _DEFAULTS.get(name)) for name in SUBMISSION_FIELDS[len(values):])]
     if fields or len(handle) != len(SUBMISSION_FIELDS):
         raise TypeError(f"submission() got too many or unknown fields: {', '.join(sorted(fields))}")
@@ -32,13 +32,9 @@ def submission(*values: Any, **fields: Any) -> list[Any]:
 
 
 class TransferRecord:
-    """One op on the poller, from its submitted list ``handle`` (which ``ack()`` stamps)."""
-
-    __slots__ = ("handle", *SUBMISSION_FIELDS[:S_ACK_NS],
-                 # set by the poller; cause_parts: a mixed op's ((cause, pool names, pool tokens, bytes), ...)
-                 "origin", "cause_parts", "request_links", "request_links_dropped", "tokens", "blocks", "pool_names",
-                 "pool_tokens", "timing_source", "placement", "start_ns", "end_ns", "duration_ns", "queue_wait_ns",
-                 "error", "completed_at_ns", "seq")
+    __slots__ = ("handle", *SUBMISSION_FIELDS[:S_ACK_NS], "origin", "cause_parts", "request_links",
+                 "request_links_dropped", "tokens", "blocks", "pool_names", "pool_tokens", "timing_source",
+                 "placement", "start_ns", "end_ns", "duration_ns", "queue_wait_ns", "error", "completed_at_ns", "seq")
 
     def __init__(self, handle: list[Any]) -> None:
         self.handle = handle
@@ -56,7 +52,7 @@ def _shown(value: Any) -> str:
 
 
 def integer(value: Any, what: str, low: int = 0) -> int:
-    """An int (NumPy and torch integers too, not bool or float) from ``low`` to ``INT64_MAX``."""
+    """An int (NumPy and torch ones too, not bool) from ``low`` to ``INT64_MAX``."""
     if type(value) is not int:
         try:
             value = operator.index(None if isinstance(value, bool) else value)
@@ -67,16 +63,15 @@ def integer(value: Any, what: str, low: int = 0) -> int:
     return value
 
 
-_NAMES_SEEN: set[str] = set()  # names checked once (a few pool names, on every op), up to 1,024
+_NAMES_SEEN: set[str] = set()  # the few pool names every op repeats, checked once
 
 
 def _name(name: Any, what: str) -> str:
-    """A non-empty string that encodes as UTF-8 (a str enum member as its value)."""
     if type(name) is str and name in _NAMES_SEEN:
         return name
     if not isinstance(name, str) or not name:
         raise TypeError(f"{what} must be non-empty strings, got {_shown(name)}")
-    name = str.__str__(name)
+    name = str.__str__(name)  # a str enum member as its value
     if not encodes(name):
         raise ValueError(f"{what} must be valid Unicode (no lone surrogates), got {_shown(name)}")
     if len(_NAMES_SEEN) < 1024 and len(name) <= 256:
@@ -85,7 +80,7 @@ def _name(name: Any, what: str) -> str:
 
 
 def validate(record: TransferRecord) -> None:
-    """Check and normalize a record's fields in place; a ValueError or TypeError names a problem."""
+    """Normalize a record in place; a ValueError or TypeError names a problem."""
     if record.direction not in TIERS:
         raise ValueError(f"direction must be 'offload' or 'onboard', got {_shown(record.direction)}")
     page_size = record.page_size = integer(record.page_size, "page_size", 1)
@@ -94,10 +89,10 @@ def validate(record: TransferRecord) -> None:
     if not isinstance(pools, Mapping):
         raise TypeError(f"tokens_by_pool must be a mapping of pool name to tokens, got {type(pools).__name__}")
     record.pool_names = tuple(_name(name, "tokens_by_pool keys") for name in pools)
-    record.pool_tokens = tuple(c if type(c) is int and 0 <= c <= INT64_MAX else  # no message built
+    record.pool_tokens = tuple(c if type(c) is int and 0 <= c <= INT64_MAX else  # no f-string built
                                integer(c, f"tokens_by_pool[{_shown(n)}]") for n, c in pools.items())
-    record.tokens = record.pool_tokens[0] if record.pool_tokens else 0
-    record.blocks = -(-record.tokens // page_size)
+    record.tokens = tokens = record.pool_tokens[0] if record.pool_tokens else 0
+    record.blocks = -(-tokens // page_size)
     if record.host_start_ns is not None:  # first: it may be the submit time
         record.host_start_ns = integer(record.host_start_ns, "host_start_ns")
     record.submit_ns = integer(record.submit_ns, "submit_ns")
@@ -107,7 +102,7 @@ def validate(record: TransferRecord) -> None:
         record.io_backend = _name(str(record.io_backend), "io_backend")
     record.origin = MERGED_OP if record.expect_ack else DIRECT
     _validate_cause(record)
-    slots, watch = record.host_slots, record.ack_watch  # a bad one costs only the host pages or ack time
+    slots, watch = record.host_slots, record.ack_watch  # a bad one costs only itself
     if slots is not None and not (type(slots) is tuple and len(slots) == 2 and hasattr(slots[0], "pool_id")):
         record.host_slots = None
         warn_once("host_slots", "otel-hicache: host_slots must be (pool, slots), not %s", type(slots).__name__)
@@ -125,7 +120,6 @@ def _known_cause(cause: Any, direction: str) -> str:
 
 
 def _validate_cause(record: TransferRecord) -> None:
-    """``cause``, or ``cause_call``'s: a cause, or parts summing to the op's totals."""
     cause, call, record.cause_parts = record.cause, record.cause_call, None
     if call is not None:
         try:
@@ -138,7 +132,7 @@ def _validate_cause(record: TransferRecord) -> None:
         record.cause = sc.CAUSE_OTHER if cause is None else _known_cause(cause, record.direction)
         return
     try:
-        parts: dict[str, list[Any]] = {}  # cause -> [Counter of tokens by pool, bytes]
+        parts: dict = {}  # cause -> [tokens by pool, bytes]
         for part_cause, pools, num_bytes in cause:
             entry = parts.setdefault(_known_cause(part_cause, record.direction), [Counter(), 0])
             for name, count in (pools or {}).items():
@@ -147,13 +141,10 @@ def _validate_cause(record: TransferRecord) -> None:
         moved = Counter(dict(zip(record.pool_names, record.pool_tokens)))  # == takes a missing pool as 0
         tokens, part_bytes = sum((p for p, _ in parts.values()), Counter()), sum(b for _, b in parts.values())
         if tokens != moved or part_bytes != record.num_bytes:
-            raise ValueError(f"parts sum to {dict(tokens)} tokens and {part_bytes} bytes, the op moved "
-                             f"{dict(moved)} and {record.num_bytes}")
+            raise ValueError(f"parts sum to {dict(tokens)}, {part_bytes} bytes, not {dict(moved)}, {record.num_bytes}")
     except (TypeError, ValueError) as exc:
-        warn_once("cause:parts", "otel-hicache: a merged op's cause parts are malformed (%s); such ops are "
-                  "counted as %r", exc, sc.CAUSE_OTHER)
-        record.cause = sc.CAUSE_OTHER
-        return
+        warn_once("cause:parts", "otel-hicache: cause parts are malformed (%s); counted as %r", exc, sc.CAUSE_OTHER)
+        parts = {sc.CAUSE_OTHER: None}
     record.cause = next(iter(parts)) if len(parts) == 1 else sc.CAUSE_MIXED
     if len(parts) != 1:
         record.cause_parts = tuple((c, tuple(p), tuple(p.values()), b) for c, (p, b) in sorted(parts.items()))

@@ -1,5 +1,4 @@
-"""Span links from a transfer to the traced requests it served or whose KV it wrote (their trace and
-span ids only)."""
+"""Span links from a transfer to the traced requests it served or whose KV it wrote."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ MAX_REQUEST_LINKS = 16
 
 
 def resolve(requests: Any) -> tuple[tuple[SpanContext, ...], int]:
-    """The valid, sampled span contexts, each once, in order, at most ``MAX_REQUEST_LINKS``, and how
-    many more there were; anything but a span context is skipped (warned once)."""
-    kept: dict[tuple[int, int], SpanContext] = {}
+    """The valid, sampled span contexts, once each, at most ``MAX_REQUEST_LINKS``, and how many more."""
+    kept: dict = {}
     for context in requests:
         if not isinstance(context, SpanContext):
             warn_once(f"request:{type(context).__name__}", "otel-hicache: a request to link must be a SpanContext, "
