@@ -12,7 +12,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from otel_hicache import TransferTelemetry
+from otel_hicache.capture.records import SUBMISSION_FIELDS
 from simulated import SimulatedDevice
+
+SUBMISSION_DEFAULTS = {"num_bytes": 0, "page_size": 1, "expect_ack": False, "submit_ns": 0}
+
+
+def submission(*values: Any, **fields: Any) -> list[Any]:
+    """``submit()``'s list, by position or name."""
+    handle = [*values, *(fields.pop(name, SUBMISSION_DEFAULTS.get(name)) for name in SUBMISSION_FIELDS[len(values):])]
+    if fields or len(handle) != len(SUBMISSION_FIELDS):
+        raise TypeError(f"submission() got too many or unknown fields: {', '.join(sorted(fields))}")
+    return handle
 
 
 class Harness:

@@ -143,7 +143,8 @@ def test_spans_stay_encodable_when_events_place_an_op_beyond_the_wall_clock():
     """The anchor's own elapsed_time() returns nonsense: the op is placed where the worker
     saw it end, not at a time no exporter can encode."""
     from otel_hicache.capture.timing import WallClockAnchor
-    from otel_hicache.capture.records import INT64_MAX, submission, TransferRecord, validate
+    from otel_hicache.capture.records import INT64_MAX, TransferRecord, validate
+    from harness import submission
     from otel_hicache.capture.timing import resolve
 
     class Wild:

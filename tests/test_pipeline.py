@@ -30,7 +30,8 @@ from otel_hicache import semconv as sc
 from otel_hicache.capture import fork
 from otel_hicache.capture import poller as engine
 from otel_hicache.capture.poller import PollerSettings, Poller
-from otel_hicache.capture.records import S_ACK_NS, submission
+from otel_hicache.capture.records import S_ACK_NS
+from harness import submission
 from otel_hicache.record import DEVICE_EVENT, HOST_CLOCK
 from otel_hicache.sinks.consumer import Consumer
 

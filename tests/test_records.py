@@ -1,6 +1,8 @@
 import pytest
 
-from otel_hicache.capture.records import TransferRecord, submission, validate
+from otel_hicache.capture.records import TransferRecord, validate
+
+from harness import submission
 
 
 def make(direction="offload", pools=None, num_bytes=0, page_size=64):

@@ -30,7 +30,8 @@ from otel_hicache import record as rec
 from otel_hicache import semconv as sc
 from otel_hicache.capture import poller as engine
 from otel_hicache.capture.poller import _ACK_SCAN_INTERVAL_NS, PollerSettings, Poller
-from otel_hicache.capture.records import S_ACK_NS, submission
+from otel_hicache.capture.records import S_ACK_NS
+from harness import submission
 from otel_hicache.sinks.metrics import TransferMetrics
 
 

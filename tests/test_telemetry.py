@@ -9,7 +9,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 
 from otel_hicache import semconv as sc
-from otel_hicache.capture.records import TransferRecord, submission, validate
+from otel_hicache.capture.records import TransferRecord, validate
+from harness import submission
 
 KV_BYTES_PER_TOKEN = 114_688  # 2 x 28 layers x 8 KV heads x 128 dim x 2 B
 

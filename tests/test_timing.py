@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from otel_hicache.capture.records import TransferRecord, submission, validate
+from otel_hicache.capture.records import TransferRecord, validate
+
+from harness import submission
 from otel_hicache.capture.timing import (PLACEMENT_ANCHOR, PLACEMENT_HOST_COMPLETION, PLACEMENT_RELATIVE, EventTimeline,
                                          is_complete, resolve, resolve_host_clock)
 from otel_hicache.record import DEVICE_EVENT, HOST_CLOCK

@@ -8,7 +8,8 @@ import pytest
 
 from otel_hicache import semconv as sc
 from otel_hicache.adapters import causes
-from otel_hicache.capture.records import TransferRecord, submission, validate
+from otel_hicache.capture.records import TransferRecord, validate
+from harness import submission
 
 CAUSE = sc.CAUSE
 

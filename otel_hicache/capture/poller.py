@@ -30,8 +30,6 @@ class PollerSettings:  # tests set their own values on it
         self.transfer_timeout_ns = int(env_float(ev.OTEL_HICACHE_TRANSFER_TIMEOUT_S) * 1e9)
         self.anchor_interval_s = env_float(ev.OTEL_HICACHE_ANCHOR_INTERVAL_S, minimum=0.01)
 
-    from_environment = classmethod(lambda cls: cls())
-
 
 _ACTIVE_GRACE_S = 0.1  # under load, polls this long after work
 GATHER_S = 0.25  # woken by a sparse submit: waits for more

@@ -20,16 +20,6 @@ SUBMISSION_FIELDS = (
     "cause", "cause_call", "host_slots", "requests", "ack_ns")
 S_SUBMIT_NS = SUBMISSION_FIELDS.index("submit_ns")
 S_ACK_NS = SUBMISSION_FIELDS.index("ack_ns")
-_DEFAULTS = {"num_bytes": 0, "page_size": 1, "expect_ack": False, "submit_ns": 0}
-
-
-def submission(*values: Any, **fields: Any) -> list[Any]:
-    """For tests: ``submit()``'s list, by position or name."""
-    handle = [*values, *(fields.pop(name, _DEFAULTS.get(name)) for name in SUBMISSION_FIELDS[len(values):])]
-    if fields or len(handle) != len(SUBMISSION_FIELDS):
-        raise TypeError(f"submission() got too many or unknown fields: {', '.join(sorted(fields))}")
-    return handle
-
 
 class TransferRecord:
     __slots__ = ("handle", *SUBMISSION_FIELDS[:S_ACK_NS], "origin", "cause_parts", "request_links",

@@ -43,7 +43,7 @@ class TransferTelemetry:
         self.enabled = False
         if not env_bool(ev.OTEL_HICACHE_ENABLED) or sdk_disabled():
             return
-        settings = PollerSettings.from_environment()
+        settings = PollerSettings()
         self._cap = settings.max_queue_size
         channel = configuration.open_channel(tracer_provider, meter_provider, static, self._cap, self._clock)
         self._pipeline = Poller(settings, channel, self._clock, anchor_event_factory)
