@@ -16,7 +16,6 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 import otel_hicache
 from otel_hicache import environment_variables as ev
 from otel_hicache.diagnostics import logger, warn_once
-from otel_hicache.environment_variables import env_bool, sdk_disabled
 
 from . import causes
 from .package import _instruments
@@ -82,7 +81,7 @@ class SGLangHiCacheInstrumentor(BaseInstrumentor):
         return _instruments
 
     def _instrument(self, **kwargs: Any) -> None:
-        if not env_bool(ev.OTEL_HICACHE_ENABLED) or sdk_disabled():
+        if not ev.env_bool(ev.OTEL_HICACHE_ENABLED) or ev.sdk_disabled():
             logger.debug("otel-hicache: disabled by OTEL_HICACHE_ENABLED/OTEL_SDK_DISABLED; SGLang not patched")
             return
         tracer_provider, meter_provider = kwargs.get("tracer_provider"), kwargs.get("meter_provider")
