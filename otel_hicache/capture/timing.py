@@ -45,9 +45,9 @@ def resolve(record: TransferRecord, now_ns: int, anchor: WallClockAnchor | None,
     record.timing_source = DEVICE_EVENT
     bound = record.host_end_ns if record.host_end_ns is not None else now_ns
     try:
-        start, placement = anchor and anchor.wall_time_ns(event), PLACEMENT_ANCHOR
+        start, placement = anchor.wall_time_ns(event) if anchor is not None else None, PLACEMENT_ANCHOR
         if start is None:
-            start, placement = timeline.place(event, duration, bound) if timeline else \
+            start, placement = timeline.place(event, duration, bound) if timeline is not None else \
                 (bound - duration, PLACEMENT_HOST_COMPLETION)
         if type(start) is not int or not 0 <= start <= INT64_MAX - duration:
             raise ValueError(reprlib.repr(start))
