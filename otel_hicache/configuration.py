@@ -3,7 +3,6 @@ an exporter sends over OTLP, else embedded on private providers (never the host'
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from . import environment_variables as ev
 from .capture import fork
 from .capture.channel import ProcessChannel
 from .capture.process_exit import on_exit
-from .diagnostics import logger, warned
+from .diagnostics import warned
 from .environment_variables import env_bool, env_float, sdk_disabled
 
 
@@ -86,8 +85,7 @@ def hello(static: Mapping[str, Any], resource: Any = None) -> dict[str, Any]:
     from .sinks import otel_environment
     resource = resource or otel_environment.resource()
     return {"resource": dict(resource.attributes), "schema_url": resource.schema_url, "attributes": dict(static),
-            "pid": os.getpid(), "warned": warned(),
-            "log_level": logger.getEffectiveLevel() if logger.isEnabledFor(logging.DEBUG) else None}
+            "pid": os.getpid(), "warned": warned()}
 
 
 def open_channel(tracer_provider: Any, meter_provider: Any, static: Mapping[str, Any],

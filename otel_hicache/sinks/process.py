@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 from .. import environment_variables as ev
 from .. import record as rec
 from .. import semconv as sc
-from ..diagnostics import logger, mark_warned, warn_once
+from ..diagnostics import mark_warned, warn_once
 from ..environment_variables import env_float
 from .bounded_flush import bounded
 
@@ -132,8 +132,6 @@ def main() -> int:
     if not isinstance(hello, dict):
         return 1
     mark_warned(hello.get("warned") or [])
-    if hello.get("log_level"):  # warnings silenced there are silenced here
-        logger.setLevel(hello["log_level"])
     sinks = _Sinks(hello, answer)
     answer(b"hello\n")
     for batch, size in source:
