@@ -28,6 +28,16 @@ MAX_FRAME_BYTES = 1 << 26  # a longer frame is not the capture's
 _SLOTS = {HOST: 4, FREE: 2}  # the field that holds slots
 
 
+def _c_encoder(place: Any) -> Any:  # json.dumps' own set-up costs more than most batches' encoding
+    return c_make_encoder(None, place, encode_basestring, None, ":", ",", False, False, True)
+
+
+try:  # CPython's internal signature: checked once, else json.dumps
+    _C_JSON = "".join(_c_encoder(None)([1, "\u00e9", {"k": None}], 0)) == '[1,"\u00e9",{"k":null}]'
+except Exception:
+    _C_JSON = False
+
+
 def encode(value: Any) -> bytes:
     """A frame; ``bytes`` values go after the JSON, which holds their ``[offset, length]``."""
     tail, size = [], 0
@@ -40,10 +50,10 @@ def encode(value: Any) -> bytes:
         size += len(data)
         return [size - len(data), len(data)]
 
-    if c_make_encoder is None:  # (no C accelerator)
+    if _C_JSON:
+        text = "".join(_c_encoder(place)(value, 0)).encode()
+    else:
         text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=place).encode()
-    else:  # json.dumps' own set-up costs more than most batches' encoding
-        text = "".join(c_make_encoder(None, place, encode_basestring, None, ":", ",", False, False, True)(value, 0)).encode()
     return FRAME_HEADER.pack(len(text), size) + text + b"".join(tail)
 
 

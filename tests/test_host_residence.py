@@ -3,6 +3,7 @@ used them, which offload wrote them (span links), and what was freed without reu
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -178,7 +179,10 @@ def test_bookkeeping_memory_per_page_and_pages():
     assert _pages(HostPool(10, 1), [3, 3, 1, 9]) == [1, 3, 9]
 
 
-def test_host_slots_travel_as_bytes_after_the_json_of_their_frame():
+@pytest.mark.parametrize("c_json", [True, False], ids=["c-encoder", "json.dumps"])
+def test_host_slots_travel_as_bytes_after_the_json_of_their_frame(monkeypatch, c_json):
+    assert rec._C_JSON  # CPython's C encoder, made directly, takes the signature it was built for
+    monkeypatch.setattr(rec, "_C_JSON", c_json)
     slots = rec.slot_bytes(np.arange(0, 4096))
     batch = [[rec.HOST, 7, 1, rec.OFFLOAD, slots, 5, "x", 9], [rec.FREE, 1, slots[:16]], [rec.DROPPED, "r", 1]]
     frame = rec.encode(batch)
@@ -186,6 +190,11 @@ def test_host_slots_travel_as_bytes_after_the_json_of_their_frame():
     assert size == len(slots) + 16 and len(frame) == rec.FRAME_HEADER.size + length + size
     assert len(frame) - size < 200  # the JSON holds their place, not their text
     assert rec.decode(frame) == batch
+    assert frame[rec.FRAME_HEADER.size:][:length] == json.dumps(  # the same text either way
+        [[m[0], m[1], m[2], m[3], [0, len(slots)], *m[5:]] if m[0] == rec.HOST else m for m in batch[:1]]
+        + [[rec.FREE, 1, [len(slots), 16]], batch[2]], separators=(",", ":")).encode()
+    with pytest.raises(TypeError, match="set is not JSON serializable"):
+        rec.encode([[rec.OP, {1}]])
     # a place outside the frame's slots is refused, never read past the frame
     bad = frame.replace(b'[%d,16]' % len(slots), b'[%d,17]' % len(slots))
     assert bad != frame
