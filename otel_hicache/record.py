@@ -28,12 +28,9 @@ MAX_FRAME_BYTES = 1 << 26  # a longer frame is not the capture's
 _SLOTS = {HOST: 4, FREE: 2}  # the field that holds slots
 
 
-def _c_encoder(place: Any) -> Any:  # json.dumps' own set-up costs more than most batches' encoding
-    return c_make_encoder(None, place, encode_basestring, None, ":", ",", False, False, True)
-
-
-try:  # CPython's internal signature: checked once, else json.dumps
-    _C_JSON = "".join(_c_encoder(None)([1, "\u00e9", {"k": None}], 0)) == '[1,"\u00e9",{"k":null}]'
+_C_ARGS = (encode_basestring, None, ":", ",", False, False, True)  # json.dumps' compact text
+try:  # its set-up costs more than most frames' encoding: its C encoder, whose signature is checked once
+    _C_JSON = "".join(c_make_encoder(None, None, *_C_ARGS)([1, "\u00e9", {"k": None}], 0)) == '[1,"\u00e9",{"k":null}]'
 except Exception:
     _C_JSON = False
 
@@ -51,7 +48,7 @@ def encode(value: Any) -> bytes:
         return [size - len(data), len(data)]
 
     if _C_JSON:
-        text = "".join(_c_encoder(place)(value, 0)).encode()
+        text = "".join(c_make_encoder(None, place, *_C_ARGS)(value, 0)).encode()
     else:
         text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=place).encode()
     return FRAME_HEADER.pack(len(text), size) + text + b"".join(tail)
@@ -108,9 +105,7 @@ def slot_bytes(slots: Any) -> bytes:
         return np.fromiter(slots, np.int64, len(slots)).tobytes()
     parts = []
     for part in slots if isinstance(slots, (list, tuple)) else (slots,):
-        if not getattr(part, "is_cpu", True):
-            raise ValueError("host slots must be in host memory (reading a device tensor would synchronize)")
-        if not isinstance(part, np.ndarray):
+        if not isinstance(part, np.ndarray):  # (torch's numpy() refuses a device tensor before reading it)
             part = part.numpy() if hasattr(part, "numpy") else np.asarray(part)
         if part.dtype.kind not in ("i", "u"):
             raise TypeError(f"host slots must be integers, got {part.dtype}")

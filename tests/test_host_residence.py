@@ -208,8 +208,8 @@ def test_torch_cpu_indices_are_read_in_place():
     pool = HostPool(1000, 64)
     assert _pages(pool, torch.arange(128, 256)) == [2, 3]
     assert _pages(pool, [torch.arange(0, 4), torch.arange(640, 644)]) == [0, 10]  # SGLang's queued ops
-    # a tensor not in host memory is never read (a device tensor's tolist() synchronizes)
-    with pytest.raises(ValueError, match="host memory"):
+    # a tensor not in host memory is refused before it is read (reading it would synchronize)
+    with pytest.raises(TypeError, match="host memory"):
         rec.slot_bytes(torch.empty(4, dtype=torch.int64, device="meta"))
 
 

@@ -264,6 +264,21 @@ def test_intake_takes_in_only_what_the_cap_leaves_room_for(make):
     assert (len(rig.p.queue), rig.p.held, rig.p.size()) == (1, 3, 4)
 
 
+def test_a_backlog_state_scan_takes_at_most_one_percent_of_a_core(make, monkeypatch):
+    """A STATE reads every record in flight; in a backlog, its interval grows with what the read took."""
+    rig = make()
+    monkeypatch.setattr(engine, "_STATE_INTERVAL_NS", 50 * MS)
+    reads = iter([0.0, 0.002, 1.0, 1.0001])  # the thread's CPU around two reads: 2 ms, then 0.1 ms
+    monkeypatch.setattr(engine.time, "thread_time", lambda: next(reads))
+    rig.p._state(force=False)
+    assert rig.p._state_ns == 200 * MS  # 2 ms of 200 ms
+    rig.p._state(force=False)
+    assert rig.p._state_held
+    rig.p._last_state -= 200 * MS
+    rig.p._state(force=False)
+    assert not rig.p._state_held and rig.p._state_ns == 50 * MS
+
+
 def test_records_awaiting_their_ack_count_against_the_cap(make):
     rig = make(cap=2)
     handles = [rig.submit(expect_ack=True) for _ in range(3)]  # no events: complete at submit

@@ -99,6 +99,7 @@ class Poller:
         self._timeline = EventTimeline()
         self._attributes = CallAttributes()
         self._last_ack_scan = self._last_send = self._last_state = self._ops_out = 0
+        self._state_ns = _STATE_INTERVAL_NS
         self.channel = None
         self._out: list[Any] = []  # this cycle's messages
         self._drops: dict[str, int] = {}
@@ -224,7 +225,7 @@ class Poller:
         except Exception as exc:  # (their timers stay)
             warn_once("poller", "otel-hicache: poller error %r (continuing)", exc)
         now = time.monotonic_ns()
-        due = [self._last_state + _STATE_INTERVAL_NS] if self._state_held else []
+        due = [self._last_state + self._state_ns] if self._state_held else []
         if self._unsent_ops >= 0:
             due.append(self._last_send + _WRITE_INTERVAL_NS)
         if self._out:  # (no channel yet?): try again
@@ -482,11 +483,13 @@ class Poller:
 
     def _state(self, force: bool) -> None:
         mono = time.monotonic_ns()
-        self._state_held = not force and mono - self._last_state < _STATE_INTERVAL_NS
+        self._state_held = not force and mono - self._last_state < self._state_ns
         if self._state_held or (self._forked and self.channel is None):
             return
         self._last_state, self._cpu_s = mono, time.thread_time()
         message = self._state_message(self._cpu_s)
+        # it reads every record of a backlog: at most 1% of a core (a scan of 0.5 ms per interval)
+        self._state_ns = _STATE_INTERVAL_NS * max(1, int((time.thread_time() - self._cpu_s) * 2000))
         if message[1:5] != self._state_sent or force:
             self._state_sent = message[1:5]
             self._out.append(message)
