@@ -190,9 +190,8 @@ def test_host_slots_travel_as_bytes_after_the_json_of_their_frame(monkeypatch, c
     assert size == len(slots) + 16 and len(frame) == rec.FRAME_HEADER.size + length + size
     assert len(frame) - size < 200  # the JSON holds their place, not their text
     assert rec.decode(frame) == batch
-    assert frame[rec.FRAME_HEADER.size:][:length] == json.dumps(  # the same text either way
-        [[m[0], m[1], m[2], m[3], [0, len(slots)], *m[5:]] if m[0] == rec.HOST else m for m in batch[:1]]
-        + [[rec.FREE, 1, [len(slots), 16]], batch[2]], separators=(",", ":")).encode()
+    placed = [[rec.HOST, 7, 1, rec.OFFLOAD, [0, len(slots)], 5, "x", 9], [rec.FREE, 1, [len(slots), 16]], batch[2]]
+    assert frame[rec.FRAME_HEADER.size:][:length] == json.dumps(placed, separators=(",", ":")).encode()  # either way
     with pytest.raises(TypeError, match="set is not JSON serializable"):
         rec.encode([[rec.OP, {1}]])
     # a place outside the frame's slots is refused, never read past the frame
