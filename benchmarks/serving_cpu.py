@@ -23,8 +23,8 @@ process's (``/proc``). Net = minus the control of the same round.
 
 The reference op, plain Python (:func:`reference_op`) timed on this thread's clock at each
 round's start, makes per-op figures compare across machines. It is timed as the poller runs, in
-bursts after a poll interval asleep: a machine may run bursts slower than a loop (a virtual CPU
-woken from idle), and the windows' work is bursts; back to back is printed too.
+bursts after a poll interval asleep: a machine may run bursts slower than a loop (a vCPU
+woken), and the windows' work is bursts; back to back is printed too.
 
 Goals (limits in :data:`GOALS`, each with margin on a shared 2-core machine), printed with this
 run's medians; a missed one makes the run exit 1:
@@ -33,11 +33,10 @@ run's medians; a missed one makes the run exit 1:
 * at 30 ops/s, the serving process's % of a core, and both processes' together;
 * idle, the serving process's % of a core, and both processes' together.
 
-Reported without a goal (:data:`REPORTED`), as its net is the difference of two figures several
-times its size that moves more than itself between rounds on 2 shared cores: the real SGLang path's
-serving-process CPU per merged op over direct ``submit()``'s. Also reported as context: the
-telemetry process's CPU per op at 1,000 ops/s, the poller thread's, and each control's. Every span
-must reach the counter (else exit 1).
+Reported without a goal (:data:`REPORTED`): the real SGLang path's serving-process CPU per merged
+op over direct ``submit()``'s (a net: the difference of two figures several times its size
+that move more than it between rounds), and its poller thread's alone.
+Every span must reach the counter (else exit 1).
 
     python benchmarks/serving_cpu.py            # 3 rounds of 10 s windows, ~5 minutes
     python benchmarks/serving_cpu.py --quick    # 3 rounds of 2-3 s windows, ~90 s (CI)
@@ -76,6 +75,7 @@ GOALS = (
     ("idle_both_pct", "idle: serving + telemetry process, % of a core", 2.0),
 )
 REPORTED = (("sglang_over_core", "real SGLang path / direct submit(), serving CPU per merged op"),
+            ("sglang_over_core_poller", "the same, the poller thread's CPU alone"),
             ("core_loop_reference_ops", "serving CPU per op at 1,000 ops/s, in reference ops back to back"))
 
 
@@ -251,6 +251,8 @@ def summarize(turns: dict[str, list[dict[str, Any]]], reference: list[tuple[floa
                      "ops_per_s": spread([t["fast"]["ops"] / t["fast"]["wall_s"] for t in own])}
     core, sglang = out["core"]["net_us_per_op"]["rounds"], out["sglang"]["net_us_per_op"]["rounds"]
     out["sglang_over_core"] = spread([s / c for s, c in zip(sglang, core)])
+    poller = [out[n]["poller_us_per_op"]["rounds"] for n in ("core", "sglang")]
+    out["sglang_over_core_poller"] = spread([s / c for c, s in zip(*poller)])
     for key in ("reference_ops", "loop_reference_ops"):
         out[f"core_{key}"] = out["core"][key]
     for phase in ("slow", "idle"):
