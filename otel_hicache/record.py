@@ -29,7 +29,7 @@ _SLOTS = {HOST: 4, FREE: 2}  # the field that holds slots
 
 
 _C_ARGS = (encode_basestring, None, ":", ",", False, False, True)  # json.dumps' compact text
-try:  # its set-up costs more than most frames' encoding: its C encoder, whose signature is checked once
+try:  # json.dumps' set-up costs more than most frames' encoding: its C encoder, checked once
     _C_JSON = "".join(c_make_encoder(None, None, *_C_ARGS)([1, "\u00e9", {"k": None}], 0)) == '[1,"\u00e9",{"k":null}]'
 except Exception:
     _C_JSON = False

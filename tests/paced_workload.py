@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline = tel._pipeline  # pylint: disable=protected-access
         delivery = read_sdk_delivery(reader, attempts) if reader is not None else sdk_delivery(None)
         return {"t": round(time.monotonic() - t0, 3), "ops": progress[0], "rss": rss_bytes(),
-                "pipeline": pipeline.size() if pipeline is not None else 0,
+                "pipeline": pipeline._snapshot()[1] if pipeline is not None else 0,
                 "span_queue": delivery["spans"]["queued"], "poller_cpu_s": round(poller_cpu_s(), 4),
                 "delivery": delivery}
 

@@ -289,7 +289,7 @@ def test_queue_overflow_at_10x_the_sustainable_rate(rig, overflow_env, warnings_
     for handle in handles:
         r.tel.ack(handle)
     r.device.advance(ms=10)  # the worker scans acks every 5 ms of its clock
-    assert wait_until(lambda: r.flush() and r.pipeline.size() == 0)
+    assert wait_until(lambda: r.flush() and r.pipeline._snapshot()[1] == 0)
     del handles
 
     over_rate, over_s, base_rate, base_s = 10 * sustainable, 2.0, 0.5 * sustainable, 1.0
@@ -304,7 +304,7 @@ def test_queue_overflow_at_10x_the_sustainable_rate(rig, overflow_env, warnings_
     held_max = [0]
 
     def tick() -> None:
-        held_max[0] = max(held_max[0], r.pipeline.size())
+        held_max[0] = max(held_max[0], r.pipeline._snapshot()[1])
 
     traced_memory.reset_peak()
     start_mem = traced_memory.get_traced_memory()[0]
@@ -392,7 +392,7 @@ class Round:
             expect_ack = kind in ("good_acked", "good_never_acked")
             handle = self.submit("onboard", POOLS, op, page_size=64, start_event=ev0, finish_event=ev1,
                                  expect_ack=expect_ack)
-            assert handle is not None, (kind, r.pipeline.size())  # every slot of the cap usable
+            assert handle is not None, (kind, r.pipeline._snapshot()[1])  # every slot of the cap usable
             if kind.startswith("good"):
                 self.good[op] = (duration if kind != "good_host_clock" else -1,
                                  {"good_acked": True, "good_never_acked": False}.get(kind))
@@ -413,7 +413,7 @@ class Round:
         device.advance(seconds=2)  # past the transfer timeout
         assert r.flush()  # every completion observed (the clock only moves when told to)
         device.advance(seconds=2)  # past the ack timeout, counted from the completion seen
-        assert wait_until(lambda: r.flush() and r.pipeline.size() == 0), r.pipeline.size()  # every slot freed
+        assert wait_until(lambda: r.flush() and r.pipeline._snapshot()[1] == 0), r.pipeline._snapshot()[1]  # every slot freed
         return refused
 
 
@@ -556,7 +556,7 @@ def test_concurrent_submitters_acks_and_flushes(rig, roomy_env, thread_errors):
     for handle in base_acks:
         r.tel.ack(handle)
     r.device.advance(ms=10)
-    assert wait_until(lambda: r.flush(1.0) and r.pipeline.size() == 0)
+    assert wait_until(lambda: r.flush(1.0) and r.pipeline._snapshot()[1] == 0)
     base_ops = threads * (per_thread // 4)
 
     acks: Any = collections.deque()
@@ -593,7 +593,7 @@ def test_concurrent_submitters_acks_and_flushes(rig, roomy_env, thread_errors):
     for t in others:
         t.join()
     r.device.advance(ms=10)
-    assert wait_until(lambda: r.flush(1.0) and r.pipeline.size() == 0, 60), counts  # (a bound: 2 busy cores)
+    assert wait_until(lambda: r.flush(1.0) and r.pipeline._snapshot()[1] == 0, 60), counts  # (a bound: 2 busy cores)
     elapsed = time.perf_counter() - t0
 
     fault_t, base_t = compare([x for s in samples for x in s.values()], [x for s in base_samples for x in s.values()])

@@ -147,5 +147,5 @@ def test_a_record_the_intake_fails_on_is_counted_and_the_rest_of_its_batch_goes_
     assert calls["n"] == 3  # the batch went on past the failed record
     assert h.value("otel_hicache.records.dropped", reason="internal_error") == 1
     assert h.value("hicache.transfer.inflight", **{"hicache.direction": "offload"}) == 0
-    assert pipeline.size() == 0
+    assert pipeline._snapshot()[1] == 0  # pylint: disable=protected-access
     assert "intake exploded" in warnings_log.text

@@ -249,7 +249,7 @@ def test_intake_takes_in_only_what_the_cap_leaves_room_for(make):
         rig.submit(event)
     rig.cycle()
     assert brief(rig.take()) == [] and [r.seq for r in rig.p._pending] == [0, 1, 2]
-    assert (len(rig.p.queue), rig.p.held, rig.p.size()) == (2, 3, 5)
+    assert (len(rig.p.queue), rig.p.held, rig.p._snapshot()[1]) == (2, 3, 5)
     rig.cycle()
     assert rig.take() == [] and [r.seq for r in rig.p._pending] == [0, 1, 2]  # no room: the rest stays queued
     events[1].done = True
@@ -261,7 +261,7 @@ def test_intake_takes_in_only_what_the_cap_leaves_room_for(make):
     assert (len(rig.p.queue), rig.p.held) == (2, 2)
     rig.cycle()
     assert [r.seq for r in rig.p._pending] == [0, 2, 3]
-    assert (len(rig.p.queue), rig.p.held, rig.p.size()) == (1, 3, 4)
+    assert (len(rig.p.queue), rig.p.held, rig.p._snapshot()[1]) == (1, 3, 4)
 
 
 def test_a_backlog_state_scan_takes_at_most_one_percent_of_a_core(make, monkeypatch):
@@ -277,6 +277,28 @@ def test_a_backlog_state_scan_takes_at_most_one_percent_of_a_core(make, monkeypa
     rig.p._last_state -= 200 * MS
     rig.p._state(force=False)
     assert not rig.p._state_held and rig.p._state_ns == 50 * MS
+
+
+def test_a_cycle_lets_go_of_the_gil_at_each_budget_and_writes_once_after_four(make, monkeypatch):
+    """Past a budget a cycle yields the GIL and goes on, its write and STATE not redone; after four
+    budgets it ends, and the next cycle takes up the rest."""
+    rig = make(cap=64)
+    monkeypatch.setattr(engine, "CYCLE_BUDGET_NS", 150_000)
+    for _ in range(64):
+        rig.submit()  # no events: complete at submit
+    ticks = iter(range(0, 1 << 62, 30_000))  # each read of the clock 30 us after the last: 5 a budget
+    monkeypatch.setattr(engine.time, "monotonic_ns", lambda: next(ticks))
+    sleeps = []
+    monkeypatch.setattr(engine.time, "sleep", sleeps.append)
+    rig.cycle()
+    writes = [entry for entry in rig.channels[0].log if entry[0] == "write"]
+    assert sleeps == [0, 0, 0] and rig.p._more  # three yields between four budgets
+    assert len(writes) == 1 and 5 < writes[0][2] < 64  # more than one budget's ops, in one write
+    for _ in range(64):
+        if not rig.p._more:
+            break
+        rig.cycle()
+    assert [op[1] for op in rig.messages() if op[0] == rec.OP] == list(range(64))
 
 
 def test_records_awaiting_their_ack_count_against_the_cap(make):
@@ -730,7 +752,7 @@ def test_stop_drops_what_is_in_flight_as_shutdown_and_ends_the_ack_waits(make, w
     last = states(messages)[-1]
     assert (last["inflight"], last["oldest_inflight_ns"], last["oldest_unacked_ns"], last["queue_size"]) == (
         IDLE, NONE, NONE, 0)
-    assert (rig.p.size(), rig.p.thread.is_alive()) == (0, False)
+    assert (rig.p._snapshot()[1], rig.p.thread.is_alive()) == (0, False)
     assert len(warned(warnings_log, "1 transfers still in flight at shutdown")) == 1
 
 
@@ -757,7 +779,7 @@ def test_the_final_cycle_drops_what_is_left_and_ends_what_awaits_an_ack(make, wa
     batch = rig.take()
     assert brief(batch) == [("ack", 1, None), ("dropped", "shutdown", 2)]  # X and Y
     assert states(batch)[-1]["inflight"] == IDLE and states(batch)[-1]["queue_size"] == 0
-    assert (len(rig.p.queue), rig.p.size()) == (0, 0)
+    assert (len(rig.p.queue), rig.p._snapshot()[1]) == (0, 0)
     assert len(warned(warnings_log, "were not reported")) == 2
 
 
@@ -883,7 +905,7 @@ def test_after_fork_the_child_starts_empty_with_its_own_thread_and_opens_its_own
     p._after_fork_in_child()  # what fork's at-fork callback runs in the child
     assert rig.open_threads[opens:] in ([], [p.thread])  # never opened by the at-fork callback itself
     assert parent.log[-1] == ("forget",)  # the parent's telemetry process stays the parent's
-    assert (len(p.queue), p.held, p.size(), p._pending, p._awaiting) == (0, 0, 0, [], [])
+    assert (len(p.queue), p.held, p._snapshot()[1], p._pending, p._awaiting) == (0, 0, 0, [], [])
     assert p.thread is not parent_thread and p.thread.is_alive()
 
     rig.submit()  # the child's own first op

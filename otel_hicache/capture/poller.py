@@ -36,7 +36,8 @@ GATHER_S = 0.25  # woken by a sparse submit: waits for more
 _ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts
 _STATE_INTERVAL_NS = 50_000_000  # (and at every flush)
 _WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # a send (a system call) after this, or this many ops
-CYCLE_BUDGET_NS, _BUDGET_EVERY = 150_000, 4  # GIL held (wall: a CPU clock read is a syscall), checked every 4 records
+# GIL held (wall time: a CPU clock read is a syscall); 4 a cycle, its write done once
+CYCLE_BUDGET_NS, _BUDGETS = 150_000, 4
 _INTAKE_PASS = 8  # records popped per lock
 _LOCK_WAIT_S = 0.05  # other threads' longest wait for _lock
 _FINISH, _START, _END, _WATCH = map(
@@ -134,9 +135,6 @@ class Poller:
         self.queue.append(item)
         if self.idle:
             self.wake()
-
-    def size(self) -> int:
-        return self._snapshot()[1]
 
     def _snapshot(self) -> tuple[tuple[Any, ...], int]:
         locked = self._lock.acquire(timeout=_LOCK_WAIT_S)
@@ -242,13 +240,22 @@ class Poller:
                 if not any(map(_seen_when_polled, self.queue)):
                     self._wake.wait(GATHER_S)  # (a flush or stop cuts it short)
 
+    def _spent(self) -> bool:  # a budget's end lets go of the GIL
+        if not self._more and time.monotonic_ns() > self._end:
+            self._budgets -= 1
+            self._more = not self._budgets
+            if not self._more:
+                time.sleep(0)
+                self._end = time.monotonic_ns() + CYCLE_BUDGET_NS
+        return self._more
+
     def _cycle(self) -> None:
-        end = time.monotonic_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
-        self._more = False
-        self._intake(end)
+        self._end = time.monotonic_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
+        self._more, self._budgets = False, _BUDGETS
+        self._intake()
         now = self._clock()
         if self._pending and not self._abandoned:
-            self._completions(now, end)
+            self._completions(now)
         if self._abandoned:
             return
         if self._awaiting and (self._watch_acks(now, self._awaiting) or self._stopping or self._flush_waiters
@@ -265,25 +272,18 @@ class Poller:
         flush = flushing and not (self._forked and self.channel is None and not self._out and not self._drops)
         if self._out or self._drops or flush:
             self._write(flush)
-        mono = time.monotonic_ns()
+        mono = time.monotonic_ns()  # (a send lets go of the GIL)
         if self._unsent_ops >= 0 and (urgent or self._unsent_ops >= _WRITE_OPS
-                                      or mono - self._last_send >= _WRITE_INTERVAL_NS):
-            if mono > end and not urgent:
-                self._more = True
-            else:
-                self._send_on()
-        elif (at := self._channel_due()) is not None and at <= mono:
+                                      or mono - self._last_send >= _WRITE_INTERVAL_NS) or (
+                (at := self._channel_due()) is not None and at <= mono):
             self._send_on()
         if flushing:
             self._release_flush_waiters()
 
-    def _intake(self, end: int) -> None:
+    def _intake(self) -> None:
         queue = self.queue
         room = self.settings.max_queue_size - len(self._pending) - len(self._awaiting)
-        while queue and room > 0 and not self._abandoned:
-            if time.monotonic_ns() > end:
-                self._more = True
-                break
+        while queue and room > 0 and not self._abandoned and not self._spent():
             with self._lock:  # (flush() reads _taken + len(queue))
                 count = min(room, len(queue), _INTAKE_PASS)
                 self.held += count  # before the pops: never in neither place
@@ -330,13 +330,12 @@ class Poller:
             warn_once(f"host:{head[0]}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
                       "an op's" if head[0] == rec.HOST else "freed", exc)
 
-    def _completions(self, now: int, end: int) -> None:
+    def _completions(self, now: int) -> None:
         self._anchor.maybe_refresh(now)
         still = []
         pending = self._pending
         for index, record in enumerate(pending):
-            if index and index % _BUDGET_EVERY == 0 and time.monotonic_ns() > end:
-                self._more = True
+            if index and self._spent():
                 still.extend(pending[index:])
                 break
             try:
@@ -451,7 +450,7 @@ class Poller:
         channel = self.open_channel()
         if channel is None:  # kept; past the cap, counted lost
             if self._ops_out > self.settings.max_queue_size:
-                self._out = [m for m in self._out if m[0] != rec.OP and m[0] != rec.HOST]
+                self._out = [m for m in self._out if m[0] not in (rec.OP, rec.HOST)]
                 self._drop(sc.DROP_INTERNAL_ERROR, self._ops_out)
                 self._ops_out = 0
             return
@@ -488,7 +487,7 @@ class Poller:
             return
         self._last_state, self._cpu_s = mono, time.thread_time()
         message = self._state_message(self._cpu_s)
-        # it reads every record of a backlog: at most 1% of a core (a scan of 0.5 ms per interval)
+        # a backlog's scan: at most 1% of a core (0.5 ms per interval)
         self._state_ns = _STATE_INTERVAL_NS * max(1, int((time.thread_time() - self._cpu_s) * 2000))
         if message[1:5] != self._state_sent or force:
             self._state_sent = message[1:5]
