@@ -282,23 +282,45 @@ def test_a_backlog_state_scan_takes_at_most_one_percent_of_a_core(make, monkeypa
 def test_a_cycle_lets_go_of_the_gil_at_each_budget_and_writes_once_after_four(make, monkeypatch):
     """Past a budget a cycle yields the GIL and goes on, its write and STATE not redone; after four
     budgets it ends, and the next cycle takes up the rest."""
-    rig = make(cap=64)
+    rig = make(cap=256)
     monkeypatch.setattr(engine, "CYCLE_BUDGET_NS", 150_000)
-    for _ in range(64):
+    for _ in range(256):
         rig.submit()  # no events: complete at submit
-    ticks = iter(range(0, 1 << 62, 30_000))  # each read of the clock 30 us after the last: 5 a budget
+    ticks = iter(range(0, 1 << 62, 30_000))  # each read of the clock 30 us after the last
     monkeypatch.setattr(engine.time, "monotonic_ns", lambda: next(ticks))
     sleeps = []
     monkeypatch.setattr(engine.time, "sleep", sleeps.append)
     rig.cycle()
     writes = [entry for entry in rig.channels[0].log if entry[0] == "write"]
     assert sleeps == [0, 0, 0] and rig.p._more  # three yields between four budgets
-    assert len(writes) == 1 and 5 < writes[0][2] < 64  # more than one budget's ops, in one write
-    for _ in range(64):
+    assert len(writes) == 1 and engine._BUDGET_EVERY < writes[0][2] < 256  # more than one pass's ops
+    for _ in range(256):
         if not rig.p._more:
             break
         rig.cycle()
-    assert [op[1] for op in rig.messages() if op[0] == rec.OP] == list(range(64))
+    assert [op[1] for op in rig.messages() if op[0] == rec.OP] == list(range(256))
+
+
+def test_each_budget_of_a_cycle_checks_completions_from_the_first_record(make, monkeypatch):
+    """An op seen incomplete before the GIL was let go is checked again before later ones, as
+    before budgets were joined into one cycle: the workload ran meanwhile, and a later op seen
+    complete first would come before it (a load-back before the offload whose pages it reads)."""
+    rig = make()
+    answers = {0: iter([False, False])}  # then True; the others: False at intake's pass, then True
+
+    def event(seq):
+        answers.setdefault(seq, iter([False]))
+        return SimpleNamespace(query=lambda: next(answers[seq], True))
+
+    for seq in range(6):
+        rig.submit(finish=event(seq))
+    rig.cycle()  # all taken in, none complete
+    monkeypatch.setattr(engine, "CYCLE_BUDGET_NS", 150_000)
+    ticks = iter(range(0, 1 << 62, 200_000))  # every check of the budget after a pass's start: spent
+    monkeypatch.setattr(engine.time, "monotonic_ns", lambda: next(ticks))
+    monkeypatch.setattr(engine.time, "sleep", lambda s: None)
+    rig.cycle()  # a pass stops at the 4th record (the budget's check), the next starts from the first
+    assert [op[1] for op in rig.messages() if op[0] == rec.OP] == [1, 2, 3, 0, 4, 5]
 
 
 def test_records_awaiting_their_ack_count_against_the_cap(make):

@@ -36,8 +36,8 @@ GATHER_S = 0.25  # woken by a sparse submit: waits for more
 _ACK_SCAN_INTERVAL_NS = 5_000_000  # unwatched acks and ack timeouts
 _STATE_INTERVAL_NS = 50_000_000  # (and at every flush)
 _WRITE_INTERVAL_NS, _WRITE_OPS = 50_000_000, 256  # a send (a system call) after this, or this many ops
-# GIL held (wall time: a CPU clock read is a syscall); 4 a cycle, its write done once
-CYCLE_BUDGET_NS, _BUDGETS = 150_000, 4
+# GIL held (wall: a CPU clock read is a syscall), checked every 4 records; 4 a cycle
+CYCLE_BUDGET_NS, _BUDGET_EVERY, _BUDGETS = 150_000, 4, 4
 _INTAKE_PASS = 8  # records popped per lock
 _LOCK_WAIT_S = 0.05  # other threads' longest wait for _lock
 _FINISH, _START, _END, _WATCH = map(
@@ -240,22 +240,17 @@ class Poller:
                 if not any(map(_seen_when_polled, self.queue)):
                     self._wake.wait(GATHER_S)  # (a flush or stop cuts it short)
 
-    def _spent(self) -> bool:  # a budget's end lets go of the GIL
-        if not self._more and time.monotonic_ns() > self._end:
-            self._budgets -= 1
-            self._more = not self._budgets
-            if not self._more:
-                time.sleep(0)
-                self._end = time.monotonic_ns() + CYCLE_BUDGET_NS
-        return self._more
-
     def _cycle(self) -> None:
-        self._end = time.monotonic_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
-        self._more, self._budgets = False, _BUDGETS
-        self._intake()
-        now = self._clock()
-        if self._pending and not self._abandoned:
-            self._completions(now)
+        for left in reversed(range(_BUDGETS)):
+            end = time.monotonic_ns() + CYCLE_BUDGET_NS if not self._stopping else 1 << 62
+            self._more = False
+            self._intake(end)
+            now = self._clock()
+            if self._pending and not self._abandoned:
+                self._completions(now, end)
+            if not (self._more and left) or self._abandoned:
+                break
+            time.sleep(0)  # others take the GIL; a pass anew, in order
         if self._abandoned:
             return
         if self._awaiting and (self._watch_acks(now, self._awaiting) or self._stopping or self._flush_waiters
@@ -272,7 +267,7 @@ class Poller:
         flush = flushing and not (self._forked and self.channel is None and not self._out and not self._drops)
         if self._out or self._drops or flush:
             self._write(flush)
-        mono = time.monotonic_ns()  # (a send lets go of the GIL)
+        mono = time.monotonic_ns()
         if self._unsent_ops >= 0 and (urgent or self._unsent_ops >= _WRITE_OPS
                                       or mono - self._last_send >= _WRITE_INTERVAL_NS) or (
                 (at := self._channel_due()) is not None and at <= mono):
@@ -280,10 +275,13 @@ class Poller:
         if flushing:
             self._release_flush_waiters()
 
-    def _intake(self) -> None:
+    def _intake(self, end: int) -> None:
         queue = self.queue
         room = self.settings.max_queue_size - len(self._pending) - len(self._awaiting)
-        while queue and room > 0 and not self._abandoned and not self._spent():
+        while queue and room > 0 and not self._abandoned:
+            if time.monotonic_ns() > end:
+                self._more = True
+                break
             with self._lock:  # (flush() reads _taken + len(queue))
                 count = min(room, len(queue), _INTAKE_PASS)
                 self.held += count  # before the pops: never in neither place
@@ -330,12 +328,13 @@ class Poller:
             warn_once(f"host:{head[0]}:{type(exc).__name__}", "otel-hicache: cannot track %s host pages (%r)",
                       "an op's" if head[0] == rec.HOST else "freed", exc)
 
-    def _completions(self, now: int) -> None:
+    def _completions(self, now: int, end: int) -> None:
         self._anchor.maybe_refresh(now)
         still = []
         pending = self._pending
         for index, record in enumerate(pending):
-            if index and self._spent():
+            if index and index % _BUDGET_EVERY == 0 and time.monotonic_ns() > end:
+                self._more = True
                 still.extend(pending[index:])
                 break
             try:
