@@ -14,10 +14,9 @@ from .. import environment_variables as ev
 from .. import record as rec
 from .. import semconv as sc
 from ..diagnostics import mark_warned, warn_once
-from ..environment_variables import env_float
 from .bounded_flush import bounded
 
-CHECKPOINT_S = 1.0  # a checkpoint at most this often,
+CHECKPOINT_S = 5.0  # a checkpoint (an export) at most this often: the SDK's batch delay,
 CHECKPOINT_BYTES = 4 << 20  # and after this much input
 PARENT_CHECK_S = 1.0  # an idle read's wait before looking for the serving process
 
@@ -72,7 +71,7 @@ class _Sinks:
         self.consumer = Consumer(p.tracer_provider, p.meter_provider, {**hello, "in_resource": p.static_in_resource},
                                  ids=ids)
         self.answer = answer
-        self.flush_s = self.bound = env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
+        self.flush_s = self.bound = ev.env_float(ev.OTEL_HICACHE_SHUTDOWN_TIMEOUT_S)
         self.frames = self.taken = self.read = self.read_then = 0
         self.at = time.monotonic()
 
