@@ -1,10 +1,9 @@
 """The shared harness of the benchmarks in this folder: CPU clocks, pacing, an OTLP sink that
 counts, the machine's description and plain-text tables.
 
-The benchmarks run as scripts, so Python puts this folder first on ``sys.path`` and they import
-it as ``bench_common`` from any directory. It imports only the standard library and the
-OpenTelemetry protocol packages. Run as a script it is an OTLP/HTTP span counter
-(:class:`SpanCounter`).
+Scripts in this folder import it as ``bench_common`` (Python puts their folder first on
+``sys.path``). Standard library and OTLP protocol packages only; run as a script, it is an
+OTLP/HTTP span counter (:class:`SpanCounter`).
 """
 
 import os

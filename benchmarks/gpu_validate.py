@@ -1,16 +1,13 @@
 """Validate otel-hicache's device timing on a real GPU, against independent measurements.
 
-Pinned host <-> device copies (1 MiB to 1 GiB, both ways) on a side stream, each reported through
-a real ``TransferTelemetry`` (private SDK providers, spans at 100%), are checked against a second
-event pair bracketing the telemetry's and ``triton.testing.do_bench``; so are the wall-clock
-anchor, ``submit()``'s cost with real events, a late ack, and the wiring (one device-timed,
-anchored span per op; durations equal to the events'; metrics equal to the spans). Without CUDA,
-or with ``--dry``, the same code runs on a CPU stand-in (torch CPU copies, host monotonic clock
-events): targets are labelled, only the wiring decides the exit status. docs/gpu-validation.md
-has the protocol, the checks and the results.
+Pinned host <-> device copies (1 MiB to 1 GiB, both ways), each reported through a real
+``TransferTelemetry``, checked against independent events and ``triton.testing.do_bench``; also the
+wall-clock anchor, ``submit()``'s cost, a late ack and the wiring. Without CUDA, or with ``--dry``,
+the same code runs on a CPU stand-in; only the wiring decides the exit status then.
+docs/gpu-validation.md has the protocol, the checks and the results.
 
-    python benchmarks/gpu_validate.py --out docs/gpu-results/<date>-<gpu>.json   # CUDA
-    python benchmarks/gpu_validate.py --dry --out /tmp/r.json                     # CPU, seconds
+    python benchmarks/gpu_validate.py --out docs/gpu-results/<date>-<gpu>.json  # CUDA
+    python benchmarks/gpu_validate.py --dry --out /tmp/r.json  # CPU, seconds
 
 The table of checks is printed last; ``--out`` gets every op and the environment after each
 phase. Exit status: 1 if a check fails (CUDA: wiring and targets; dry: wiring and

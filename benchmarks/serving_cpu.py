@@ -1,42 +1,19 @@
 """Serving-process CPU: what otel-hicache costs the process it runs in, side by side in one run.
 
-Everything runs in this process, configured as a user's scheduler is, by ``OTEL_*`` only:
-``configure()``, spans at 100%, OTLP/HTTP to a span counter in another process, so the sinks
-run in the telemetry process (the default). Four variants take turns in each of ``--rounds``
-rounds, in rotating order, so the machine's other load falls on all of them alike:
+Configured by ``OTEL_*`` only, as a user's scheduler is (spans at 100%, OTLP/HTTP to a span
+counter process, the sinks in the telemetry process). Variants take turns in each of ``--rounds``
+rounds, in rotating order: ``core`` (``submit()`` + ``ack()`` of a merged op), ``sglang`` (SGLang's
+real ``HiCacheController`` on CPU, instrumented by the adapter), and both uninstrumented
+(``control``). A turn times on CPU clocks (this process's, its poller thread's, the telemetry
+process's; net = minus the control of the same round) ``--rate`` ops/s for ``--seconds`` up to
+the ``force_flush()`` after them, CPU per op; for the core, 30 ops/s and then idle for
+``--slow-seconds``, % of a core. The reference op (:func:`reference_op`), timed at each round's
+start in bursts after a poll interval asleep, as the poller runs (back to back too), makes per-op
+figures compare across machines.
 
-* ``core``: ``TransferTelemetry.submit()`` + ``ack()`` of a merged op (2 pools x 1,408 tokens,
-  161 MB, a device-timed event pair already complete), called directly;
-* ``sglang``: SGLang's real ``HiCacheController`` on CPU (``tests/sglang_cpu.py`` of the adapter:
-  ``io_backend=direct``, ``torch.cpu`` events, the copy inside the call), instrumented by the
-  adapter: an offload is ``write()`` + its ack popped, a load-back ``load()`` +
-  ``start_loading()`` + its ack popped, ``--tokens`` per merged op, directions alternating;
-* ``core control`` and ``sglang control``: the same loops without otel-hicache, the floors.
-
-A turn warms up and flushes (the telemetry process started), then times windows on CPU clocks:
-this process's (``time.process_time``: every thread), its poller thread's own, and the telemetry
-process's (``/proc``). Net = minus the control of the same round.
-
-1. ``--rate`` (1,000) ops/s for ``--seconds``, up to the ``force_flush()`` after them (every
-   span exported): CPU per op;
-2. core turns only: 30 ops/s for ``--slow-seconds``, then idle (no op) for as long: % of a core.
-
-The reference op, plain Python (:func:`reference_op`) timed on this thread's clock at each
-round's start, makes per-op figures compare across machines. It is timed as the poller runs, in
-bursts after a poll interval asleep: a machine may run bursts slower than a loop (a vCPU
-woken), and the windows' work is bursts; back to back is printed too.
-
-Goals (limits in :data:`GOALS`, each with margin on a shared 2-core machine), printed with this
-run's medians; a missed one makes the run exit 1:
-
-* serving-process CPU per op at 1,000 ops/s (core), in reference ops;
-* at 30 ops/s, the serving process's % of a core, and both processes' together;
-* idle, the serving process's % of a core, and both processes' together.
-
-Reported without a goal (:data:`REPORTED`): the real SGLang path's serving-process CPU per merged
-op over direct ``submit()``'s (a net: the difference of two figures several times its size
-that move more than it between rounds), and its poller thread's alone.
-Every span must reach the counter (else exit 1).
+Goals (:data:`GOALS`, with margin on a shared 2-core machine) and figures without one
+(:data:`REPORTED`) are printed with this run's medians; a missed goal, or a span missing at the
+counter, exits 1.
 
     python benchmarks/serving_cpu.py            # 3 rounds of 10 s windows, ~5 minutes
     python benchmarks/serving_cpu.py --quick    # 3 rounds of 2-3 s windows, ~90 s (CI)

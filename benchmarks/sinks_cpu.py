@@ -1,16 +1,16 @@
 """The sinks' CPU per op against a naive instrumentation, and the telemetry process's most
 ops/s, side by side in one run.
 
-1. ``sinks``: embedded (caller providers: every span sampled, an exporter that drops them, a
-   metric reader collected once a round), ``TransferTelemetry.submit()`` + ``ack()`` of host-clock
-   merged ops (2 pools, ranks as static attributes, a cause), drained by ``force_flush()``; this
-   process's CPU per op (every thread: the poller runs the sinks). ``naive``: the same op reported
-   on the caller's thread by the public API as a plain instrumentation would (a span with a few
-   attributes, a histogram record, three counter adds). Turns alternate for ``--rounds`` rounds;
-   the goal is on the median of the rounds' ratios.
-2. ``telemetry process``: ``configure()`` from ``OTEL_*`` (OTLP/HTTP to a span counter in another
-   process), ``--burst`` ops submitted at once, timed until ``force_flush()`` returns: the ops/s
-   the telemetry process took them at, and its CPU per op. Every span must arrive.
+1. Process CPU per op, turns alternating for ``--rounds`` rounds (goal on the median ratio).
+   ``sinks``: embedded (caller providers, every span sampled and dropped by its exporter, metrics
+   collected once a round), ``submit()`` + ``ack()`` of host-clock merged ops (2 pools, ranks as
+   static attributes), drained by ``force_flush()``. ``naive``: the same op as a plain
+   instrumentation reports it on the caller's thread (a span with a few attributes, a histogram
+   record, three counter adds). ``sdk``, no goal: only the SDK calls the sinks make for it (the
+   same span attributes, histogram records and instruments), on the caller's thread.
+2. ``telemetry process``: ``configure()`` from ``OTEL_*`` (OTLP/HTTP to a span counter process),
+   ``--burst`` ops at once until ``force_flush()`` returns: its ops/s and CPU per op; every span
+   must arrive.
 
     python benchmarks/sinks_cpu.py [--rounds 3] [--ops 20000] [--burst 30000]
 """
@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench_common import SpanCounter, env, process_cpu_s, table
 
@@ -49,6 +50,12 @@ def providers():
     return tracer_provider, MeterProvider([reader], shutdown_on_exit=False), reader
 
 
+def report(tel: Any, i: int) -> None:
+    now = time.time_ns()
+    tel.ack(tel.submit("offload" if i % 2 else "onboard", POOLS, NUM_BYTES, page_size=PAGE_SIZE,
+                       host_start_ns=now - 6_000_000, host_end_ns=now, cause="other"))
+
+
 def sinks_turn(ops: int) -> float:
     from otel_hicache import TransferTelemetry
 
@@ -58,9 +65,7 @@ def sinks_turn(ops: int) -> float:
     tel.force_flush(5.0)
     started = time.process_time()
     for i in range(ops):
-        now = time.time_ns()
-        tel.ack(tel.submit("offload" if i % 2 else "onboard", POOLS, NUM_BYTES, page_size=PAGE_SIZE,
-                           host_start_ns=now - 6_000_000, host_end_ns=now, cause="other"))
+        report(tel, i)
     assert tel.force_flush(60.0), "sinks: not drained"
     reader.get_metrics_data()
     spent = time.process_time() - started
@@ -88,6 +93,39 @@ def naive_turn(ops: int) -> float:
     return (time.process_time() - started) / ops
 
 
+def sdk_turn(ops: int) -> float:
+    """The SDK calls the sinks made for one op, replayed per op."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import set_span_in_context
+    from otel_hicache import TransferTelemetry, semconv as sc
+    from otel_hicache.sinks.metrics import TransferMetrics
+
+    tracer_provider, meter_provider, reader = providers()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans := InMemorySpanExporter()))
+    tel = TransferTelemetry(tracer_provider=tracer_provider, meter_provider=meter_provider, attributes=STATIC)
+    report(tel, 0), report(tel, 1), tel.shutdown()
+    points = [(m.name, p.sum / p.count, p.attributes) for rm in reader.get_metrics_data().resource_metrics
+              for sm in rm.scope_metrics for m in sm.metrics for p in m.data.data_points if hasattr(p, "bucket_counts")]
+    tracer_provider, meter_provider, reader = providers()
+    tracer, m = tracer_provider.get_tracer("sdk"), TransferMetrics(meter_provider, STATIC, time.time_ns, "", "")
+    made = {h.name: (h, h in (m.duration, m.ack_delay)) for h in (m.duration, m.bandwidth, m.queue_wait, m.ack_delay)}
+    calls = [(s.name, dict(s.attributes), [(*made[n], v, dict(a)) for n, v, a in points
+                                           if a[sc.DIRECTION] == s.attributes[sc.DIRECTION]])
+             for s in sorted(spans.get_finished_spans(), key=lambda s: s.name, reverse=True)]
+    started = time.process_time()
+    for i in range(ops):
+        now = time.time_ns()
+        name, attrs, records = calls[i % 2]
+        span = tracer.start_span(name, attributes=attrs, start_time=now - 6_000_000)
+        context = set_span_in_context(span)
+        for histogram, exemplar, value, point in records:  # as the sinks
+            histogram.record(value, point, context if exemplar else None)
+        span.end(end_time=now)
+    reader.get_metrics_data()
+    return (time.process_time() - started) / ops
+
+
 def telemetry_process(burst: int) -> dict[str, float]:
     import otel_hicache
 
@@ -101,10 +139,8 @@ def telemetry_process(burst: int) -> dict[str, float]:
         assert tel.force_flush(30.0), "the telemetry process did not start"
         pid = tel.channel.process.pid
         cpu0, started = process_cpu_s(pid), time.perf_counter()
-        for i in range(burst):
-            now = time.time_ns()
-            tel.ack(tel.submit("offload", POOLS, NUM_BYTES, page_size=PAGE_SIZE, host_start_ns=now - 6_000_000,
-                               host_end_ns=now))
+        for _ in range(burst):
+            report(tel, 1)
         assert tel.force_flush(300.0), "telemetry process: not drained"
         wall, cpu = time.perf_counter() - started, process_cpu_s(pid) - cpu0
         tel.shutdown()
@@ -121,14 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst", type=int, default=30_000, help="ops for the telemetry process (default %(default)s)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OTEL_HICACHE_HOST_RESIDENCE", "false")
-    sinks_turn(args.ops // 10), naive_turn(args.ops // 10)  # warm up: imports, first calls
+    sinks_turn(args.ops // 10), naive_turn(args.ops // 10), sdk_turn(args.ops // 10)  # warm-up
     rows, ratios = [], []
     for r in range(args.rounds):
-        turns = [("sinks", sinks_turn), ("naive", naive_turn)][:: 1 if r % 2 else -1]
+        turns = [("sinks", sinks_turn), ("naive", naive_turn), ("sdk", sdk_turn)][:: 1 if r % 2 else -1]
         got = {name: turn(args.ops) * 1e6 for name, turn in turns}
         ratios.append(got["sinks"] / got["naive"])
-        rows.append([str(r + 1), f"{got['sinks']:.1f}", f"{got['naive']:.1f}", f"{ratios[-1]:.2f}"])
-    print(table(rows, ["round", "sinks us/op", "naive us/op", "sinks / naive"]))
+        rows.append([str(r + 1), *(f"{got[k]:.1f}" for k in ("sinks", "naive", "sdk")), f"{ratios[-1]:.2f}",
+                     f"{got['sdk'] / got['naive']:.2f}"])
+    print(table(rows, ["round", "sinks us/op", "naive us/op", "sdk us/op", "sinks / naive", "sdk / naive"]))
     tp = telemetry_process(args.burst)
     print(f"telemetry process: {args.burst:,} ops at {tp['ops_per_s']:,.0f} ops/s, "
           f"{tp['cpu_us_per_op']:.1f} us of its CPU per op, every span arrived")

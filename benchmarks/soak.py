@@ -2,21 +2,15 @@
 
     tests/paced_workload.py --OTLP gRPC--> Collector (deploy/local/stack.sh) --OTLP/HTTP--> counting sink
 
-Default: 5 minutes at 1,500 merged ops/s (450k ops), spans at 100%, metrics every 5 s,
-configured only by ``OTEL_*``. The sink (in this process) counts every span and keeps each
-series' newest cumulative point. Checks, printed as a table:
+Default: 5 minutes at 1,500 merged ops/s, spans at 100%, metrics every 5 s, configured only by
+``OTEL_*``. The sink (in this process) counts every span and keeps each series' newest point.
+Checks, as a table: the transfer counters at the sink equal the workload's ground truth; every
+span arrived and the SDK's self-metrics (``otel.sdk.*``) count every one exported; export errors
+0; RSS, the pipeline's and span processor's queue depths and the CPU time per op stay flat (the
+last minute against the minute after warm-up).
 
-* the transfer counters at the sink equal the workload's ground truth, exactly;
-* every span arrived, and the SDK's own self-metrics (``otel.sdk.*``, on with
-  ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true``, which the workload gets) count every
-  span exported; export errors 0 (no failed export, no queue-full drop, no failed metric
-  data point);
-* RSS stays flat (the last minute against the minute after warm-up) and so do the
-  completion pipeline's and the span processor's queue depths and the completion
-  worker's CPU time per op.
-
-Run ``bash deploy/local/stack.sh install`` first. ``--seconds``/``--rate`` shorten it; exit status 1
-when a check fails.
+Needs ``bash deploy/local/stack.sh install``; ``--seconds``/``--rate`` shorten it; a failed check
+exits 1.
 """
 
 import argparse
