@@ -111,7 +111,7 @@ def sdk_turn(ops: int) -> float:
     tracer, m = tracer_provider.get_tracer("sdk"), TransferMetrics(meter_provider, STATIC, time.time_ns, "", "")
     made = {h.name: (h, h in (m.duration, m.ack_delay)) for h in (m.duration, m.bandwidth, m.queue_wait, m.ack_delay)}
     calls = [(s.name, dict(s.attributes), [(*made[n], v, dict(a)) for n, v, a in points
-                                           if a[sc.DIRECTION] == s.attributes[sc.DIRECTION]])
+                                           if a.get(sc.DIRECTION) == s.attributes[sc.DIRECTION]])
              for s in sorted(spans.get_finished_spans(), key=lambda s: s.name, reverse=True)]
     started = time.process_time()
     for i in range(ops):
