@@ -1,7 +1,5 @@
 """``force_flush`` or ``shutdown`` within a bound, on a daemon thread (the SDK's waits have none)."""
 
-from __future__ import annotations
-
 import threading
 from typing import Any
 

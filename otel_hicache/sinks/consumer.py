@@ -1,7 +1,5 @@
 """The capture's messages (:mod:`..record`) made telemetry, per serving process."""
 
-from __future__ import annotations
-
 import time
 from typing import Any, Callable, Mapping
 

@@ -1,7 +1,5 @@
 """The telemetry process: frames in (a hello, then batches), lines out, as :mod:`..record` says."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import select
@@ -16,7 +14,7 @@ from .. import semconv as sc
 from ..diagnostics import mark_warned, warn_once
 from .bounded_flush import bounded
 
-CHECKPOINT_S = 5.0  # a checkpoint (an export) at most this often: the SDK's batch delay,
+CHECKPOINT_S = 5.0  # a checkpoint (an export) at most this often (the SDK's batch delay),
 CHECKPOINT_BYTES = 4 << 20  # and after this much input
 PARENT_CHECK_S = 1.0  # an idle read's wait before looking for the serving process
 
@@ -81,6 +79,7 @@ class _Sinks:
             self.consumer.metrics.dropped_records(sc.DROP_MALFORMED_FRAME)
             warn_once("malformed_frame", "otel-hicache: the telemetry process read a frame that is not the capture's")
             return
+        self.read += len(batch) << 11  # and 2 KiB a message: short replays under load
         self.bound = next((m[1] for m in batch if m[0] == rec.STOP), self.bound)
         flushes = [m[1] for m in batch if m[0] == rec.FLUSH and m[1]]
         self.consumer.apply(batch)
